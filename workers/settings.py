@@ -1,0 +1,88 @@
+"""Settings, read from the environment (prefix ``WARMLOOP_``) once, at process start."""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class EngineEndpoint(BaseModel):
+    """One OpenAI-compatible vLLM server and the model it serves."""
+
+    id: str = Field(pattern=r"^[A-Za-z0-9_-]{1,32}$", description="Engine id; its task queue "
+                    "is engine.<id>.")
+    url: str = Field(description="Base URL without /v1, e.g. http://10.0.0.5:8000.")
+    model: str = Field(default="tiny", description="Served model name sent in requests.")
+
+
+class Settings(BaseSettings):
+    """Everything a warmloop process needs to find its peers.
+
+    Defaults describe the embedded dev stack (``warmloop dev up``); point the same code
+    at a real cluster by setting e.g. ``WARMLOOP_TEMPORAL_ADDRESS`` and
+    ``WARMLOOP_ENGINES='[{"id": "gpu0", "url": "http://gpu0:8000", "model": "..."}]'``.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="WARMLOOP_", extra="ignore")
+
+    temporal_address: str = "127.0.0.1:7233"
+    """host:port of the Temporal frontend."""
+    temporal_namespace: str = "default"
+    temporal_ui_port: int = Field(default=8233, ge=1, le=65535)
+    """Web UI port of the embedded dev server."""
+    redis_url: str = "redis://127.0.0.1:6390/0"
+    """Engine registry and statistics."""
+    s3_endpoint_url: str | None = "http://127.0.0.1:9010"
+    """S3-compatible endpoint; None means AWS S3 itself."""
+    s3_bucket: str = "warmloop"
+    s3_region: str = "us-east-1"
+    state_dir: Path = Path(".warmloop")
+    """Pids, logs, the dev server's database and the built model live here."""
+    model_path: Path | None = None
+    """Model directory served by embedded engines; default: <state_dir>/models/tiny-llama."""
+    engine_count: int = Field(default=2, ge=1, le=8)
+    """How many embedded vLLM engines `warmloop dev up` starts."""
+    engine_base_port: int = Field(default=8100, ge=1024, le=65000)
+    engine_max_model_len: int = Field(default=4096, ge=512)
+    engine_kv_cache_bytes: int | None = Field(default=None, ge=4 * 1024 * 1024)
+    """Explicit KV pool per embedded engine (vLLM --kv-cache-memory-bytes); None: 1 GiB."""
+    engines: list[EngineEndpoint] | None = None
+    """External engines. When set, `dev up` starts no engines of its own."""
+    engine_heartbeat_s: float = Field(default=1.0, gt=0)
+    engine_ttl_s: float = Field(default=5.0, gt=0)
+    """An engine whose heartbeat is older than this has left the fleet."""
+    log_format: Literal["auto", "console", "json"] = "auto"
+    log_level: str = "INFO"
+
+    @field_validator("state_dir")
+    @classmethod
+    def _absolute(cls, v: Path) -> Path:
+        return v.expanduser().resolve()
+
+    @property
+    def manages_engines(self) -> bool:
+        return self.engines is None
+
+    @cached_property
+    def engine_endpoints(self) -> list[EngineEndpoint]:
+        if self.engines is not None:
+            return self.engines
+        return [
+            EngineEndpoint(id=f"e{i}", url=f"http://127.0.0.1:{self.engine_base_port + i}")
+            for i in range(self.engine_count)
+        ]
+
+    def engine(self, engine_id: str) -> EngineEndpoint:
+        for e in self.engine_endpoints:
+            if e.id == engine_id:
+                return e
+        known = ", ".join(e.id for e in self.engine_endpoints)
+        raise ValueError(f"unknown engine {engine_id!r}; configured engines: {known}")
+
+    @property
+    def resolved_model_path(self) -> Path:
+        return self.model_path or self.state_dir / "models" / "tiny-llama"

@@ -1,0 +1,55 @@
+"""Prompt assembly: stable content first, then the task, then the append-only
+transcript, then the small volatile tail. Nothing volatile ever precedes stable
+content, so every step's prompt extends the cached prefix of the one before."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from pydantic import BaseModel
+
+from workflows.contracts import ChatMessage
+from workflows.profiles import Profile
+
+
+def canonical_json(value: object) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def stable_prefix_hash(profile: Profile) -> str:
+    """Hash of what every job of ``profile`` shares: system prompt and tool schemas."""
+    h = hashlib.sha256(profile.system_prompt.encode())
+    h.update(canonical_json(profile.tool_schemas()).encode())
+    return h.hexdigest()[:16]
+
+
+def task_message(task: BaseModel) -> ChatMessage:
+    return ChatMessage(role="user", content="Task:\n" + canonical_json(task.model_dump(mode="json")))
+
+
+def volatile_tail(step: int, max_steps: int) -> ChatMessage:
+    """The only part that changes between steps, kept at the very end."""
+    remaining = max_steps - step
+    hint = " Call finish now." if remaining == 0 else ""
+    return ChatMessage(
+        role="user",
+        content=f"Step {step} of {max_steps}; {remaining} steps remain after this one.{hint}",
+    )
+
+
+def assemble_prompt(
+    profile: Profile,
+    task: BaseModel,
+    transcript: list[ChatMessage],
+    *,
+    step: int,
+    max_steps: int,
+) -> list[ChatMessage]:
+    """The messages of one step. ``transcript`` is append-only across steps."""
+    return [
+        ChatMessage(role="system", content=profile.system_prompt),
+        task_message(task),
+        *transcript,
+        volatile_tail(step, max_steps),
+    ]
