@@ -28,6 +28,7 @@ import httpx
 from workers.settings import Settings
 
 BIN = Path(sys.executable).parent
+GUIDED_DECODING_CONFIG = json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})
 
 
 class StackError(RuntimeError):
@@ -160,6 +161,9 @@ class Stack:
                 "--enable-prefix-caching", "--enable-prompt-tokens-details",
                 "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                 "--scheduling-policy", "priority",
+                # Guided JSON without free whitespace: a weak model otherwise pads a
+                # tool call with blanks until max_tokens cuts it into invalid JSON.
+                "--structured-outputs-config", GUIDED_DECODING_CONFIG,
                 "--enforce-eager", "--dtype", "bfloat16",
                 "--max-model-len", str(s.engine_max_model_len),
             ]

@@ -168,7 +168,7 @@ def submit(
 
 async def _handle(job_id: str):  # type: ignore[no-untyped-def]
     client = await connect(_settings())
-    handle = client.get_workflow_handle(job_id)
+    handle = client.get_workflow_handle(job_id, result_type=JobResult)
     try:
         desc = await handle.describe()
     except RPCError as e:
@@ -188,7 +188,7 @@ def status(job_id: str) -> None:
             st = await handle.query("status", result_type=JobStatus)
             console.print(f"{job_id}: RUNNING, step {st.step}, engine {st.engine_id or '-'}")
         elif desc.status == WorkflowExecutionStatus.COMPLETED:
-            res = await handle.result(result_type=JobResult)
+            res = await handle.result()
             console.print(f"{job_id}: {res.state.value} after {len(res.steps)} steps "
                           f"({res.reason})")
         else:
@@ -203,7 +203,7 @@ def result(job_id: str, as_json: bool = typer.Option(False, "--json")) -> None:
 
     async def go() -> None:
         handle, _ = await _handle(job_id)
-        res = await handle.result(result_type=JobResult)
+        res = await handle.result()
         if as_json:
             sys.stdout.write(res.model_dump_json(indent=2) + "\n")
         else:

@@ -1,0 +1,186 @@
+"""AgentJob on Temporal's time-skipping test server with scripted activities."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from temporalio.client import Client
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
+
+from tests.workflow.fakes import FakeActivities, reply
+from workflows.agent_job import AgentJob
+from workflows.contracts import (
+    AGENT_TASK_QUEUE,
+    GenerateRequest,
+    GenerateResult,
+    JobInput,
+    JobResult,
+    JobState,
+    engine_task_queue,
+)
+
+TICKET = {"ticket_id": "T1001", "customer_id": "C100", "subject": "crash", "body": "it crashes"}
+
+
+@asynccontextmanager
+async def workers(env: WorkflowEnvironment, fakes: FakeActivities,
+                  serving: list[str] | None = None) -> AsyncIterator[Client]:
+    """An agent worker plus one engine worker per id in ``serving`` (default: all)."""
+    client = env.client
+    agent = Worker(client, task_queue=AGENT_TASK_QUEUE, workflows=[AgentJob],
+                   activities=[fakes.pick_engine, fakes.run_tool, fakes.store_transcript])
+    engine_workers = [
+        Worker(client, task_queue=engine_task_queue(e), activities=[fakes.generate])
+        for e in (fakes.engines if serving is None else serving)
+    ]
+    async with agent:
+        for w in engine_workers:
+            await w.__aenter__()
+        try:
+            yield client
+        finally:
+            for w in engine_workers:
+                await w.__aexit__(None, None, None)
+
+
+async def run_job(client: Client, **kw: object) -> JobResult:
+    job = JobInput(profile="ticket-triage", task=kw.pop("task", TICKET), **kw)  # type: ignore[arg-type]
+    return await client.execute_workflow(AgentJob.run, job, id=f"job-{uuid.uuid4().hex[:8]}",
+                                         task_queue=AGENT_TASK_QUEUE)
+
+
+def always(result: GenerateResult) -> Callable[[GenerateRequest], GenerateResult]:
+    return lambda req: result
+
+
+async def test_step_cap_ends_in_loop_cap_with_partial_result(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    fakes = FakeActivities(always(reply("search_kb", '{"topic": "crash"}')))
+    async with workers(time_skipping_env, fakes) as client:
+        res = await run_job(client, max_steps=4)
+    assert res.state == JobState.LOOP_CAP
+    assert len(res.steps) == 4 and all(s.valid for s in res.steps)
+    assert len(fakes.tool_requests) == 4
+    # transcript: one call and one result per step, stored in S3 by key
+    assert len(res.transcript) == 8
+    assert res.transcript_key == f"transcripts/{res.job_id}.json"
+    assert fakes.stored[0].transcript == res.transcript
+    # sticky: one pick, then every step on the same engine
+    assert len(fakes.picks) == 1
+    assert [s.route_reason for s in res.steps] == ["round_robin", "sticky", "sticky", "sticky"]
+
+
+async def test_finish_tool_ends_the_job_with_its_arguments(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    script = iter([reply("lookup_customer", '{"customer_id": "C100"}'),
+                   reply("finish", '{"resolution": "resolved", "priority": "high"}')])
+    fakes = FakeActivities(lambda req: next(script))
+    async with workers(time_skipping_env, fakes) as client:
+        res = await run_job(client)
+    assert res.state == JobState.FINISHED
+    assert res.final == {"resolution": "resolved", "priority": "high"}
+    assert [t.name for t in fakes.tool_requests] == ["lookup_customer"]
+
+
+async def test_prompts_are_append_only_across_steps(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    fakes = FakeActivities(always(reply("search_kb", '{"topic": "login"}')))
+    async with workers(time_skipping_env, fakes) as client:
+        await run_job(client, max_steps=3)
+    reqs = fakes.generate_requests
+    for before, after in zip(reqs, reqs[1:], strict=False):
+        assert after.messages[: len(before.messages) - 1] == before.messages[:-1]
+        assert after.tools == before.tools
+
+
+async def test_malformed_tool_call_is_reported_to_the_model_and_the_job_goes_on(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    script = iter([
+        reply("search_kb", '{"topic": "log'),              # truncated JSON
+        reply(None, content="I think the answer is 42"),   # prose, no call
+        reply("search_kb", '{"topic": "login"}'),
+        reply("drop_tables", "{}"),                        # unknown tool
+        reply("finish", '{"resolution": "resolved", "priority": "low"}'),
+    ])
+    fakes = FakeActivities(lambda req: next(script))
+    async with workers(time_skipping_env, fakes) as client:
+        res = await run_job(client, max_steps=8)
+    assert res.state == JobState.FINISHED
+    assert [s.valid for s in res.steps] == [False, False, True, False, True]
+    assert "not valid JSON" in (res.steps[0].error or "")
+    assert "exactly one tool call" in (res.steps[1].error or "")
+    assert "unknown tool 'drop_tables'" in (res.steps[3].error or "")
+    # the model was told, inside the transcript, what went wrong
+    last_prompt = fakes.generate_requests[4].messages
+    assert any("error: unknown tool" in m.content for m in last_prompt)
+    assert any("error: arguments of search_kb are not valid JSON" in m.content
+               for m in last_prompt)
+
+
+async def test_repeated_invalid_output_ends_in_invalid_output(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    fakes = FakeActivities(always(reply("search_kb", "not json")))
+    async with workers(time_skipping_env, fakes) as client:
+        res = await run_job(client, max_steps=8)
+    assert res.state == JobState.INVALID_OUTPUT
+    assert len(res.steps) == 3 and res.transcript  # kept
+    assert not fakes.tool_requests
+
+
+async def test_context_overflow_ends_in_context_exhausted(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    def script(req: GenerateRequest) -> GenerateResult:
+        if req.step == 3:
+            raise ApplicationError("too long", type="ContextOverflow", non_retryable=True)
+        return reply("search_kb", '{"topic": "login"}')
+
+    fakes = FakeActivities(script)
+    async with workers(time_skipping_env, fakes) as client:
+        res = await run_job(client, max_steps=8)
+    assert res.state == JobState.CONTEXT_EXHAUSTED
+    assert len(res.steps) == 2 and len(res.transcript) == 4
+
+
+async def test_a_step_on_a_dead_engine_fails_over_and_is_not_lost(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    # Two engines in the registry, but only "fake1" has a worker: the step scheduled
+    # on "fake0" is never picked up, times out to start, and is re-routed.
+    fakes = FakeActivities(
+        lambda req: reply("search_kb", '{"topic": "login"}', engine_id="fake1"),
+        engines=["fake0", "fake1"],
+    )
+    fakes._rr = iter([0, 0, 0])  # type: ignore[assignment]  # first pick: the dead one
+    async with workers(time_skipping_env, fakes, serving=["fake1"]) as client:
+        res = await run_job(client, max_steps=2)
+    assert res.state == JobState.LOOP_CAP
+    assert [p.exclude for p in fakes.picks] == [[], ["fake0"]]
+    assert [s.route_reason for s in res.steps] == ["failover", "sticky"]
+    assert [r.step for r in fakes.generate_requests] == [1, 2]  # each step ran once
+
+
+async def test_invalid_input_that_bypassed_the_client_ends_cleanly(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    fakes = FakeActivities(always(reply("finish", "{}")))
+    async with workers(time_skipping_env, fakes) as client:
+        res = await run_job(client, task={"ticket_id": "nope"})
+    assert res.state == JobState.INVALID_INPUT
+    assert "ticket_id" in res.reason
+    assert not fakes.generate_requests
+
+
+def test_job_result_round_trips_as_json() -> None:
+    res = JobResult(job_id="j", profile="ticket-triage", state=JobState.LOOP_CAP, reason="r")
+    assert JobResult.model_validate(json.loads(res.model_dump_json())) == res
