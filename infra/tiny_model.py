@@ -15,8 +15,16 @@ from pathlib import Path
 # Bumped whenever the recipe changes, so a cached build is rebuilt.
 RECIPE_VERSION = "4"
 
-SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>",
-                  "<|end|>"]
+SPECIAL_TOKENS = [
+    "<s>",
+    "</s>",
+    "<pad>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|tool|>",
+    "<|end|>",
+]
 # Hermes-style tool call markers: vLLM's `hermes` parser looks them up in the vocabulary.
 TOOL_TOKENS = ["<tool_call>", "</tool_call>"]
 
@@ -28,7 +36,8 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}"
     "{% if m['role'] == 'system' %}"
     "{{ '<|system|>\\n' + m['content'] }}"
-    "{% if tools %}{{ '\\n# Tools' }}{% for t in tools %}{{ '\\n' + (t | tojson) }}{% endfor %}{% endif %}"
+    "{% if tools %}{{ '\\n# Tools' }}"
+    "{% for t in tools %}{{ '\\n' + (t | tojson) }}{% endfor %}{% endif %}"
     "{{ '<|end|>\\n' }}"
     "{% elif m['role'] == 'user' %}{{ '<|user|>\\n' + m['content'] + '<|end|>\\n' }}"
     "{% elif m['role'] == 'assistant' %}{{ '<|assistant|>\\n' }}"
@@ -45,14 +54,92 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
 
-_WORDS = (
-    "customer ticket priority refund invoice order account billing shipping password login "
-    "error crash slow reply draft knowledge article search lookup finish resolve escalate "
-    "urgent high normal low vip plan enterprise starter pro payment purchase line amount "
-    "discrepancy approve reject the a an to of and in for on with is are was be this that "
-    "please help thanks hello we you your our it not can cannot will should must step "
-    "remaining budget tool call name arguments json id subject body status open closed"
-).split()
+_WORDS = [
+    "customer",
+    "ticket",
+    "priority",
+    "refund",
+    "invoice",
+    "order",
+    "account",
+    "billing",
+    "shipping",
+    "password",
+    "login",
+    "error",
+    "crash",
+    "slow",
+    "reply",
+    "draft",
+    "knowledge",
+    "article",
+    "search",
+    "lookup",
+    "finish",
+    "resolve",
+    "escalate",
+    "urgent",
+    "high",
+    "normal",
+    "low",
+    "vip",
+    "plan",
+    "enterprise",
+    "starter",
+    "pro",
+    "payment",
+    "purchase",
+    "line",
+    "amount",
+    "discrepancy",
+    "approve",
+    "reject",
+    "the",
+    "a",
+    "an",
+    "to",
+    "of",
+    "and",
+    "in",
+    "for",
+    "on",
+    "with",
+    "is",
+    "are",
+    "was",
+    "be",
+    "this",
+    "that",
+    "please",
+    "help",
+    "thanks",
+    "hello",
+    "we",
+    "you",
+    "your",
+    "our",
+    "it",
+    "not",
+    "can",
+    "cannot",
+    "will",
+    "should",
+    "must",
+    "step",
+    "remaining",
+    "budget",
+    "tool",
+    "call",
+    "name",
+    "arguments",
+    "json",
+    "id",
+    "subject",
+    "body",
+    "status",
+    "open",
+    "closed",
+]
 
 
 def _corpus(seed: int = 7) -> list[str]:
@@ -74,7 +161,9 @@ def _corpus(seed: int = 7) -> list[str]:
     from workflows.profiles import PROFILES
 
     for profile in PROFILES.values():
-        text = profile.system_prompt + "\n" + "\n".join(json.dumps(t) for t in profile.tool_schemas())
+        text = (
+            profile.system_prompt + "\n" + "\n".join(json.dumps(t) for t in profile.tool_schemas())
+        )
         lines += text.splitlines() * 20
     return lines
 
@@ -132,9 +221,8 @@ def build_tiny_model(path: Path, *, seed: int = 0, vocab_size: int = 4096) -> Pa
         eos_token_id=fast.eos_token_id,
         pad_token_id=fast.pad_token_id,
         tie_word_embeddings=True,
-        torch_dtype="bfloat16",
     )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = LlamaForCausalLM(config).to(dtype=torch.bfloat16)  # type: ignore[arg-type,call-arg]
     model.save_pretrained(path, safe_serialization=True)
     (path / "warmloop_recipe.txt").write_text(RECIPE_VERSION + "\n")
     return path

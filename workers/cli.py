@@ -234,6 +234,7 @@ def engines() -> None:
 
     async def go() -> None:
         import redis.asyncio as aioredis
+        from redis.exceptions import RedisError
 
         from activities.registry import EngineRegistry
 
@@ -241,12 +242,12 @@ def engines() -> None:
         r = aioredis.Redis.from_url(s.redis_url)
         try:
             live = await EngineRegistry(r, ttl_s=s.engine_ttl_s).live()
-        except OSError as e:
-            fail(f"cannot reach Redis at {s.redis_url} ({e}); is the stack up?")
+        except RedisError as err:
+            fail(f"cannot reach Redis at {s.redis_url} ({err}); is the stack up?")
         table = Table("engine", "task queue", "model", "running", "waiting", "KV use")
-        for e in live:
-            table.add_row(e.engine_id, e.task_queue, e.model, str(e.running), str(e.waiting),
-                          f"{e.kv_usage:.0%}")
+        for hb in live:
+            table.add_row(hb.engine_id, hb.task_queue, hb.model, str(hb.running),
+                          str(hb.waiting), f"{hb.kv_usage:.0%}")
         console.print(table if live else "no live engines")
 
     run(go())

@@ -62,7 +62,9 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
     redis = aioredis.Redis.from_url(settings.redis_url)
     registry = EngineRegistry(redis, ttl_s=settings.engine_ttl_s)
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(110.0, connect=5.0),
+    # A stream that sends nothing for 30 s is treated as lost: the activity fails and
+    # Temporal retries it, instead of a step hanging until start_to_close.
+    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0),
                                  limits=limits) as http:
         inference = InferenceActivities(engine_id=engine.id, base_url=engine.url,
                                         model=engine.model, http=http)

@@ -37,9 +37,7 @@ from workflows.profiles import Profile, UnknownProfileError, get_profile
 from workflows.profiles.base import ToolCallError
 from workflows.prompt import assemble_prompt
 
-GENERATE_START_TO_CLOSE = timedelta(seconds=120)
-GENERATE_SCHEDULE_TO_START = timedelta(seconds=30)
-"""A step not picked up this fast means the engine's worker is gone: fail over."""
+GENERATE_START_TO_CLOSE = timedelta(seconds=90)
 GENERATE_RETRY = RetryPolicy(
     maximum_attempts=3,
     initial_interval=timedelta(milliseconds=500),
@@ -98,7 +96,9 @@ class AgentJob:
                 job_id=self._job_id, step=step, messages=messages,
                 tools=profile.tool_schemas(), max_tokens=profile.step_max_tokens,
             )
-            outcome = await self._generate(request)
+            outcome = await self._generate(
+                request, pickup_timeout=timedelta(seconds=job.step_pickup_timeout_s)
+            )
             if isinstance(outcome, JobState):
                 reason = {
                     JobState.CONTEXT_EXHAUSTED: "the transcript no longer fits the context window",
@@ -153,9 +153,12 @@ class AgentJob:
         except ActivityError:
             return None
 
-    async def _generate(self, request: GenerateRequest) -> tuple[GenerateResult, str] | JobState:
+    async def _generate(
+        self, request: GenerateRequest, *, pickup_timeout: timedelta
+    ) -> tuple[GenerateResult, str] | JobState:
         """Run one step on the job's engine, failing over to another when it is gone."""
         failed: list[str] = []
+        route_reason: str
         for _ in range(MAX_FAILOVERS + 1):
             if self._engine is None:
                 self._engine = await self._pick(failed)
@@ -169,7 +172,8 @@ class AgentJob:
                     "generate", request,
                     task_queue=engine_task_queue(self._engine.engine_id),
                     start_to_close_timeout=GENERATE_START_TO_CLOSE,
-                    schedule_to_start_timeout=GENERATE_SCHEDULE_TO_START,
+                    # not picked up in time: the engine's worker is gone, fail over
+                    schedule_to_start_timeout=pickup_timeout,
                     retry_policy=GENERATE_RETRY, result_type=GenerateResult,
                 )
                 return gen, route_reason

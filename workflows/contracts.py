@@ -59,6 +59,11 @@ class JobInput(BaseModel):
     engine_id: str | None = Field(
         default=None, description="Pin the job to this engine instead of routing it."
     )
+    step_pickup_timeout_s: float = Field(
+        default=30.0, gt=0, le=600,
+        description="How long a step may wait for its engine's worker to pick it up before "
+        "the engine is taken for dead and the step fails over to another.",
+    )
 
 
 class FunctionCall(BaseModel):

@@ -25,7 +25,8 @@ def stable_prefix_hash(profile: Profile) -> str:
 
 
 def task_message(task: BaseModel) -> ChatMessage:
-    return ChatMessage(role="user", content="Task:\n" + canonical_json(task.model_dump(mode="json")))
+    body = canonical_json(task.model_dump(mode="json"))
+    return ChatMessage(role="user", content="Task:\n" + body)
 
 
 def volatile_tail(step: int, max_steps: int) -> ChatMessage:

@@ -32,7 +32,7 @@ class FakeRedis:
         self.kv: dict[str, bytes] = {}
         self.sets: dict[str, set[str]] = {}
 
-    def pipeline(self, transaction: bool = False) -> "FakeRedis":
+    def pipeline(self, transaction: bool = False) -> FakeRedis:
         return self
 
     def set(self, key: str, value: str, px: int) -> None:

@@ -163,7 +163,7 @@ async def test_a_step_on_a_dead_engine_fails_over_and_is_not_lost(
     )
     fakes._rr = iter([0, 0, 0])  # type: ignore[assignment]  # first pick: the dead one
     async with workers(time_skipping_env, fakes, serving=["fake1"]) as client:
-        res = await run_job(client, max_steps=2)
+        res = await run_job(client, max_steps=2, step_pickup_timeout_s=2)
     assert res.state == JobState.LOOP_CAP
     assert [p.exclude for p in fakes.picks] == [[], ["fake0"]]
     assert [s.route_reason for s in res.steps] == ["failover", "sticky"]

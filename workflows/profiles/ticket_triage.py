@@ -146,5 +146,5 @@ TICKET_TRIAGE = Profile(
                  finishes_job=True),
     ),
     default_max_steps=8,
-    step_max_tokens=64,
+    step_max_tokens=160,
 )

