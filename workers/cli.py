@@ -15,6 +15,8 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 from temporalio.client import WorkflowExecutionStatus
+from temporalio.common import WorkflowIDReusePolicy
+from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from workers.settings import Settings
@@ -153,12 +155,13 @@ def submit(
 
         client = await connect(_settings())
         try:
-            handle = await client.start_workflow(AgentJob.run, job, id=jid,
-                                                 task_queue=AGENT_TASK_QUEUE)
-        except RPCError as e:
-            if e.status == RPCStatusCode.ALREADY_EXISTS:
-                fail(f"job {jid} already exists")
-            raise
+            # A job id names one job for good: never a second run, even after it ended.
+            handle = await client.start_workflow(
+                AgentJob.run, job, id=jid, task_queue=AGENT_TASK_QUEUE,
+                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+            )
+        except WorkflowAlreadyStartedError:
+            fail(f"job {jid} already exists; see `warmloop status {jid}`")
         console.print(f"started job {jid}")
         if wait:
             _print_result(await handle.result())
