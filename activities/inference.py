@@ -11,7 +11,10 @@ import structlog
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.transcripts import TranscriptStore
 from workflows.contracts import FunctionCall, GenerateRequest, GenerateResult, ToolCall
+from workflows.profiles import get_profile
+from workflows.prompt import assemble_prompt
 
 log = structlog.get_logger(__name__)
 
@@ -23,22 +26,28 @@ ENGINE_REJECTED = "EngineRejected"
 class InferenceActivities:
     """Talks to one engine through its OpenAI-compatible API.
 
-    Streams the response so TTFT is measured, and asks for the usage chunk so the
-    engine's own ``cached_tokens`` figure comes back with every step.
+    Assembles the step's prompt from the profile (stable prefix), the task, the stored
+    transcript and the budget tail; streams the response so TTFT is measured; asks for
+    the usage chunk so the engine's own ``cached_tokens`` comes back with every step.
     """
 
     def __init__(self, *, engine_id: str, base_url: str, model: str,
-                 http: httpx.AsyncClient) -> None:
+                 http: httpx.AsyncClient, transcripts: TranscriptStore) -> None:
         self._engine_id = engine_id
         self._url = base_url.rstrip("/") + "/v1/chat/completions"
         self._model = model
         self._http = http
+        self._transcripts = transcripts
 
-    def _body(self, req: GenerateRequest) -> dict[str, Any]:
+    async def _body(self, req: GenerateRequest) -> dict[str, Any]:
+        profile = get_profile(req.profile)
+        transcript = await self._transcripts.extend(req.job_id, req.base_len, req.new_messages)
+        messages = assemble_prompt(profile, profile.validate_task(req.task), transcript,
+                                   tail=req.tail)
         return {
             "model": self._model,
-            "messages": [m.to_openai() for m in req.messages],
-            "tools": req.tools,
+            "messages": [m.to_openai() for m in messages],
+            "tools": profile.tool_schemas(),
             # `required` + strict schemas: the engine's guided decoding makes the output
             # a parseable call, even from a weak model.
             "tool_choice": "required",
@@ -67,7 +76,8 @@ class InferenceActivities:
         calls: dict[int, dict[str, Any]] = {}
         usage: dict[str, Any] = {}
         finish_reason = None
-        async with self._http.stream("POST", self._url, json=self._body(req)) as resp:
+        body = await self._body(req)
+        async with self._http.stream("POST", self._url, json=body) as resp:
             if resp.status_code != 200:
                 await self._raise_for(resp)
             async for line in resp.aiter_lines():
@@ -77,6 +87,7 @@ class InferenceActivities:
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
+                activity.heartbeat()  # throttled by the SDK; a hung stream stops it
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 for choice in chunk.get("choices") or []:
@@ -97,6 +108,8 @@ class InferenceActivities:
         details = usage.get("prompt_tokens_details") or {}
         result = GenerateResult(
             engine_id=self._engine_id,
+            model=self._model,
+            attempt=activity.info().attempt,
             content="".join(content),
             tool_calls=[
                 ToolCall(id=c["id"] or f"call-{req.job_id}-{req.step}-{i}",

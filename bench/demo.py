@@ -12,8 +12,8 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.report import summarize
+from workers.clients import connect
 from workers.settings import Settings
-from workers.temporal import connect
 from workflows.agent_job import AgentJob
 from workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult
 

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import httpx
@@ -31,6 +32,21 @@ from workers.settings import Settings
 
 BIN = Path(sys.executable).parent
 GUIDED_DECODING_CONFIG = json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})
+
+
+async def register_search_attributes(client: Any) -> None:
+    """Register warmloop's search attributes on a Temporal server (idempotent)."""
+    from temporalio.api.enums.v1 import IndexedValueType
+    from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
+
+    from workflows.agent_job import SEARCH_ATTRIBUTES
+
+    kinds = {"Keyword": IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD,
+             "KeywordList": IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD_LIST}
+    await client.operator_service.add_search_attributes(AddSearchAttributesRequest(
+        namespace=client.namespace,
+        search_attributes={name: kinds[kind] for name, kind in SEARCH_ATTRIBUTES.items()},
+    ))
 
 
 class StackError(RuntimeError):
@@ -84,6 +100,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def search_attribute_flags() -> list[str]:
+    from workflows.agent_job import SEARCH_ATTRIBUTES
+
+    return [f for name, kind in SEARCH_ATTRIBUTES.items()
+            for f in ("--search-attribute", f"{name}={kind}")]
+
+
 def settings_env(settings: Settings) -> dict[str, str]:
     """The settings as WARMLOOP_* variables, so child processes see exactly these."""
     env: dict[str, str] = {}
@@ -126,7 +149,8 @@ class Stack:
                 "temporal",
                 [str(BIN / "temporal"), "server", "start-dev", "--ip", t_host, "--port", t_port,
                  "--ui-port", str(s.temporal_ui_port),
-                 "--db-filename", str(s.state_dir / "temporal.db"), "--log-level", "warn"],
+                 "--db-filename", str(s.state_dir / "temporal.db"), "--log-level", "warn",
+                 *search_attribute_flags()],
                 ready=lambda: _port_open(t_host, int(t_port)),
                 timeout_s=30,
             ),
@@ -232,7 +256,7 @@ class Stack:
         return any(k.decode().endswith(f"-{pid}") for k in keys)
 
     def _create_bucket(self) -> None:
-        from workers.agent_worker import build_s3
+        from workers.clients import build_s3
 
         s3 = build_s3(self.settings)
         with contextlib.suppress(s3.exceptions.BucketAlreadyOwnedByYou):

@@ -13,7 +13,7 @@ import random
 from pathlib import Path
 
 # Bumped whenever the recipe changes, so a cached build is rebuilt.
-RECIPE_VERSION = "4"
+RECIPE_VERSION = "5"
 
 SPECIAL_TOKENS = [
     "<s>",
@@ -205,7 +205,7 @@ def build_tiny_model(path: Path, *, seed: int = 0, vocab_size: int = 4096) -> Pa
     )
     fast.add_tokens(TOOL_TOKENS)
     fast.chat_template = CHAT_TEMPLATE
-    fast.model_max_length = 4096
+    fast.model_max_length = 32768
     fast.save_pretrained(path)
 
     torch.manual_seed(seed)
@@ -216,7 +216,7 @@ def build_tiny_model(path: Path, *, seed: int = 0, vocab_size: int = 4096) -> Pa
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=4,
-        max_position_embeddings=4096,
+        max_position_embeddings=32768,
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
         pad_token_id=fast.pad_token_id,

@@ -13,9 +13,9 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from infra.stack import Stack
+from infra.stack import Stack, register_search_attributes
+from workers.clients import connect
 from workers.settings import Settings
-from workers.temporal import connect
 
 BIN = Path(sys.executable).parent
 
@@ -34,6 +34,7 @@ async def time_skipping_env() -> AsyncIterator[WorkflowEnvironment]:
         test_server_existing_path=_bin("temporal-test-server"),
         data_converter=pydantic_data_converter,
     )
+    await register_search_attributes(env.client)
     try:
         yield env
     finally:

@@ -19,8 +19,8 @@ from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
+from workers.clients import StackNotRunningError, connect
 from workers.settings import Settings
-from workers.temporal import StackNotRunningError, connect
 from workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult, JobStatus
 from workflows.profiles import UnknownProfileError, get_profile
 

@@ -8,15 +8,15 @@ import asyncio
 import time
 
 import httpx
-import redis.asyncio as aioredis
 import structlog
 from temporalio.worker import Worker
 
 from activities.inference import InferenceActivities
 from activities.registry import EngineHeartbeat, EngineRegistry, parse_vllm_metrics
+from activities.transcripts import TranscriptStore
+from workers.clients import build_redis, build_s3, connect
 from workers.logging import configure_logging
 from workers.settings import EngineEndpoint, Settings
-from workers.temporal import connect
 from workflows.contracts import engine_task_queue
 
 log = structlog.get_logger(__name__)
@@ -58,8 +58,8 @@ async def heartbeat_loop(registry: EngineRegistry, http: httpx.AsyncClient,
 async def run_inference_worker(settings: Settings, engine_id: str) -> None:
     engine = settings.engine(engine_id)
     structlog.contextvars.bind_contextvars(engine=engine.id)
-    client = await connect(settings)
-    redis = aioredis.Redis.from_url(settings.redis_url)
+    client = await connect(settings, metrics_port=settings.inference_metrics_port(engine.id))
+    redis = build_redis(settings)
     registry = EngineRegistry(redis, ttl_s=settings.engine_ttl_s)
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     # A stream that sends nothing for 30 s is treated as lost: the activity fails and
@@ -67,7 +67,9 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
     async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0),
                                  limits=limits) as http:
         inference = InferenceActivities(engine_id=engine.id, base_url=engine.url,
-                                        model=engine.model, http=http)
+                                        model=engine.model, http=http,
+                                        transcripts=TranscriptStore(build_s3(settings),
+                                                                    settings.s3_bucket))
         worker = Worker(
             client,
             task_queue=engine_task_queue(engine.id),

@@ -47,7 +47,7 @@ class Settings(BaseSettings):
     engine_count: int = Field(default=2, ge=1, le=8)
     """How many embedded vLLM engines `warmloop dev up` starts."""
     engine_base_port: int = Field(default=8100, ge=1024, le=65000)
-    engine_max_model_len: int = Field(default=4096, ge=512)
+    engine_max_model_len: int = Field(default=32768, ge=512)
     engine_kv_cache_bytes: int | None = Field(default=None, ge=4 * 1024 * 1024)
     """Explicit KV pool per embedded engine (vLLM --kv-cache-memory-bytes); None: 1 GiB."""
     engines: list[EngineEndpoint] | None = None
@@ -55,6 +55,10 @@ class Settings(BaseSettings):
     engine_heartbeat_s: float = Field(default=1.0, gt=0)
     engine_ttl_s: float = Field(default=5.0, gt=0)
     """An engine whose heartbeat is older than this has left the fleet."""
+    agent_metrics_port: int | None = Field(default=9464, ge=1024, le=65535)
+    """Prometheus /metrics of the agent worker (None: off)."""
+    inference_metrics_base_port: int | None = Field(default=9470, ge=1024, le=65000)
+    """Prometheus /metrics of inference worker i: this port + i (None: off)."""
     log_format: Literal["auto", "console", "json"] = "auto"
     log_level: str = "INFO"
 
@@ -75,6 +79,12 @@ class Settings(BaseSettings):
             EngineEndpoint(id=f"e{i}", url=f"http://127.0.0.1:{self.engine_base_port + i}")
             for i in range(self.engine_count)
         ]
+
+    def inference_metrics_port(self, engine_id: str) -> int | None:
+        if self.inference_metrics_base_port is None:
+            return None
+        ids = [e.id for e in self.engine_endpoints]
+        return self.inference_metrics_base_port + ids.index(engine_id)
 
     def engine(self, engine_id: str) -> EngineEndpoint:
         for e in self.engine_endpoints:

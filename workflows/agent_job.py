@@ -1,51 +1,77 @@
 """``AgentJob``: one agent task as a durable loop of model steps and tool calls.
 
-Each step: assemble the prompt (stable prefix first, append-only transcript), run
-``generate`` on the task queue of the job's engine, validate the tool call, run the
-tool, append its result. The job ends on the profile's finish tool or a cap, always
-with its transcript; no ending is a workflow failure.
+Each step: check the caps, run ``generate`` on the task queue of the job's engine
+(the worker there assembles the prompt: stable prefix first, append-only transcript,
+budget tail last), validate the tool call, wait for a human if an approval rule
+applies, run the tool, append its result. Every ending is a named state with the
+transcript kept; none is a workflow failure.
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
+import asyncio
+from datetime import datetime, timedelta
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 from temporalio import workflow
-from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
+from temporalio.common import RetryPolicy, SearchAttributeKey
+from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import TimeoutError as ActivityTimeoutError
 
+from workflows.budgets import (
+    CapHit,
+    JobLimits,
+    StepKind,
+    Usage,
+    check_before_step,
+    check_tool_cap,
+    remaining_text,
+    step_output_budget,
+)
 from workflows.contracts import (
     AGENT_TASK_QUEUE,
+    ApprovalRecord,
     ChatMessage,
+    Decision,
     EngineChoice,
     GenerateRequest,
     GenerateResult,
+    JobCarry,
     JobInput,
     JobResult,
     JobState,
     JobStatus,
+    PendingApproval,
     PickEngineRequest,
     StepRecord,
     StoreTranscriptRequest,
+    ToolCall,
     ToolRequest,
     ToolResult,
     engine_task_queue,
 )
+from workflows.pricing import pricing_for
 from workflows.profiles import Profile, UnknownProfileError, get_profile
-from workflows.profiles.base import ToolCallError
-from workflows.prompt import assemble_prompt
+from workflows.profiles.base import ApprovalRule, ToolCallError, ToolSpec
 
 GENERATE_START_TO_CLOSE = timedelta(seconds=90)
+GENERATE_HEARTBEAT = timedelta(seconds=30)
 GENERATE_RETRY = RetryPolicy(
     maximum_attempts=3,
     initial_interval=timedelta(milliseconds=500),
-    non_retryable_error_types=["ContextOverflow", "EngineRejected"],
+    non_retryable_error_types=["ContextOverflow", "EngineRejected", "TranscriptGap"],
 )
 MAX_FAILOVERS = 2
 SHORT_ACTIVITY = timedelta(seconds=30)
 PICK_RETRY = RetryPolicy(maximum_attempts=5, initial_interval=timedelta(seconds=1))
+
+# Search attributes (registered by `warmloop dev up`; on a cluster see the README).
+SA_PROFILE = SearchAttributeKey.for_keyword("WarmloopProfile")
+SA_STATE = SearchAttributeKey.for_keyword("WarmloopState")
+SA_PENDING = SearchAttributeKey.for_keyword_list("WarmloopPendingApprovals")
+SEARCH_ATTRIBUTES = {SA_PROFILE.name: "Keyword", SA_STATE.name: "Keyword",
+                     SA_PENDING.name: "KeywordList"}
 
 
 def _error_type(err: ActivityError) -> str | None:
@@ -53,100 +79,239 @@ def _error_type(err: ActivityError) -> str | None:
     return cause.type if isinstance(cause, ApplicationError) else None
 
 
+class _JobEnded(Exception):
+    """Raised inside the loop to end the job in a named state."""
+
+    def __init__(self, state: JobState, reason: str, final: dict[str, Any] | None = None):
+        super().__init__(reason)
+        self.state, self.reason, self.final = state, reason, final
+
+
 @workflow.defn
 class AgentJob:
     def __init__(self) -> None:
         self._job_id = ""
-        self._profile = ""
+        self._profile_name = ""
         self._state = JobState.RUNNING
-        self._step = 0
         self._engine: EngineChoice | None = None
+        self._usage = Usage()
+        self._transcript: list[ChatMessage] = []
+        self._stored_len = 0
+        self._steps: list[StepRecord] = []
+        self._invalid_streak = 0
+        self._next_kind = StepKind.PLAN
+        self._started_at = datetime.min
+        self._runs = 1
+        self._approvals: list[ApprovalRecord] = []
+        self._pending: dict[str, PendingApproval] = {}
+        self._decisions: dict[str, Decision] = {}
+
+    # ---- queries and updates --------------------------------------------------------
 
     @workflow.query
     def status(self) -> JobStatus:
         return JobStatus(
-            job_id=self._job_id,
-            profile=self._profile,
-            state=self._state,
-            step=self._step,
-            engine_id=self._engine.engine_id if self._engine else None,
+            job_id=self._job_id, profile=self._profile_name, state=self._state,
+            step=self._usage.steps, engine_id=self._engine.engine_id if self._engine else None,
+            usage=self._usage, pending_approvals=list(self._pending.values()),
         )
+
+    @workflow.query
+    def pending_approvals(self) -> list[PendingApproval]:
+        return list(self._pending.values())
+
+    @workflow.update
+    async def decide(self, decision: Decision) -> PendingApproval:
+        """Approve or reject a pending tool call; returns the approval decided."""
+        self._decisions[decision.approval_id] = decision
+        return self._pending[decision.approval_id]
+
+    @decide.validator
+    def _validate_decide(self, decision: Decision) -> None:
+        # Runs before anything reaches history: a refused decision leaves no event.
+        pending = self._pending.get(decision.approval_id)
+        if pending is None:
+            if any(a.approval.approval_id == decision.approval_id for a in self._approvals):
+                raise ValueError(f"approval {decision.approval_id} was already decided")
+            raise ValueError(f"unknown approval {decision.approval_id} for job {self._job_id}")
+        if decision.approval_id in self._decisions:
+            raise ValueError(f"approval {decision.approval_id} was already decided")
+        if decision.approver not in pending.approvers:
+            raise ValueError(
+                f"{decision.approver} may not decide {pending.kind} approvals "
+                f"(allowed: {', '.join(pending.approvers)})"
+            )
+
+    # ---- the loop ----------------------------------------------------------------------
 
     @workflow.run
     async def run(self, job: JobInput) -> JobResult:
         self._job_id = workflow.info().workflow_id
-        self._profile = job.profile
+        self._profile_name = job.profile
         try:
             profile = get_profile(job.profile)
             task = profile.validate_task(job.task)
         except (UnknownProfileError, ValidationError) as e:
-            return await self._end(JobState.INVALID_INPUT, f"invalid job input: {e}", [], [])
+            return await self._end(JobState.INVALID_INPUT, f"invalid job input: {e}")
+        self._resume(job)
+        workflow.upsert_search_attributes([SA_PROFILE.value_set(profile.name),
+                                           SA_STATE.value_set(JobState.RUNNING.value)])
+        limits = self._limits(profile, job)
+        try:
+            await self._loop(job, profile, task, limits)
+        except _JobEnded as end:
+            return await self._end(end.state, end.reason, end.final)
+        except asyncio.CancelledError:
+            return await self._end(JobState.CANCELLED, "cancelled on request")
+        raise AssertionError("unreachable: the loop ends by _JobEnded or continue-as-new")
 
-        max_steps = job.max_steps or profile.default_max_steps
+    def _resume(self, job: JobInput) -> None:
         if job.engine_id:
             self._engine = EngineChoice(engine_id=job.engine_id, reason="pinned")
-        transcript: list[ChatMessage] = []
-        steps: list[StepRecord] = []
-        invalid_streak = 0
+        self._started_at = workflow.now()
+        c = job.carry
+        if c is None:
+            return
+        self._transcript, self._stored_len, self._steps = c.transcript, c.stored_len, c.steps
+        self._usage, self._engine, self._invalid_streak = c.usage, c.engine, c.invalid_streak
+        self._next_kind, self._started_at = StepKind(c.next_kind), c.started_at
+        self._runs, self._approvals = c.runs + 1, c.approvals
 
-        for step in range(1, max_steps + 1):
-            self._step = step
-            messages = assemble_prompt(profile, task, transcript, step=step, max_steps=max_steps)
-            request = GenerateRequest(
-                job_id=self._job_id, step=step, messages=messages,
-                tools=profile.tool_schemas(), max_tokens=profile.step_max_tokens,
-            )
-            outcome = await self._generate(
-                request, pickup_timeout=timedelta(seconds=job.step_pickup_timeout_s)
-            )
-            if isinstance(outcome, JobState):
-                reason = {
-                    JobState.CONTEXT_EXHAUSTED: "the transcript no longer fits the context window",
-                    JobState.ENGINE_UNAVAILABLE: "no live engine could serve the step",
-                }[outcome]
-                return await self._end(outcome, reason, transcript, steps)
-            gen, route_reason = outcome
+    @staticmethod
+    def _limits(profile: Profile, job: JobInput) -> JobLimits:
+        limits = job.limits or profile.limits
+        if job.max_steps is not None:
+            limits = limits.model_copy(update={"max_steps": job.max_steps})
+        return limits
 
-            record: dict[str, Any] = dict(
-                step=step, engine_id=gen.engine_id, route_reason=route_reason,
-                prompt_tokens=gen.prompt_tokens, cached_tokens=gen.cached_tokens,
-                completion_tokens=gen.completion_tokens, ttft_ms=gen.ttft_ms,
-                latency_ms=gen.latency_ms,
-            )
+    def _elapsed_s(self) -> float:
+        return (workflow.now() - self._started_at).total_seconds()
+
+    async def _loop(self, job: JobInput, profile: Profile, task: BaseModel,
+                    limits: JobLimits) -> None:
+        steps_this_run = 0
+        while True:
+            if self._should_continue_as_new(job, steps_this_run):
+                workflow.continue_as_new(job.model_copy(update={"carry": self._carry()}))
+            hit = check_before_step(limits, self._usage, self._elapsed_s())
+            if hit:
+                raise _JobEnded(JobState(hit.state), hit.reason)
+            steps_this_run += 1
+            gen, record = await self._model_step(job, profile, task, limits)
             try:
                 spec, args = self._validate(profile, gen)
             except ToolCallError as e:
-                steps.append(StepRecord(**record, tool=None, valid=False, error=str(e)))
-                transcript.extend(self._repair_messages(gen, str(e)))
-                invalid_streak += 1
-                workflow.logger.warning("invalid tool call", extra={"step": step, "error": str(e)})
-                if invalid_streak >= profile.max_invalid_calls:
-                    return await self._end(
-                        JobState.INVALID_OUTPUT,
-                        f"{invalid_streak} invalid tool calls in a row; last: {e}",
-                        transcript, steps,
-                    )
+                self._on_invalid(profile, gen, record, str(e))
                 continue
-            invalid_streak = 0
+            self._invalid_streak = 0
+            self._steps.append(record.model_copy(update={"tool": spec.name, "valid": True}))
             call = gen.tool_calls[0]
-            steps.append(StepRecord(**record, tool=spec.name, valid=True))
-            transcript.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
-
+            cap = check_tool_cap(limits, self._usage, spec.name, spec.max_calls)
+            self._usage.tool_calls[spec.name] = self._usage.tool_calls.get(spec.name, 0) + 1
+            self._transcript.append(ChatMessage(role="assistant", tool_calls=[call]))
+            if cap:
+                self._answer(call, f"refused: {cap.reason}")
+                raise _JobEnded(JobState(cap.state), cap.reason)
             if spec.finishes_job:
-                transcript.append(ChatMessage(role="tool", tool_call_id=call.id, content="done"))
-                return await self._end(JobState.FINISHED, f"{spec.name} called", transcript,
-                                       steps, final=args)
-            result = await self._run_tool(profile, step, spec.name, args)
-            transcript.append(ChatMessage(role="tool", tool_call_id=call.id, content=result.output))
+                self._answer(call, "done")
+                raise _JobEnded(JobState.FINISHED, f"{spec.name} called", args)
+            rule = profile.approval_for(spec.name, args)
+            if rule is not None:
+                approved = await self._await_approval(rule, call, args, limits)
+                if not approved:
+                    self._next_kind = StepKind.REFLECT
+                    continue
+            result = await self._run_tool(profile, spec, job, record.step, args)
+            self._answer(call, result.output)
+            self._next_kind = StepKind.EXECUTE if result.ok else StepKind.REFLECT
 
-        return await self._end(JobState.LOOP_CAP, f"step cap of {max_steps} reached",
-                               transcript, steps)
+    def _should_continue_as_new(self, job: JobInput, steps_this_run: int) -> bool:
+        if self._pending:
+            return False
+        forced = job.continue_as_new_after_steps
+        return workflow.info().is_continue_as_new_suggested() or (
+            forced is not None and steps_this_run >= forced
+        )
+
+    def _carry(self) -> JobCarry:
+        return JobCarry(
+            transcript=self._transcript, stored_len=self._stored_len, steps=self._steps,
+            usage=self._usage, engine=self._engine, invalid_streak=self._invalid_streak,
+            next_kind=self._next_kind.value, started_at=self._started_at, runs=self._runs,
+            approvals=self._approvals,
+        )
+
+    def _answer(self, call: ToolCall, content: str) -> None:
+        self._transcript.append(ChatMessage(role="tool", tool_call_id=call.id, content=content))
+
+    async def _model_step(self, job: JobInput, profile: Profile, task: BaseModel,
+                          limits: JobLimits) -> tuple[GenerateResult, StepRecord]:
+        kind = self._next_kind
+        step = self._usage.steps + 1
+        request = GenerateRequest(
+            job_id=self._job_id, step=step, profile=profile.name,
+            task=task.model_dump(mode="json"), base_len=self._stored_len,
+            new_messages=self._transcript[self._stored_len:],
+            tail=remaining_text(limits, self._usage, self._elapsed_s()),
+            max_tokens=step_output_budget(profile.budgets, kind, limits, self._usage),
+        )
+        gen, route_reason, failovers = await self._generate(
+            request, pickup_timeout=timedelta(seconds=job.step_pickup_timeout_s)
+        )
+        self._stored_len = len(self._transcript)
+        cost = pricing_for(gen.model).cost(prompt_tokens=gen.prompt_tokens,
+                                           cached_tokens=gen.cached_tokens,
+                                           completion_tokens=gen.completion_tokens)
+        u = self._usage
+        u.steps, u.cost_usd = step, u.cost_usd + cost
+        u.prompt_tokens += gen.prompt_tokens
+        u.cached_tokens += gen.cached_tokens
+        u.completion_tokens += gen.completion_tokens
+        record = StepRecord(
+            step=step, kind=kind.value, engine_id=gen.engine_id, route_reason=route_reason,
+            tool=None, valid=False, prompt_tokens=gen.prompt_tokens,
+            cached_tokens=gen.cached_tokens, completion_tokens=gen.completion_tokens,
+            ttft_ms=gen.ttft_ms, latency_ms=gen.latency_ms, cost_usd=cost,
+            retries=gen.attempt - 1 + failovers,
+        )
+        self._record_metrics(record)
+        return gen, record
+
+    def _record_metrics(self, r: StepRecord) -> None:
+        meter = workflow.metric_meter().with_additional_attributes(
+            {"profile": self._profile_name, "engine": r.engine_id}
+        )
+        meter.create_counter("warmloop_steps", "model steps").add(1)
+        meter.create_counter("warmloop_prompt_tokens", "prompt tokens").add(r.prompt_tokens)
+        meter.create_counter("warmloop_cached_tokens",
+                             "prompt tokens served from the engine's prefix cache"
+                             ).add(r.cached_tokens)
+        meter.create_counter("warmloop_completion_tokens", "completion tokens"
+                             ).add(r.completion_tokens)
+        meter.create_counter("warmloop_cost_microusd", "cost in millionths of a dollar"
+                             ).add(round(r.cost_usd * 1e6))
+        meter.create_histogram_timedelta("warmloop_step_ttft", "time to first token"
+                                         ).record(timedelta(milliseconds=r.ttft_ms))
+
+    def _on_invalid(self, profile: Profile, gen: GenerateResult, record: StepRecord,
+                    error: str) -> None:
+        self._steps.append(record.model_copy(update={"error": error}))
+        self._transcript.extend(self._repair_messages(gen, error))
+        self._invalid_streak += 1
+        self._next_kind = StepKind.REFLECT
+        workflow.logger.warning("invalid tool call at step %d: %s", record.step, error)
+        if self._invalid_streak >= profile.max_invalid_calls:
+            raise _JobEnded(JobState.INVALID_OUTPUT,
+                            f"{self._invalid_streak} invalid tool calls in a row; last: {error}")
+
+    # ---- engine steps --------------------------------------------------------------------
 
     async def _pick(self, exclude: list[str]) -> EngineChoice | None:
         try:
             return await workflow.execute_activity(
                 "pick_engine",
-                PickEngineRequest(job_id=self._job_id, profile=self._profile, exclude=exclude),
+                PickEngineRequest(job_id=self._job_id, profile=self._profile_name,
+                                  exclude=exclude),
                 task_queue=AGENT_TASK_QUEUE, start_to_close_timeout=SHORT_ACTIVITY,
                 retry_policy=PICK_RETRY, result_type=EngineChoice,
             )
@@ -155,7 +320,7 @@ class AgentJob:
 
     async def _generate(
         self, request: GenerateRequest, *, pickup_timeout: timedelta
-    ) -> tuple[GenerateResult, str] | JobState:
+    ) -> tuple[GenerateResult, str, int]:
         """Run one step on the job's engine, failing over to another when it is gone."""
         failed: list[str] = []
         route_reason: str
@@ -163,7 +328,8 @@ class AgentJob:
             if self._engine is None:
                 self._engine = await self._pick(failed)
                 if self._engine is None:
-                    return JobState.ENGINE_UNAVAILABLE
+                    raise _JobEnded(JobState.ENGINE_UNAVAILABLE,
+                                    "no live engine could serve the step")
                 route_reason = self._engine.reason
             else:
                 route_reason = "pinned" if self._engine.reason == "pinned" else "sticky"
@@ -172,25 +338,27 @@ class AgentJob:
                     "generate", request,
                     task_queue=engine_task_queue(self._engine.engine_id),
                     start_to_close_timeout=GENERATE_START_TO_CLOSE,
+                    heartbeat_timeout=GENERATE_HEARTBEAT,
                     # not picked up in time: the engine's worker is gone, fail over
                     schedule_to_start_timeout=pickup_timeout,
                     retry_policy=GENERATE_RETRY, result_type=GenerateResult,
                 )
-                return gen, route_reason
+                return gen, route_reason, len(failed)
             except ActivityError as e:
                 if _error_type(e) == "ContextOverflow":
-                    return JobState.CONTEXT_EXHAUSTED
+                    raise _JobEnded(JobState.CONTEXT_EXHAUSTED,
+                                    "the transcript no longer fits the context window") from e
                 lost = self._engine.engine_id
-                workflow.logger.warning(
-                    "step failed on engine, failing over",
-                    extra={"engine": lost, "timeout": isinstance(e.cause, TimeoutError)},
-                )
+                timed_out = isinstance(e.cause, ActivityTimeoutError)
+                workflow.logger.warning("step %d failed on engine %s (timeout: %s); failing over",
+                                        request.step, lost, timed_out)
                 failed.append(lost)
                 self._engine = None
-        return JobState.ENGINE_UNAVAILABLE
+        raise _JobEnded(JobState.ENGINE_UNAVAILABLE,
+                        f"step {request.step} failed on engines {', '.join(failed)}")
 
     @staticmethod
-    def _validate(profile: Profile, gen: GenerateResult) -> tuple[Any, dict[str, Any]]:
+    def _validate(profile: Profile, gen: GenerateResult) -> tuple[ToolSpec, dict[str, Any]]:
         if len(gen.tool_calls) != 1:
             raise ToolCallError(
                 f"expected exactly one tool call, got {len(gen.tool_calls)}"
@@ -213,39 +381,118 @@ class AgentJob:
             ChatMessage(role="user", content=f"error: {error}. Reply with exactly one tool call."),
         ]
 
-    async def _run_tool(self, profile: Profile, step: int, name: str,
+    # ---- tools and approvals -------------------------------------------------------------
+
+    async def _run_tool(self, profile: Profile, spec: ToolSpec, job: JobInput, step: int,
                         args: dict[str, Any]) -> ToolResult:
+        task_id = str(job.task.get(profile.task_id_field, ""))
         try:
             return await workflow.execute_activity(
                 "run_tool",
-                ToolRequest(job_id=self._job_id, step=step, profile=profile.name, name=name,
-                            arguments=args),
+                ToolRequest(job_id=self._job_id, step=step, profile=profile.name,
+                            task_id=task_id, name=spec.name, arguments=args),
                 task_queue=AGENT_TASK_QUEUE,
-                start_to_close_timeout=timedelta(seconds=profile.tool_timeout_s),
-                retry_policy=RetryPolicy(maximum_attempts=3), result_type=ToolResult,
+                start_to_close_timeout=timedelta(seconds=spec.timeout_s),
+                retry_policy=RetryPolicy(
+                    maximum_attempts=spec.retry.max_attempts,
+                    initial_interval=timedelta(seconds=spec.retry.initial_interval_s),
+                    non_retryable_error_types=list(spec.retry.non_retryable),
+                ),
+                result_type=ToolResult,
             )
         except ActivityError as e:
             # The model reads the failure and carries on; the job does not crash.
-            return ToolResult(ok=False, output=f"tool {name} failed: {e.cause or e}")
+            return ToolResult(ok=False, output=f"tool {spec.name} failed: {e.cause or e}")
 
-    async def _end(self, state: JobState, reason: str, transcript: list[ChatMessage],
-                   steps: list[StepRecord], final: BaseModel | dict[str, Any] | None = None,
-                   ) -> JobResult:
+    def _publish_pending(self) -> None:
+        workflow.upsert_search_attributes([SA_PENDING.value_set(sorted(self._pending))])
+
+    async def _await_approval(self, rule: ApprovalRule, call: ToolCall, args: dict[str, Any],
+                              limits: JobLimits) -> bool:
+        """Wait for a human; True when approved. A rejection is answered in the transcript."""
+        now = workflow.now()
+        pending = PendingApproval(
+            approval_id=f"{rule.kind}-{self._usage.steps}", job_id=self._job_id,
+            kind=rule.kind, tool=rule.tool, arguments=args, step=self._usage.steps,
+            approvers=list(rule.approvers), requested_at=now,
+            deadline=now + timedelta(seconds=rule.deadline_s),
+        )
+        self._pending[pending.approval_id] = pending
+        self._publish_pending()
+        decision = await self._wait_decision(pending, limits)
+        if decision is None and rule.on_timeout == "escalate":
+            pending.escalated = True
+            pending.approvers = list(dict.fromkeys([*pending.approvers, *rule.escalate_to]))
+            pending.deadline = workflow.now() + timedelta(seconds=rule.escalation_deadline_s)
+            workflow.logger.info("approval %s escalated to %s", pending.approval_id,
+                                 ", ".join(rule.escalate_to))
+            decision = await self._wait_decision(pending, limits)
+        del self._pending[pending.approval_id]
+        self._publish_pending()
+        if decision is None:
+            record = ApprovalRecord(approval=pending, outcome="timed_out", decided_by="deadline",
+                                    decided_at=workflow.now(), comment="no decision in time")
+        else:
+            record = ApprovalRecord(
+                approval=pending, outcome="approved" if decision.approve else "rejected",
+                decided_by=decision.approver, comment=decision.comment,
+                decided_at=workflow.now(),
+            )
+        self._approvals.append(record)
+        if record.outcome == "approved":
+            return True
+        self._answer(call, f"rejected by {record.decided_by}"
+                     + (f": {record.comment}" if record.comment else ""))
+        if rule.on_reject == "end":
+            raise _JobEnded(JobState.REJECTED,
+                            f"{rule.kind} approval {record.outcome} by {record.decided_by}")
+        return False
+
+    async def _wait_decision(self, pending: PendingApproval, limits: JobLimits
+                             ) -> Decision | None:
+        """The decision, or None at the deadline. The job's wall cap still applies."""
+        wait = (pending.deadline - workflow.now()).total_seconds()
+        wall_left = (None if limits.max_wall_time_s is None
+                     else limits.max_wall_time_s - self._elapsed_s())
+        bounded_by_wall = wall_left is not None and wall_left < wait
+        timeout = wall_left if bounded_by_wall and wall_left is not None else wait
+        try:
+            await workflow.wait_condition(lambda: pending.approval_id in self._decisions,
+                                          timeout=max(0.0, timeout))
+        except TimeoutError:  # asyncio's, from wait_condition
+            if bounded_by_wall:
+                hit = CapHit(state="TIMED_OUT",
+                             reason=f"wall time cap of {limits.max_wall_time_s:g}s reached "
+                             f"waiting for approval {pending.approval_id}")
+                raise _JobEnded(JobState(hit.state), hit.reason) from None
+            return None
+        return self._decisions[pending.approval_id]
+
+    # ---- ending --------------------------------------------------------------------------
+
+    async def _end(self, state: JobState, reason: str,
+                   final: dict[str, Any] | None = None) -> JobResult:
         self._state = state
+        self._pending.clear()
         key = None
-        if transcript:
+        if self._transcript:
             try:
                 key = await workflow.execute_activity(
                     "store_transcript",
-                    StoreTranscriptRequest(job_id=self._job_id, transcript=transcript),
+                    StoreTranscriptRequest(job_id=self._job_id, transcript=self._transcript),
                     task_queue=AGENT_TASK_QUEUE, start_to_close_timeout=SHORT_ACTIVITY,
                     retry_policy=RetryPolicy(maximum_attempts=5), result_type=str,
                 )
             except ActivityError:
                 workflow.logger.warning("transcript not stored in S3; kept in the result")
-        workflow.logger.info("job ended", extra={"state": state.value, "reason": reason})
+        workflow.upsert_search_attributes([SA_STATE.value_set(state.value),
+                                           SA_PENDING.value_set([])])
+        workflow.metric_meter().create_counter("warmloop_jobs_ended", "jobs by terminal state"
+                                               ).add(1, {"profile": self._profile_name,
+                                                         "state": state.value})
+        workflow.logger.info("job ended: %s (%s)", state.value, reason)
         return JobResult(
-            job_id=self._job_id, profile=self._profile, state=state, reason=reason,
-            final=final if isinstance(final, dict) or final is None else final.model_dump(),
-            steps=steps, transcript=transcript, transcript_key=key,
+            job_id=self._job_id, profile=self._profile_name, state=state, reason=reason,
+            final=final, steps=self._steps, transcript=self._transcript, transcript_key=key,
+            usage=self._usage, approvals=self._approvals, runs=self._runs,
         )

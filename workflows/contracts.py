@@ -6,10 +6,13 @@ of I/O and of anything non-deterministic.
 
 from __future__ import annotations
 
+from datetime import datetime
 from enum import StrEnum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from workflows.budgets import JobLimits, Usage
 
 AGENT_TASK_QUEUE = "warmloop-agent"
 
@@ -43,6 +46,17 @@ class JobState(StrEnum):
     INVALID_INPUT = "INVALID_INPUT"
     """The job's task did not validate against its profile (only reachable by
     bypassing the client-side check)."""
+    BUDGET_EXHAUSTED = "BUDGET_EXHAUSTED"
+    """The job's token or cost cap was spent."""
+    TIMED_OUT = "TIMED_OUT"
+    """The job's wall-time cap passed."""
+    REJECTED = "REJECTED"
+    """A human rejected a call whose approval rule ends the job on rejection."""
+    CANCELLED = "CANCELLED"
+    """Cancelled on request (`warmloop cancel`)."""
+
+
+TERMINAL_STATES = frozenset(JobState) - {JobState.RUNNING}
 
 
 class JobInput(BaseModel):
@@ -53,7 +67,11 @@ class JobInput(BaseModel):
     profile: str = Field(min_length=1, description="Name of a registered agent profile.")
     task: dict[str, Any] = Field(description="The task record; validated by the profile.")
     max_steps: int | None = Field(
-        default=None, ge=1, le=200, description="Step cap; the profile's default when None."
+        default=None, ge=1, le=10_000,
+        description="Step cap; shorthand for limits.max_steps. The profile's when None.",
+    )
+    limits: JobLimits | None = Field(
+        default=None, description="Caps for this job; the profile's defaults when None."
     )
     lane: Lane = Lane.INTERACTIVE
     engine_id: str | None = Field(
@@ -63,6 +81,14 @@ class JobInput(BaseModel):
         default=30.0, gt=0, le=600,
         description="How long a step may wait for its engine's worker to pick it up before "
         "the engine is taken for dead and the step fails over to another.",
+    )
+    continue_as_new_after_steps: int | None = Field(
+        default=None, ge=1,
+        description="Continue-as-new every N steps even when the server does not suggest it "
+        "(keeps each run's history short; used by tests to force the boundary).",
+    )
+    carry: JobCarry | None = Field(
+        default=None, description="Internal: state carried across continue-as-new."
     )
 
 
@@ -104,12 +130,20 @@ class PickEngineRequest(BaseModel):
 
 
 class GenerateRequest(BaseModel):
-    """One model step: the assembled prompt and its output budget."""
+    """One model step, by reference: the worker assembles the prompt.
+
+    History stays O(steps): only the messages new since the last step travel; the
+    transcript itself lives in S3, one object per message.
+    """
 
     job_id: str
     step: int
-    messages: list[ChatMessage]
-    tools: list[dict[str, Any]]
+    profile: str
+    task: dict[str, Any]
+    base_len: int = Field(ge=0, description="Transcript messages already stored.")
+    new_messages: list[ChatMessage] = Field(default_factory=list)
+    """Messages to store at positions base_len, base_len+1, ... before this step."""
+    tail: str = Field(description="The volatile tail: the budget line the model reads.")
     max_tokens: int = Field(ge=1)
     priority: int = 0
 
@@ -118,6 +152,9 @@ class GenerateResult(BaseModel):
     """What the engine returned for one step, with its own usage figures."""
 
     engine_id: str
+    model: str = "tiny"
+    attempt: int = 1
+    """Temporal's attempt number: retries are attempt - 1."""
     content: str = ""
     tool_calls: list[ToolCall] = Field(default_factory=list)
     finish_reason: str | None = None
@@ -133,6 +170,8 @@ class ToolRequest(BaseModel):
     job_id: str
     step: int
     profile: str
+    task_id: str = ""
+    """Id of the task record (ticket, invoice) that side effects apply to."""
     name: str
     arguments: dict[str, Any]
 
@@ -140,12 +179,19 @@ class ToolRequest(BaseModel):
 class ToolResult(BaseModel):
     ok: bool
     output: str
+    """What the model reads; cut to the profile's max_tool_output_chars."""
+    output_key: str | None = None
+    """S3 key of the whole output, when it was cut."""
 
 
 class StepRecord(BaseModel):
     """Per-step accounting, kept in the job result."""
 
     step: int
+    kind: str = "execute"
+    cost_usd: float = 0.0
+    retries: int = 0
+    """Failed attempts of this step's generate (engine errors, failovers)."""
     engine_id: str
     route_reason: str
     tool: str | None
@@ -163,6 +209,58 @@ class StoreTranscriptRequest(BaseModel):
     transcript: list[ChatMessage]
 
 
+class PendingApproval(BaseModel):
+    """A tool call waiting for a human decision."""
+
+    approval_id: str
+    job_id: str
+    kind: str
+    tool: str
+    arguments: dict[str, Any]
+    step: int
+    approvers: list[str]
+    requested_at: datetime
+    deadline: datetime
+    escalated: bool = False
+
+
+class Decision(BaseModel):
+    """Input of the ``decide`` Update."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    approval_id: str
+    approve: bool
+    approver: str = Field(min_length=1)
+    comment: str = Field(default="", max_length=2000)
+
+
+class ApprovalRecord(BaseModel):
+    """How an approval ended, kept in the job result."""
+
+    approval: PendingApproval
+    outcome: Literal["approved", "rejected", "timed_out"]
+    decided_by: str
+    comment: str = ""
+    decided_at: datetime
+
+
+class JobCarry(BaseModel):
+    """What a job carries across continue-as-new, so the next run resumes exactly:
+    the same transcript (so the prompt stays byte-identical), engine and spend."""
+
+    transcript: list[ChatMessage]
+    stored_len: int
+    steps: list[StepRecord]
+    usage: Usage
+    engine: EngineChoice | None
+    invalid_streak: int
+    next_kind: str
+    started_at: datetime
+    runs: int
+    approvals: list[ApprovalRecord] = Field(default_factory=list)
+
+
 class JobStatus(BaseModel):
     """Answer of the ``status`` query."""
 
@@ -171,6 +269,8 @@ class JobStatus(BaseModel):
     state: JobState
     step: int
     engine_id: str | None
+    usage: Usage = Field(default_factory=Usage)
+    pending_approvals: list[PendingApproval] = Field(default_factory=list)
 
 
 class JobResult(BaseModel):
@@ -186,6 +286,18 @@ class JobResult(BaseModel):
     transcript_key: str | None = Field(
         default=None, description="S3 key of the stored transcript."
     )
+    usage: Usage = Field(default_factory=Usage)
+    approvals: list[ApprovalRecord] = Field(default_factory=list)
+    runs: int = Field(default=1, description="Workflow runs (1 + continue-as-new count).")
+
+    @property
+    def tool_call_success_rate(self) -> float:
+        """Valid tool calls / model steps."""
+        return sum(s.valid for s in self.steps) / len(self.steps) if self.steps else 0.0
+
+    @property
+    def cache_hit_share(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def prompt_tokens(self) -> int:
@@ -194,3 +306,6 @@ class JobResult(BaseModel):
     @property
     def cached_tokens(self) -> int:
         return sum(s.cached_tokens for s in self.steps)
+
+
+JobInput.model_rebuild()

@@ -29,28 +29,19 @@ def task_message(task: BaseModel) -> ChatMessage:
     return ChatMessage(role="user", content="Task:\n" + body)
 
 
-def volatile_tail(step: int, max_steps: int) -> ChatMessage:
-    """The only part that changes between steps, kept at the very end."""
-    remaining = max_steps - step
-    hint = " Call finish now." if remaining == 0 else ""
-    return ChatMessage(
-        role="user",
-        content=f"Step {step} of {max_steps}; {remaining} steps remain after this one.{hint}",
-    )
-
-
 def assemble_prompt(
     profile: Profile,
     task: BaseModel,
     transcript: list[ChatMessage],
     *,
-    step: int,
-    max_steps: int,
+    tail: str,
 ) -> list[ChatMessage]:
-    """The messages of one step. ``transcript`` is append-only across steps."""
+    """The messages of one step. ``transcript`` is append-only across steps; ``tail``
+    (the budget line from ``workflows.budgets.remaining_text``) is the only part that
+    changes between steps, and it comes last."""
     return [
         ChatMessage(role="system", content=profile.system_prompt),
         task_message(task),
         *transcript,
-        volatile_tail(step, max_steps),
+        ChatMessage(role="user", content=tail),
     ]

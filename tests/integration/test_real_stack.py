@@ -16,7 +16,7 @@ from temporalio.client import Client
 from activities.storage import StorageActivities
 from bench.demo import bundled_tickets
 from infra.stack import Stack
-from workers.agent_worker import build_s3
+from workers.clients import build_s3
 from workers.settings import Settings
 from workflows.agent_job import AgentJob
 from workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult, JobState

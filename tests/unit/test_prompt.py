@@ -1,5 +1,6 @@
 from workflows.contracts import ChatMessage, FunctionCall, ToolCall
 from workflows.profiles import get_profile
+from workflows.budgets import JobLimits, Usage, remaining_text
 from workflows.prompt import assemble_prompt, stable_prefix_hash
 
 TRIAGE = get_profile("ticket-triage")
@@ -16,7 +17,8 @@ def _turn(i: int) -> list[ChatMessage]:
 
 def test_stable_prefix_first_then_task_then_transcript_then_tail() -> None:
     transcript = _turn(1)
-    msgs = assemble_prompt(TRIAGE, TASK, transcript, step=2, max_steps=8)
+    tail = remaining_text(JobLimits(max_steps=8), Usage(steps=1), 0.0)
+    msgs = assemble_prompt(TRIAGE, TASK, transcript, tail=tail)
     assert msgs[0] == ChatMessage(role="system", content=TRIAGE.system_prompt)
     assert msgs[1].role == "user" and "T1001" in msgs[1].content
     assert msgs[2:4] == transcript
@@ -27,7 +29,7 @@ def test_each_step_extends_the_previous_prompt_except_its_tail() -> None:
     transcript: list[ChatMessage] = []
     previous = None
     for step in range(1, 6):
-        msgs = assemble_prompt(TRIAGE, TASK, transcript, step=step, max_steps=8)
+        msgs = assemble_prompt(TRIAGE, TASK, transcript, tail=f"Step {step} of 8.")
         if previous is not None:
             assert msgs[: len(previous) - 1] == previous[:-1]
         previous = msgs
@@ -35,7 +37,8 @@ def test_each_step_extends_the_previous_prompt_except_its_tail() -> None:
 
 
 def test_nothing_volatile_in_the_stable_part() -> None:
-    a = assemble_prompt(TRIAGE, TASK, [], step=1, max_steps=8)
-    b = assemble_prompt(TRIAGE, TASK, [], step=7, max_steps=9)
+    a = assemble_prompt(TRIAGE, TASK, [], tail=remaining_text(JobLimits(), Usage(), 0.0))
+    b = assemble_prompt(TRIAGE, TASK, [], tail=remaining_text(
+        JobLimits(max_steps=9, max_total_tokens=900), Usage(steps=6, prompt_tokens=100), 5.0))
     assert a[:-1] == b[:-1] and a[-1] != b[-1]
     assert stable_prefix_hash(TRIAGE) == stable_prefix_hash(get_profile("ticket-triage"))

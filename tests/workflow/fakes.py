@@ -12,6 +12,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from workflows.contracts import (
+    ChatMessage,
     EngineChoice,
     FunctionCall,
     GenerateRequest,
@@ -22,6 +23,8 @@ from workflows.contracts import (
     ToolRequest,
     ToolResult,
 )
+from workflows.profiles import get_profile
+from workflows.prompt import assemble_prompt
 
 Script = Callable[[GenerateRequest], GenerateResult]
 
@@ -36,10 +39,17 @@ def reply(name: str | None, arguments: str = "{}", *, content: str = "",
 
 
 class FakeActivities:
-    def __init__(self, script: Script, engines: list[str] | None = None) -> None:
+    """Records what the workflow asked for; keeps each job's transcript the way the
+    real inference worker does (append at base_len), so prompts can be rebuilt."""
+
+    def __init__(self, script: Script, engines: list[str] | None = None,
+                 tool_output: Callable[[ToolRequest], ToolResult] | None = None) -> None:
         self.script = script
         self.engines = engines or ["fake0"]
+        self.tool_output = tool_output or (lambda r: ToolResult(ok=True, output=f"{r.name} ok"))
         self.generate_requests: list[GenerateRequest] = []
+        self.prompts: list[list[ChatMessage]] = []
+        self.transcripts: dict[str, list[ChatMessage]] = {}
         self.tool_requests: list[ToolRequest] = []
         self.picks: list[PickEngineRequest] = []
         self.stored: list[StoreTranscriptRequest] = []
@@ -56,13 +66,19 @@ class FakeActivities:
 
     @activity.defn(name="generate")
     async def generate(self, req: GenerateRequest) -> GenerateResult:
+        held = self.transcripts.get(req.job_id, [])
+        assert len(held) >= req.base_len, "workflow skipped transcript messages"
+        self.transcripts[req.job_id] = held[: req.base_len] + req.new_messages
+        profile = get_profile(req.profile)
+        self.prompts.append(assemble_prompt(profile, profile.validate_task(req.task),
+                                            self.transcripts[req.job_id], tail=req.tail))
         self.generate_requests.append(req)
         return self.script(req)
 
     @activity.defn(name="run_tool")
     async def run_tool(self, req: ToolRequest) -> ToolResult:
         self.tool_requests.append(req)
-        return ToolResult(ok=True, output=f"{req.name} ok")
+        return self.tool_output(req)
 
     @activity.defn(name="store_transcript")
     async def store_transcript(self, req: StoreTranscriptRequest) -> str:

@@ -95,10 +95,14 @@ async def test_prompts_are_append_only_across_steps(
     fakes = FakeActivities(always(reply("search_kb", '{"topic": "login"}')))
     async with workers(time_skipping_env, fakes) as client:
         await run_job(client, max_steps=3)
-    reqs = fakes.generate_requests
-    for before, after in zip(reqs, reqs[1:], strict=False):
-        assert after.messages[: len(before.messages) - 1] == before.messages[:-1]
-        assert after.tools == before.tools
+    prompts = fakes.prompts
+    assert len(prompts) == 3
+    for before, after in zip(prompts, prompts[1:], strict=False):
+        assert after[: len(before) - 1] == before[:-1]  # all but the budget tail
+        assert after[-1].content.startswith("Step ") and after[-1] != before[-1]
+    # only what is new travels in each request: history stays O(steps)
+    assert [len(r.new_messages) for r in fakes.generate_requests] == [0, 2, 2]
+    assert [r.base_len for r in fakes.generate_requests] == [0, 0, 2]
 
 
 async def test_malformed_tool_call_is_reported_to_the_model_and_the_job_goes_on(
@@ -120,7 +124,7 @@ async def test_malformed_tool_call_is_reported_to_the_model_and_the_job_goes_on(
     assert "exactly one tool call" in (res.steps[1].error or "")
     assert "unknown tool 'drop_tables'" in (res.steps[3].error or "")
     # the model was told, inside the transcript, what went wrong
-    last_prompt = fakes.generate_requests[4].messages
+    last_prompt = fakes.prompts[4]
     assert any("error: unknown tool" in m.content for m in last_prompt)
     assert any("error: arguments of search_kb are not valid JSON" in m.content
                for m in last_prompt)

@@ -1,16 +1,34 @@
-"""What an agent profile is made of."""
+"""What an agent profile is made of: its stable prompt, task schema, tools, approval
+rules, default limits and output budgets."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
+
+from workflows.budgets import JobLimits, OutputBudgets
 
 
 class UnknownProfileError(ValueError):
     """A job named a profile that is not registered."""
+
+
+class ToolCallError(ValueError):
+    """The model's tool call cannot be run: unknown tool or invalid arguments."""
+
+
+@dataclass(frozen=True)
+class ToolRetry:
+    """How Temporal retries a tool that raised. Expected failures (not found, ...) are
+    results the model reads, not errors; only unexpected errors are retried."""
+
+    max_attempts: int = 3
+    initial_interval_s: float = 0.5
+    non_retryable: tuple[str, ...] = ()
+    """ApplicationError types never retried (bad arguments, permission denied)."""
 
 
 @dataclass(frozen=True)
@@ -26,6 +44,12 @@ class ToolSpec:
     description: str
     args: type[BaseModel]
     finishes_job: bool = False
+    max_calls: int | None = None
+    """Calls allowed per job; one more ends the job as LOOP_CAP."""
+    side_effect: bool = False
+    """Changes the world: applied at most once per (job, step), however often retried."""
+    retry: ToolRetry = ToolRetry()
+    timeout_s: float = 30.0
 
     def openai_schema(self) -> dict[str, Any]:
         schema = self.args.model_json_schema()
@@ -43,8 +67,46 @@ class ToolSpec:
         }
 
 
-class ToolCallError(ValueError):
-    """The model's tool call cannot be run: unknown tool or invalid arguments."""
+@dataclass(frozen=True)
+class ApprovalRule:
+    """A tool call that must wait for a human decision before it runs.
+
+    The rule applies when the call is to ``tool`` and, if ``field`` is set, the
+    argument ``field`` compares true against ``value`` with ``op``.
+    """
+
+    kind: str
+    tool: str
+    approvers: tuple[str, ...]
+    """Who may decide; anyone else is refused by the Update's validator."""
+    deadline_s: float
+    field: str | None = None
+    op: Literal["gt", "ge", "eq", "in"] = "gt"
+    value: Any = None
+    on_timeout: Literal["escalate", "reject"] = "reject"
+    escalate_to: tuple[str, ...] = ()
+    """Added to the approvers when the first deadline passes (on_timeout="escalate")."""
+    escalation_deadline_s: float = 0.0
+    """After escalation, this long more; then the call is rejected."""
+    on_reject: Literal["continue", "end"] = "continue"
+    """continue: the model reads the rejection and goes on; end: the job ends REJECTED."""
+
+    def applies(self, tool: str, args: dict[str, Any]) -> bool:
+        if tool != self.tool:
+            return False
+        if self.field is None:
+            return True
+        v = args.get(self.field)
+        match self.op:
+            case "gt":
+                return v is not None and v > self.value
+            case "ge":
+                return v is not None and v >= self.value
+            case "eq":
+                return bool(v == self.value)
+            case "in":
+                return v in self.value
+        return False
 
 
 @dataclass(frozen=True)
@@ -59,18 +121,28 @@ class Profile:
     system_prompt: str
     task_model: type[BaseModel]
     tools: tuple[ToolSpec, ...]
-    default_max_steps: int = 8
-    step_max_tokens: int = 96
-    """Output budget per step: enough for one bounded tool call."""
+    task_id_field: str = "id"
+    """The task field naming the record (ticket, invoice) that side effects apply to."""
+    approvals: tuple[ApprovalRule, ...] = ()
+    limits: JobLimits = JobLimits()
+    """Default caps; a job may tighten or loosen them in its input."""
+    budgets: OutputBudgets = OutputBudgets()
     max_invalid_calls: int = 3
     """Consecutive invalid tool calls tolerated before the job ends as INVALID_OUTPUT."""
-    tool_timeout_s: float = 30.0
+    max_tool_output_chars: int = 4000
+    """Longer tool output is cut to this in the prompt; the whole of it goes to S3."""
     _by_name: dict[str, ToolSpec] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_name", {t.name: t for t in self.tools})
         if not any(t.finishes_job for t in self.tools):
             raise ValueError(f"profile {self.name!r} needs a tool with finishes_job=True")
+        for rule in self.approvals:
+            if rule.tool not in self._by_name:
+                raise ValueError(f"approval rule {rule.kind!r} names unknown tool {rule.tool!r}")
+
+    def tool(self, name: str) -> ToolSpec:
+        return self._by_name[name]
 
     def tool_schemas(self) -> list[dict[str, Any]]:
         """Tool schemas in canonical (name) order, so the prefix never reorders."""
@@ -78,6 +150,9 @@ class Profile:
 
     def validate_task(self, task: dict[str, Any]) -> BaseModel:
         return self.task_model.model_validate(task)
+
+    def approval_for(self, tool: str, args: dict[str, Any]) -> ApprovalRule | None:
+        return next((r for r in self.approvals if r.applies(tool, args)), None)
 
     def validate_call(self, name: str, raw_arguments: str) -> tuple[ToolSpec, dict[str, Any]]:
         """Parse and validate one tool call; raises ``ToolCallError`` saying what is wrong."""

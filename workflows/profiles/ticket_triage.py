@@ -6,7 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from workflows.profiles.base import Profile, ToolSpec
+from workflows.budgets import JobLimits
+from workflows.profiles.base import ApprovalRule, Profile, ToolSpec
 
 KB_TOPICS = ("account", "billing", "crash", "login", "performance", "refund", "shipping")
 Priority = Literal["low", "normal", "high", "urgent"]
@@ -134,17 +135,26 @@ urgent.
 TICKET_TRIAGE = Profile(
     name="ticket-triage",
     system_prompt=SYSTEM_PROMPT,
+    task_id_field="ticket_id",
     task_model=Ticket,
     tools=(
         ToolSpec("lookup_customer", "Look up a customer by id: plan, VIP, region.",
-                 LookupCustomerArgs),
-        ToolSpec("search_kb", "List knowledge base articles on a topic.", SearchKbArgs),
-        ToolSpec("set_priority", "Set the ticket's priority.", SetPriorityArgs),
+                 LookupCustomerArgs, max_calls=4),
+        ToolSpec("search_kb", "List knowledge base articles on a topic.", SearchKbArgs,
+                 max_calls=5),
+        ToolSpec("set_priority", "Set the ticket's priority.", SetPriorityArgs,
+                 side_effect=True),
         ToolSpec("draft_reply", "Draft a reply to the customer citing one article.",
-                 DraftReplyArgs),
+                 DraftReplyArgs, side_effect=True),
         ToolSpec("finish", "End the job with a resolution and a priority.", FinishArgs,
                  finishes_job=True),
     ),
-    default_max_steps=8,
-    step_max_tokens=160,
+    approvals=(
+        # An urgent ticket pages the on-call team: a team lead confirms it first.
+        ApprovalRule(kind="urgent_priority", tool="set_priority", field="priority", op="eq",
+                     value="urgent", approvers=("team-lead", "support-manager"),
+                     deadline_s=30 * 60, on_timeout="escalate",
+                     escalate_to=("support-director",), escalation_deadline_s=30 * 60),
+    ),
+    limits=JobLimits(max_steps=8, max_wall_time_s=4 * 3600, max_total_tokens=40_000),
 )

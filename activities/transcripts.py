@@ -1,0 +1,64 @@
+"""Transcripts in S3, one object per message, so each step stores only what is new.
+
+Messages are immutable once stored (the transcript is append-only), so storing
+message i again (a retried step) writes the same bytes, and a worker may reuse the
+prefix it already holds in memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from typing import Any
+
+from temporalio.exceptions import ApplicationError
+
+from workflows.contracts import ChatMessage
+
+TRANSCRIPT_GAP = "TranscriptGap"
+
+
+class TranscriptStore:
+    def __init__(self, s3: Any, bucket: str, *, cached_jobs: int = 1024) -> None:
+        self._s3 = s3
+        self._bucket = bucket
+        self._cache: OrderedDict[str, list[ChatMessage]] = OrderedDict()
+        self._cached_jobs = cached_jobs
+
+    @staticmethod
+    def key(job_id: str, index: int) -> str:
+        return f"transcript-messages/{job_id}/{index:06d}.json"
+
+    async def extend(self, job_id: str, base_len: int,
+                     new: list[ChatMessage]) -> list[ChatMessage]:
+        """Store ``new`` at positions base_len.. and return the whole transcript."""
+        held = self._cache.get(job_id)
+        prefix = held[:base_len] if held is not None and len(held) >= base_len else None
+        if prefix is None:
+            prefix = await self._load(job_id, base_len)
+        await asyncio.gather(*(
+            asyncio.to_thread(self._s3.put_object, Bucket=self._bucket,
+                              Key=self.key(job_id, base_len + i), Body=m.model_dump_json())
+            for i, m in enumerate(new)
+        ))
+        full = prefix + new
+        self._cache[job_id] = full
+        self._cache.move_to_end(job_id)
+        while len(self._cache) > self._cached_jobs:
+            self._cache.popitem(last=False)
+        return full
+
+    async def _load(self, job_id: str, n: int) -> list[ChatMessage]:
+        if n == 0:
+            return []
+
+        def get(i: int) -> ChatMessage:
+            try:
+                obj = self._s3.get_object(Bucket=self._bucket, Key=self.key(job_id, i))
+            except self._s3.exceptions.NoSuchKey:
+                raise ApplicationError(
+                    f"transcript of {job_id} has no message {i} in S3; cannot rebuild its prompt",
+                    type=TRANSCRIPT_GAP, non_retryable=True) from None
+            return ChatMessage.model_validate_json(obj["Body"].read())
+
+        return list(await asyncio.gather(*(asyncio.to_thread(get, i) for i in range(n))))
