@@ -1,0 +1,303 @@
+"""Caps, budgets, approvals, cancellation and continue-as-new on the time-skipping
+test server with scripted activities."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import pytest
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.testing import WorkflowEnvironment
+
+from tests.workflow.fakes import FakeActivities, reply
+from tests.workflow.test_agent_job import TICKET, always, run_job, workers
+from workflows.agent_job import AgentJob
+from workflows.budgets import JobLimits
+from workflows.contracts import (
+    AGENT_TASK_QUEUE,
+    Decision,
+    GenerateRequest,
+    GenerateResult,
+    JobInput,
+    JobResult,
+    JobState,
+    JobStatus,
+    ToolResult,
+)
+
+T = TypeVar("T")
+WORKFLOW_TASK_EVENTS = {EventType.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED,
+                        EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED,
+                        EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED}
+SEARCH = reply("search_kb", '{"topic": "crash"}')
+URGENT = reply("set_priority", '{"priority": "urgent"}')
+FINISH = reply("finish", '{"resolution": "resolved", "priority": "urgent"}')
+
+
+async def eventually(probe: Callable[[], Awaitable[T | None]], *, attempts: int = 200) -> T:
+    """Poll a query until it answers (the workflow moves on its own thread of time)."""
+    for _ in range(attempts):
+        value = await probe()
+        if value:
+            return value
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition never held")
+
+
+def urgent_then_finish(req: GenerateRequest) -> GenerateResult:
+    return URGENT if req.step == 1 else FINISH
+
+
+async def start(client: Client, **kw: object) -> WorkflowHandle[AgentJob, JobResult]:
+    job = JobInput(profile="ticket-triage", task=TICKET, **kw)  # type: ignore[arg-type]
+    return await client.start_workflow(AgentJob.run, job, id=f"job-{uuid.uuid4().hex[:8]}",
+                                       task_queue=AGENT_TASK_QUEUE)
+
+
+async def pending_id(handle: WorkflowHandle[AgentJob, JobResult]) -> str:
+    async def probe() -> str | None:
+        st = await handle.query(AgentJob.status)
+        return st.pending_approvals[0].approval_id if st.pending_approvals else None
+
+    return await eventually(probe)
+
+
+# ---- caps and budgets -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("limits", "state", "steps", "reason"),
+    [
+        (JobLimits(max_steps=3), JobState.LOOP_CAP, 3, "step cap of 3"),
+        (JobLimits(max_steps=20, max_tool_calls={"search_kb": 2}), JobState.LOOP_CAP, 3,
+         "search_kb called more than its cap of 2"),
+        (JobLimits(max_steps=20, max_total_tokens=2500), JobState.BUDGET_EXHAUSTED, 3,
+         "token budget of 2500"),
+        (JobLimits(max_steps=20, max_cost_usd=0.00006), JobState.BUDGET_EXHAUSTED, 2,
+         "cost cap"),
+    ],
+)
+async def test_each_cap_ends_the_job_in_its_named_state_with_a_partial_result(
+    time_skipping_env: WorkflowEnvironment, limits: JobLimits, state: JobState, steps: int,
+    reason: str,
+) -> None:
+    fakes = FakeActivities(always(SEARCH))
+    async with workers(time_skipping_env, fakes) as client:
+        res = await run_job(client, limits=limits)
+    assert res.state == state
+    assert reason in res.reason
+    assert len(res.steps) == steps
+    assert res.transcript and res.transcript_key  # partial result kept
+    assert res.usage.steps == steps
+    assert res.usage.prompt_tokens == 1000 * steps and res.usage.cost_usd > 0
+
+
+async def test_the_default_search_kb_cap_comes_from_the_profile(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    fakes = FakeActivities(always(SEARCH))
+    async with workers(time_skipping_env, fakes) as client:
+        res = await run_job(client, max_steps=50)
+    assert res.state == JobState.LOOP_CAP
+    assert "search_kb called more than its cap of 5" in res.reason
+    assert len(fakes.tool_requests) == 5  # the refused sixth call never ran
+
+
+async def test_wall_time_cap_ends_in_timed_out_even_while_waiting_for_a_human(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    fakes = FakeActivities(urgent_then_finish)
+    async with workers(time_skipping_env, fakes) as client:
+        res = await run_job(client, limits=JobLimits(max_steps=8, max_wall_time_s=600))
+    assert res.state == JobState.TIMED_OUT
+    assert "waiting for approval urgent_priority-1" in res.reason
+    assert not fakes.tool_requests
+
+
+async def test_output_budget_tiers_and_the_budget_tail(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    script = iter([SEARCH, reply("search_kb", "oops"), SEARCH, SEARCH])
+    fakes = FakeActivities(lambda req: next(script))
+    async with workers(time_skipping_env, fakes) as client:
+        res = await run_job(client, limits=JobLimits(max_steps=4, max_total_tokens=100_000))
+    # plan first, execute after a good result, reflect after an error
+    assert [s.kind for s in res.steps] == ["plan", "execute", "reflect", "execute"]
+    assert [r.max_tokens for r in fakes.generate_requests] == [144, 160, 128, 160]
+    tails = [p[-1].content for p in fakes.prompts]
+    assert tails[0].startswith("Step 1 of 4; 3 steps remain") and "100000 tokens left" in tails[0]
+    assert "Call finish now." in tails[3]
+    # the budget line is the only volatile part, and it is last
+    assert all(p[-1].role == "user" and p[0].role == "system" for p in fakes.prompts)
+
+
+# ---- approvals --------------------------------------------------------------------------
+
+
+async def test_approved_call_runs_and_is_recorded(time_skipping_env: WorkflowEnvironment) -> None:
+    fakes = FakeActivities(urgent_then_finish)
+    async with workers(time_skipping_env, fakes) as client:
+        handle = await start(client)
+        aid = await pending_id(handle)
+        assert aid == "urgent_priority-1"
+        decided = await handle.execute_update(
+            AgentJob.decide, Decision(approval_id=aid, approve=True, approver="team-lead",
+                                      comment="on-call paged"))
+        assert decided.tool == "set_priority"
+        res = await handle.result()
+    assert res.state == JobState.FINISHED
+    assert [t.name for t in fakes.tool_requests] == ["set_priority"]
+    [rec] = res.approvals
+    assert (rec.outcome, rec.decided_by, rec.comment) == ("approved", "team-lead", "on-call paged")
+
+
+async def test_rejected_call_does_not_run_and_the_model_is_told(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    fakes = FakeActivities(urgent_then_finish)
+    async with workers(time_skipping_env, fakes) as client:
+        handle = await start(client)
+        aid = await pending_id(handle)
+        await handle.execute_update(AgentJob.decide, Decision(
+            approval_id=aid, approve=False, approver="support-manager", comment="not urgent"))
+        res = await handle.result()
+    assert res.state == JobState.FINISHED
+    assert not fakes.tool_requests
+    assert any(m.content == "rejected by support-manager: not urgent" for m in fakes.prompts[1])
+    assert res.steps[1].kind == "reflect"
+
+
+async def test_approval_times_out_escalates_then_auto_rejects(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    fakes = FakeActivities(urgent_then_finish)
+    async with workers(time_skipping_env, fakes) as client:
+        res = await run_job(client)  # nobody decides; the test server skips the hours
+    [rec] = res.approvals
+    assert rec.outcome == "timed_out" and rec.decided_by == "deadline"
+    assert rec.approval.escalated
+    assert rec.approval.approvers == ["team-lead", "support-manager", "support-director"]
+    waited = (rec.decided_at - rec.approval.requested_at).total_seconds()
+    assert waited == pytest.approx(60 * 60, abs=5)  # 30 min + 30 min after escalation
+    assert not fakes.tool_requests
+    assert res.state == JobState.FINISHED
+
+
+async def test_an_escalated_approver_may_decide(time_skipping_env: WorkflowEnvironment) -> None:
+    fakes = FakeActivities(urgent_then_finish)
+    async with workers(time_skipping_env, fakes) as client:
+        handle = await start(client)
+        aid = await pending_id(handle)
+        bad = Decision(approval_id=aid, approve=True, approver="support-director")
+        with pytest.raises(WorkflowUpdateFailedError):
+            await handle.execute_update(AgentJob.decide, bad)  # not yet escalated
+
+
+async def test_validator_refuses_bad_decisions_before_history(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    fakes = FakeActivities(urgent_then_finish)
+    async with workers(time_skipping_env, fakes) as client:
+        handle = await start(client)
+        aid = await pending_id(handle)
+        before = [e.event_type for e in (await handle.fetch_history()).events]
+        for bad, message in [
+            (Decision(approval_id=aid, approve=True, approver="mallory"),
+             "mallory may not decide urgent_priority approvals"),
+            (Decision(approval_id="nope-9", approve=True, approver="team-lead"),
+             "unknown approval nope-9"),
+        ]:
+            with pytest.raises(WorkflowUpdateFailedError) as err:
+                await handle.execute_update(AgentJob.decide, bad)
+            assert message in str(err.value.cause)
+        after = [e.event_type for e in (await handle.fetch_history()).events]
+        # Nothing of the refused decisions reached history. (A real server drops the
+        # speculative workflow task too; the test server records its three task events.)
+        assert after[: len(before)] == before
+        assert set(after[len(before):]) <= WORKFLOW_TASK_EVENTS
+        await handle.execute_update(AgentJob.decide, Decision(
+            approval_id=aid, approve=True, approver="team-lead"))
+        with pytest.raises(WorkflowUpdateFailedError) as err:
+            await handle.execute_update(AgentJob.decide, Decision(
+                approval_id=aid, approve=False, approver="team-lead"))
+        assert "already decided" in str(err.value.cause)
+        res = await handle.result()
+    assert [a.outcome for a in res.approvals] == ["approved"]
+
+
+async def test_pending_approvals_are_searchable(time_skipping_env: WorkflowEnvironment) -> None:
+    fakes = FakeActivities(urgent_then_finish)
+    async with workers(time_skipping_env, fakes) as client:
+        handle = await start(client)
+        aid = await pending_id(handle)
+        desc = await handle.describe()
+        assert desc.typed_search_attributes  # WarmloopPendingApprovals holds the id
+        values = {k.name: v for k, v in
+                  ((p.key, p.value) for p in desc.typed_search_attributes)}
+        assert values["WarmloopPendingApprovals"] == [aid]
+        assert values["WarmloopProfile"] == "ticket-triage"
+        await handle.cancel()
+        res = await handle.result()
+    assert res.state == JobState.CANCELLED
+
+
+# ---- cancellation and continue-as-new ---------------------------------------------------
+
+
+async def test_cancel_ends_in_cancelled_with_the_transcript(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    fakes = FakeActivities(urgent_then_finish)
+    async with workers(time_skipping_env, fakes) as client:
+        handle = await start(client)
+        await pending_id(handle)
+        await handle.cancel()
+        res = await handle.result()
+    assert res.state == JobState.CANCELLED
+    assert res.transcript[0].tool_calls and res.transcript_key
+    assert fakes.stored and fakes.stored[-1].transcript == res.transcript
+
+
+async def test_continue_as_new_resumes_with_the_same_prompt_and_spend(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    fakes = FakeActivities(always(SEARCH))
+    async with workers(time_skipping_env, fakes) as client:
+        res = await run_job(client, max_steps=5, continue_as_new_after_steps=2,
+                            limits=JobLimits(max_steps=5, max_tool_calls={"search_kb": 9}))
+    assert res.state == JobState.LOOP_CAP
+    assert res.runs == 3
+    assert [s.step for s in res.steps] == [1, 2, 3, 4, 5]
+    assert res.usage.steps == 5 and res.usage.tool_calls == {"search_kb": 5}
+    assert len({s.engine_id for s in res.steps}) == 1 and len(fakes.picks) == 1
+    prompts = fakes.prompts
+    for before, after in zip(prompts, prompts[1:], strict=False):
+        assert after[: len(before) - 1] == before[:-1]  # byte-identical across boundaries
+
+
+async def test_history_of_a_200_step_job_stays_small(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    # Tool results of ~600 characters, like the bundled tools' longest answers.
+    fakes = FakeActivities(always(reply("lookup_customer", '{"customer_id": "C100"}')),
+                           tool_output=lambda r: ToolResult(ok=True, output="x" * 600))
+    async with workers(time_skipping_env, fakes) as client:
+        res = await run_job(client, limits=JobLimits(max_steps=200,
+                                                     max_tool_calls={"lookup_customer": 999}))
+        history = await client.get_workflow_handle(res.job_id).fetch_history()
+    assert res.state == JobState.LOOP_CAP and len(res.steps) == 200
+    # Temporal counts history size in encoded protobuf bytes (the JSON export is ~2x:
+    # payloads are base64 there).
+    size = sum(e.ByteSize() for e in history.events)
+    assert size < 2 * 1024 * 1024, size
+    # requests stay constant-size: no step re-sends the transcript
+    assert max(len(r.model_dump_json()) for r in fakes.generate_requests) < 2500
+
+
+def test_status_model_defaults() -> None:
+    st = JobStatus(job_id="j", profile="p", state=JobState.RUNNING, step=0, engine_id=None)
+    assert st.pending_approvals == [] and st.usage.steps == 0
