@@ -1,26 +1,54 @@
-"""`make demo`: run the bundled tickets as ticket-triage jobs and print the report."""
+"""`make demo`: run the bundled tickets as ticket-triage jobs and print the report.
+
+The tiny model sometimes sets an urgent priority, which waits for a human; the demo
+plays the approver (team-lead) through the same Update the CLI uses.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
 from importlib import resources
 
 from rich.console import Console
-from rich.table import Table
+from temporalio.client import Client, WorkflowHandle
 
-from bench.report import summarize
+from bench.report import report_table, summarize
+from workers.approvals import decide
 from workers.clients import connect
 from workers.settings import Settings
 from workflows.agent_job import AgentJob
-from workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult
+from workflows.contracts import AGENT_TASK_QUEUE, Decision, JobInput, JobResult
+
+
+def bundled_tasks(profile: str = "ticket-triage") -> list[dict[str, object]]:
+    pkg, name = {"ticket-triage": ("ticket_triage", "tickets.jsonl"),
+                 "invoice-reconciliation": ("invoice_reconciliation", "invoices.jsonl")}[profile]
+    text = resources.files(f"activities.data.{pkg}").joinpath(name).read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def bundled_tickets() -> list[dict[str, object]]:
-    text = resources.files("activities.data.ticket_triage").joinpath("tickets.jsonl").read_text()
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return bundled_tasks("ticket-triage")
+
+
+async def stand_in_approver(client: Client, handles: list[WorkflowHandle[AgentJob, JobResult]],
+                            done: asyncio.Event) -> int:
+    """Approve every pending approval of the demo's jobs as it appears."""
+    decided = 0
+    while not done.is_set():
+        for h in handles:
+            for p in await h.query(AgentJob.pending_approvals):
+                await decide(client, h.id, Decision(approval_id=p.approval_id, approve=True,
+                                                    approver=p.approvers[0],
+                                                    comment="approved by the demo"))
+                decided += 1
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(done.wait(), timeout=0.5)
+    return decided
 
 
 async def run_demo(settings: Settings, *, n_jobs: int, max_steps: int, console: Console) -> None:
@@ -38,27 +66,22 @@ async def run_demo(settings: Settings, *, n_jobs: int, max_steps: int, console: 
         )
         for i in range(n_jobs)
     ]
-    results: list[JobResult] = await asyncio.gather(*(h.result() for h in handles))
+    done = asyncio.Event()
+    approver = asyncio.create_task(stand_in_approver(client, handles, done))
+    results: list[JobResult] = list(await asyncio.gather(*(h.result() for h in handles)))
+    done.set()
+    approved = await approver
     elapsed = time.perf_counter() - started
     s = summarize(results)
 
-    table = Table(title=f"warmloop demo: {n_jobs} ticket-triage jobs in {elapsed:.1f}s",
-                  show_header=True)
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    table.add_row("jobs finished (all terminal states)", str(s.jobs))
-    for state, n in sorted(s.states.items()):
-        table.add_row(f"  {state}", str(n))
-    table.add_row("model steps", str(s.steps))
-    table.add_row("prompt tokens", f"{s.prompt_tokens:,}")
-    table.add_row("  served from cache (engine-reported)", f"{s.cached_tokens:,}")
-    table.add_row("share of prompt tokens from cache", f"{s.cache_share:.1%}")
-    table.add_row("steps after a job's first with cached tokens",
-                  f"{s.later_steps_cached}/{s.later_steps}")
-    table.add_row("TTFT p50 / p95 (ms)", f"{s.ttft_p50_ms:.0f} / {s.ttft_p95_ms:.0f}")
-    console.print(table)
+    console.print(report_table(results, title=f"warmloop demo: {n_jobs} jobs in {elapsed:.1f}s"))
+    console.print(f"{s.cached_tokens:,} of {s.prompt_tokens:,} prompt tokens came from the "
+                  f"engines' prefix caches ({s.cache_share:.1%}); TTFT p50/p95 "
+                  f"{s.ttft_p50_ms:.0f}/{s.ttft_p95_ms:.0f} ms; {approved} urgent-priority "
+                  "approvals granted by the demo's stand-in team lead.")
     console.print("The tiny model has random weights: its tool choices are arbitrary, its "
                   "prefix caching is real.")
-    console.print(f"Inspect one job: warmloop result {handles[0].id}")
+    console.print(f"Inspect one job: warmloop result {handles[0].id}    "
+                  "All recent jobs: warmloop report --since 1h")
     console.print("Temporal UI: http://127.0.0.1:"
-                  f"{settings.temporal_ui_port}   Stop the stack: make down  (warmloop dev down)")
+                  f"{settings.temporal_ui_port}    Stop the stack: make down  (warmloop dev down)")

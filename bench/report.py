@@ -1,12 +1,14 @@
-"""Summaries of job results: the figures `make demo` and the benchmarks print."""
+"""Summaries of job results: what `make demo`, `warmloop report` and the benchmarks print."""
 
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-from workflows.contracts import JobResult
+from rich.table import Table
+
+from workflows.contracts import JobResult, JobState
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -20,6 +22,8 @@ def percentile(values: list[float], q: float) -> float:
 
 @dataclass(frozen=True)
 class JobsSummary:
+    """Figures over a set of jobs, all from the engines' own usage numbers."""
+
     jobs: int
     states: dict[str, int]
     steps: int
@@ -28,18 +32,44 @@ class JobsSummary:
     later_steps: int
     """Steps after a job's first: they should find the job's own prefix cached."""
     later_steps_cached: int
+    valid_steps: int
+    cost_usd: float
+    cost_per_task_p50: float
+    cost_per_task_p95: float
     ttft_p50_ms: float
     ttft_p95_ms: float
+    ttft_p99_ms: float
+    task_ttft_p50_ms: float
+    """Per job: the sum of its steps' TTFT, the time the agent waited for first tokens."""
+    task_ttft_p99_ms: float
+    retries: int
+    approvals: int
 
     @property
     def cache_share(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def tool_call_success(self) -> float:
+        """Valid tool calls / model steps."""
+        return self.valid_steps / self.steps if self.steps else 0.0
+
+    @property
+    def accepted(self) -> int:
+        return self.states.get(JobState.FINISHED.value, 0)
+
+    @property
+    def cost_per_accepted(self) -> float:
+        """All spend (failed and capped jobs, retries) over the jobs that finished."""
+        return self.cost_usd / self.accepted if self.accepted else math.inf
 
 
 def summarize(results: list[JobResult]) -> JobsSummary:
     steps = [s for r in results for s in r.steps]
     later = [s for r in results for s in r.steps[1:]]
     ttfts = [s.ttft_ms for s in steps]
+    costs = [r.usage.cost_usd for r in results]
+    task_ttfts = [sum(s.ttft_ms for s in r.steps) for r in results if r.steps]
     return JobsSummary(
         jobs=len(results),
         states=dict(Counter(r.state.value for r in results)),
@@ -48,6 +78,55 @@ def summarize(results: list[JobResult]) -> JobsSummary:
         cached_tokens=sum(s.cached_tokens for s in steps),
         later_steps=len(later),
         later_steps_cached=sum(1 for s in later if s.cached_tokens > 0),
+        valid_steps=sum(1 for s in steps if s.valid),
+        cost_usd=sum(costs),
+        cost_per_task_p50=percentile(costs, 50),
+        cost_per_task_p95=percentile(costs, 95),
         ttft_p50_ms=percentile(ttfts, 50),
         ttft_p95_ms=percentile(ttfts, 95),
+        ttft_p99_ms=percentile(ttfts, 99),
+        task_ttft_p50_ms=percentile(task_ttfts, 50),
+        task_ttft_p99_ms=percentile(task_ttfts, 99),
+        retries=sum(s.retries for s in steps),
+        approvals=sum(len(r.approvals) for r in results),
     )
+
+
+def _usd(v: float) -> str:
+    return "-" if math.isinf(v) or math.isnan(v) else f"${v:.6f}"
+
+
+def report_table(results: list[JobResult], *, title: str) -> Table:
+    """One column per profile: the figures `warmloop report` prints."""
+    by_profile: dict[str, list[JobResult]] = defaultdict(list)
+    for r in results:
+        by_profile[r.profile].append(r)
+    summaries = {p: summarize(rs) for p, rs in sorted(by_profile.items())}
+    table = Table(title=title)
+    table.add_column("figure")
+    for p in summaries:
+        table.add_column(p, justify="right")
+    states = sorted({st for s in summaries.values() for st in s.states})
+    rows: list[tuple[str, list[str]]] = [("jobs", [str(s.jobs) for s in summaries.values()])]
+    rows += [(f"  {st}", [str(s.states.get(st, 0)) for s in summaries.values()])
+             for st in states]
+    rows += [
+        ("model steps", [str(s.steps) for s in summaries.values()]),
+        ("cost per task p50 / p95", [f"{_usd(s.cost_per_task_p50)} / {_usd(s.cost_per_task_p95)}"
+                                     for s in summaries.values()]),
+        ("cost per accepted outcome", [_usd(s.cost_per_accepted) for s in summaries.values()]),
+        ("prompt tokens from cache", [f"{s.cache_share:.1%}" for s in summaries.values()]),
+        ("steps after a job's first with cached tokens",
+         [f"{s.later_steps_cached}/{s.later_steps}" for s in summaries.values()]),
+        ("tool-call success (valid / steps)",
+         [f"{s.tool_call_success:.1%}" for s in summaries.values()]),
+        ("TTFT per step p50 / p99 (ms)",
+         [f"{s.ttft_p50_ms:.0f} / {s.ttft_p99_ms:.0f}" for s in summaries.values()]),
+        ("TTFT per task p50 / p99 (ms)",
+         [f"{s.task_ttft_p50_ms:.0f} / {s.task_ttft_p99_ms:.0f}" for s in summaries.values()]),
+        ("step retries", [str(s.retries) for s in summaries.values()]),
+        ("human approvals", [str(s.approvals) for s in summaries.values()]),
+    ]
+    for name, values in rows:
+        table.add_row(name, *values)
+    return table

@@ -37,16 +37,22 @@ GUIDED_DECODING_CONFIG = json.dumps({"backend": "xgrammar", "disable_any_whitesp
 async def register_search_attributes(client: Any) -> None:
     """Register warmloop's search attributes on a Temporal server (idempotent)."""
     from temporalio.api.enums.v1 import IndexedValueType
-    from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
+    from temporalio.api.operatorservice.v1 import (
+        AddSearchAttributesRequest,
+        ListSearchAttributesRequest,
+    )
 
     from workflows.agent_job import SEARCH_ATTRIBUTES
 
     kinds = {"Keyword": IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD,
              "KeywordList": IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD_LIST}
-    await client.operator_service.add_search_attributes(AddSearchAttributesRequest(
-        namespace=client.namespace,
-        search_attributes={name: kinds[kind] for name, kind in SEARCH_ATTRIBUTES.items()},
-    ))
+    have = await client.operator_service.list_search_attributes(
+        ListSearchAttributesRequest(namespace=client.namespace))
+    missing = {name: kinds[kind] for name, kind in SEARCH_ATTRIBUTES.items()
+               if name not in have.custom_attributes}
+    if missing:
+        await client.operator_service.add_search_attributes(AddSearchAttributesRequest(
+            namespace=client.namespace, search_attributes=missing))
 
 
 class StackError(RuntimeError):
@@ -100,13 +106,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def search_attribute_flags() -> list[str]:
-    from workflows.agent_job import SEARCH_ATTRIBUTES
-
-    return [f for name, kind in SEARCH_ATTRIBUTES.items()
-            for f in ("--search-attribute", f"{name}={kind}")]
-
-
 def settings_env(settings: Settings) -> dict[str, str]:
     """The settings as WARMLOOP_* variables, so child processes see exactly these."""
     env: dict[str, str] = {}
@@ -149,9 +148,9 @@ class Stack:
                 "temporal",
                 [str(BIN / "temporal"), "server", "start-dev", "--ip", t_host, "--port", t_port,
                  "--ui-port", str(s.temporal_ui_port),
-                 "--db-filename", str(s.state_dir / "temporal.db"), "--log-level", "warn",
-                 *search_attribute_flags()],
+                 "--db-filename", str(s.state_dir / "temporal.db"), "--log-level", "warn"],
                 ready=lambda: _port_open(t_host, int(t_port)),
+                after_ready=self._register_search_attributes,
                 timeout_s=30,
             ),
             Part(
@@ -254,6 +253,16 @@ class Stack:
         if pid is None:
             return bool(keys)
         return any(k.decode().endswith(f"-{pid}") for k in keys)
+
+    def _register_search_attributes(self) -> None:
+        import asyncio
+
+        from workers.clients import connect
+
+        async def go() -> None:
+            await register_search_attributes(await connect(self.settings))
+
+        asyncio.run(go())
 
     def _create_bucket(self) -> None:
         from workers.clients import build_s3

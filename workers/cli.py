@@ -7,6 +7,7 @@ import json
 import sys
 import uuid
 from collections.abc import Coroutine
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -16,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 from temporalio.client import WorkflowExecutionStatus
 from temporalio.common import WorkflowIDReusePolicy
-from temporalio.exceptions import WorkflowAlreadyStartedError
+from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from workers.clients import StackNotRunningError, connect
@@ -229,6 +230,128 @@ def _print_result(res: JobResult) -> None:
     console.print(table)
     if res.transcript_key:
         console.print(f"transcript: s3://…/{res.transcript_key}")
+
+
+@app.command()
+def cancel(job_id: str) -> None:
+    """Cancel a job: it ends as CANCELLED, with its transcript kept."""
+
+    async def go() -> None:
+        handle, desc = await _handle(job_id)
+        if desc.status != WorkflowExecutionStatus.RUNNING:
+            fail(f"job {job_id} is not running")
+        await handle.cancel()
+        res = await handle.result()
+        console.print(f"{job_id}: {res.state.value} after {len(res.steps)} steps")
+
+    run(go())
+
+
+@app.command()
+def approvals() -> None:
+    """List pending approvals across all jobs."""
+
+    async def go() -> None:
+        from workers.approvals import list_pending
+
+        pending = await list_pending(await connect(_settings()))
+        if not pending:
+            console.print("no pending approvals")
+            return
+        table = Table("approval", "tool and arguments", "approvers", "deadline (UTC)")
+        for p in pending:
+            table.add_row(f"{p.job_id}\n{p.approval_id}" + (" (escalated)" if p.escalated else ""),
+                          f"{p.tool}\n{json.dumps(p.arguments)}", "\n".join(p.approvers),
+                          p.deadline.strftime("%Y-%m-%d %H:%M:%S"))
+        console.print(table)
+
+    run(go())
+
+
+def _decide(job_id: str, approval_id: str, approve: bool, approver: str, comment: str) -> None:
+    async def go() -> None:
+        from temporalio.client import WorkflowUpdateFailedError
+
+        from workers.approvals import decide
+        from workflows.contracts import Decision
+
+        client = await connect(_settings())
+        await _handle(job_id)
+        try:
+            p = await decide(client, job_id, Decision(approval_id=approval_id, approve=approve,
+                                                      approver=approver, comment=comment))
+        except WorkflowUpdateFailedError as e:
+            cause = e.cause
+            fail(f"refused: {cause.message if isinstance(cause, ApplicationError) else e}")
+        verb = "approved" if approve else "rejected"
+        console.print(f"{verb} {p.approval_id} ({p.tool} {json.dumps(p.arguments)}) "
+                      f"of job {job_id} as {approver}")
+
+    run(go())
+
+
+@app.command()
+def approve(
+    job_id: str, approval_id: str,
+    approver: str = typer.Option(..., "--as", help="Your approver name."),
+    comment: str = typer.Option("", "--comment"),
+) -> None:
+    """Approve a pending tool call."""
+    _decide(job_id, approval_id, True, approver, comment)
+
+
+@app.command()
+def reject(
+    job_id: str, approval_id: str,
+    approver: str = typer.Option(..., "--as", help="Your approver name."),
+    comment: str = typer.Option("", "--comment"),
+) -> None:
+    """Reject a pending tool call; the model is told and goes on (or the job ends)."""
+    _decide(job_id, approval_id, False, approver, comment)
+
+
+def parse_since(text: str) -> timedelta:
+    """'90s', '15m', '2h', '7d' -> a timedelta."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    try:
+        value, unit = float(text[:-1]), units[text[-1]]
+    except (ValueError, KeyError, IndexError):
+        raise typer.BadParameter(f"{text!r}: use a number and s, m, h or d (e.g. 2h)") from None
+    return timedelta(seconds=value * unit)
+
+
+@app.command()
+def report(
+    since: str = typer.Option("24h", "--since", help="Jobs closed within this window."),
+    profile: str | None = typer.Option(None, "--profile"),
+) -> None:
+    """Per profile: jobs by terminal state, cost per task, cache hit share, tool-call
+    success, TTFT per step and per task, from the jobs' recorded engine usage."""
+
+    async def go() -> None:
+        from bench.report import report_table
+        from workflows.agent_job import AgentJob
+
+        client = await connect(_settings())
+        after = (datetime.now(UTC) - parse_since(since)).strftime("%Y-%m-%dT%H:%M:%SZ")
+        q = f"WorkflowType = 'AgentJob' AND ExecutionStatus = 'Completed' AND CloseTime > '{after}'"
+        if profile:
+            q += f" AND WarmloopProfile = '{profile}'"
+        ids = [wf.id async for wf in client.list_workflows(q)]
+        sem = asyncio.Semaphore(16)
+
+        async def fetch(wid: str) -> JobResult:
+            async with sem:
+                return await client.get_workflow_handle_for(AgentJob.run, wid).result()
+
+        results = list(await asyncio.gather(*(fetch(w) for w in ids)))
+        if not results:
+            console.print(f"no jobs closed in the last {since}")
+            return
+        console.print(report_table(results, title=f"warmloop report: jobs closed in the last "
+                                                  f"{since}"))
+
+    run(go())
 
 
 @app.command()

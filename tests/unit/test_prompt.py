@@ -1,6 +1,6 @@
+from workflows.budgets import JobLimits, Usage, remaining_text
 from workflows.contracts import ChatMessage, FunctionCall, ToolCall
 from workflows.profiles import get_profile
-from workflows.budgets import JobLimits, Usage, remaining_text
 from workflows.prompt import assemble_prompt, stable_prefix_hash
 
 TRIAGE = get_profile("ticket-triage")
