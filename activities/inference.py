@@ -47,7 +47,7 @@ class InferenceActivities:
         return {
             "model": self._model,
             "messages": [m.to_openai() for m in messages],
-            "tools": profile.tool_schemas(),
+            "tools": profile.tool_schemas(req.tools),
             # `required` + strict schemas: the engine's guided decoding makes the output
             # a parseable call, even from a weak model.
             "tool_choice": "required",

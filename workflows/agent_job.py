@@ -151,7 +151,9 @@ class AgentJob:
         try:
             profile = get_profile(job.profile)
             task = profile.validate_task(job.task)
-        except (UnknownProfileError, ValidationError) as e:
+            if job.tools:
+                profile.check_tools(job.tools)
+        except (UnknownProfileError, ValidationError, ValueError) as e:
             return await self._end(JobState.INVALID_INPUT, f"invalid job input: {e}")
         self._resume(job)
         workflow.upsert_search_attributes([SA_PROFILE.value_set(profile.name),
@@ -199,7 +201,7 @@ class AgentJob:
             steps_this_run += 1
             gen, record = await self._model_step(job, profile, task, limits)
             try:
-                spec, args = self._validate(profile, gen)
+                spec, args = self._validate(profile, gen, job.tools)
             except ToolCallError as e:
                 self._on_invalid(profile, gen, record, str(e))
                 continue
@@ -254,6 +256,7 @@ class AgentJob:
             new_messages=self._transcript[self._stored_len:],
             tail=remaining_text(limits, self._usage, self._elapsed_s()),
             max_tokens=step_output_budget(profile.budgets, kind, limits, self._usage),
+            tools=job.tools,
         )
         gen, route_reason, failovers = await self._generate(
             request, pickup_timeout=timedelta(seconds=job.step_pickup_timeout_s)
@@ -358,14 +361,16 @@ class AgentJob:
                         f"step {request.step} failed on engines {', '.join(failed)}")
 
     @staticmethod
-    def _validate(profile: Profile, gen: GenerateResult) -> tuple[ToolSpec, dict[str, Any]]:
+    def _validate(profile: Profile, gen: GenerateResult,
+                  offered: list[str] | None) -> tuple[ToolSpec, dict[str, Any]]:
         if len(gen.tool_calls) != 1:
             raise ToolCallError(
                 f"expected exactly one tool call, got {len(gen.tool_calls)}"
                 + (f" and text {gen.content[:80]!r}" if gen.content else "")
             )
         call = gen.tool_calls[0]
-        return profile.validate_call(call.function.name, call.function.arguments)
+        return profile.validate_call(call.function.name, call.function.arguments,
+                                     offered=offered)
 
     @staticmethod
     def _repair_messages(gen: GenerateResult, error: str) -> list[ChatMessage]:

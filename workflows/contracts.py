@@ -82,6 +82,11 @@ class JobInput(BaseModel):
         description="How long a step may wait for its engine's worker to pick it up before "
         "the engine is taken for dead and the step fails over to another.",
     )
+    tools: list[str] | None = Field(
+        default=None, min_length=1,
+        description="Offer only these tools of the profile (default: all). Without the "
+        "finish tool a job runs until a cap: soak and history tests use that.",
+    )
     continue_as_new_after_steps: int | None = Field(
         default=None, ge=1,
         description="Continue-as-new every N steps even when the server does not suggest it "
@@ -144,6 +149,8 @@ class GenerateRequest(BaseModel):
     new_messages: list[ChatMessage] = Field(default_factory=list)
     """Messages to store at positions base_len, base_len+1, ... before this step."""
     tail: str = Field(description="The volatile tail: the budget line the model reads.")
+    tools: list[str] | None = None
+    """The profile's tools offered in this job; None: all."""
     max_tokens: int = Field(ge=1)
     priority: int = 0
 

@@ -188,3 +188,14 @@ async def test_invalid_input_that_bypassed_the_client_ends_cleanly(
 def test_job_result_round_trips_as_json() -> None:
     res = JobResult(job_id="j", profile="ticket-triage", state=JobState.LOOP_CAP, reason="r")
     assert JobResult.model_validate(json.loads(res.model_dump_json())) == res
+
+
+async def test_a_job_may_offer_only_some_tools(time_skipping_env: WorkflowEnvironment) -> None:
+    script = iter([reply("finish", '{"resolution": "resolved", "priority": "low"}'),
+                   reply("search_kb", '{"topic": "login"}')])
+    fakes = FakeActivities(lambda req: next(script))
+    async with workers(time_skipping_env, fakes) as client:
+        res = await run_job(client, max_steps=2, tools=["search_kb", "lookup_customer"])
+    assert res.state == JobState.LOOP_CAP  # finish was not offered, so it cannot end the job
+    assert "unknown tool 'finish'" in (res.steps[0].error or "")
+    assert all(r.tools == ["search_kb", "lookup_customer"] for r in fakes.generate_requests)

@@ -3,16 +3,14 @@ test server with scripted activities."""
 
 from __future__ import annotations
 
-import asyncio
 import uuid
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
 
 import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.testing import WorkflowEnvironment
 
+from tests.polling import eventually
 from tests.workflow.fakes import FakeActivities, reply
 from tests.workflow.test_agent_job import TICKET, always, run_job, workers
 from workflows.agent_job import AgentJob
@@ -29,23 +27,12 @@ from workflows.contracts import (
     ToolResult,
 )
 
-T = TypeVar("T")
 WORKFLOW_TASK_EVENTS = {EventType.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED,
                         EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED,
                         EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED}
 SEARCH = reply("search_kb", '{"topic": "crash"}')
 URGENT = reply("set_priority", '{"priority": "urgent"}')
 FINISH = reply("finish", '{"resolution": "resolved", "priority": "urgent"}')
-
-
-async def eventually(probe: Callable[[], Awaitable[T | None]], *, attempts: int = 200) -> T:
-    """Poll a query until it answers (the workflow moves on its own thread of time)."""
-    for _ in range(attempts):
-        value = await probe()
-        if value:
-            return value
-        await asyncio.sleep(0.05)
-    raise AssertionError("condition never held")
 
 
 def urgent_then_finish(req: GenerateRequest) -> GenerateResult:

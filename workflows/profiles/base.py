@@ -144,9 +144,15 @@ class Profile:
     def tool(self, name: str) -> ToolSpec:
         return self._by_name[name]
 
-    def tool_schemas(self) -> list[dict[str, Any]]:
+    def tool_schemas(self, only: list[str] | None = None) -> list[dict[str, Any]]:
         """Tool schemas in canonical (name) order, so the prefix never reorders."""
-        return [self._by_name[n].openai_schema() for n in sorted(self._by_name)]
+        names = sorted(self._by_name if only is None else set(only) & set(self._by_name))
+        return [self._by_name[n].openai_schema() for n in names]
+
+    def check_tools(self, names: list[str]) -> None:
+        unknown = sorted(set(names) - set(self._by_name))
+        if unknown:
+            raise ValueError(f"profile {self.name!r} has no tools {', '.join(unknown)}")
 
     def validate_task(self, task: dict[str, Any]) -> BaseModel:
         return self.task_model.model_validate(task)
@@ -154,13 +160,13 @@ class Profile:
     def approval_for(self, tool: str, args: dict[str, Any]) -> ApprovalRule | None:
         return next((r for r in self.approvals if r.applies(tool, args)), None)
 
-    def validate_call(self, name: str, raw_arguments: str) -> tuple[ToolSpec, dict[str, Any]]:
+    def validate_call(self, name: str, raw_arguments: str, *,
+                      offered: list[str] | None = None) -> tuple[ToolSpec, dict[str, Any]]:
         """Parse and validate one tool call; raises ``ToolCallError`` saying what is wrong."""
-        spec = self._by_name.get(name)
+        allowed = sorted(self._by_name if offered is None else offered)
+        spec = self._by_name.get(name) if name in allowed else None
         if spec is None:
-            raise ToolCallError(
-                f"unknown tool {name!r}; call one of: {', '.join(sorted(self._by_name))}"
-            )
+            raise ToolCallError(f"unknown tool {name!r}; call one of: {', '.join(allowed)}")
         try:
             parsed = json.loads(raw_arguments or "{}")
         except json.JSONDecodeError as e:

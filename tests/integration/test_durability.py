@@ -1,0 +1,110 @@
+"""Durability on the real stack: a killed agent worker, continue-as-new mid-job, a
+200-step job's history, metrics and the report, all against real vLLM engines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+import uuid
+
+import pytest
+from temporalio.client import Client
+
+from activities.tools import EffectLedger
+from bench.demo import bundled_tickets
+from infra.stack import Stack
+from tests.polling import eventually
+from workers.clients import build_redis
+from workers.settings import Settings
+from workflows.agent_job import AgentJob
+from workflows.budgets import JobLimits
+from workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobState
+from workflows.profiles import get_profile
+
+pytestmark = pytest.mark.integration
+TRIAGE = get_profile("ticket-triage")
+NO_FINISH = [t.name for t in TRIAGE.tools if not t.finishes_job]
+UNCAPPED = {t.name: 10_000 for t in TRIAGE.tools}
+
+
+async def test_killed_agent_worker_job_finishes_with_no_side_effect_applied_twice(
+    client: Client, stack: Stack, settings: Settings
+) -> None:
+    # Only side-effect tools are offered, so nearly every step writes to the world.
+    job = JobInput(profile="ticket-triage", task=bundled_tickets()[1],
+                   tools=["draft_reply", "set_priority"],
+                   limits=JobLimits(max_steps=10, max_tool_calls=UNCAPPED))
+    handle = await client.start_workflow(AgentJob.run, job, id=f"kill-{uuid.uuid4().hex[:8]}",
+                                         task_queue=AGENT_TASK_QUEUE)
+
+    async def progressed() -> bool:
+        return (await handle.query(AgentJob.status)).step >= 3
+
+    await eventually(progressed, attempts=1200, interval_s=0.1)
+    killed = stack.stop_part("agent-worker", signal.SIGKILL)
+    assert killed is not None
+    await asyncio.to_thread(stack.up)  # restarts the missing agent worker
+    res = await asyncio.wait_for(handle.result(), timeout=300)
+
+    assert res.state == JobState.LOOP_CAP and len(res.steps) == 10
+    ledger = EffectLedger(build_redis(settings))
+    effects = await ledger.effects(res.job_id)
+    ran = [s.step for s in res.steps if s.valid and s.tool in ("draft_reply", "set_priority")
+           and not any(a.approval.step == s.step and a.outcome != "approved"
+                       for a in res.approvals)]
+    # draft_reply may answer "no article" (no effect); every effect belongs to a step
+    # that ran the tool, and no step has two
+    assert set(effects) <= set(ran)
+    counts = await ledger.counts(res.job_id)
+    assert counts.get("applied", 0) == len(effects)
+
+
+async def test_forced_continue_as_new_keeps_the_prefix_warm(client: Client) -> None:
+    job = JobInput(profile="ticket-triage", task=bundled_tickets()[2], tools=NO_FINISH,
+                   continue_as_new_after_steps=3,
+                   limits=JobLimits(max_steps=6, max_tool_calls=UNCAPPED))
+    res = await client.execute_workflow(AgentJob.run, job, id=f"can-{uuid.uuid4().hex[:8]}",
+                                        task_queue=AGENT_TASK_QUEUE)
+    assert res.runs == 2 and len(res.steps) == 6
+    after_boundary = res.steps[3]
+    assert after_boundary.route_reason == "sticky"
+    assert after_boundary.cached_tokens > 0
+    assert all(s.cached_tokens > 0 for s in res.steps[1:])
+
+
+async def test_a_200_step_job_keeps_its_history_under_2_mb(client: Client) -> None:
+    job = JobInput(profile="ticket-triage", task=bundled_tickets()[3], tools=NO_FINISH,
+                   limits=JobLimits(max_steps=200, max_tool_calls=UNCAPPED))
+    wid = f"long-{uuid.uuid4().hex[:8]}"
+    res = await client.execute_workflow(AgentJob.run, job, id=wid, task_queue=AGENT_TASK_QUEUE)
+    assert len(res.steps) == 200, res.reason
+    desc = await client.get_workflow_handle(wid).describe()
+    size = desc.raw_description.workflow_execution_info.history_size_bytes
+    print(f"200-step job: history {size:,} bytes, "
+          f"{desc.raw_description.workflow_execution_info.history_length} events, "
+          f"{res.usage.prompt_tokens:,} prompt tokens of which {res.usage.cached_tokens:,} cached")
+    assert 0 < size < 2 * 1024 * 1024
+    assert res.cache_hit_share > 0.8
+
+
+def test_report_and_metrics_show_real_usage(stack: Stack, settings: Settings) -> None:
+    out = subprocess.run([sys.executable, "-m", "workers.cli", "report", "--since", "1h"],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    assert "cost per task p50 / p95" in out.stdout and "prompt tokens from cache" in out.stdout
+    assert "ticket-triage" in out.stdout
+    body = urllib.request.urlopen(
+        f"http://127.0.0.1:{settings.agent_metrics_port}/metrics", timeout=5).read().decode()
+    samples = {line.split("{")[0]: line for line in body.splitlines()
+               if line.startswith("warmloop_") and not line.startswith("#")}
+    assert "warmloop_cached_tokens" in samples or "warmloop_cached_tokens_total" in samples
+    cached = [float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+              if line.startswith("warmloop_cached_tokens")]
+    assert sum(cached) > 0
+    json.dumps(samples)  # all plain text
