@@ -14,7 +14,13 @@ import uuid
 from importlib import resources
 
 from rich.console import Console
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import (
+    Client,
+    WorkflowHandle,
+    WorkflowQueryFailedError,
+    WorkflowUpdateFailedError,
+)
+from temporalio.service import RPCError
 
 from bench.report import report_table, summarize
 from workers.approvals import decide
@@ -41,11 +47,15 @@ async def stand_in_approver(client: Client, handles: list[WorkflowHandle[AgentJo
     decided = 0
     while not done.is_set():
         for h in handles:
-            for p in await h.query(AgentJob.pending_approvals):
-                await decide(client, h.id, Decision(approval_id=p.approval_id, approve=True,
-                                                    approver=p.approvers[0],
-                                                    comment="approved by the demo"))
-                decided += 1
+            try:
+                pending = await h.query(AgentJob.pending_approvals)
+                for p in pending:
+                    await decide(client, h.id, Decision(approval_id=p.approval_id,
+                                                        approve=True, approver=p.approvers[0],
+                                                        comment="approved by the demo"))
+                    decided += 1
+            except (RPCError, WorkflowQueryFailedError, WorkflowUpdateFailedError):
+                continue  # a restarting worker, or a job that just ended: ask again later
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(done.wait(), timeout=0.5)
     return decided

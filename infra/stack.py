@@ -251,14 +251,24 @@ class Stack:
             return False
 
     def _agent_worker_ready(self) -> bool:
+        """Our agent worker heartbeats; or, when we started none, some live one does.
+
+        A heartbeat key of a dead process on this host (killed moments ago, its key not
+        yet expired) does not count.
+        """
         pid = self._pid("agent-worker")
         try:
-            keys = self._redis().keys("warmloop:worker:agent:*")
+            keys = [k.decode() for k in self._redis().keys("warmloop:worker:agent:*")]
         except Exception:
             return False
-        if pid is None:
-            return bool(keys)
-        return any(k.decode().endswith(f"-{pid}") for k in keys)
+        if pid is not None:
+            return any(k.endswith(f"-{pid}") for k in keys)
+        here = socket.gethostname()
+        for k in keys:
+            host, _, other = k.removeprefix("warmloop:worker:agent:").rpartition("-")
+            if host != here or (other.isdigit() and _alive(int(other))):
+                return True
+        return False
 
     def _register_search_attributes(self) -> None:
         import asyncio

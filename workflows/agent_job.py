@@ -351,6 +351,13 @@ class AgentJob:
                 if _error_type(e) == "ContextOverflow":
                     raise _JobEnded(JobState.CONTEXT_EXHAUSTED,
                                     "the transcript no longer fits the context window") from e
+                if _error_type(e) == "TranscriptGap" and request.base_len > 0:
+                    # The stored transcript was lost (e.g. an in-memory S3 restarted): the
+                    # workflow holds it whole, so send it all once and go on.
+                    workflow.logger.warning("transcript store lost messages; resending")
+                    request = request.model_copy(
+                        update={"base_len": 0, "new_messages": self._transcript})
+                    continue
                 lost = self._engine.engine_id
                 timed_out = isinstance(e.cause, ActivityTimeoutError)
                 workflow.logger.warning("step %d failed on engine %s (timeout: %s); failing over",

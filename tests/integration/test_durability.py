@@ -16,7 +16,7 @@ import pytest
 from temporalio.client import Client
 
 from activities.tools import EffectLedger
-from bench.demo import bundled_tickets
+from bench.demo import bundled_tickets, stand_in_approver
 from infra.stack import Stack
 from tests.polling import eventually
 from workers.clients import build_redis
@@ -49,7 +49,12 @@ async def test_killed_agent_worker_job_finishes_with_no_side_effect_applied_twic
     killed = stack.stop_part("agent-worker", signal.SIGKILL)
     assert killed is not None
     await asyncio.to_thread(stack.up)  # restarts the missing agent worker
+    # urgent priorities wait for a human: play the approver, as the demo does
+    done = asyncio.Event()
+    approver = asyncio.create_task(stand_in_approver(client, [handle], done))
     res = await asyncio.wait_for(handle.result(), timeout=300)
+    done.set()
+    await approver
 
     assert res.state == JobState.LOOP_CAP and len(res.steps) == 10
     ledger = EffectLedger(build_redis(settings))

@@ -199,3 +199,22 @@ async def test_a_job_may_offer_only_some_tools(time_skipping_env: WorkflowEnviro
     assert res.state == JobState.LOOP_CAP  # finish was not offered, so it cannot end the job
     assert "unknown tool 'finish'" in (res.steps[0].error or "")
     assert all(r.tools == ["search_kb", "lookup_customer"] for r in fakes.generate_requests)
+
+
+async def test_a_lost_transcript_store_is_refilled_from_the_workflow(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    lost = {"once": True}
+
+    def script(req: GenerateRequest) -> GenerateResult:
+        if req.step == 3 and lost.pop("once", False):
+            raise ApplicationError("no message 1", type="TranscriptGap", non_retryable=True)
+        return reply("search_kb", '{"topic": "login"}')
+
+    fakes = FakeActivities(script)
+    async with workers(time_skipping_env, fakes) as client:
+        res = await run_job(client, max_steps=4)
+    assert res.state == JobState.LOOP_CAP and len(res.steps) == 4
+    step3 = [r for r in fakes.generate_requests if r.step == 3]
+    assert [(r.base_len, len(r.new_messages)) for r in step3] == [(2, 2), (0, 4)]
+    assert len(fakes.picks) == 1  # same engine: not a failover
