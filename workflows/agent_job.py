@@ -193,11 +193,11 @@ class AgentJob:
                     limits: JobLimits) -> None:
         steps_this_run = 0
         while True:
-            if self._should_continue_as_new(job, steps_this_run):
-                workflow.continue_as_new(job.model_copy(update={"carry": self._carry()}))
             hit = check_before_step(limits, self._usage, self._elapsed_s())
             if hit:
                 raise _JobEnded(JobState(hit.state), hit.reason)
+            if self._should_continue_as_new(job, steps_this_run):
+                workflow.continue_as_new(job.model_copy(update={"carry": self._carry()}))
             steps_this_run += 1
             gen, record = await self._model_step(job, profile, task, limits)
             try:

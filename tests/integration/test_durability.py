@@ -28,7 +28,10 @@ from workflows.profiles import get_profile
 
 pytestmark = pytest.mark.integration
 TRIAGE = get_profile("ticket-triage")
-NO_FINISH = [t.name for t in TRIAGE.tools if not t.finishes_job]
+# Tools that neither end the job nor wait for a human: a job offered only these runs
+# until its step cap.
+UNGATED = [t.name for t in TRIAGE.tools
+           if not t.finishes_job and all(r.tool != t.name for r in TRIAGE.approvals)]
 UNCAPPED = {t.name: 10_000 for t in TRIAGE.tools}
 
 
@@ -70,7 +73,7 @@ async def test_killed_agent_worker_job_finishes_with_no_side_effect_applied_twic
 
 
 async def test_forced_continue_as_new_keeps_the_prefix_warm(client: Client) -> None:
-    job = JobInput(profile="ticket-triage", task=bundled_tickets()[2], tools=NO_FINISH,
+    job = JobInput(profile="ticket-triage", task=bundled_tickets()[2], tools=UNGATED,
                    continue_as_new_after_steps=3,
                    limits=JobLimits(max_steps=6, max_tool_calls=UNCAPPED))
     res = await client.execute_workflow(AgentJob.run, job, id=f"can-{uuid.uuid4().hex[:8]}",
@@ -83,7 +86,7 @@ async def test_forced_continue_as_new_keeps_the_prefix_warm(client: Client) -> N
 
 
 async def test_a_200_step_job_keeps_its_history_under_2_mb(client: Client) -> None:
-    job = JobInput(profile="ticket-triage", task=bundled_tickets()[3], tools=NO_FINISH,
+    job = JobInput(profile="ticket-triage", task=bundled_tickets()[3], tools=UNGATED,
                    limits=JobLimits(max_steps=200, max_tool_calls=UNCAPPED))
     wid = f"long-{uuid.uuid4().hex[:8]}"
     res = await client.execute_workflow(AgentJob.run, job, id=wid, task_queue=AGENT_TASK_QUEUE)

@@ -8,6 +8,7 @@ import uuid
 import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 
 from tests.polling import eventually
@@ -24,6 +25,7 @@ from workflows.contracts import (
     JobResult,
     JobState,
     JobStatus,
+    ToolRequest,
     ToolResult,
 )
 
@@ -288,3 +290,25 @@ async def test_history_of_a_200_step_job_stays_small(
 def test_status_model_defaults() -> None:
     st = JobStatus(job_id="j", profile="p", state=JobState.RUNNING, step=0, engine_id=None)
     assert st.pending_approvals == [] and st.usage.steps == 0
+
+
+async def test_tool_errors_retry_by_the_tools_policy_then_the_model_reads_the_failure(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    attempts: dict[str, int] = {}
+
+    def flaky(req: ToolRequest) -> ToolResult:
+        attempts[req.name] = attempts.get(req.name, 0) + 1
+        if req.name == "lookup_customer":
+            raise ApplicationError("CRM timed out")  # retryable
+        raise ApplicationError("bad topic", type="BadInput", non_retryable=True)
+
+    script = iter([reply("lookup_customer", '{"customer_id": "C100"}'), SEARCH, FINISH])
+    fakes = FakeActivities(lambda req: next(script), tool_output=flaky)
+    async with workers(time_skipping_env, fakes) as client:
+        res = await run_job(client)
+    assert res.state == JobState.FINISHED
+    assert attempts == {"lookup_customer": 3, "search_kb": 1}  # ToolRetry default: 3 attempts
+    failures = [m.content for m in res.transcript if m.role == "tool"][:2]
+    assert all(f.startswith("tool ") and "failed" in f for f in failures)
+    assert [s.kind for s in res.steps] == ["plan", "reflect", "reflect"]

@@ -129,7 +129,7 @@ class Profile:
     budgets: OutputBudgets = OutputBudgets()
     max_invalid_calls: int = 3
     """Consecutive invalid tool calls tolerated before the job ends as INVALID_OUTPUT."""
-    max_tool_output_chars: int = 4000
+    max_tool_output_chars: int = 8192
     """Longer tool output is cut to this in the prompt; the whole of it goes to S3."""
     _by_name: dict[str, ToolSpec] = field(init=False, repr=False, compare=False)
 
