@@ -9,12 +9,13 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from temporalio.client import Client
 
 from activities.storage import StorageActivities
-from bench.demo import bundled_tickets
+from bench.demo import bundled_tickets, stand_in_approver
 from infra.stack import Stack
 from workers.clients import build_s3
 from workers.settings import Settings
@@ -35,7 +36,19 @@ async def _run_jobs(client: Client, n: int, max_steps: int) -> list[JobResult]:
         )
         for i in range(n)
     ]
-    return list(await asyncio.gather(*(h.result() for h in handles)))
+    return await results_with_approver(client, handles)
+
+
+async def results_with_approver(client: Client, handles: list[Any]) -> list[JobResult]:
+    """Wait for the jobs while a stand-in team lead approves what they ask (the tiny
+    model sometimes sets an urgent priority, which waits for a human)."""
+    done = asyncio.Event()
+    approver = asyncio.create_task(stand_in_approver(client, handles, done))
+    try:
+        return list(await asyncio.gather(*(h.result() for h in handles)))
+    finally:
+        done.set()
+        await approver
 
 
 async def test_every_step_after_the_first_reads_its_prefix_from_the_engine_cache(
@@ -77,15 +90,16 @@ def _cli(*args: str, settings: Settings) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=300)
 
 
-def test_cli_submit_wait_status_and_result(stack: Stack, settings: Settings,
+async def test_cli_submit_status_and_result(client: Client, settings: Settings,
                                            tmp_path: Path) -> None:
     ticket = tmp_path / "ticket.json"
     ticket.write_text(json.dumps(bundled_tickets()[0]))
     job_id = f"cli-{uuid.uuid4().hex[:8]}"
-    out = _cli("submit", "ticket-triage", "--input", str(ticket), "--job-id", job_id,
-               "--max-steps", "3", "--wait", settings=settings)
+    out = await asyncio.to_thread(_cli, "submit", "ticket-triage", "--input", str(ticket),
+                                  "--job-id", job_id, "--max-steps", "3", settings=settings)
     assert out.returncode == 0, out.stderr
     assert f"started job {job_id}" in out.stdout
+    await results_with_approver(client, [client.get_workflow_handle_for(AgentJob.run, job_id)])
     st = _cli("status", job_id, settings=settings)
     assert st.returncode == 0 and job_id in st.stdout
     res = _cli("result", job_id, "--json", settings=settings)
