@@ -1,0 +1,105 @@
+"""The hold/release cost model: obvious cases, and monotonicity as properties."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from workflows.holding import (
+    HoldAction,
+    HoldCosts,
+    PauseDistribution,
+    TtlCacheCosts,
+    decide_hold,
+    keepalive_schedule,
+)
+
+TOOL = PauseDistribution(prior_median_s=3, prior_p90_s=8)          # a ~3 s tool call
+APPROVAL = PauseDistribution(prior_median_s=2400, prior_p90_s=7200)  # ~40 min human
+
+
+def costs(kv_usage: float, *, prefix: int = 2000, offload: float | None = None) -> HoldCosts:
+    # an H100-class engine: $3/h, 20k prefill tokens/s, 1M-token KV pool, latency $0.01/s
+    return HoldCosts(prefix_tokens=prefix, kv_capacity_tokens=1_000_000, kv_usage=kv_usage,
+                     prefill_s_per_token=1 / 20_000, gpu_usd_per_s=3 / 3600,
+                     latency_usd_per_s=0.01, offload_reload_s_per_token=offload)
+
+
+def test_short_tool_at_low_pressure_holds_for_most_of_the_pauses() -> None:
+    choice = decide_hold(costs(0.3), TOOL)
+    assert choice.action == HoldAction.HOLD
+    assert choice.ttl_s >= 8  # covers the p90 of the pause
+    assert choice.expected_usd < choice.release_usd
+
+
+def test_an_approval_that_takes_hours_releases() -> None:
+    assert decide_hold(costs(0.3), APPROVAL).action == HoldAction.RELEASE
+
+
+def test_high_pressure_releases_even_short_pauses_or_holds_briefly() -> None:
+    low, high = decide_hold(costs(0.3), TOOL), decide_hold(costs(0.999), TOOL)
+    assert high.action == HoldAction.RELEASE or high.ttl_s < low.ttl_s
+
+
+def test_offload_wins_when_reloading_is_cheaper_than_both() -> None:
+    choice = decide_hold(costs(0.95, offload=1 / 200_000), APPROVAL)
+    assert choice.action == HoldAction.OFFLOAD
+
+
+def test_samples_replace_the_prior_once_there_are_enough() -> None:
+    slow = PauseDistribution(samples=(3600.0,) * 25, prior_median_s=2, prior_p90_s=4)
+    assert decide_hold(costs(0.3), slow).action == HoldAction.RELEASE
+    few = PauseDistribution(samples=(3600.0,) * 5, prior_median_s=2, prior_p90_s=4)
+    assert decide_hold(costs(0.3), few).action == HoldAction.HOLD
+
+
+def test_prior_must_be_ordered() -> None:
+    with pytest.raises(ValueError, match="prior_p90_s"):
+        PauseDistribution(prior_median_s=10, prior_p90_s=5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(usage=st.floats(0.0, 0.99), bump=st.floats(0.0, 0.99),
+       median=st.floats(0.5, 20_000), spread=st.floats(1.0, 10.0))
+def test_more_pressure_never_turns_release_into_hold(usage: float, bump: float,
+                                                     median: float, spread: float) -> None:
+    pauses = PauseDistribution(prior_median_s=median, prior_p90_s=median * spread)
+    higher = min(0.999, usage + bump * (1 - usage))
+    before, after = decide_hold(costs(usage), pauses), decide_hold(costs(higher), pauses)
+    if before.action == HoldAction.RELEASE:
+        assert after.action == HoldAction.RELEASE
+    if before.action == after.action == HoldAction.HOLD:
+        assert after.ttl_s <= before.ttl_s  # dearer memory never buys a longer hold
+
+
+@settings(max_examples=60, deadline=None)
+@given(usage=st.floats(0.0, 0.99), median=st.floats(0.5, 20_000),
+       spread=st.floats(1.0, 10.0), factor=st.floats(1.0, 100.0))
+def test_longer_pauses_never_turn_release_into_hold(usage: float, median: float,
+                                                    spread: float, factor: float) -> None:
+    pauses = PauseDistribution(prior_median_s=median, prior_p90_s=median * spread)
+    before = decide_hold(costs(usage), pauses)
+    after = decide_hold(costs(usage), pauses.scaled(factor))
+    if before.action == HoldAction.RELEASE:
+        assert after.action == HoldAction.RELEASE
+
+
+# ---- TTL-cache endpoints ---------------------------------------------------------------
+
+
+def test_keepalive_pings_go_before_each_expiry_until_the_hold_ends() -> None:
+    assert keepalive_schedule(cache_ttl_s=300, hold_for_s=1000, margin_s=5) == [295, 590, 885]
+    assert keepalive_schedule(cache_ttl_s=300, hold_for_s=290) == []  # the cache outlives it
+    assert keepalive_schedule(cache_ttl_s=300, hold_for_s=590, margin_s=5) == [295]
+    with pytest.raises(ValueError, match="must exceed margin_s"):
+        keepalive_schedule(cache_ttl_s=5, hold_for_s=100, margin_s=5)
+
+
+def test_ttl_endpoint_pings_through_a_tool_call_but_not_through_an_approval() -> None:
+    # list prices of a managed API: $3/M input, $0.30/M cached, $15/M output, 5 min TTL
+    api = TtlCacheCosts(prefix_tokens=20_000, cache_ttl_s=300, input_usd_per_token=3e-6,
+                        cached_input_usd_per_token=0.3e-6, output_usd_per_token=15e-6)
+    assert decide_hold(api, TOOL).action == HoldAction.HOLD
+    assert decide_hold(api, APPROVAL).action == HoldAction.RELEASE
+    assert api.ping_usd() == pytest.approx(20_000 * 0.3e-6 + 15e-6)

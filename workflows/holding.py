@@ -1,0 +1,235 @@
+"""Hold or release: whether a paused job's prefix should be kept warm, by cost.
+
+Pure policy (no I/O), so the workflow, the inference worker, the simulator and the
+tests run the same code. Not yet wired into AgentJob: the engine-side hold table and
+the pause statistics in Redis are the next step (see the README's roadmap).
+
+While a job waits on a tool or a human, its prefix sits in the engine's LRU. Holding
+it (1-token touches that refresh its blocks) costs KV memory other jobs could use,
+for as long as the pause lasts or until the hold's TTL; releasing it costs a
+re-prefill of the prefix on resume (GPU time and added latency). Choose the cheaper,
+in expectation over the observed pause durations of that tool or approval kind.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class HoldAction(StrEnum):
+    HOLD = "hold"
+    RELEASE = "release"
+    OFFLOAD = "offload"
+    """Move the prefix's KV to a slower tier (LMCache, CPU offload): GPU engines only."""
+
+
+class PauseDistribution(BaseModel):
+    """Observed pause durations (seconds) of one tool or approval kind.
+
+    Falls back on the profile's prior (a lognormal given by its median and p90) until
+    ``min_samples`` observations exist.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    samples: tuple[float, ...] = ()
+    prior_median_s: float = Field(gt=0)
+    prior_p90_s: float = Field(gt=0)
+    min_samples: int = Field(default=20, ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> PauseDistribution:
+        if self.prior_p90_s < self.prior_median_s:
+            raise ValueError("prior_p90_s must be >= prior_median_s")
+        return self
+
+    def points(self) -> list[float]:
+        """Sorted representative durations: the samples, or 99 prior quantiles."""
+        if len(self.samples) >= self.min_samples:
+            return sorted(self.samples)
+        mu = math.log(self.prior_median_s)
+        sigma = (math.log(self.prior_p90_s) - mu) / 1.2815515655446004  # z(0.9)
+        return [math.exp(mu + sigma * _z((i + 0.5) / 99)) for i in range(99)]
+
+    def scaled(self, factor: float) -> PauseDistribution:
+        """The same shape, every pause ``factor`` times longer (for property tests)."""
+        return PauseDistribution(
+            samples=tuple(s * factor for s in self.samples),
+            prior_median_s=self.prior_median_s * factor,
+            prior_p90_s=self.prior_p90_s * factor, min_samples=self.min_samples,
+        )
+
+
+def _z(p: float) -> float:
+    """Inverse standard normal CDF (Acklam's rational approximation, |err| < 1.2e-9)."""
+    a = (-3.969683028665376e01, 2.209460984245205e02, -2.759285104469687e02,
+         1.383577518672690e02, -3.066479806614716e01, 2.506628277459239e00)
+    b = (-5.447609879822406e01, 1.615858368580409e02, -1.556989798598866e02,
+         6.680131188771972e01, -1.328068155288572e01)
+    c = (-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e00,
+         -2.549732539343734e00, 4.374664141464968e00, 2.938163982698783e00)
+    d = (7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e00,
+         3.754408661907416e00)
+    if p < 0.02425:
+        q = math.sqrt(-2 * math.log(p))
+        return (((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) / \
+            ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1)
+    if p > 1 - 0.02425:
+        return -_z(1 - p)
+    q = p - 0.5
+    r = q * q
+    return (((((a[0] * r + a[1]) * r + a[2]) * r + a[3]) * r + a[4]) * r + a[5]) * q / \
+        (((((b[0] * r + b[1]) * r + b[2]) * r + b[3]) * r + b[4]) * r + 1)
+
+
+class HoldCosts(BaseModel):
+    """What holding and re-prefilling cost on one engine, in dollars."""
+
+    model_config = ConfigDict(frozen=True)
+
+    prefix_tokens: int = Field(ge=0)
+    kv_capacity_tokens: int = Field(gt=0)
+    kv_usage: float = Field(ge=0, le=1)
+    """The engine's memory pressure now (vllm:kv_cache_usage_perc)."""
+    prefill_s_per_token: float = Field(gt=0)
+    """GPU seconds to prefill one token on this engine (measured)."""
+    gpu_usd_per_s: float = Field(gt=0)
+    latency_usd_per_s: float = Field(ge=0)
+    """What a second of added latency on resume is worth (0 for batch work)."""
+    offload_reload_s_per_token: float | None = Field(default=None, gt=0)
+    """Seconds per token to bring an offloaded prefix back; None: no offload tier."""
+
+    def reprefill_usd(self) -> float:
+        seconds = self.prefix_tokens * self.prefill_s_per_token
+        return seconds * (self.gpu_usd_per_s + self.latency_usd_per_s)
+
+    def hold_usd_per_s(self) -> float:
+        """Rent of the held blocks: their share of the engine, scaled by contention.
+
+        At low pressure idle memory is nearly free; as usage nears 1, holding evicts
+        blocks other jobs need, so the price rises without bound (1 / (1 - usage)).
+        """
+        share = self.prefix_tokens / self.kv_capacity_tokens
+        contention = self.kv_usage / max(1e-6, 1.0 - self.kv_usage)
+        return share * self.gpu_usd_per_s * contention
+
+    def offload_usd(self) -> float | None:
+        if self.offload_reload_s_per_token is None:
+            return None
+        seconds = self.prefix_tokens * self.offload_reload_s_per_token
+        return seconds * (self.gpu_usd_per_s + self.latency_usd_per_s)
+
+
+class TtlCacheCosts(BaseModel):
+    """A managed endpoint whose prompt cache expires ``cache_ttl_s`` after last use.
+
+    Holding there is keep-alive pings: each re-reads the prefix at the cached price (plus
+    one output token) once per TTL period. Releasing means the next call pays the
+    prefix at the uncached price, and waits for it.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    prefix_tokens: int = Field(ge=0)
+    cache_ttl_s: float = Field(gt=0)
+    margin_s: float = Field(default=5.0, ge=0)
+    input_usd_per_token: float = Field(ge=0)
+    cached_input_usd_per_token: float = Field(ge=0)
+    output_usd_per_token: float = Field(ge=0)
+    prefill_s_per_token: float = Field(default=0.0, ge=0)
+    """Added latency per uncached token on resume, as the endpoint shows it."""
+    latency_usd_per_s: float = Field(default=0.0, ge=0)
+
+    def ping_usd(self) -> float:
+        return (self.prefix_tokens * self.cached_input_usd_per_token
+                + self.output_usd_per_token)
+
+    def hold_usd_per_s(self) -> float:
+        return self.ping_usd() / max(1e-6, self.cache_ttl_s - self.margin_s)
+
+    def reprefill_usd(self) -> float:
+        extra = self.prefix_tokens * (self.input_usd_per_token - self.cached_input_usd_per_token)
+        return max(0.0, extra) + self.prefix_tokens * self.prefill_s_per_token \
+            * self.latency_usd_per_s
+
+    def offload_usd(self) -> float | None:
+        return None
+
+
+class CostModel(Protocol):
+    """What decide_hold needs of an engine kind."""
+
+    def hold_usd_per_s(self) -> float: ...
+    def reprefill_usd(self) -> float: ...
+    def offload_usd(self) -> float | None: ...
+
+
+@dataclass(frozen=True)
+class HoldChoice:
+    """The decision and the expected costs behind it, so the choice can be audited."""
+
+    action: HoldAction
+    ttl_s: float
+    """How long to hold (0 unless HOLD); touches stop and blocks are released after it."""
+    expected_usd: float
+    release_usd: float
+    reason: str
+
+
+def expected_hold_usd(costs: CostModel, pauses: list[float], ttl_s: float) -> float:
+    """E[rent while held] + P(pause > ttl) x re-prefill, over the pause points."""
+    rent = costs.hold_usd_per_s()
+    reprefill = costs.reprefill_usd()
+    n = len(pauses)
+    total = 0.0
+    for p in pauses:
+        total += rent * min(p, ttl_s) + (reprefill if p > ttl_s else 0.0)
+    return total / n
+
+
+def decide_hold(costs: CostModel, pauses: PauseDistribution) -> HoldChoice:
+    """HOLD for the TTL of least expected cost, RELEASE, or OFFLOAD, whichever is cheapest.
+
+    Candidate TTLs are the pause points themselves (holding past a point only pays if
+    the resume comes by then), so the search is exact over the empirical distribution.
+    """
+    points = pauses.points()
+    release = costs.reprefill_usd()
+    best_ttl, best = 0.0, math.inf
+    for ttl in sorted(set(points)):
+        cost = expected_hold_usd(costs, points, ttl)
+        if cost < best:
+            best_ttl, best = ttl, cost
+    offload = costs.offload_usd()
+    if offload is not None and offload < min(best, release):
+        return HoldChoice(HoldAction.OFFLOAD, 0.0, offload, release,
+                          f"reload ${offload:.2e} < hold ${best:.2e} and re-prefill ${release:.2e}")
+    if best < release:
+        covered = bisect.bisect_right(points, best_ttl) / len(points)
+        return HoldChoice(HoldAction.HOLD, best_ttl, best, release,
+                          f"hold {best_ttl:.1f}s covers {covered:.0%} of pauses: "
+                          f"${best:.2e} < re-prefill ${release:.2e}")
+    return HoldChoice(HoldAction.RELEASE, 0.0, release, release,
+                      f"re-prefill ${release:.2e} <= best hold ${best:.2e}")
+
+
+def keepalive_schedule(*, cache_ttl_s: float, hold_for_s: float, margin_s: float = 5.0
+                       ) -> list[float]:
+    """Offsets (seconds from the pause's start) of keep-alive pings for an endpoint whose
+    prompt cache expires ``cache_ttl_s`` after last use (a managed API's TTL cache).
+
+    Each ping refreshes the TTL, so pings go ``margin_s`` before each expiry, until the
+    hold's end; none when the hold ends before the first expiry.
+    """
+    if cache_ttl_s <= margin_s:
+        raise ValueError(f"cache_ttl_s ({cache_ttl_s}) must exceed margin_s ({margin_s})")
+    if hold_for_s < 0:
+        raise ValueError("hold_for_s must be >= 0")
+    step = cache_ttl_s - margin_s
+    return [step * k for k in range(1, int(hold_for_s // step) + 1) if step * k < hold_for_s]
