@@ -15,7 +15,7 @@ import pytest
 from temporalio.client import Client
 
 from activities.storage import StorageActivities
-from bench.demo import bundled_tickets, stand_in_approver
+from bench.demo import bundled_tasks, bundled_tickets, stand_in_approver
 from infra.stack import Stack
 from workers.clients import build_s3
 from workers.settings import Settings
@@ -25,13 +25,14 @@ from workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult, JobState
 pytestmark = pytest.mark.integration
 
 
-async def _run_jobs(client: Client, n: int, max_steps: int) -> list[JobResult]:
-    tickets = bundled_tickets()
+async def _run_jobs(client: Client, n: int, max_steps: int,
+                   profile: str = "ticket-triage") -> list[JobResult]:
+    tasks = bundled_tasks(profile)
     tag = uuid.uuid4().hex[:6]
     handles = [
         await client.start_workflow(
             AgentJob.run,
-            JobInput(profile="ticket-triage", task=tickets[i], max_steps=max_steps),
+            JobInput(profile=profile, task=tasks[i], max_steps=max_steps),
             id=f"it-{tag}-{i}", task_queue=AGENT_TASK_QUEUE,
         )
         for i in range(n)
@@ -54,7 +55,11 @@ async def results_with_approver(client: Client, handles: list[Any]) -> list[JobR
 async def test_every_step_after_the_first_reads_its_prefix_from_the_engine_cache(
     client: Client, settings: Settings
 ) -> None:
-    results = await _run_jobs(client, n=4, max_steps=5)
+    both = await asyncio.gather(_run_jobs(client, n=4, max_steps=5),
+                                _run_jobs(client, n=3, max_steps=5,
+                                          profile="invoice-reconciliation"))
+    results = both[0] + both[1]
+    assert {r.profile for r in results} == {"ticket-triage", "invoice-reconciliation"}
     terminal = {JobState.FINISHED, JobState.LOOP_CAP, JobState.INVALID_OUTPUT}
     for res in results:
         assert res.state in terminal, res.reason
