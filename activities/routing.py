@@ -28,8 +28,8 @@ class RoutingActivities:
             raise ApplicationError(
                 f"no live engine (excluded: {req.exclude or 'none'})", type="NoLiveEngine"
             )
-        # Spread new jobs in turn; fewest queued requests breaks nothing here because
-        # a burst of jobs starts before any heartbeat shows their load.
+        # Spread new jobs in turn, not by the heartbeats' load figures: a burst of jobs
+        # all starts before any heartbeat shows the load it adds.
         n = await self._redis.incr(ROUND_ROBIN_KEY)
         chosen = live[n % len(live)]
         reason = "failover" if req.exclude else "round_robin"
