@@ -9,6 +9,7 @@ import socket
 import structlog
 from temporalio.worker import Worker
 
+from activities.batch import BatchActivities
 from activities.registry import EngineRegistry
 from activities.routing import RoutingActivities
 from activities.storage import StorageActivities
@@ -19,6 +20,7 @@ from workers.clients import build_redis, build_s3, connect
 from workers.logging import configure_logging
 from workers.settings import Settings
 from workflows.agent_job import AgentJob
+from workflows.batch_run import BatchRun
 from workflows.contracts import AGENT_TASK_QUEUE
 
 log = structlog.get_logger(__name__)
@@ -36,11 +38,13 @@ async def run_agent_worker(settings: Settings) -> None:
         EffectLedger(redis), s3=s3, bucket=settings.s3_bucket,
     )
     storage = StorageActivities(s3, settings.s3_bucket)
+    batch = BatchActivities(s3, settings.s3_bucket)
     worker = Worker(
         client,
         task_queue=AGENT_TASK_QUEUE,
-        workflows=[AgentJob],
-        activities=[routing.pick_engine, tools.run_tool, storage.store_transcript],
+        workflows=[AgentJob, BatchRun],
+        activities=[routing.pick_engine, tools.run_tool, storage.store_transcript,
+                    batch.read_records, batch.write_batch_results],
         max_concurrent_activities=64,
     )
     me = WORKER_KEY.format(f"{socket.gethostname()}-{os.getpid()}")

@@ -31,6 +31,10 @@ dev_app = typer.Typer(no_args_is_help=True, help="The embedded dev stack.")
 worker_app = typer.Typer(no_args_is_help=True, help="Run a worker process in the foreground.")
 app.add_typer(dev_app, name="dev")
 app.add_typer(worker_app, name="worker")
+batch_app = typer.Typer(no_args_is_help=True, help="Batches of records as child jobs.")
+schedule_app = typer.Typer(no_args_is_help=True, help="Temporal Schedules of batches.")
+app.add_typer(batch_app, name="batch")
+app.add_typer(schedule_app, name="schedule")
 console = Console()
 T = TypeVar("T")
 
@@ -352,6 +356,219 @@ def report(
                                                   f"{since}"))
 
     run(go())
+
+
+# ---- batches and schedules -----------------------------------------------------------
+
+
+def _batch_input(source: str, profile: str, window: int, page_size: int,
+                 max_steps: int | None) -> Any:
+    from workflows.batch_run import BatchInput
+
+    try:
+        get_profile(profile)
+    except UnknownProfileError as e:
+        fail(str(e))
+    if not source.startswith("s3://"):
+        path = Path(source).resolve()
+        if not path.is_file():
+            fail(f"cannot read {source}: no such file")
+        source = str(path)
+    return BatchInput(profile=profile, source=source, window=window, page_size=page_size,
+                      max_steps=max_steps)
+
+
+@batch_app.command("run")
+def batch_run(
+    source: str = typer.Argument(..., help="JSONL file, or s3://bucket/key.jsonl"),
+    profile: str = typer.Option(..., "--profile"),
+    window: int = typer.Option(4, "--window", min=1, max=1024),
+    page_size: int = typer.Option(100, "--page-size", min=1, max=10_000),
+    max_steps: int | None = typer.Option(None, "--max-steps", min=1),
+    batch_id: str | None = typer.Option(None, "--batch-id"),
+    follow: bool = typer.Option(False, "--follow", help="Show progress until it ends."),
+) -> None:
+    """Run every record of SOURCE as a batch-lane job; results go to S3 as JSONL."""
+    inp = _batch_input(source, profile, window, page_size, max_steps)
+    bid = batch_id or f"batch-{profile}-{uuid.uuid4().hex[:8]}"
+
+    async def go() -> None:
+        from workflows.batch_run import BatchRun
+
+        client = await connect(_settings())
+        try:
+            handle = await client.start_workflow(
+                BatchRun.run, inp, id=bid, task_queue=AGENT_TASK_QUEUE,
+                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE)
+        except WorkflowAlreadyStartedError:
+            fail(f"batch {bid} already exists")
+        console.print(f"started batch {bid}")
+        if follow:
+            await _follow_batch(handle)
+
+    run(go())
+
+
+async def _follow_batch(handle: Any) -> None:
+    from rich.progress import Progress
+
+    from workflows.batch_run import BatchRun
+
+    with Progress(console=console) as bar:
+        task = bar.add_task("records", total=None)
+        result_task = asyncio.ensure_future(handle.result())
+        while not result_task.done():
+            p = await handle.query(BatchRun.progress)
+            bar.update(task, completed=p.done + p.failed + p.bad,
+                       description=f"done {p.done} failed {p.failed} bad {p.bad} "
+                                   f"running {p.running} ${p.cost_usd:.4f}")
+            await asyncio.wait([result_task], timeout=1.0)
+    res = result_task.result()
+    _print_batch(res)
+
+
+def _print_batch(res: Any) -> None:
+    table = Table(title=f"batch {res.batch_id} ({res.profile})")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for name, value in [("records", res.records), ("jobs ended", res.done),
+                        ("failed", res.failed), ("bad records (skipped)", res.bad),
+                        ("cost", f"${res.cost_usd:.6f}"),
+                        ("cost per record", f"${res.cost_usd / max(1, res.done):.6f}"),
+                        ("makespan", f"{res.makespan_s:.1f}s"),
+                        ("results", ", ".join(res.result_keys))]:
+        table.add_row(name, str(value))
+    console.print(table)
+
+
+@batch_app.command("status")
+def batch_status(batch_id: str) -> None:
+    """Progress of a running batch, or its result."""
+
+    async def go() -> None:
+        from workflows.batch_run import BatchResult, BatchRun
+
+        client = await connect(_settings())
+        handle = client.get_workflow_handle(batch_id, result_type=BatchResult)
+        try:
+            desc = await handle.describe()
+        except RPCError as e:
+            if e.status == RPCStatusCode.NOT_FOUND:
+                fail(f"unknown batch {batch_id}")
+            raise
+        if desc.status == WorkflowExecutionStatus.RUNNING:
+            p = await handle.query(BatchRun.progress)
+            console.print(f"{batch_id}: running page {p.pages + 1}; done {p.done}, failed "
+                          f"{p.failed}, bad {p.bad}, running {p.running}, ${p.cost_usd:.6f}")
+        else:
+            _print_batch(await handle.result())
+
+    run(go())
+
+
+@schedule_app.command("create")
+def schedule_create(
+    name: str,
+    cron: str = typer.Option(..., "--cron", help='e.g. "0 2 * * *" (UTC)'),
+    profile: str = typer.Option(..., "--profile"),
+    input_source: str = typer.Option(..., "--input", help="JSONL file or s3://bucket/key"),
+    window: int = typer.Option(4, "--window", min=1, max=1024),
+) -> None:
+    """Run a batch on a cron schedule; a run still going when the next is due is skipped."""
+    from temporalio.client import (
+        Schedule,
+        ScheduleActionStartWorkflow,
+        ScheduleAlreadyRunningError,
+        ScheduleOverlapPolicy,
+        SchedulePolicy,
+        ScheduleSpec,
+    )
+
+    inp = _batch_input(input_source, profile, window, 100, None)
+
+    async def go() -> None:
+        from workflows.batch_run import BatchRun
+
+        client = await connect(_settings())
+        try:
+            await client.create_schedule(name, Schedule(
+                action=ScheduleActionStartWorkflow(BatchRun.run, inp, id=f"sched-{name}",
+                                                   task_queue=AGENT_TASK_QUEUE),
+                spec=ScheduleSpec(cron_expressions=[cron]),
+                policy=SchedulePolicy(overlap=ScheduleOverlapPolicy.SKIP),
+            ))
+        except ScheduleAlreadyRunningError:
+            fail(f"schedule {name} already exists")
+        except RPCError as e:
+            fail(f"cannot create schedule {name}: {e.message}")
+        console.print(f"created schedule {name} ({cron}, {profile}, {inp.source})")
+
+    run(go())
+
+
+def _schedule_op(name: str, op: str) -> None:
+    async def go() -> None:
+        client = await connect(_settings())
+        handle = client.get_schedule_handle(name)
+        try:
+            if op == "pause":
+                await handle.pause(note="paused from the warmloop CLI")
+            elif op == "unpause":
+                await handle.unpause()
+            elif op == "trigger":
+                await handle.trigger()
+            elif op == "delete":
+                await handle.delete()
+        except RPCError as e:
+            if e.status == RPCStatusCode.NOT_FOUND:
+                fail(f"unknown schedule {name}")
+            raise
+        console.print(f"{op}: {name}")
+
+    run(go())
+
+
+@schedule_app.command("list")
+def schedule_list() -> None:
+    """List schedules."""
+
+    async def go() -> None:
+        client = await connect(_settings())
+        table = Table("schedule", "paused", "next run (UTC)", "recent runs")
+        async for s in await client.list_schedules():
+            info = s.info
+            nxt = info.next_action_times[0].strftime("%Y-%m-%d %H:%M") if info and \
+                info.next_action_times else "-"
+            recent = str(len(info.recent_actions)) if info else "0"
+            table.add_row(s.id, "yes" if s.schedule and s.schedule.state.paused else "no",
+                          nxt, recent)
+        console.print(table)
+
+    run(go())
+
+
+@schedule_app.command("pause")
+def schedule_pause(name: str) -> None:
+    """Pause a schedule."""
+    _schedule_op(name, "pause")
+
+
+@schedule_app.command("unpause")
+def schedule_unpause(name: str) -> None:
+    """Resume a paused schedule."""
+    _schedule_op(name, "unpause")
+
+
+@schedule_app.command("trigger")
+def schedule_trigger(name: str) -> None:
+    """Start a scheduled batch now."""
+    _schedule_op(name, "trigger")
+
+
+@schedule_app.command("delete")
+def schedule_delete(name: str) -> None:
+    """Delete a schedule (running batches go on)."""
+    _schedule_op(name, "delete")
 
 
 @app.command()

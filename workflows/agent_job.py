@@ -42,6 +42,7 @@ from workflows.contracts import (
     JobResult,
     JobState,
     JobStatus,
+    Lane,
     PendingApproval,
     PickEngineRequest,
     StepRecord,
@@ -63,6 +64,9 @@ GENERATE_RETRY = RetryPolicy(
     non_retryable_error_types=["ContextOverflow", "EngineRejected", "TranscriptGap"],
 )
 MAX_FAILOVERS = 2
+# vLLM's request priority (--scheduling-policy priority; lower runs first): interactive
+# steps jump the queue ahead of batch steps on the same engine.
+LANE_PRIORITY = {Lane.INTERACTIVE: 0, Lane.BATCH: 10}
 SHORT_ACTIVITY = timedelta(seconds=30)
 PICK_RETRY = RetryPolicy(maximum_attempts=5, initial_interval=timedelta(seconds=1))
 
@@ -257,6 +261,7 @@ class AgentJob:
             tail=remaining_text(limits, self._usage, self._elapsed_s()),
             max_tokens=step_output_budget(profile.budgets, kind, limits, self._usage),
             tools=job.tools,
+            priority=LANE_PRIORITY[job.lane],
         )
         gen, route_reason, failovers = await self._generate(
             request, pickup_timeout=timedelta(seconds=job.step_pickup_timeout_s)

@@ -34,12 +34,14 @@ class Pricing(BaseModel):
                 + completion_tokens * self.output_per_m) / 1e6
 
 
-# The tiny CPU model: an L4-class GPU at $0.80/h, with the throughput a 2-core CPU
-# engine showed in `make demo` (~3,000 prefill and ~150 decode tokens/s per engine).
-# Real deployments add their model here (managed APIs: their list prices).
+# The tiny CPU model, priced as if its engine were a GPU at $0.80/h (an assumption, an
+# L4-class card), at the throughput seen here: a 2,116-token prefix prefilled cold in
+# ~100 ms (PLATFORM.md: ~20,000 tokens/s) and ~130 generated tokens/s per engine (vLLM's
+# own log line during `make demo`). Real deployments add their model here; managed
+# APIs at their list prices.
 PRICES: dict[str, Pricing] = {
-    "tiny": Pricing.self_hosted(gpu_usd_per_hour=0.80, prefill_tokens_per_s=3000,
-                                decode_tokens_per_s=150),
+    "tiny": Pricing.self_hosted(gpu_usd_per_hour=0.80, prefill_tokens_per_s=20_000,
+                                decode_tokens_per_s=130),
     "gpt-4o-mini": Pricing(input_per_m=0.15, cached_input_per_m=0.075, output_per_m=0.60),
 }
 DEFAULT_PRICING = PRICES["tiny"]
