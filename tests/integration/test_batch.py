@@ -5,9 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -17,6 +14,7 @@ from temporalio.service import RPCError
 
 from bench.demo import bundled_tickets
 from infra.stack import Stack
+from tests.integration.cli import warmloop
 from tests.polling import eventually
 from workers.approvals import decide, list_pending
 from workflows.batch_run import BatchResult, BatchRun
@@ -48,9 +46,6 @@ async def any_approver(client: Client):  # type: ignore[no-untyped-def]
         await task
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "workers.cli", *args], capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "COLUMNS": "200"})
 
 
 async def test_batch_run_reports_bad_lines_and_finishes_the_rest(
@@ -62,7 +57,7 @@ async def test_batch_run_reports_bad_lines_and_finishes_the_rest(
     src.write_text("\n".join(lines) + "\n")
     bid = f"batch-it-{uuid.uuid4().hex[:6]}"
     async with any_approver(client):
-        out = await asyncio.to_thread(_cli, "batch", "run", str(src), "--profile",
+        out = await asyncio.to_thread(warmloop, "batch", "run", str(src), "--profile",
                                       "ticket-triage", "--window", "2", "--max-steps", "4",
                                       "--batch-id", bid, "--follow")
     assert out.returncode == 0, out.stderr
@@ -77,14 +72,14 @@ async def test_a_schedule_triggers_a_batch(client: Client, stack: Stack, tmp_pat
     src = tmp_path / "tickets.jsonl"
     src.write_text(json.dumps(bundled_tickets()[5]) + "\n")
     name = f"nightly-{uuid.uuid4().hex[:6]}"
-    created = await asyncio.to_thread(_cli, "schedule", "create", name, "--cron", "0 2 * * *",
+    created = await asyncio.to_thread(warmloop, "schedule", "create", name, "--cron", "0 2 * * *",
                                       "--profile", "ticket-triage", "--input", str(src))
     assert created.returncode == 0, created.stderr
     try:
-        listed = await asyncio.to_thread(_cli, "schedule", "list")
+        listed = await asyncio.to_thread(warmloop, "schedule", "list")
         assert name in listed.stdout
         async with any_approver(client):
-            trig = await asyncio.to_thread(_cli, "schedule", "trigger", name)
+            trig = await asyncio.to_thread(warmloop, "schedule", "trigger", name)
             assert trig.returncode == 0, trig.stderr
 
             async def started_batch() -> str | None:
@@ -97,4 +92,4 @@ async def test_a_schedule_triggers_a_batch(client: Client, stack: Stack, tmp_pat
             res = await client.get_workflow_handle_for(BatchRun.run, wid).result()
         assert res.records == 1 and res.done == 1
     finally:
-        await asyncio.to_thread(_cli, "schedule", "delete", name)
+        await asyncio.to_thread(warmloop, "schedule", "delete", name)

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
 import urllib.request
 import uuid
 
@@ -18,6 +15,7 @@ from temporalio.client import Client
 from activities.tools import EffectLedger
 from bench.demo import bundled_tickets, stand_in_approver
 from infra.stack import Stack
+from tests.integration.cli import warmloop
 from tests.polling import eventually
 from workers.clients import build_redis
 from workers.settings import Settings
@@ -101,9 +99,7 @@ async def test_a_200_step_job_keeps_its_history_under_2_mb(client: Client) -> No
 
 
 def test_report_and_metrics_show_real_usage(stack: Stack, settings: Settings) -> None:
-    out = subprocess.run([sys.executable, "-m", "workers.cli", "report", "--since", "1h"],
-                         capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "COLUMNS": "200"})
+    out = warmloop("report", "--since", "1h")
     assert out.returncode == 0, out.stderr
     assert "cost per task p50 / p95" in out.stdout and "prompt tokens from cache" in out.stdout
     assert "ticket-triage" in out.stdout

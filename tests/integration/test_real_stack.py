@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,7 @@ from temporalio.client import Client
 from activities.storage import StorageActivities
 from bench.demo import bundled_tasks, bundled_tickets, stand_in_approver
 from infra.stack import Stack
+from tests.integration.cli import warmloop
 from workers.clients import build_s3
 from workers.settings import Settings
 from workflows.agent_job import AgentJob
@@ -90,9 +89,6 @@ async def test_transcript_is_stored_in_s3_and_matches_the_result(
     assert sum(1 for m in stored if m.role == "assistant") == len(res.steps)
 
 
-def _cli(*args: str, settings: Settings) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "workers.cli", *args], capture_output=True,
-                          text=True, timeout=300)
 
 
 async def test_cli_submit_status_and_result(client: Client, settings: Settings,
@@ -100,22 +96,22 @@ async def test_cli_submit_status_and_result(client: Client, settings: Settings,
     ticket = tmp_path / "ticket.json"
     ticket.write_text(json.dumps(bundled_tickets()[0]))
     job_id = f"cli-{uuid.uuid4().hex[:8]}"
-    out = await asyncio.to_thread(_cli, "submit", "ticket-triage", "--input", str(ticket),
-                                  "--job-id", job_id, "--max-steps", "3", settings=settings)
+    out = await asyncio.to_thread(warmloop, "submit", "ticket-triage", "--input", str(ticket),
+                                  "--job-id", job_id, "--max-steps", "3")
     assert out.returncode == 0, out.stderr
     assert f"started job {job_id}" in out.stdout
     await results_with_approver(client, [client.get_workflow_handle_for(AgentJob.run, job_id)])
-    st = _cli("status", job_id, settings=settings)
+    st = warmloop("status", job_id)
     assert st.returncode == 0 and job_id in st.stdout
-    res = _cli("result", job_id, "--json", settings=settings)
+    res = warmloop("result", job_id, "--json")
     assert res.returncode == 0, res.stderr
     parsed = JobResult.model_validate_json(res.stdout)
     assert parsed.job_id == job_id and 1 <= len(parsed.steps) <= 3
     # the same id again starts nothing new
-    again = _cli("submit", "ticket-triage", "--input", str(ticket), "--job-id", job_id,
+    again = warmloop("submit", "ticket-triage", "--input", str(ticket), "--job-id", job_id,
                  settings=settings)
     assert again.returncode == 1 and "already exists" in again.stderr
-    unknown = _cli("status", "no-such-job", settings=settings)
+    unknown = warmloop("status", "no-such-job")
     assert unknown.returncode == 1 and "unknown job no-such-job" in unknown.stderr
     assert "Traceback" not in unknown.stderr
 
