@@ -42,20 +42,22 @@ async def test_killed_agent_worker_job_finishes_with_no_side_effect_applied_twic
                    limits=JobLimits(max_steps=10, max_tool_calls=UNCAPPED))
     handle = await client.start_workflow(AgentJob.run, job, id=f"kill-{uuid.uuid4().hex[:8]}",
                                          task_queue=AGENT_TASK_QUEUE)
-
-    async def progressed() -> bool:
-        return (await handle.query(AgentJob.status)).step >= 3
-
-    await eventually(progressed, attempts=1200, interval_s=0.1)
-    killed = stack.stop_part("agent-worker", signal.SIGKILL)
-    assert killed is not None
-    await asyncio.to_thread(stack.up)  # restarts the missing agent worker
-    # urgent priorities wait for a human: play the approver, as the demo does
+    # urgent priorities wait for a human: play the approver from the start, as the demo
+    # does (it rides out the worker's restart)
     done = asyncio.Event()
     approver = asyncio.create_task(stand_in_approver(client, [handle], done))
-    res = await asyncio.wait_for(handle.result(), timeout=300)
-    done.set()
-    await approver
+    try:
+        async def progressed() -> bool:
+            return (await handle.query(AgentJob.status)).step >= 3
+
+        await eventually(progressed, attempts=1200, interval_s=0.1)
+        killed = stack.stop_part("agent-worker", signal.SIGKILL)
+        assert killed is not None
+        await asyncio.to_thread(stack.up)  # restarts the missing agent worker
+        res = await asyncio.wait_for(handle.result(), timeout=300)
+    finally:
+        done.set()
+        await approver
 
     assert res.state == JobState.LOOP_CAP and len(res.steps) == 10
     ledger = EffectLedger(build_redis(settings))
