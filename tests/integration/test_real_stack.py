@@ -108,8 +108,7 @@ async def test_cli_submit_status_and_result(client: Client, settings: Settings,
     parsed = JobResult.model_validate_json(res.stdout)
     assert parsed.job_id == job_id and 1 <= len(parsed.steps) <= 3
     # the same id again starts nothing new
-    again = warmloop("submit", "ticket-triage", "--input", str(ticket), "--job-id", job_id,
-                 settings=settings)
+    again = warmloop("submit", "ticket-triage", "--input", str(ticket), "--job-id", job_id)
     assert again.returncode == 1 and "already exists" in again.stderr
     unknown = warmloop("status", "no-such-job")
     assert unknown.returncode == 1 and "unknown job no-such-job" in unknown.stderr
