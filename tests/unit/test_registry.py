@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import builtins
 import time
 
 import pytest
@@ -44,7 +45,7 @@ class FakeRedis:
     async def execute(self) -> None:
         return None
 
-    async def smembers(self, key: str) -> set[str]:
+    async def smembers(self, key: str) -> builtins.set[str]:
         return self.sets.get(key, set())
 
     async def mget(self, keys: list[str]) -> list[bytes | None]:

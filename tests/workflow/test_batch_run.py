@@ -8,6 +8,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
@@ -106,10 +107,8 @@ async def test_a_missing_source_fails_the_batch_with_a_clear_reason(
 ) -> None:
     from temporalio.client import WorkflowFailureError
 
-    try:
+    with pytest.raises(WorkflowFailureError) as err:
         await run_batch(time_skipping_env, BatchInput(profile="ticket-triage",
                                                       source=str(tmp_path / "absent.jsonl")))
-    except WorkflowFailureError as e:
-        assert "cannot read" in str(e.cause.cause if e.cause else e)
-    else:
-        raise AssertionError("a batch with no source must not succeed")
+    activity_error = err.value.cause
+    assert activity_error is not None and "cannot read" in str(activity_error.__cause__)
