@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import uuid
 from collections.abc import Coroutine
@@ -607,5 +608,20 @@ def demo(
     run(run_demo(_settings(), n_jobs=jobs, max_steps=max_steps, console=console))
 
 
+def main() -> None:
+    """The console script. Exits without interpreter teardown: temporalio's native
+    runtime has been seen to crash there (SIGSEGV after a command had finished)."""
+    code = 0
+    try:
+        app()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    app()
+    main()
