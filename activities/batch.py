@@ -19,6 +19,7 @@ from workflows.batch_run import (
     WritePageRequest,
 )
 from workflows.profiles import UnknownProfileError, get_profile
+from workflows.profiles.base import first_error
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -74,8 +75,9 @@ class BatchActivities:
                     bad.append(RecordOutcome(line=n, job_id=None, state="BAD_RECORD",
                                              reason=f"invalid JSON: {e.msg}"))
                 except ValidationError as e:
+                    reason = f"invalid task: {first_error(e, whole='task')}"
                     bad.append(RecordOutcome(line=n, job_id=None, state="BAD_RECORD",
-                                             reason=_first_error(e)))
+                                             reason=reason))
                 except ValueError as e:
                     bad.append(RecordOutcome(line=n, job_id=None, state="BAD_RECORD",
                                              reason=f"invalid task: {e}"))
@@ -90,8 +92,3 @@ class BatchActivities:
                                 Body=body.encode(), ContentType="application/x-ndjson")
         return key
 
-
-def _first_error(e: ValidationError) -> str:
-    err = e.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or "task"
-    return f"invalid task: {where}: {err['msg']}"

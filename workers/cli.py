@@ -175,14 +175,16 @@ def submit(
     run(go())
 
 
-async def _handle(job_id: str):  # type: ignore[no-untyped-def]
+async def _handle(workflow_id: str, *, result_type: type = JobResult,  # type: ignore[no-untyped-def]
+                  what: str = "job"):
+    """The handle and description of ``workflow_id``; one clear line if there is none."""
     client = await connect(_settings())
-    handle = client.get_workflow_handle(job_id, result_type=JobResult)
+    handle = client.get_workflow_handle(workflow_id, result_type=result_type)
     try:
         desc = await handle.describe()
     except RPCError as e:
         if e.status == RPCStatusCode.NOT_FOUND:
-            fail(f"unknown job {job_id}")
+            fail(f"unknown {what} {workflow_id}")
         raise
     return handle, desc
 
@@ -449,14 +451,7 @@ def batch_status(batch_id: str) -> None:
     async def go() -> None:
         from workflows.batch_run import BatchResult, BatchRun
 
-        client = await connect(_settings())
-        handle = client.get_workflow_handle(batch_id, result_type=BatchResult)
-        try:
-            desc = await handle.describe()
-        except RPCError as e:
-            if e.status == RPCStatusCode.NOT_FOUND:
-                fail(f"unknown batch {batch_id}")
-            raise
+        handle, desc = await _handle(batch_id, result_type=BatchResult, what="batch")
         if desc.status == WorkflowExecutionStatus.RUNNING:
             p = await handle.query(BatchRun.progress)
             console.print(f"{batch_id}: running page {p.pages + 1}; done {p.done}, failed "

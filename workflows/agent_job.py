@@ -20,7 +20,6 @@ from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.exceptions import TimeoutError as ActivityTimeoutError
 
 from workflows.budgets import (
-    CapHit,
     JobLimits,
     StepKind,
     Usage,
@@ -478,10 +477,9 @@ class AgentJob:
                                           timeout=max(0.0, timeout))
         except TimeoutError:  # asyncio's, from wait_condition
             if bounded_by_wall:
-                hit = CapHit(state="TIMED_OUT",
-                             reason=f"wall time cap of {limits.max_wall_time_s:g}s reached "
-                             f"waiting for approval {pending.approval_id}")
-                raise _JobEnded(JobState(hit.state), hit.reason) from None
+                raise _JobEnded(JobState.TIMED_OUT,
+                                f"wall time cap of {limits.max_wall_time_s:g}s reached "
+                                f"waiting for approval {pending.approval_id}") from None
             return None
         return self._decisions[pending.approval_id]
 

@@ -304,15 +304,9 @@ class JobResult(BaseModel):
 
     @property
     def cache_hit_share(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        u = self.usage
+        return u.cached_tokens / u.prompt_tokens if u.prompt_tokens else 0.0
 
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(s.prompt_tokens for s in self.steps)
-
-    @property
-    def cached_tokens(self) -> int:
-        return sum(s.cached_tokens for s in self.steps)
 
 
 JobInput.model_rebuild()

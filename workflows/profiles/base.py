@@ -12,6 +12,13 @@ from pydantic import BaseModel, ValidationError
 from workflows.budgets import JobLimits, OutputBudgets
 
 
+def first_error(e: ValidationError, *, whole: str) -> str:
+    """Pydantic's first complaint as "where: what"; ``whole`` names a top-level error."""
+    err = e.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or whole
+    return f"{where}: {err['msg']}"
+
+
 class UnknownProfileError(ValueError):
     """A job named a profile that is not registered."""
 
@@ -174,7 +181,7 @@ class Profile:
         try:
             args = spec.args.model_validate(parsed)
         except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "arguments"
-            raise ToolCallError(f"invalid arguments for {name}: {where}: {first['msg']}") from None
+            raise ToolCallError(
+                f"invalid arguments for {name}: {first_error(e, whole='arguments')}"
+            ) from None
         return spec, args.model_dump(mode="json")
