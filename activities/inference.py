@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -11,10 +13,13 @@ import structlog
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.cachebust import CacheBustDetector
+from activities.directory import PrefixDirectory, prompt_chain
+from activities.registry import EngineHeartbeat, EngineRegistry
 from activities.transcripts import TranscriptStore
 from workflows.contracts import FunctionCall, GenerateRequest, GenerateResult, ToolCall
-from workflows.profiles import get_profile
-from workflows.prompt import assemble_prompt
+from workflows.profiles import Profile, get_profile
+from workflows.prompt import assemble_prompt, canonical_json
 
 log = structlog.get_logger(__name__)
 
@@ -32,14 +37,25 @@ class InferenceActivities:
     """
 
     def __init__(self, *, engine_id: str, base_url: str, model: str,
-                 http: httpx.AsyncClient, transcripts: TranscriptStore) -> None:
+                 http: httpx.AsyncClient, transcripts: TranscriptStore,
+                 directory: PrefixDirectory | None = None,
+                 registry: EngineRegistry | None = None,
+                 detector: CacheBustDetector | None = None,
+                 engine_info: Callable[[], EngineHeartbeat | None] | None = None) -> None:
         self._engine_id = engine_id
-        self._url = base_url.rstrip("/") + "/v1/chat/completions"
+        self._base = base_url.rstrip("/")
+        self._url = self._base + "/v1/chat/completions"
         self._model = model
         self._http = http
         self._transcripts = transcripts
+        self._dir = directory
+        self._registry = registry
+        self._detector = detector
+        self._engine_info = engine_info or (lambda: None)
+        self._stable_tokens: dict[str, int] = {}
+        self._tail_overhead: int | None = None
 
-    async def _body(self, req: GenerateRequest) -> dict[str, Any]:
+    async def _body(self, req: GenerateRequest) -> tuple[dict[str, Any], Profile]:
         profile = get_profile(req.profile)
         transcript = await self._transcripts.extend(req.job_id, req.base_len, req.new_messages)
         messages = assemble_prompt(profile, profile.validate_task(req.task), transcript,
@@ -57,7 +73,10 @@ class InferenceActivities:
             "stream": True,
             "stream_options": {"include_usage": True},
             "priority": req.priority,
-        }
+            # The prompt's token ids come back in the first chunk: the prefix directory
+            # hashes them in the engine's own blocks.
+            "return_token_ids": self._dir is not None,
+        }, profile
 
     @activity.defn(name="generate")
     async def generate(self, req: GenerateRequest) -> GenerateResult:
@@ -67,16 +86,23 @@ class InferenceActivities:
         try:
             return await self._generate(req)
         finally:
+            if self._registry is not None:
+                await self._registry.step_done(self._engine_id, f"{req.job_id}:{req.step}")
             structlog.contextvars.unbind_contextvars("job_id", "step", "engine")
 
     async def _generate(self, req: GenerateRequest) -> GenerateResult:
+        body, profile = await self._body(req)
+        tail_tokens = (asyncio.ensure_future(self._tail_tokens(req.tail))
+                       if self._dir is not None else None)
         started = time.perf_counter()
+        dispatch_ms = max(0.0, (time.time() - activity.info().current_attempt_scheduled_time
+                                .timestamp()) * 1000)
         first_token: float | None = None
         content: list[str] = []
         calls: dict[int, dict[str, Any]] = {}
         usage: dict[str, Any] = {}
+        prompt_ids: list[int] = []
         finish_reason = None
-        body = await self._body(req)
         async with self._http.stream("POST", self._url, json=body) as resp:
             if resp.status_code != 200:
                 await self._raise_for(resp)
@@ -90,6 +116,8 @@ class InferenceActivities:
                 activity.heartbeat()  # throttled by the SDK; a hung stream stops it
                 if chunk.get("usage"):
                     usage = chunk["usage"]
+                if chunk.get("prompt_token_ids"):
+                    prompt_ids = chunk["prompt_token_ids"]
                 for choice in chunk.get("choices") or []:
                     delta = choice.get("delta") or {}
                     if first_token is None and (delta.get("content") or delta.get("tool_calls")):
@@ -122,10 +150,84 @@ class InferenceActivities:
             completion_tokens=int(usage.get("completion_tokens", 0)),
             ttft_ms=((first_token or done) - started) * 1000,
             latency_ms=(done - started) * 1000,
+            dispatch_ms=dispatch_ms,
         )
         log.info("step_generated", prompt_tokens=result.prompt_tokens,
                  cached_tokens=result.cached_tokens, ttft_ms=round(result.ttft_ms, 1))
+        if tail_tokens is not None and prompt_ids:
+            try:
+                await self._record_prefix(req, profile, body, prompt_ids, await tail_tokens,
+                                          result.cached_tokens)
+            except (httpx.HTTPError, OSError, ValueError) as e:
+                # The directory is advice: losing one record costs a cache hit, not a step.
+                log.warning("prefix_record_failed", error=str(e))
+        elif tail_tokens is not None:
+            tail_tokens.cancel()
         return result
+
+    # ---- prefix directory and cache-bust detector ----------------------------------------
+
+    async def _record_prefix(self, req: GenerateRequest, profile: Profile,
+                             body: dict[str, Any], prompt_ids: list[int], tail_tokens: int,
+                             cached_tokens: int) -> None:
+        assert self._dir is not None
+        info = self._engine_info()
+        block_size = info.block_size if info else 16
+        chain = prompt_chain(prompt_ids, block_size, tail_tokens=tail_tokens)
+        known = await self._dir.job_chain(req.job_id) if req.step > 1 else None
+        previous = known[0] if known else None
+        capacity = None
+        if info is not None and not info.precise and info.kv_capacity_tokens:
+            capacity = info.kv_capacity_tokens // block_size
+        await self._dir.record_served(self._engine_id, req.job_id, chain,
+                                      capacity_blocks=capacity)
+        if req.expected_cached_tokens is not None:
+            await self._dir.record_accuracy(req.expected_cached_tokens, cached_tokens)
+        if self._detector is not None:
+            stable = await self._stable_prefix_tokens(profile, body)
+            await self._detector.check(profile=profile.name, job_id=req.job_id, step=req.step,
+                                       hashes=chain.hashes, block_size=block_size,
+                                       stable_blocks=stable // block_size,
+                                       previous=previous)
+
+    async def _tokenize(self, payload: dict[str, Any]) -> list[int]:
+        r = await self._http.post(self._base + "/tokenize",
+                                  json={"model": self._model, **payload}, timeout=10.0)
+        r.raise_for_status()
+        return list(r.json()["tokens"])
+
+    async def _tail_tokens(self, tail: str) -> int:
+        """Tokens the volatile tail takes at the end of the prompt: its text, its message
+        framing and the generation prompt (the framing is measured once)."""
+        if self._tail_overhead is None:
+            probe = "x"
+            framed = await self._tokenize({
+                "messages": [{"role": "system", "content": "s"},
+                             {"role": "user", "content": probe}],
+                "add_generation_prompt": True})
+            head = await self._tokenize({"messages": [{"role": "system", "content": "s"}],
+                                         "add_generation_prompt": False})
+            bare = await self._tokenize({"prompt": probe, "add_special_tokens": False})
+            self._tail_overhead = max(0, len(framed) - len(head) - len(bare))
+        text = await self._tokenize({"prompt": tail, "add_special_tokens": False})
+        return len(text) + self._tail_overhead
+
+    async def _stable_prefix_tokens(self, profile: Profile, body: dict[str, Any]) -> int:
+        """Length in tokens of what every job of the profile shares (system prompt and
+        tools): the common prefix of two renderings that differ only after it."""
+        system, tools = body["messages"][0], body["tools"]
+        key = canonical_json([system, tools])
+        if key not in self._stable_tokens:
+            a, b = [await self._tokenize({"messages": [system, {"role": "user", "content": u}],
+                                          "tools": tools, "add_generation_prompt": False})
+                    for u in ("a", "b")]
+            n = 0
+            while n < min(len(a), len(b)) and a[n] == b[n]:
+                n += 1
+            if len(self._stable_tokens) > 256:
+                self._stable_tokens.clear()
+            self._stable_tokens[key] = n
+        return self._stable_tokens[key]
 
     async def _raise_for(self, resp: httpx.Response) -> None:
         body = (await resp.aread()).decode(errors="replace")[:500]

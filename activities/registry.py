@@ -28,9 +28,21 @@ class EngineHeartbeat(BaseModel):
     waiting: int = 0
     kv_usage: float = 0.0
     """Fraction of the KV pool in use, from vllm:kv_cache_usage_perc."""
+    block_size: int = 16
+    """Tokens per KV block: the unit of prefix caching (vllm:cache_config_info)."""
+    kv_capacity_tokens: int = 0
+    """Size of the KV pool in tokens (vllm:cache_config_info); 0 if not reported."""
+    precise: bool = False
+    """Whether the prefix directory follows this engine's KV events (else it estimates)."""
+    held_tokens: int = 0
+    """Prefix tokens the worker keeps warm for paused jobs."""
     at: float
     """Unix time of the heartbeat."""
 
+
+INFLIGHT_KEY = "warmloop:inflight:{}"
+INFLIGHT_MAX_AGE_S = 600.0
+"""A routed step not finished after this long is not counted (its worker died)."""
 
 _METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*$")
 
@@ -45,6 +57,24 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
     return out
 
 
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def parse_cache_config(text: str) -> tuple[int, int]:
+    """(block_size, KV pool size in tokens) from vLLM's ``vllm:cache_config_info`` labels;
+    (0, 0) when the engine does not report them."""
+    for line in text.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            labels = dict(_LABEL.findall(line))
+            bs = int(labels.get("block_size", "0") or 0)
+            size = labels.get("kv_cache_size_tokens", "")
+            if size.isdigit():
+                return bs, int(size)
+            blocks = labels.get("num_gpu_blocks", "")
+            return bs, bs * int(blocks) if blocks.isdigit() else 0
+    return 0, 0
+
+
 class EngineRegistry:
     def __init__(self, redis: aioredis.Redis, *, ttl_s: float) -> None:
         self._redis = redis
@@ -55,6 +85,23 @@ class EngineRegistry:
         pipe.set(ENGINE_KEY.format(hb.engine_id), hb.model_dump_json(), px=self._ttl_ms)
         pipe.sadd(ENGINE_SET, hb.engine_id)
         await pipe.execute()
+
+    async def step_routed(self, engine_id: str, step_key: str, now: float | None = None) -> None:
+        await self._redis.zadd(INFLIGHT_KEY.format(engine_id),
+                               {step_key: time.time() if now is None else now})
+
+    async def step_done(self, engine_id: str, step_key: str) -> None:
+        await self._redis.zrem(INFLIGHT_KEY.format(engine_id), step_key)
+
+    async def in_flight(self, engine_ids: list[str], now: float | None = None) -> dict[str, int]:
+        """Steps routed to each engine and not finished (fresher than its heartbeat)."""
+        since = (time.time() if now is None else now) - INFLIGHT_MAX_AGE_S
+        pipe = self._redis.pipeline(transaction=False)
+        for e in engine_ids:
+            pipe.zremrangebyscore(INFLIGHT_KEY.format(e), "-inf", since)
+            pipe.zcard(INFLIGHT_KEY.format(e))
+        res = await pipe.execute()
+        return {e: int(res[2 * i + 1]) for i, e in enumerate(engine_ids)}
 
     async def leave(self, engine_id: str) -> None:
         await self._redis.delete(ENGINE_KEY.format(engine_id))

@@ -1,5 +1,6 @@
-"""Picks the engine a job runs on. The job then stays there (sticky) so its
-transcript's prefix stays cached; the full cache-aware router replaces this."""
+"""The routing activity: gathers what the router needs (live engines and their load
+from the registry, how much of the step's prefix each holds from the prefix directory)
+and asks the pure scoring function in ``workflows.routing`` for the engine."""
 
 from __future__ import annotations
 
@@ -8,30 +9,63 @@ import structlog
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.registry import EngineRegistry
-from workflows.contracts import EngineChoice, PickEngineRequest
+from activities.directory import PrefixDirectory
+from activities.registry import EngineHeartbeat, EngineRegistry
+from workflows.contracts import EngineChoice, PickEngineRequest, RouteRequest
+from workflows.routing import EngineCandidate, RouteDecision, RoutingConfig, choose_engine
 
 log = structlog.get_logger(__name__)
 ROUND_ROBIN_KEY = "warmloop:route:rr"
 
 
 class RoutingActivities:
-    def __init__(self, registry: EngineRegistry, redis: aioredis.Redis) -> None:
+    def __init__(self, registry: EngineRegistry, redis: aioredis.Redis, *,
+                 directory: PrefixDirectory | None = None,
+                 config: RoutingConfig | None = None) -> None:
         self._registry = registry
         self._redis = redis
+        self._dir = directory or PrefixDirectory(redis)
+        self._config = config or RoutingConfig()
 
-    @activity.defn(name="pick_engine")
-    async def pick_engine(self, req: PickEngineRequest) -> EngineChoice:
-        live = [e for e in await self._registry.live() if e.engine_id not in req.exclude]
+    async def _live(self, exclude: list[str]) -> list[EngineHeartbeat]:
+        live = [e for e in await self._registry.live() if e.engine_id not in exclude]
         if not live:
             # Retryable: an engine may rejoin before the activity's retries run out.
             raise ApplicationError(
-                f"no live engine (excluded: {req.exclude or 'none'})", type="NoLiveEngine"
+                f"no live engine (excluded: {', '.join(exclude) or 'none'})", type="NoLiveEngine"
             )
-        # Spread new jobs in turn, not by the heartbeats' load figures: a burst of jobs
-        # all starts before any heartbeat shows the load it adds.
+        return live
+
+    @activity.defn(name="route_step")
+    async def route_step(self, req: RouteRequest) -> RouteDecision:
+        live = await self._live(req.exclude)
+        ids = [e.engine_id for e in live]
+        matched = {e: 0 for e in ids}
+        if req.policy == "cache_aware":
+            chain, _ = await self._dir.lookup_chain(req.job_id, req.profile)
+            matched = await self._dir.matched_blocks(chain, ids)
+        in_flight = await self._registry.in_flight(ids)
+        candidates = [
+            EngineCandidate(engine_id=e.engine_id,
+                            expected_cached_tokens=matched[e.engine_id] * e.block_size,
+                            running=e.running, waiting=e.waiting,
+                            in_flight=in_flight[e.engine_id], kv_usage=e.kv_usage)
+            for e in live
+        ]
+        turn = await self._redis.incr(ROUND_ROBIN_KEY) if req.policy == "round_robin" else 0
+        decision = choose_engine(candidates, job_id=req.job_id, last_engine=req.last_engine,
+                                 failover=bool(req.exclude), config=self._config,
+                                 policy=req.policy, turn=turn)
+        await self._registry.step_routed(decision.engine_id, f"{req.job_id}:{req.step}")
+        log.info("step_routed", job_id=req.job_id, step=req.step, engine=decision.engine_id,
+                 reason=decision.reason, expected_cached=decision.expected_cached_tokens)
+        return decision
+
+    @activity.defn(name="pick_engine")
+    async def pick_engine(self, req: PickEngineRequest) -> EngineChoice:
+        """Placement for workflows started before per-step routing (replay only)."""
+        live = await self._live(req.exclude)
         n = await self._redis.incr(ROUND_ROBIN_KEY)
         chosen = live[n % len(live)]
-        reason = "failover" if req.exclude else "round_robin"
-        log.info("engine_picked", job_id=req.job_id, engine=chosen.engine_id, reason=reason)
-        return EngineChoice(engine_id=chosen.engine_id, reason=reason)
+        return EngineChoice(engine_id=chosen.engine_id,
+                            reason="failover" if req.exclude else "round_robin")

@@ -28,7 +28,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from workers.settings import Settings
+from workers.settings import KV_EVENTS_TOPIC, Settings
 
 BIN = Path(sys.executable).parent
 GUIDED_DECODING_CONFIG = json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})
@@ -200,6 +200,11 @@ class Stack:
             ]
             env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1",
                    "VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))}
+            if e.kv_events:
+                # The engine connects; its inference worker binds and subscribes.
+                argv += ["--kv-events-config", json.dumps({
+                    "enable_kv_cache_events": True, "publisher": "zmq",
+                    "endpoint": e.kv_events, "topic": KV_EVENTS_TOPIC})]
             if s.engine_kv_cache_bytes:
                 argv += ["--kv-cache-memory-bytes", str(s.engine_kv_cache_bytes)]
             else:

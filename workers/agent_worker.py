@@ -32,7 +32,7 @@ async def run_agent_worker(settings: Settings) -> None:
     redis = build_redis(settings)
     s3 = build_s3(settings)
     registry = EngineRegistry(redis, ttl_s=settings.engine_ttl_s)
-    routing = RoutingActivities(registry, redis)
+    routing = RoutingActivities(registry, redis, config=settings.routing)
     tools = ToolActivities(
         [TicketTriageTools.bundled(), InvoiceReconciliationTools.bundled()],
         EffectLedger(redis), s3=s3, bucket=settings.s3_bucket,
@@ -43,8 +43,8 @@ async def run_agent_worker(settings: Settings) -> None:
         client,
         task_queue=AGENT_TASK_QUEUE,
         workflows=[AgentJob, BatchRun],
-        activities=[routing.pick_engine, tools.run_tool, storage.store_transcript,
-                    batch.read_records, batch.write_batch_results],
+        activities=[routing.route_step, routing.pick_engine, tools.run_tool,
+                    storage.store_transcript, batch.read_records, batch.write_batch_results],
         max_concurrent_activities=64,
     )
     me = WORKER_KEY.format(f"{socket.gethostname()}-{os.getpid()}")

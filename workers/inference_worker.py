@@ -8,15 +8,26 @@ import asyncio
 import time
 
 import httpx
+import msgpack
 import structlog
+import zmq
+import zmq.asyncio
+from temporalio import activity
 from temporalio.worker import Worker
 
+from activities.cachebust import CacheBust, CacheBustDetector
+from activities.directory import KvEventApplier, PrefixDirectory
 from activities.inference import InferenceActivities
-from activities.registry import EngineHeartbeat, EngineRegistry, parse_vllm_metrics
+from activities.registry import (
+    EngineHeartbeat,
+    EngineRegistry,
+    parse_cache_config,
+    parse_vllm_metrics,
+)
 from activities.transcripts import TranscriptStore
 from workers.clients import build_redis, build_s3, connect
 from workers.logging import configure_logging
-from workers.settings import EngineEndpoint, Settings
+from workers.settings import KV_EVENTS_TOPIC, EngineEndpoint, Settings
 from workflows.contracts import engine_task_queue
 
 log = structlog.get_logger(__name__)
@@ -24,11 +35,13 @@ log = structlog.get_logger(__name__)
 
 async def probe_engine(http: httpx.AsyncClient, engine: EngineEndpoint) -> EngineHeartbeat:
     base = engine.url.rstrip("/")
-    healthy, metrics = False, {}
+    healthy, metrics, block_size, capacity = False, {}, 0, 0
     try:
         healthy = (await http.get(f"{base}/health", timeout=2.0)).status_code == 200
         if healthy:
-            metrics = parse_vllm_metrics((await http.get(f"{base}/metrics", timeout=2.0)).text)
+            text = (await http.get(f"{base}/metrics", timeout=2.0)).text
+            metrics = parse_vllm_metrics(text)
+            block_size, capacity = parse_cache_config(text)
     except httpx.HTTPError:
         healthy = False
     return EngineHeartbeat(
@@ -37,14 +50,29 @@ async def probe_engine(http: httpx.AsyncClient, engine: EngineEndpoint) -> Engin
         running=int(metrics.get("vllm:num_requests_running", 0)),
         waiting=int(metrics.get("vllm:num_requests_waiting", 0)),
         kv_usage=metrics.get("vllm:kv_cache_usage_perc", 0.0), at=time.time(),
+        block_size=block_size or 16, kv_capacity_tokens=capacity,
+        precise=engine.kv_events is not None,
     )
 
 
+class EngineView:
+    """The worker's latest view of its engine, shared by the heartbeat and activities."""
+
+    def __init__(self) -> None:
+        self.last: EngineHeartbeat | None = None
+
+    def __call__(self) -> EngineHeartbeat | None:
+        return self.last
+
+
 async def heartbeat_loop(registry: EngineRegistry, http: httpx.AsyncClient,
-                         engine: EngineEndpoint, interval_s: float) -> None:
+                         engine: EngineEndpoint, interval_s: float,
+                         view: EngineView | None = None) -> None:
     was_healthy: bool | None = None
     while True:
         hb = await probe_engine(http, engine)
+        if view is not None:
+            view.last = hb
         if hb.healthy:
             await registry.heartbeat(hb)
         else:
@@ -53,6 +81,30 @@ async def heartbeat_loop(registry: EngineRegistry, http: httpx.AsyncClient,
             log.info("engine_health", engine=engine.id, healthy=hb.healthy)
             was_healthy = hb.healthy
         await asyncio.sleep(interval_s)
+
+
+async def kv_event_loop(endpoint: str, applier: KvEventApplier) -> None:
+    """Follow the engine's KV events into the prefix directory (precise mode).
+
+    The engine connects to this endpoint; the worker binds it, so the engine need not
+    know whether anyone listens. Events lost while the worker was down only make the
+    directory stale until the blocks are touched again."""
+    ctx = zmq.asyncio.Context.instance()
+    sock = ctx.socket(zmq.SUB)
+    sock.bind(endpoint)
+    sock.setsockopt(zmq.SUBSCRIBE, KV_EVENTS_TOPIC.encode())
+    log.info("kv_events_listening", endpoint=endpoint)
+    try:
+        while True:
+            frames = await sock.recv_multipart()
+            try:
+                batch = msgpack.unpackb(frames[-1], raw=False, strict_map_key=False)
+                events = batch[1] if isinstance(batch, (list, tuple)) else []
+                await applier.apply(list(events))
+            except (ValueError, TypeError, IndexError, KeyError) as e:
+                log.warning("kv_event_unreadable", error=str(e))
+    finally:
+        sock.close(linger=0)
 
 
 async def run_inference_worker(settings: Settings, engine_id: str) -> None:
@@ -66,10 +118,20 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
     # Temporal retries it, instead of a step hanging until start_to_close.
     async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0),
                                  limits=limits) as http:
-        inference = InferenceActivities(engine_id=engine.id, base_url=engine.url,
-                                        model=engine.model, http=http,
-                                        transcripts=TranscriptStore(build_s3(settings),
-                                                                    settings.s3_bucket))
+        directory = PrefixDirectory(redis)
+        view = EngineView()
+        def on_bust(b: CacheBust) -> None:
+            activity.metric_meter().create_counter(
+                "warmloop_cache_busts", "prompt prefixes that changed where they should not"
+            ).add(1, {"profile": b.profile, "kind": b.kind})
+
+        inference = InferenceActivities(
+            engine_id=engine.id, base_url=engine.url, model=engine.model, http=http,
+            transcripts=TranscriptStore(build_s3(settings), settings.s3_bucket),
+            directory=directory, registry=registry,
+            detector=CacheBustDetector(redis, directory, on_bust=on_bust),
+            engine_info=view,
+        )
         worker = Worker(
             client,
             task_queue=engine_task_queue(engine.id),
@@ -80,7 +142,11 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
         log.info("inference_worker_started", task_queue=engine_task_queue(engine.id))
         try:
             async with asyncio.TaskGroup() as tg:
-                tg.create_task(heartbeat_loop(registry, http, engine, settings.engine_heartbeat_s))
+                tg.create_task(heartbeat_loop(registry, http, engine, settings.engine_heartbeat_s,
+                                              view))
+                if engine.kv_events:
+                    tg.create_task(kv_event_loop(engine.kv_events,
+                                                 KvEventApplier(directory, engine.id)))
                 tg.create_task(worker.run())
         finally:
             await registry.leave(engine.id)

@@ -9,6 +9,10 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from workflows.routing import RoutingConfig
+
+KV_EVENTS_TOPIC = "kv-events"
+
 
 class EngineEndpoint(BaseModel):
     """One OpenAI-compatible vLLM server and the model it serves."""
@@ -17,6 +21,11 @@ class EngineEndpoint(BaseModel):
                     "is engine.<id>.")
     url: str = Field(description="Base URL without /v1, e.g. http://10.0.0.5:8000.")
     model: str = Field(default="tiny", description="Served model name sent in requests.")
+    kv_events: str | None = Field(
+        default=None, pattern=r"^tcp://[^*]+:[0-9]+$",
+        description="ZMQ endpoint the engine publishes its KV events to (vLLM "
+        "--kv-events-config); the inference worker binds it. None: the prefix directory "
+        "estimates evictions from recency and capacity instead.")
 
 
 class Settings(BaseSettings):
@@ -50,11 +59,15 @@ class Settings(BaseSettings):
     engine_max_model_len: int = Field(default=32768, ge=512)
     engine_kv_cache_bytes: int | None = Field(default=None, ge=4 * 1024 * 1024)
     """Explicit KV pool per embedded engine (vLLM --kv-cache-memory-bytes); None: 1 GiB."""
+    engine_kv_events_base_port: int | None = Field(default=5557, ge=1024, le=65000)
+    """Embedded engine i publishes KV events to tcp://127.0.0.1:(this + i); None: off."""
     engines: list[EngineEndpoint] | None = None
     """External engines. When set, `dev up` starts no engines of its own."""
     engine_heartbeat_s: float = Field(default=1.0, gt=0)
     engine_ttl_s: float = Field(default=5.0, gt=0)
     """An engine whose heartbeat is older than this has left the fleet."""
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    """Weights of the routing score, e.g. WARMLOOP_ROUTING='{"max_load": 4}'."""
     agent_metrics_port: int | None = Field(default=9464, ge=1024, le=65535)
     """Prometheus /metrics of the agent worker (None: off)."""
     inference_metrics_base_port: int | None = Field(default=9470, ge=1024, le=65000)
@@ -76,7 +89,11 @@ class Settings(BaseSettings):
         if self.engines is not None:
             return self.engines
         return [
-            EngineEndpoint(id=f"e{i}", url=f"http://127.0.0.1:{self.engine_base_port + i}")
+            EngineEndpoint(
+                id=f"e{i}", url=f"http://127.0.0.1:{self.engine_base_port + i}",
+                kv_events=(None if self.engine_kv_events_base_port is None
+                           else f"tcp://127.0.0.1:{self.engine_kv_events_base_port + i}"),
+            )
             for i in range(self.engine_count)
         ]
 

@@ -44,6 +44,7 @@ from workflows.contracts import (
     Lane,
     PendingApproval,
     PickEngineRequest,
+    RouteRequest,
     StepRecord,
     StoreTranscriptRequest,
     ToolCall,
@@ -54,6 +55,7 @@ from workflows.contracts import (
 from workflows.pricing import pricing_for
 from workflows.profiles import Profile, UnknownProfileError, get_profile
 from workflows.profiles.base import ApprovalRule, ToolCallError, ToolSpec
+from workflows.routing import RouteDecision
 
 GENERATE_START_TO_CLOSE = timedelta(seconds=90)
 GENERATE_HEARTBEAT = timedelta(seconds=30)
@@ -68,6 +70,9 @@ MAX_FAILOVERS = 2
 LANE_PRIORITY = {Lane.INTERACTIVE: 0, Lane.BATCH: 10}
 SHORT_ACTIVITY = timedelta(seconds=30)
 PICK_RETRY = RetryPolicy(maximum_attempts=5, initial_interval=timedelta(seconds=1))
+ROUTE_TIMEOUT = timedelta(seconds=5)
+# Routing runs every step, so it is a local activity: no task-queue round trip.
+PATCH_ROUTE_EVERY_STEP = "route-every-step"
 
 # Search attributes (registered by `warmloop dev up`; on a cluster see the README).
 SA_PROFILE = SearchAttributeKey.for_keyword("WarmloopProfile")
@@ -262,8 +267,8 @@ class AgentJob:
             tools=job.tools,
             priority=LANE_PRIORITY[job.lane],
         )
-        gen, route_reason, failovers = await self._generate(
-            request, pickup_timeout=timedelta(seconds=job.step_pickup_timeout_s)
+        gen, route_reason, failovers, predicted = await self._generate(
+            request, job, pickup_timeout=timedelta(seconds=job.step_pickup_timeout_s)
         )
         self._stored_len = len(self._transcript)
         cost = pricing_for(gen.model).cost(prompt_tokens=gen.prompt_tokens,
@@ -279,7 +284,8 @@ class AgentJob:
             tool=None, valid=False, prompt_tokens=gen.prompt_tokens,
             cached_tokens=gen.cached_tokens, completion_tokens=gen.completion_tokens,
             ttft_ms=gen.ttft_ms, latency_ms=gen.latency_ms, cost_usd=cost,
-            retries=gen.attempt - 1 + failovers,
+            retries=gen.attempt - 1 + failovers, predicted_cached_tokens=predicted,
+            dispatch_ms=gen.dispatch_ms,
         )
         self._record_metrics(record)
         return gen, record
@@ -325,10 +331,77 @@ class AgentJob:
         except ActivityError:
             return None
 
+    async def _route(self, request: GenerateRequest, job: JobInput,
+                     exclude: list[str]) -> RouteDecision | None:
+        try:
+            return await workflow.execute_local_activity(
+                "route_step",
+                RouteRequest(job_id=self._job_id, step=request.step, profile=request.profile,
+                             policy=job.routing, exclude=exclude,
+                             last_engine=self._engine.engine_id if self._engine else None),
+                start_to_close_timeout=ROUTE_TIMEOUT, retry_policy=PICK_RETRY,
+                result_type=RouteDecision,
+            )
+        except ActivityError:
+            return None
+
     async def _generate(
+        self, request: GenerateRequest, job: JobInput, *, pickup_timeout: timedelta
+    ) -> tuple[GenerateResult, str, int, int | None]:
+        """Route the step and run it; when its engine is gone, re-route it elsewhere.
+
+        A step that timed out waiting for pickup never started, and one whose worker
+        died mid-stream is retried whole on another engine: the engine call has no side
+        effects, so the step is neither lost nor applied twice."""
+        if not workflow.patched(PATCH_ROUTE_EVERY_STEP):
+            gen, reason, failovers = await self._generate_sticky(request,
+                                                                 pickup_timeout=pickup_timeout)
+            return gen, reason, failovers, None
+        failed: list[str] = []
+        for _ in range(MAX_FAILOVERS + 1):
+            pinned = job.engine_id if job.engine_id and job.engine_id not in failed else None
+            if pinned:
+                decision = RouteDecision(engine_id=pinned, reason="pinned")
+                predicted = None
+            else:
+                routed = await self._route(request, job, failed)
+                if routed is None:
+                    raise _JobEnded(JobState.ENGINE_UNAVAILABLE,
+                                    "no live engine could serve the step")
+                decision, predicted = routed, routed.expected_cached_tokens
+            self._engine = EngineChoice(engine_id=decision.engine_id, reason=decision.reason)
+            try:
+                gen = await workflow.execute_activity(
+                    "generate", request.model_copy(update={"expected_cached_tokens": predicted}),
+                    task_queue=engine_task_queue(decision.engine_id),
+                    start_to_close_timeout=GENERATE_START_TO_CLOSE,
+                    heartbeat_timeout=GENERATE_HEARTBEAT,
+                    # not picked up in time: the engine's worker is gone, fail over
+                    schedule_to_start_timeout=pickup_timeout,
+                    retry_policy=GENERATE_RETRY, result_type=GenerateResult,
+                )
+                return gen, decision.reason, len(failed), predicted
+            except ActivityError as e:
+                if _error_type(e) == "ContextOverflow":
+                    raise _JobEnded(JobState.CONTEXT_EXHAUSTED,
+                                    "the transcript no longer fits the context window") from e
+                if _error_type(e) == "TranscriptGap" and request.base_len > 0:
+                    workflow.logger.warning("transcript store lost messages; resending")
+                    request = request.model_copy(
+                        update={"base_len": 0, "new_messages": self._transcript})
+                    continue
+                timed_out = isinstance(e.cause, ActivityTimeoutError)
+                workflow.logger.warning("step %d failed on engine %s (timeout: %s); re-routing",
+                                        request.step, decision.engine_id, timed_out)
+                failed.append(decision.engine_id)
+        raise _JobEnded(JobState.ENGINE_UNAVAILABLE,
+                        f"step {request.step} failed on engines {', '.join(failed)}")
+
+    async def _generate_sticky(
         self, request: GenerateRequest, *, pickup_timeout: timedelta
     ) -> tuple[GenerateResult, str, int]:
-        """Run one step on the job's engine, failing over to another when it is gone."""
+        """Placement of workflows started before per-step routing: pick an engine once,
+        stay on it, fail over when it is gone. Kept so their histories replay."""
         failed: list[str] = []
         route_reason: str
         for _ in range(MAX_FAILOVERS + 1):

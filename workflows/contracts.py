@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from workflows.budgets import JobLimits, Usage
+from workflows.routing import RouteReason, RoutingPolicy
 
 AGENT_TASK_QUEUE = "warmloop-agent"
 
@@ -77,6 +78,12 @@ class JobInput(BaseModel):
     engine_id: str | None = Field(
         default=None, description="Pin the job to this engine instead of routing it."
     )
+    routing: RoutingPolicy = Field(
+        default="cache_aware",
+        description="How each step picks its engine. cache_aware: where its prefix is "
+        "warm, within load limits. round_robin and least_loaded are baselines for "
+        "benchmarks; they ignore the caches.",
+    )
     step_pickup_timeout_s: float = Field(
         default=30.0, gt=0, le=600,
         description="How long a step may wait for its engine's worker to pick it up before "
@@ -125,13 +132,28 @@ class EngineChoice(BaseModel):
     """Which engine serves a job's steps, and why it was picked."""
 
     engine_id: str
-    reason: Literal["pinned", "round_robin", "failover"]
+    reason: RouteReason
 
 
 class PickEngineRequest(BaseModel):
+    """Input of ``pick_engine``, the placement of histories recorded before routing ran
+    per step (kept so those workflows replay)."""
+
     job_id: str
     profile: str
     exclude: list[str] = Field(default_factory=list, description="Engines known to be failing.")
+
+
+class RouteRequest(BaseModel):
+    """Input of ``route_step``: where should this job's next step run?"""
+
+    job_id: str
+    step: int
+    profile: str
+    policy: RoutingPolicy = "cache_aware"
+    last_engine: str | None = None
+    """The engine of the job's previous step: its whole transcript is likely cached there."""
+    exclude: list[str] = Field(default_factory=list, description="Engines that failed this step.")
 
 
 class GenerateRequest(BaseModel):
@@ -153,6 +175,9 @@ class GenerateRequest(BaseModel):
     """The profile's tools offered in this job; None: all."""
     max_tokens: int = Field(ge=1)
     priority: int = 0
+    expected_cached_tokens: int | None = None
+    """The router's prediction for this step; the worker scores the prefix directory's
+    accuracy against the engine's reported cached tokens."""
 
 
 class GenerateResult(BaseModel):
@@ -171,6 +196,9 @@ class GenerateResult(BaseModel):
     completion_tokens: int
     ttft_ms: float
     latency_ms: float
+    dispatch_ms: float = 0.0
+    """From Temporal scheduling this attempt to the request leaving for the engine:
+    the orchestration overhead the step pays before the engine sees it."""
 
 
 class ToolRequest(BaseModel):
@@ -209,6 +237,9 @@ class StepRecord(BaseModel):
     completion_tokens: int
     ttft_ms: float
     latency_ms: float
+    predicted_cached_tokens: int | None = None
+    """What the router expected the engine to hold for this step."""
+    dispatch_ms: float = 0.0
 
 
 class StoreTranscriptRequest(BaseModel):

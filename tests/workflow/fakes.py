@@ -18,6 +18,7 @@ from workflows.contracts import (
     GenerateRequest,
     GenerateResult,
     PickEngineRequest,
+    RouteRequest,
     StoreTranscriptRequest,
     ToolCall,
     ToolRequest,
@@ -25,6 +26,7 @@ from workflows.contracts import (
 )
 from workflows.profiles import get_profile
 from workflows.prompt import assemble_prompt
+from workflows.routing import EngineCandidate, RouteDecision, choose_engine
 
 Script = Callable[[GenerateRequest], GenerateResult]
 
@@ -52,8 +54,24 @@ class FakeActivities:
         self.transcripts: dict[str, list[ChatMessage]] = {}
         self.tool_requests: list[ToolRequest] = []
         self.picks: list[PickEngineRequest] = []
+        self.routes: list[RouteRequest] = []
+        self.forced_routes: list[str] = []
+        """Engines the next routes go to regardless of the score (e.g. a dead one)."""
         self.stored: list[StoreTranscriptRequest] = []
         self._rr = itertools.count()
+
+    @activity.defn(name="route_step")
+    async def route_step(self, req: RouteRequest) -> RouteDecision:
+        """The real scoring function over engines with no load and no cache knowledge."""
+        self.routes.append(req)
+        live = [e for e in self.engines if e not in req.exclude]
+        if not live:
+            raise ApplicationError("no live engine", non_retryable=True)
+        if self.forced_routes:
+            return RouteDecision(engine_id=self.forced_routes.pop(0), reason="least_loaded")
+        return choose_engine([EngineCandidate(engine_id=e) for e in live], job_id=req.job_id,
+                             last_engine=req.last_engine, failover=bool(req.exclude),
+                             policy=req.policy)
 
     @activity.defn(name="pick_engine")
     async def pick_engine(self, req: PickEngineRequest) -> EngineChoice:

@@ -33,7 +33,8 @@ async def workers(env: WorkflowEnvironment, fakes: FakeActivities,
     """An agent worker plus one engine worker per id in ``serving`` (default: all)."""
     client = env.client
     agent = Worker(client, task_queue=AGENT_TASK_QUEUE, workflows=[AgentJob],
-                   activities=[fakes.pick_engine, fakes.run_tool, fakes.store_transcript])
+                   activities=[fakes.route_step, fakes.pick_engine, fakes.run_tool,
+                               fakes.store_transcript])
     engine_workers = [
         Worker(client, task_queue=engine_task_queue(e), activities=[fakes.generate])
         for e in (fakes.engines if serving is None else serving)
@@ -71,9 +72,10 @@ async def test_step_cap_ends_in_loop_cap_with_partial_result(
     assert len(res.transcript) == 8
     assert res.transcript_key == f"transcripts/{res.job_id}.json"
     assert fakes.stored[0].transcript == res.transcript
-    # sticky: one pick, then every step on the same engine
-    assert len(fakes.picks) == 1
-    assert [s.route_reason for s in res.steps] == ["round_robin", "sticky", "sticky", "sticky"]
+    # routed every step; with nothing to tell engines apart the job stays where it is
+    assert [r.step for r in fakes.routes] == [1, 2, 3, 4]
+    assert [r.last_engine for r in fakes.routes] == [None, "fake0", "fake0", "fake0"]
+    assert [s.route_reason for s in res.steps] == ["least_loaded", "sticky", "sticky", "sticky"]
 
 
 async def test_finish_tool_ends_the_job_with_its_arguments(
@@ -165,12 +167,13 @@ async def test_a_step_on_a_dead_engine_fails_over_and_is_not_lost(
         lambda req: reply("search_kb", '{"topic": "login"}', engine_id="fake1"),
         engines=["fake0", "fake1"],
     )
-    fakes._rr = iter([0, 0, 0])  # type: ignore[assignment]  # first pick: the dead one
+    fakes.forced_routes = ["fake0"]  # first route: the dead one
     async with workers(time_skipping_env, fakes, serving=["fake1"]) as client:
         res = await run_job(client, max_steps=2, step_pickup_timeout_s=2)
     assert res.state == JobState.LOOP_CAP
-    assert [p.exclude for p in fakes.picks] == [[], ["fake0"]]
+    assert [(r.step, r.exclude) for r in fakes.routes] == [(1, []), (1, ["fake0"]), (2, [])]
     assert [s.route_reason for s in res.steps] == ["failover", "sticky"]
+    assert [s.engine_id for s in res.steps] == ["fake1", "fake1"]
     assert [r.step for r in fakes.generate_requests] == [1, 2]  # each step ran once
 
 
@@ -217,4 +220,5 @@ async def test_a_lost_transcript_store_is_refilled_from_the_workflow(
     assert res.state == JobState.LOOP_CAP and len(res.steps) == 4
     step3 = [r for r in fakes.generate_requests if r.step == 3]
     assert [(r.base_len, len(r.new_messages)) for r in step3] == [(2, 2), (0, 4)]
-    assert len(fakes.picks) == 1  # same engine: not a failover
+    assert not any(r.exclude for r in fakes.routes)  # same engine: not a failover
+    assert {s.engine_id for s in res.steps} == {"fake0"}

@@ -1,0 +1,244 @@
+"""The prefix directory: which engine likely holds which prompt prefix.
+
+Kept in Redis, one sorted set per engine of block hashes (``workflows.routing.block_hashes``)
+scored by last use. Two ways to keep it true:
+
+- **precise**: the engine publishes its KV events (vLLM ``--kv-events-config``) and the
+  inference worker applies each ``BlockStored``/``BlockRemoved`` (``KvEventApplier``);
+- **estimated**: without events, the blocks of each served prompt are recorded and the
+  set is trimmed, least recently used first, to the engine's KV capacity.
+
+Each job's latest prompt chain and each profile's stable-prefix chain are kept too, so
+the router can ask "how much of this step's prompt does engine E hold?" with one walk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+import structlog
+
+from workflows.routing import block_hashes
+
+log = structlog.get_logger(__name__)
+
+ENGINE_BLOCKS = "warmloop:dir:engine:{}"
+JOB_CHAIN = "warmloop:dir:job:{}"
+PROFILE_CHAIN = "warmloop:dir:profile:{}"
+ACCURACY = "warmloop:dir:accuracy"
+"""Hash: steps, predicted and actual cached token sums, absolute error sum."""
+JOB_CHAIN_TTL_S = 24 * 3600
+MAX_WALK_BLOCKS = 512
+"""Longest prefix the router walks (64k tokens at block 128)."""
+
+
+@dataclass(frozen=True)
+class PromptChain:
+    """A prompt's block-hash chain, and how much of it the job's next step shares.
+
+    The volatile tail (budget line) is last in every prompt and changes each step, so
+    only the blocks wholly before it can be reused by the next step."""
+
+    hashes: list[str]
+    block_size: int
+    reusable_blocks: int
+
+
+class PrefixDirectory:
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self._redis = redis
+
+    # ---- writes (inference worker) ----------------------------------------------------
+
+    async def record_served(self, engine_id: str, job_id: str, chain: PromptChain, *,
+                            capacity_blocks: int | None, now: float | None = None) -> None:
+        """The engine just served this prompt: its blocks are now the most recently used
+        there. Without KV events, trim the engine's set to ``capacity_blocks``."""
+        now = time.time() if now is None else now
+        key = ENGINE_BLOCKS.format(engine_id)
+        pipe = self._redis.pipeline(transaction=False)
+        if chain.hashes:
+            # Later blocks are evicted first by vLLM's LRU; give them slightly older
+            # scores so an estimated trim drops a prompt's tail before its head.
+            n = len(chain.hashes)
+            pipe.zadd(key, {h: now - (i / n) * 1e-3 for i, h in enumerate(chain.hashes)})
+        if capacity_blocks is not None:
+            pipe.zremrangebyrank(key, 0, -(capacity_blocks + 1))
+        pipe.set(JOB_CHAIN.format(job_id), json.dumps({
+            "engine": engine_id, "block_size": chain.block_size,
+            "hashes": chain.hashes[:chain.reusable_blocks],
+        }), ex=JOB_CHAIN_TTL_S)
+        await pipe.execute()
+
+    async def store_blocks(self, engine_id: str, hashes: Iterable[str], now: float) -> None:
+        mapping = {h: now for h in hashes}
+        if mapping:
+            await self._redis.zadd(ENGINE_BLOCKS.format(engine_id), mapping)
+
+    async def remove_blocks(self, engine_id: str, hashes: Iterable[str]) -> None:
+        hs = list(hashes)
+        if hs:
+            await self._redis.zrem(ENGINE_BLOCKS.format(engine_id), *hs)
+
+    async def clear_engine(self, engine_id: str) -> None:
+        await self._redis.delete(ENGINE_BLOCKS.format(engine_id))
+
+    async def set_profile_chain(self, profile: str, hashes: list[str], block_size: int) -> None:
+        await self._redis.set(PROFILE_CHAIN.format(profile),
+                              json.dumps({"hashes": hashes, "block_size": block_size}))
+
+    async def profile_chain(self, profile: str) -> list[str] | None:
+        raw = await self._redis.get(PROFILE_CHAIN.format(profile))
+        return None if raw is None else list(json.loads(raw)["hashes"])
+
+    async def record_accuracy(self, predicted: int, actual: int) -> None:
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hincrby(ACCURACY, "steps", 1)
+        pipe.hincrby(ACCURACY, "predicted", predicted)
+        pipe.hincrby(ACCURACY, "actual", actual)
+        pipe.hincrby(ACCURACY, "abs_error", abs(predicted - actual))
+        pipe.hincrby(ACCURACY, "exact", int(predicted == actual))
+        await pipe.execute()
+
+    async def accuracy(self) -> dict[str, int]:
+        raw = await self._redis.hgetall(ACCURACY)
+        return {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
+
+    # ---- reads (router) ---------------------------------------------------------------
+
+    async def job_chain(self, job_id: str) -> tuple[list[str], str] | None:
+        """The reusable blocks of the job's last prompt and the engine that served it."""
+        raw = await self._redis.get(JOB_CHAIN.format(job_id))
+        if raw is None:
+            return None
+        d = json.loads(raw)
+        return list(d["hashes"]), str(d["engine"])
+
+    async def lookup_chain(self, job_id: str, profile: str) -> tuple[list[str], str | None]:
+        """The chain to match for a job's next step, and the engine that served its last
+        step: the job's own last prompt, or for a new job its profile's stable prefix."""
+        known = await self.job_chain(job_id)
+        if known is not None:
+            return known
+        return (await self.profile_chain(profile)) or [], None
+
+    async def matched_blocks(self, chain: list[str], engine_ids: list[str]) -> dict[str, int]:
+        """For each engine, how many leading blocks of ``chain`` it holds."""
+        chain = chain[:MAX_WALK_BLOCKS]
+        if not chain or not engine_ids:
+            return {e: 0 for e in engine_ids}
+        pipe = self._redis.pipeline(transaction=False)
+        for e in engine_ids:
+            pipe.zmscore(ENGINE_BLOCKS.format(e), chain)
+        out = {}
+        for e, scores in zip(engine_ids, await pipe.execute(), strict=True):
+            n = 0
+            for s in scores:
+                if s is None:
+                    break
+                n += 1
+            out[e] = n
+        return out
+
+    async def engine_blocks(self, engine_id: str) -> int:
+        return int(await self._redis.zcard(ENGINE_BLOCKS.format(engine_id)))
+
+
+def prompt_chain(prompt_token_ids: list[int], block_size: int, *,
+                 tail_tokens: int) -> PromptChain:
+    hashes = block_hashes(prompt_token_ids, block_size)
+    reusable = max(0, len(prompt_token_ids) - tail_tokens) // block_size
+    return PromptChain(hashes=hashes, block_size=block_size,
+                       reusable_blocks=min(reusable, len(hashes)))
+
+
+class KvEventApplier:
+    """Turns an engine's KV events into directory updates (precise mode).
+
+    vLLM names blocks by its own hashes; the directory names them by the token chain
+    (``block_hashes``) so that the router can hash a prompt without the engine. A
+    ``BlockStored`` event carries the token ids and the parent, which is enough to map
+    one onto the other; the map lives here, bounded by what the engine holds.
+    """
+
+    def __init__(self, directory: PrefixDirectory, engine_id: str) -> None:
+        self._dir = directory
+        self._engine = engine_id
+        self._ours: dict[Any, str] = {}
+        self.stored = 0
+        self.removed = 0
+
+    async def apply(self, events: list[Any], now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        stored: list[str] = []
+        removed: list[str] = []
+        for ev in events:
+            kind, body = _event_kind(ev)
+            if kind == "BlockStored":
+                stored.extend(self._on_stored(body))
+            elif kind == "BlockRemoved":
+                for vh in body.get("block_hashes") or []:
+                    ours = self._ours.pop(_key(vh), None)
+                    if ours is not None:
+                        removed.append(ours)
+            elif kind == "AllBlocksCleared":
+                self._ours.clear()
+                stored, removed = [], []
+                await self._dir.clear_engine(self._engine)
+        # Removals of blocks stored in the same batch must win, so store first.
+        await self._dir.store_blocks(self._engine, stored, now)
+        await self._dir.remove_blocks(self._engine, removed)
+        self.stored += len(stored)
+        self.removed += len(removed)
+
+    def _on_stored(self, body: dict[str, Any]) -> list[str]:
+        if body.get("medium") not in (None, "GPU"):
+            return []  # an offload tier, not the pool the engine serves prefixes from
+        bs = int(body["block_size"])
+        tokens = list(body.get("token_ids") or [])
+        parent_vh = body.get("parent_block_hash")
+        parent = "" if parent_vh is None else self._ours.get(_key(parent_vh))
+        if parent is None:
+            return []  # parent unknown (stored before we subscribed): cannot chain
+        out = []
+        for i, vh in enumerate(body.get("block_hashes") or []):
+            chunk = tokens[i * bs:(i + 1) * bs]
+            if len(chunk) < bs:
+                break
+            ours = _chain_step(parent, chunk)
+            self._ours[_key(vh)] = ours
+            out.append(ours)
+            parent = ours
+        return out
+
+
+def _chain_step(parent_hex: str, tokens: list[int]) -> str:
+    # Same construction as workflows.routing.block_hashes, one block at a time.
+    h = hashlib.blake2b(bytes.fromhex(parent_hex) if parent_hex else b"", digest_size=8)
+    h.update(b"".join(t.to_bytes(4, "little", signed=False) for t in tokens))
+    return h.hexdigest()
+
+
+def _key(vh: Any) -> Any:
+    return bytes(vh) if isinstance(vh, (bytes, bytearray, memoryview)) else vh
+
+
+def _event_kind(ev: Any) -> tuple[str, dict[str, Any]]:
+    """msgspec tagged structs arrive as maps with a ``type`` key (or as arrays whose
+    first item is the tag, depending on vLLM's encoder settings)."""
+    if isinstance(ev, dict):
+        return str(ev.get("type", "")), ev
+    if isinstance(ev, (list, tuple)) and ev:
+        tag = ev[0]
+        names = {"BlockStored": ["block_hashes", "parent_block_hash", "token_ids",
+                                 "block_size", "lora_id", "medium"],
+                 "BlockRemoved": ["block_hashes", "medium"]}
+        fields = names.get(str(tag), [])
+        return str(tag), dict(zip(fields, ev[1:], strict=False))
+    return "", {}

