@@ -31,6 +31,8 @@ log = structlog.get_logger(__name__)
 ENGINE_BLOCKS = "warmloop:dir:engine:{}"
 JOB_CHAIN = "warmloop:dir:job:{}"
 PROFILE_CHAIN = "warmloop:dir:profile:{}"
+TRACE = "warmloop:dir:trace"
+"""List of served prompts' chains, kept only when tracing is on (benchmarks)."""
 ACCURACY = "warmloop:dir:accuracy"
 """Hash: steps, predicted and actual cached token sums, absolute error sum."""
 JOB_CHAIN_TTL_S = 24 * 3600
@@ -48,11 +50,14 @@ class PromptChain:
     hashes: list[str]
     block_size: int
     reusable_blocks: int
+    tokens: int = 0
+    """Prompt length in tokens (the last, partial block is not hashed)."""
 
 
 class PrefixDirectory:
-    def __init__(self, redis: aioredis.Redis) -> None:
+    def __init__(self, redis: aioredis.Redis, *, trace: bool = False) -> None:
         self._redis = redis
+        self._trace = trace
 
     # ---- writes (inference worker) ----------------------------------------------------
 
@@ -74,7 +79,13 @@ class PrefixDirectory:
             "engine": engine_id, "block_size": chain.block_size,
             "hashes": chain.hashes[:chain.reusable_blocks],
         }), ex=JOB_CHAIN_TTL_S)
+        if self._trace:
+            pipe.rpush(TRACE, json.dumps({"job": job_id, "engine": engine_id,
+                                          "tokens": chain.tokens, "hashes": chain.hashes}))
         await pipe.execute()
+
+    async def traced(self) -> list[dict[str, Any]]:
+        return [json.loads(r) for r in await self._redis.lrange(TRACE, 0, -1)]
 
     async def store_blocks(self, engine_id: str, hashes: Iterable[str], now: float) -> None:
         mapping = {h: now for h in hashes}
@@ -155,7 +166,7 @@ def prompt_chain(prompt_token_ids: list[int], block_size: int, *,
     hashes = block_hashes(prompt_token_ids, block_size)
     reusable = max(0, len(prompt_token_ids) - tail_tokens) // block_size
     return PromptChain(hashes=hashes, block_size=block_size,
-                       reusable_blocks=min(reusable, len(hashes)))
+                       reusable_blocks=min(reusable, len(hashes)), tokens=len(prompt_token_ids))
 
 
 class KvEventApplier:

@@ -69,7 +69,7 @@ class InferenceActivities:
             "tool_choice": "required",
             "parallel_tool_calls": False,
             "max_tokens": req.max_tokens,
-            "temperature": 1.0,
+            "temperature": profile.temperature,
             "stream": True,
             "stream_options": {"include_usage": True},
             "priority": req.priority,

@@ -4,6 +4,8 @@ and asks the pure scoring function in ``workflows.routing`` for the engine."""
 
 from __future__ import annotations
 
+import time
+
 import redis.asyncio as aioredis
 import structlog
 from temporalio import activity
@@ -38,6 +40,7 @@ class RoutingActivities:
 
     @activity.defn(name="route_step")
     async def route_step(self, req: RouteRequest) -> RouteDecision:
+        started = time.perf_counter()
         live = await self._live(req.exclude)
         ids = [e.engine_id for e in live]
         matched = {e: 0 for e in ids}
@@ -57,6 +60,7 @@ class RoutingActivities:
                                  failover=bool(req.exclude), config=self._config,
                                  policy=req.policy, turn=turn)
         await self._registry.step_routed(decision.engine_id, f"{req.job_id}:{req.step}")
+        decision.took_ms = (time.perf_counter() - started) * 1000
         log.info("step_routed", job_id=req.job_id, step=req.step, engine=decision.engine_id,
                  reason=decision.reason, expected_cached=decision.expected_cached_tokens)
         return decision

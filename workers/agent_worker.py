@@ -15,6 +15,7 @@ from activities.routing import RoutingActivities
 from activities.storage import StorageActivities
 from activities.tools import EffectLedger, ToolActivities
 from activities.tools.invoice_reconciliation import InvoiceReconciliationTools
+from activities.tools.synthetic import SyntheticTools
 from activities.tools.ticket_triage import TicketTriageTools
 from workers.clients import build_redis, build_s3, connect
 from workers.logging import configure_logging
@@ -22,6 +23,7 @@ from workers.settings import Settings
 from workflows.agent_job import AgentJob
 from workflows.batch_run import BatchRun
 from workflows.contracts import AGENT_TASK_QUEUE
+from workflows.profiles.synthetic import SYNTHETIC_PROFILES
 
 log = structlog.get_logger(__name__)
 WORKER_KEY = "warmloop:worker:agent:{}"
@@ -34,7 +36,8 @@ async def run_agent_worker(settings: Settings) -> None:
     registry = EngineRegistry(redis, ttl_s=settings.engine_ttl_s)
     routing = RoutingActivities(registry, redis, config=settings.routing)
     tools = ToolActivities(
-        [TicketTriageTools.bundled(), InvoiceReconciliationTools.bundled()],
+        [TicketTriageTools.bundled(), InvoiceReconciliationTools.bundled(),
+         *(SyntheticTools(p.name) for p in SYNTHETIC_PROFILES)],
         EffectLedger(redis), s3=s3, bucket=settings.s3_bucket,
     )
     storage = StorageActivities(s3, settings.s3_bucket)

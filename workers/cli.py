@@ -568,26 +568,89 @@ def schedule_delete(name: str) -> None:
 
 
 @app.command()
-def engines() -> None:
-    """List the live engines in the registry."""
+def engines(as_json: bool = typer.Option(False, "--json", help="One JSON object per engine.")
+            ) -> None:
+    """List the live engines: load, KV pool, and what the prefix directory knows."""
 
     async def go() -> None:
         import redis.asyncio as aioredis
         from redis.exceptions import RedisError
 
+        from activities.directory import PrefixDirectory
         from activities.registry import EngineRegistry
 
         s = _settings()
         r = aioredis.Redis.from_url(s.redis_url)
         try:
-            live = await EngineRegistry(r, ttl_s=s.engine_ttl_s).live()
+            registry = EngineRegistry(r, ttl_s=s.engine_ttl_s)
+            live = await registry.live()
+            ids = [hb.engine_id for hb in live]
+            in_flight = await registry.in_flight(ids)
+            directory = PrefixDirectory(r)
+            blocks = {e: await directory.engine_blocks(e) for e in ids}
         except RedisError as err:
             fail(f"cannot reach Redis at {s.redis_url} ({err}); is the stack up?")
-        table = Table("engine", "task queue", "model", "running", "waiting", "KV use")
+        if as_json:
+            for hb in live:
+                print(json.dumps({**hb.model_dump(), "in_flight": in_flight[hb.engine_id],
+                                  "directory_blocks": blocks[hb.engine_id]}))
+            return
+        table = Table("engine", "task queue", "model", "running", "waiting", "routed",
+                      "KV use", "KV pool", "block", "directory", "mode")
         for hb in live:
             table.add_row(hb.engine_id, hb.task_queue, hb.model, str(hb.running),
-                          str(hb.waiting), f"{hb.kv_usage:.0%}")
+                          str(hb.waiting), str(in_flight[hb.engine_id]), f"{hb.kv_usage:.0%}",
+                          f"{hb.kv_capacity_tokens:,} tok", str(hb.block_size),
+                          f"{blocks[hb.engine_id]:,} blocks",
+                          "precise (KV events)" if hb.precise else "estimated")
         console.print(table if live else "no live engines")
+
+    run(go())
+
+
+@app.command()
+def doctor() -> None:
+    """Check what costs cache hits: prompt prefixes that changed where they should not
+    (cache busts) and how well the prefix directory predicts the engines' caches."""
+
+    async def go() -> None:
+        import redis.asyncio as aioredis
+        from redis.exceptions import RedisError
+
+        from activities.cachebust import bust_report
+        from activities.directory import PrefixDirectory
+
+        s = _settings()
+        r = aioredis.Redis.from_url(s.redis_url)
+        try:
+            counts, recent = await bust_report(r)
+            acc = await PrefixDirectory(r).accuracy()
+        except RedisError as err:
+            fail(f"cannot reach Redis at {s.redis_url} ({err}); is the stack up?")
+        if not counts:
+            console.print("cache busts: none seen (every job of a profile shared its stable "
+                          "prefix; every step extended its job's previous prompt)")
+        else:
+            table = Table("profile", "kind", "busts", "last job", "first differing block")
+            for (profile, kind), n in sorted(counts.items()):
+                last = next((b for b in recent if b.profile == profile and b.kind == kind), None)
+                table.add_row(profile, kind, str(n), last.job_id if last else "-",
+                              f"{last.block} (token {last.token_offset})" if last else "-")
+            console.print("[bold red]cache busts[/]: a prefix changed where it should not; "
+                          "look for a timestamp, id or reordered tools before that token")
+            console.print(table)
+        steps = acc.get("steps", 0)
+        if steps:
+            console.print(
+                f"prefix directory: {steps} steps; predicted {acc['predicted']:,} cached tokens, "
+                f"engines reported {acc['actual']:,} "
+                f"({acc['predicted'] / max(1, acc['actual']):.0%}); exact on "
+                f"{acc['exact'] / steps:.0%} of steps; mean abs error "
+                f"{acc['abs_error'] / steps:.0f} tokens")
+        else:
+            console.print("prefix directory: no routed steps yet")
+        if counts:
+            raise typer.Exit(1)
 
     run(go())
 

@@ -118,7 +118,7 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
     # Temporal retries it, instead of a step hanging until start_to_close.
     async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0),
                                  limits=limits) as http:
-        directory = PrefixDirectory(redis)
+        directory = PrefixDirectory(redis, trace=settings.trace_prompt_chains)
         view = EngineView()
         def on_bust(b: CacheBust) -> None:
             activity.metric_meter().create_counter(

@@ -66,6 +66,9 @@ class Settings(BaseSettings):
     engine_heartbeat_s: float = Field(default=1.0, gt=0)
     engine_ttl_s: float = Field(default=5.0, gt=0)
     """An engine whose heartbeat is older than this has left the fleet."""
+    trace_prompt_chains: bool = False
+    """Keep every served prompt's block chain in Redis (benchmarks compute the oracle
+    hit rate from it); off in production, it grows without bound."""
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     """Weights of the routing score, e.g. WARMLOOP_ROUTING='{"max_load": 4}'."""
     agent_metrics_port: int | None = Field(default=9464, ge=1024, le=65535)

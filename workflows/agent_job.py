@@ -267,7 +267,7 @@ class AgentJob:
             tools=job.tools,
             priority=LANE_PRIORITY[job.lane],
         )
-        gen, route_reason, failovers, predicted = await self._generate(
+        gen, route_reason, failovers, routed = await self._generate(
             request, job, pickup_timeout=timedelta(seconds=job.step_pickup_timeout_s)
         )
         self._stored_len = len(self._transcript)
@@ -284,8 +284,9 @@ class AgentJob:
             tool=None, valid=False, prompt_tokens=gen.prompt_tokens,
             cached_tokens=gen.cached_tokens, completion_tokens=gen.completion_tokens,
             ttft_ms=gen.ttft_ms, latency_ms=gen.latency_ms, cost_usd=cost,
-            retries=gen.attempt - 1 + failovers, predicted_cached_tokens=predicted,
-            dispatch_ms=gen.dispatch_ms,
+            retries=gen.attempt - 1 + failovers, dispatch_ms=gen.dispatch_ms,
+            predicted_cached_tokens=routed.expected_cached_tokens if routed else None,
+            route_ms=routed.took_ms if routed else 0.0,
         )
         self._record_metrics(record)
         return gen, record
@@ -347,7 +348,7 @@ class AgentJob:
 
     async def _generate(
         self, request: GenerateRequest, job: JobInput, *, pickup_timeout: timedelta
-    ) -> tuple[GenerateResult, str, int, int | None]:
+    ) -> tuple[GenerateResult, str, int, RouteDecision | None]:
         """Route the step and run it; when its engine is gone, re-route it elsewhere.
 
         A step that timed out waiting for pickup never started, and one whose worker
@@ -360,15 +361,16 @@ class AgentJob:
         failed: list[str] = []
         for _ in range(MAX_FAILOVERS + 1):
             pinned = job.engine_id if job.engine_id and job.engine_id not in failed else None
+            routed: RouteDecision | None = None
             if pinned:
                 decision = RouteDecision(engine_id=pinned, reason="pinned")
-                predicted = None
             else:
                 routed = await self._route(request, job, failed)
                 if routed is None:
                     raise _JobEnded(JobState.ENGINE_UNAVAILABLE,
                                     "no live engine could serve the step")
-                decision, predicted = routed, routed.expected_cached_tokens
+                decision = routed
+            predicted = routed.expected_cached_tokens if routed else None
             self._engine = EngineChoice(engine_id=decision.engine_id, reason=decision.reason)
             try:
                 gen = await workflow.execute_activity(
@@ -380,7 +382,7 @@ class AgentJob:
                     schedule_to_start_timeout=pickup_timeout,
                     retry_policy=GENERATE_RETRY, result_type=GenerateResult,
                 )
-                return gen, decision.reason, len(failed), predicted
+                return gen, decision.reason, len(failed), routed
             except ActivityError as e:
                 if _error_type(e) == "ContextOverflow":
                     raise _JobEnded(JobState.CONTEXT_EXHAUSTED,

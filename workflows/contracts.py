@@ -240,6 +240,9 @@ class StepRecord(BaseModel):
     predicted_cached_tokens: int | None = None
     """What the router expected the engine to hold for this step."""
     dispatch_ms: float = 0.0
+    """Temporal scheduling generate -> the request leaving for the engine."""
+    route_ms: float = 0.0
+    """Time the routing activity took to decide."""
 
 
 class StoreTranscriptRequest(BaseModel):

@@ -62,6 +62,8 @@ class RouteDecision(BaseModel):
     reason: RouteReason
     expected_cached_tokens: int = 0
     scores: dict[str, float] = Field(default_factory=dict)
+    took_ms: float = 0.0
+    """Time the routing activity spent gathering and deciding (set by the activity)."""
 
 
 def _spread_key(job_id: str, engine_id: str) -> str:

@@ -35,7 +35,7 @@ class ToolActivities:
                                    type="UnknownProfile", non_retryable=True)
         profile = get_profile(req.profile)
         with structlog.contextvars.bound_contextvars(job_id=req.job_id, step=req.step):
-            outcome = toolset.run(req)
+            outcome = await toolset.arun(req)
             result = outcome.result
             if outcome.effect is not None and profile.tool(req.name).side_effect:
                 fresh = await self._ledger.apply_once(req.job_id, req.step, req.name,

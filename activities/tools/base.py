@@ -36,6 +36,10 @@ class Toolset(abc.ABC):
         """Run one validated call. Expected failures (not found, ...) are results the model
         reads, with ``ok=False``; only unexpected errors raise."""
 
+    async def arun(self, req: ToolRequest) -> ToolOutcome:
+        """The call as the activity runs it; tools that wait on I/O override this."""
+        return self.run(req)
+
 
 def load_json(package: str, name: str) -> Any:
     return json.loads(resources.files(package).joinpath(name).read_text())

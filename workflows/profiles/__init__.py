@@ -2,9 +2,12 @@
 
 from workflows.profiles.base import Profile, ToolSpec, UnknownProfileError
 from workflows.profiles.invoice_reconciliation import INVOICE_RECONCILIATION
+from workflows.profiles.synthetic import SYNTHETIC_PROFILES
 from workflows.profiles.ticket_triage import TICKET_TRIAGE
 
-PROFILES: dict[str, Profile] = {p.name: p for p in (TICKET_TRIAGE, INVOICE_RECONCILIATION)}
+PROFILES: dict[str, Profile] = {
+    p.name: p for p in (TICKET_TRIAGE, INVOICE_RECONCILIATION, *SYNTHETIC_PROFILES)
+}
 
 
 def get_profile(name: str) -> Profile:

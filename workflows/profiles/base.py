@@ -138,6 +138,9 @@ class Profile:
     """Consecutive invalid tool calls tolerated before the job ends as INVALID_OUTPUT."""
     max_tool_output_chars: int = 8192
     """Longer tool output is cut to this in the prompt; the whole of it goes to S3."""
+    temperature: float = 1.0
+    """Sampling temperature of every step; 0 is greedy (the same prompt gives the same
+    call, which benchmarks need to replay one workload under several policies)."""
     _by_name: dict[str, ToolSpec] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
