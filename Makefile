@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint down status clean
+.PHONY: install demo test test-fast lint down status clean bench-routing
 
 install: $(INSTALLED)
 
@@ -34,6 +34,14 @@ test-fast: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+
+## Routing benchmark: warmloop vs round-robin, least-loaded and sglang-router (own stack).
+bench-routing: install $(VENV)/.bench-installed
+	$(BIN)/python -m bench.routing
+
+$(VENV)/.bench-installed: $(INSTALLED)
+	$(BIN)/python -m pip install -q -e ".[bench]"
+	touch $@
 
 down:
 	$(BIN)/warmloop dev down

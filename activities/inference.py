@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -55,9 +56,11 @@ class InferenceActivities:
         self._stable_tokens: dict[str, int] = {}
         self._tail_overhead: int | None = None
 
-    async def _body(self, req: GenerateRequest) -> tuple[dict[str, Any], Profile]:
+    async def _body(self, req: GenerateRequest
+                    ) -> tuple[dict[str, Any], Profile, asyncio.Future[Any]]:
         profile = get_profile(req.profile)
-        transcript = await self._transcripts.extend(req.job_id, req.base_len, req.new_messages)
+        transcript, stored = await self._transcripts.extend_deferred(
+            req.job_id, req.base_len, req.new_messages)
         messages = assemble_prompt(profile, profile.validate_task(req.task), transcript,
                                    tail=req.tail)
         return {
@@ -76,7 +79,8 @@ class InferenceActivities:
             # The prompt's token ids come back in the first chunk: the prefix directory
             # hashes them in the engine's own blocks.
             "return_token_ids": self._dir is not None,
-        }, profile
+            **({"seed": _step_seed(req)} if profile.seeded_sampling else {}),
+        }, profile, stored
 
     @activity.defn(name="generate")
     async def generate(self, req: GenerateRequest) -> GenerateResult:
@@ -91,12 +95,13 @@ class InferenceActivities:
             structlog.contextvars.unbind_contextvars("job_id", "step", "engine")
 
     async def _generate(self, req: GenerateRequest) -> GenerateResult:
-        body, profile = await self._body(req)
+        picked_up = time.time()
+        body, profile, stored = await self._body(req)
         tail_tokens = (asyncio.ensure_future(self._tail_tokens(req.tail))
                        if self._dir is not None else None)
         started = time.perf_counter()
-        dispatch_ms = max(0.0, (time.time() - activity.info().current_attempt_scheduled_time
-                                .timestamp()) * 1000)
+        scheduled = activity.info().current_attempt_scheduled_time.timestamp()
+        dispatch_ms = max(0.0, (time.time() - scheduled) * 1000)
         first_token: float | None = None
         content: list[str] = []
         calls: dict[int, dict[str, Any]] = {}
@@ -133,6 +138,7 @@ class InferenceActivities:
                         slot["arguments"].append(fn.get("arguments") or "")
                     finish_reason = choice.get("finish_reason") or finish_reason
         done = time.perf_counter()
+        await stored  # the step's new messages are in S3 before the step counts as done
         details = usage.get("prompt_tokens_details") or {}
         result = GenerateResult(
             engine_id=self._engine_id,
@@ -153,7 +159,9 @@ class InferenceActivities:
             dispatch_ms=dispatch_ms,
         )
         log.info("step_generated", prompt_tokens=result.prompt_tokens,
-                 cached_tokens=result.cached_tokens, ttft_ms=round(result.ttft_ms, 1))
+                 cached_tokens=result.cached_tokens, ttft_ms=round(result.ttft_ms, 1),
+                 dispatch_ms=round(dispatch_ms, 1),
+                 pickup_ms=round((picked_up - scheduled) * 1000, 1))
         if tail_tokens is not None and prompt_ids:
             try:
                 await self._record_prefix(req, profile, body, prompt_ids, await tail_tokens,
@@ -241,3 +249,8 @@ class InferenceActivities:
         # 5xx: retryable; Temporal's retry policy decides how often.
         raise ApplicationError(f"engine {self._engine_id} error {resp.status_code}: {body}",
                                type="EngineError")
+
+
+def _step_seed(req: GenerateRequest) -> int:
+    key = f"{req.profile}/{canonical_json(req.task)}/{req.step}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "big") & 0x7FFFFFFF

@@ -32,11 +32,22 @@ class TranscriptStore:
     async def extend(self, job_id: str, base_len: int,
                      new: list[ChatMessage]) -> list[ChatMessage]:
         """Store ``new`` at positions base_len.. and return the whole transcript."""
+        full, stored = await self.extend_deferred(job_id, base_len, new)
+        await stored
+        return full
+
+    async def extend_deferred(
+        self, job_id: str, base_len: int, new: list[ChatMessage]
+    ) -> tuple[list[ChatMessage], asyncio.Future[Any]]:
+        """Like ``extend``, but the writes run in the background: the caller sends the
+        prompt at once and awaits the returned future before it reports the step done
+        (so a finished step's messages are stored, and the engine call does not wait
+        on S3)."""
         held = self._cache.get(job_id)
         prefix = held[:base_len] if held is not None and len(held) >= base_len else None
         if prefix is None:
             prefix = await self._load(job_id, base_len)
-        await asyncio.gather(*(
+        stored = asyncio.gather(*(
             asyncio.to_thread(self._s3.put_object, Bucket=self._bucket,
                               Key=self.key(job_id, base_len + i), Body=m.model_dump_json())
             for i, m in enumerate(new)
@@ -46,7 +57,7 @@ class TranscriptStore:
         self._cache.move_to_end(job_id)
         while len(self._cache) > self._cached_jobs:
             self._cache.popitem(last=False)
-        return full
+        return full, stored
 
     async def _load(self, job_id: str, n: int) -> list[ChatMessage]:
         if n == 0:

@@ -117,6 +117,7 @@ def settings_env(settings: Settings) -> dict[str, str]:
     env: dict[str, str] = {}
     for name, value in settings.model_dump(mode="json").items():
         if value is None:
+            env[f"WARMLOOP_{name.upper()}"] = "null"
             continue
         env[f"WARMLOOP_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
     return env

@@ -13,7 +13,7 @@ import random
 from pathlib import Path
 
 # Bumped whenever the recipe changes, so a cached build is rebuilt.
-RECIPE_VERSION = "5"
+RECIPE_VERSION = "6"
 
 SPECIAL_TOKENS = [
     "<s>",

@@ -36,7 +36,10 @@ class Settings(BaseSettings):
     ``WARMLOOP_ENGINES='[{"id": "gpu0", "url": "http://gpu0:8000", "model": "..."}]'``.
     """
 
-    model_config = SettingsConfigDict(env_prefix="WARMLOOP_", extra="ignore")
+    # "null" in a variable means None, so that a child process started with these
+    # settings (infra.stack.settings_env) sees an unset option as unset.
+    model_config = SettingsConfigDict(env_prefix="WARMLOOP_", extra="ignore",
+                                      env_parse_none_str="null")
 
     temporal_address: str = "127.0.0.1:7233"
     """host:port of the Temporal frontend."""

@@ -139,8 +139,11 @@ class Profile:
     max_tool_output_chars: int = 8192
     """Longer tool output is cut to this in the prompt; the whole of it goes to S3."""
     temperature: float = 1.0
-    """Sampling temperature of every step; 0 is greedy (the same prompt gives the same
-    call, which benchmarks need to replay one workload under several policies)."""
+    """Sampling temperature of every step. Greedy decoding (0) is not a fix for a weak
+    model: under guided decoding it can loop until max_tokens."""
+    seeded_sampling: bool = False
+    """Seed each step's sampling from (task, step), so the same task makes the same calls
+    on every run: benchmarks replay one workload under several policies with it."""
     _by_name: dict[str, ToolSpec] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

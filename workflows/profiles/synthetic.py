@@ -1,5 +1,5 @@
 """Synthetic profiles for benchmarks: a family of agents with long, distinct stable
-prefixes, one lookup tool with seeded output and seeded pauses, greedy decoding.
+prefixes, one lookup tool with seeded output and seeded pauses, seeded sampling.
 
 They make a workload that is the same under every routing policy (same prompts, same
 step counts), so that cache hit rates and prefill tokens can be compared; they are not
@@ -44,8 +44,8 @@ def _paragraphs(domain: str, n: int) -> str:
     return "\n".join(out)
 
 
-def system_prompt(domain: str, *, rules: int = 16) -> str:
-    """About 1.7k tokens of stable, domain-specific instructions (on the tiny model's
+def system_prompt(domain: str, *, rules: int = 32) -> str:
+    """About 1.8k tokens of stable, domain-specific instructions (on the tiny model's
     tokenizer), generated from a fixed seed so every process builds the same text."""
     return (
         f"You are the {domain} operations agent. Work one case at a time, one tool call "
@@ -85,7 +85,7 @@ def synthetic_profile(domain: str) -> Profile:
         ),
         limits=JobLimits(max_steps=10, max_tool_calls={"lookup": 50}),
         budgets=OutputBudgets(plan=48, execute=48, reflect=48),
-        temperature=0.0,
+        seeded_sampling=True,
     )
 
 

@@ -1,0 +1,170 @@
+"""The pure routing policy, the block-hash chain and the KV-event mapping."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from activities.directory import KvEventApplier, prompt_chain
+from activities.registry import parse_cache_config
+from bench.routing import oracle_hit_rate, workload
+from workflows.routing import (
+    EngineCandidate,
+    RoutingConfig,
+    block_hashes,
+    choose_engine,
+    first_difference,
+)
+
+CFG = RoutingConfig(prefill_tokens_per_s=20_000, delay_per_request_s=0.05, max_load=8)
+
+
+def cand(engine_id: str, cached: int = 0, running: int = 0, waiting: int = 0,
+         in_flight: int = 0) -> EngineCandidate:
+    return EngineCandidate(engine_id=engine_id, expected_cached_tokens=cached, running=running,
+                           waiting=waiting, in_flight=in_flight)
+
+
+def test_a_job_returns_to_the_engine_that_holds_its_transcript() -> None:
+    d = choose_engine([cand("e0", cached=4096, running=2), cand("e1", running=1)],
+                      job_id="j", last_engine="e0", config=CFG)
+    assert (d.engine_id, d.reason, d.expected_cached_tokens) == ("e0", "sticky", 4096)
+
+
+def test_a_new_job_goes_where_its_profile_prefix_is_warm() -> None:
+    d = choose_engine([cand("e0"), cand("e1", cached=1792)], job_id="j", config=CFG)
+    assert (d.engine_id, d.reason) == ("e1", "prefix")
+
+
+def test_cold_start_spreads_by_load() -> None:
+    d = choose_engine([cand("e0", running=3), cand("e1", running=1)], job_id="j", config=CFG)
+    assert (d.engine_id, d.reason) == ("e1", "least_loaded")
+
+
+def test_an_engine_over_its_load_threshold_is_passed_over_despite_its_cache() -> None:
+    d = choose_engine([cand("e0", cached=8192, running=8), cand("e1", running=0)],
+                      job_id="j", last_engine="e0", config=CFG)
+    assert d.engine_id == "e1"
+
+
+def test_queueing_outweighs_a_small_cache_hit() -> None:
+    # 256 cached tokens save ~13 ms; four more requests in front cost ~200 ms
+    d = choose_engine([cand("e0", cached=256, running=5), cand("e1", running=1)],
+                      job_id="j", last_engine="e0", config=CFG)
+    assert d.engine_id == "e1"
+
+
+def test_in_flight_steps_count_before_the_heartbeat_shows_them() -> None:
+    d = choose_engine([cand("e0", in_flight=6), cand("e1", running=1)], job_id="j", config=CFG)
+    assert d.engine_id == "e1"
+
+
+def test_failover_is_named_and_baselines_ignore_caches() -> None:
+    d = choose_engine([cand("e1")], job_id="j", last_engine="e0", failover=True, config=CFG)
+    assert (d.engine_id, d.reason) == ("e1", "failover")
+    engines = [cand("e0", cached=9000, running=4), cand("e1", running=1)]
+    assert choose_engine(engines, job_id="j", policy="least_loaded").engine_id == "e1"
+    assert [choose_engine(engines, job_id="j", policy="round_robin", turn=t).engine_id
+            for t in range(3)] == ["e0", "e1", "e0"]
+
+
+def test_no_candidates_is_an_error() -> None:
+    try:
+        choose_engine([], job_id="j")
+    except ValueError as e:
+        assert "no live engine" in str(e)
+    else:
+        raise AssertionError("expected ValueError")
+
+
+@given(cached=st.integers(0, 30_000), load=st.integers(0, 7), extra=st.integers(1, 4))
+def test_more_cached_tokens_never_lose_an_engine_the_decision(cached: int, load: int,
+                                                              extra: int) -> None:
+    base = [cand("e0", cached=cached, running=load), cand("e1", running=load)]
+    first = choose_engine(base, job_id="j", config=CFG)
+    if first.engine_id == "e0":
+        more = [cand("e0", cached=cached + extra * 128, running=load), cand("e1", running=load)]
+        assert choose_engine(more, job_id="j", config=CFG).engine_id == "e0"
+
+
+def test_block_hashes_chain_so_a_shared_prefix_shares_hashes() -> None:
+    a = list(range(1000))
+    b = list(range(500)) + [7] * 500
+    ha, hb = block_hashes(a, 128), block_hashes(b, 128)
+    assert len(ha) == 7  # full blocks only
+    assert first_difference(ha, hb) == 3  # block 3 (tokens 384..511) holds token 500
+    assert block_hashes(a[:256], 128) == ha[:2]
+    # the same block content after a different prefix hashes differently
+    assert block_hashes([1] * 128 + [2] * 128, 128)[1] != block_hashes([3] * 128 + [2] * 128,
+                                                                       128)[1]
+
+
+def test_prompt_chain_keeps_only_blocks_before_the_tail_reusable() -> None:
+    chain = prompt_chain(list(range(1000)), 128, tail_tokens=40)
+    assert len(chain.hashes) == 7 and chain.reusable_blocks == 7  # tail in the partial block
+    chain = prompt_chain(list(range(1000)), 128, tail_tokens=150)
+    assert chain.reusable_blocks == 6
+
+
+class _Dir:
+    def __init__(self) -> None:
+        self.stored: list[str] = []
+        self.removed: list[str] = []
+        self.cleared = 0
+
+    async def store_blocks(self, engine_id: str, hashes: Any, now: float) -> None:
+        self.stored += list(hashes)
+
+    async def remove_blocks(self, engine_id: str, hashes: Any) -> None:
+        self.removed += list(hashes)
+
+    async def clear_engine(self, engine_id: str) -> None:
+        self.cleared += 1
+
+
+async def test_kv_events_map_onto_the_routers_block_hashes() -> None:
+    tokens = list(range(300))
+    d = _Dir()
+    applier = KvEventApplier(d, "e0")  # type: ignore[arg-type]
+    await applier.apply([{"type": "BlockStored", "block_hashes": [b"v1", b"v2"],
+                          "parent_block_hash": None, "token_ids": tokens[:256],
+                          "block_size": 128, "medium": "GPU"}])
+    assert d.stored == block_hashes(tokens, 128)
+    # a child block whose parent we know extends the chain; an unknown parent is skipped
+    await applier.apply([["BlockStored", [b"v3"], b"v2", tokens[256:300] + [0] * 84, 128, None,
+                          "GPU"],
+                         {"type": "BlockStored", "block_hashes": [b"x"],
+                          "parent_block_hash": b"unknown", "token_ids": [1] * 128,
+                          "block_size": 128}])
+    assert d.stored[2] == block_hashes(tokens[:256] + tokens[256:300] + [0] * 84, 128)[2]
+    assert len(d.stored) == 3
+    await applier.apply([{"type": "BlockRemoved", "block_hashes": [b"v2", b"nope"]}])
+    assert d.removed == [d.stored[1]]
+    await applier.apply([{"type": "AllBlocksCleared"}])
+    assert d.cleared == 1
+
+
+def test_cache_config_is_read_from_vllm_labels() -> None:
+    text = ('# HELP x\nvllm:cache_config_info{block_size="128",engine="0",'
+            'kv_cache_size_tokens="5120",num_gpu_blocks="40"} 1.0\n')
+    assert parse_cache_config(text) == (128, 5120)
+    assert parse_cache_config("vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"10\"} 1"
+                              ) == (16, 160)
+    assert parse_cache_config("") == (0, 0)
+
+
+def test_oracle_counts_each_block_once() -> None:
+    trace = [{"tokens": 300, "hashes": ["a", "b"]}, {"tokens": 300, "hashes": ["a", "b"]},
+             {"tokens": 256, "hashes": ["a", "c"]}]
+    # unique: a, b, c (384 tokens) + partial 44 + 44 + 0 -> 472 of 856 computed
+    assert abs(oracle_hit_rate(trace, 128) - (1 - 472 / 856)) < 1e-9
+
+
+def test_the_bench_workload_is_seeded_and_has_a_hot_profile() -> None:
+    a, b = workload(7, 64, 0.5), workload(7, 64, 0.5)
+    assert a == b
+    hot = sum(1 for s in a if s.profile == "synthetic-support")
+    assert 20 <= hot <= 44 and len({s.profile for s in a}) == 4
+    assert all(6 <= s.steps <= 10 for s in a)
