@@ -82,7 +82,9 @@ class BatchActivities:
                     bad.append(RecordOutcome(line=n, job_id=None, state="BAD_RECORD",
                                              reason=f"invalid task: {e}"))
             n += 1
-        return ReadPageResult(records=records, bad=bad, next_line=n, exhausted=n > len(lines))
+        left = sum(1 for line in lines[n - 1:] if line.strip())
+        return ReadPageResult(records=records, bad=bad, next_line=n, exhausted=n > len(lines),
+                              remaining_lines=left)
 
     @activity.defn(name="write_batch_results")
     async def write_batch_results(self, req: WritePageRequest) -> str:

@@ -14,11 +14,12 @@ import structlog
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.admission import BatchAdmission
 from activities.cachebust import CacheBustDetector
 from activities.directory import PrefixDirectory, prompt_chain
-from activities.registry import EngineHeartbeat, EngineRegistry
+from activities.registry import EngineHeartbeat, EngineRegistry, step_key
 from activities.transcripts import TranscriptStore
-from workflows.contracts import FunctionCall, GenerateRequest, GenerateResult, ToolCall
+from workflows.contracts import FunctionCall, GenerateRequest, GenerateResult, Lane, ToolCall
 from workflows.profiles import Profile, get_profile
 from workflows.prompt import assemble_prompt, canonical_json
 
@@ -42,7 +43,8 @@ class InferenceActivities:
                  directory: PrefixDirectory | None = None,
                  registry: EngineRegistry | None = None,
                  detector: CacheBustDetector | None = None,
-                 engine_info: Callable[[], EngineHeartbeat | None] | None = None) -> None:
+                 engine_info: Callable[[], EngineHeartbeat | None] | None = None,
+                 admission: BatchAdmission | None = None) -> None:
         self._engine_id = engine_id
         self._base = base_url.rstrip("/")
         self._url = self._base + "/v1/chat/completions"
@@ -53,6 +55,7 @@ class InferenceActivities:
         self._registry = registry
         self._detector = detector
         self._engine_info = engine_info or (lambda: None)
+        self._admission = admission
         self._stable_tokens: dict[str, int] = {}
         self._tail_overhead: int | None = None
 
@@ -87,11 +90,24 @@ class InferenceActivities:
         structlog.contextvars.bind_contextvars(
             job_id=req.job_id, step=req.step, engine=self._engine_id
         )
+        batch = self._admission is not None and req.lane == Lane.BATCH
         try:
-            return await self._generate(req)
+            if batch:
+                assert self._admission is not None
+                await self._admission.acquire(on_wait=activity.heartbeat)
+            try:
+                result = await self._generate(req)
+            finally:
+                if batch:
+                    assert self._admission is not None
+                    await self._admission.release()
+            if self._admission is not None and req.lane == Lane.INTERACTIVE:
+                await self._admission.observe_interactive(result.ttft_ms)
+            return result
         finally:
             if self._registry is not None:
-                await self._registry.step_done(self._engine_id, f"{req.job_id}:{req.step}")
+                await self._registry.step_done(self._engine_id,
+                                               step_key(req.job_id, req.step, req.profile))
             structlog.contextvars.unbind_contextvars("job_id", "step", "engine")
 
     async def _generate(self, req: GenerateRequest) -> GenerateResult:

@@ -36,6 +36,11 @@ class EngineHeartbeat(BaseModel):
     """Whether the prefix directory follows this engine's KV events (else it estimates)."""
     held_tokens: int = 0
     """Prefix tokens the worker keeps warm for paused jobs."""
+    batch_limit: int = 0
+    """K: batch-lane steps this engine admits at once (adapted to interactive TTFT)."""
+    batch_active: int = 0
+    batch_waiting: int = 0
+    interactive_ttft_p95_ms: float | None = None
     at: float
     """Unix time of the heartbeat."""
 
@@ -55,6 +60,16 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
         if m and m.group(2) != "NaN":
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
     return out
+
+
+def step_key(job_id: str, step: int, profile: str) -> str:
+    """In-flight key of a routed step; the profile tells the router which prefixes an
+    engine is computing right now (a burst's shared prefix is computed once per engine)."""
+    return f"{job_id}:{step}|{profile}"
+
+
+def step_key_profile(key: str) -> str:
+    return key.rpartition("|")[2]
 
 
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
@@ -95,13 +110,19 @@ class EngineRegistry:
 
     async def in_flight(self, engine_ids: list[str], now: float | None = None) -> dict[str, int]:
         """Steps routed to each engine and not finished (fresher than its heartbeat)."""
+        return {e: len(keys) for e, keys in (await self.in_flight_steps(engine_ids, now)).items()}
+
+    async def in_flight_steps(self, engine_ids: list[str],
+                              now: float | None = None) -> dict[str, list[str]]:
+        """The step keys routed to each engine and not finished."""
         since = (time.time() if now is None else now) - INFLIGHT_MAX_AGE_S
         pipe = self._redis.pipeline(transaction=False)
         for e in engine_ids:
             pipe.zremrangebyscore(INFLIGHT_KEY.format(e), "-inf", since)
-            pipe.zcard(INFLIGHT_KEY.format(e))
+            pipe.zrange(INFLIGHT_KEY.format(e), 0, -1)
         res = await pipe.execute()
-        return {e: int(res[2 * i + 1]) for i, e in enumerate(engine_ids)}
+        return {e: [k.decode() if isinstance(k, bytes) else k for k in res[2 * i + 1]]
+                for i, e in enumerate(engine_ids)}
 
     async def leave(self, engine_id: str) -> None:
         await self._redis.delete(ENGINE_KEY.format(engine_id))

@@ -12,7 +12,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.directory import PrefixDirectory
-from activities.registry import EngineHeartbeat, EngineRegistry
+from activities.registry import EngineHeartbeat, EngineRegistry, step_key, step_key_profile
 from workflows.contracts import EngineChoice, PickEngineRequest, RouteRequest
 from workflows.routing import EngineCandidate, RouteDecision, RoutingConfig, choose_engine
 
@@ -43,23 +43,34 @@ class RoutingActivities:
         started = time.perf_counter()
         live = await self._live(req.exclude)
         ids = [e.engine_id for e in live]
-        matched = {e: 0 for e in ids}
+        steps = await self._registry.in_flight_steps(ids)
+        expected = {e: 0 for e in ids}
         if req.policy == "cache_aware":
-            chain, _ = await self._dir.lookup_chain(req.job_id, req.profile)
-            matched = await self._dir.matched_blocks(chain, ids)
-        in_flight = await self._registry.in_flight(ids)
+            job = await self._dir.job_chain(req.job_id)
+            if job is not None:
+                matched = await self._dir.matched_blocks(job[0], ids)
+                expected = {e.engine_id: matched[e.engine_id] * e.block_size for e in live}
+            else:
+                # A new job: its profile's stable prefix is warm where it is cached, or
+                # where a step of the same profile is being served right now.
+                stable = await self._dir.profile_chain(req.profile) or []
+                matched = await self._dir.matched_blocks(stable, ids)
+                for e in live:
+                    warming = any(step_key_profile(k) == req.profile for k in steps[e.engine_id])
+                    blocks = len(stable) if warming else matched[e.engine_id]
+                    expected[e.engine_id] = blocks * e.block_size
         candidates = [
-            EngineCandidate(engine_id=e.engine_id,
-                            expected_cached_tokens=matched[e.engine_id] * e.block_size,
+            EngineCandidate(engine_id=e.engine_id, expected_cached_tokens=expected[e.engine_id],
                             running=e.running, waiting=e.waiting,
-                            in_flight=in_flight[e.engine_id], kv_usage=e.kv_usage)
+                            in_flight=len(steps[e.engine_id]), kv_usage=e.kv_usage)
             for e in live
         ]
         turn = await self._redis.incr(ROUND_ROBIN_KEY) if req.policy == "round_robin" else 0
         decision = choose_engine(candidates, job_id=req.job_id, last_engine=req.last_engine,
                                  failover=bool(req.exclude), config=self._config,
                                  policy=req.policy, turn=turn)
-        await self._registry.step_routed(decision.engine_id, f"{req.job_id}:{req.step}")
+        await self._registry.step_routed(decision.engine_id,
+                                         step_key(req.job_id, req.step, req.profile))
         decision.took_ms = (time.perf_counter() - started) * 1000
         log.info("step_routed", job_id=req.job_id, step=req.step, engine=decision.engine_id,
                  reason=decision.reason, expected_cached=decision.expected_cached_tokens)

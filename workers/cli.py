@@ -365,7 +365,8 @@ def report(
 
 
 def _batch_input(source: str, profile: str, window: int, page_size: int,
-                 max_steps: int | None) -> Any:
+                 max_steps: int | None, deadline: str | None = None,
+                 max_window: int = 64) -> Any:
     from workflows.batch_run import BatchInput
 
     try:
@@ -377,8 +378,19 @@ def _batch_input(source: str, profile: str, window: int, page_size: int,
         if not path.is_file():
             fail(f"cannot read {source}: no such file")
         source = str(path)
+    due = None
+    if deadline is not None:
+        try:
+            due = datetime.now(UTC) + parse_since(deadline)
+        except typer.BadParameter:
+            try:
+                due = datetime.fromisoformat(deadline)
+            except ValueError:
+                fail(f"--deadline {deadline!r}: give a duration (30m, 2h) or an ISO time")
+            if due.tzinfo is None:
+                due = due.replace(tzinfo=UTC)
     return BatchInput(profile=profile, source=source, window=window, page_size=page_size,
-                      max_steps=max_steps)
+                      max_steps=max_steps, deadline=due, max_window=max(window, max_window))
 
 
 @batch_app.command("run")
@@ -390,9 +402,13 @@ def batch_run(
     max_steps: int | None = typer.Option(None, "--max-steps", min=1),
     batch_id: str | None = typer.Option(None, "--batch-id"),
     follow: bool = typer.Option(False, "--follow", help="Show progress until it ends."),
+    deadline: str | None = typer.Option(
+        None, "--deadline", help="Finish within (30m, 2h) or by (ISO time): the window "
+        "widens up to --max-window when the batch falls behind."),
+    max_window: int = typer.Option(64, "--max-window", min=1, max=4096),
 ) -> None:
     """Run every record of SOURCE as a batch-lane job; results go to S3 as JSONL."""
-    inp = _batch_input(source, profile, window, page_size, max_steps)
+    inp = _batch_input(source, profile, window, page_size, max_steps, deadline, max_window)
     bid = batch_id or f"batch-{profile}-{uuid.uuid4().hex[:8]}"
 
     async def go() -> None:
@@ -422,9 +438,12 @@ async def _follow_batch(handle: Any) -> None:
         result_task = asyncio.ensure_future(handle.result())
         while not result_task.done():
             p = await handle.query(BatchRun.progress)
+            eta = p.estimated_finish.strftime("%H:%M:%S") if p.estimated_finish else "?"
             bar.update(task, completed=p.done + p.failed + p.bad,
+                       total=p.done + p.failed + p.bad + p.remaining,
                        description=f"done {p.done} failed {p.failed} bad {p.bad} "
-                                   f"running {p.running} ${p.cost_usd:.4f}")
+                                   f"running {p.running}/{p.window} ${p.cost_usd:.4f} "
+                                   f"eta {eta}")
             await asyncio.wait([result_task], timeout=1.0)
     res = result_task.result()
     _print_batch(res)
@@ -434,8 +453,11 @@ def _print_batch(res: Any) -> None:
     table = Table(title=f"batch {res.batch_id} ({res.profile})")
     table.add_column("figure")
     table.add_column("value", justify="right")
+    outcomes = ", ".join(f"{k} {v}" for k, v in res.by_state.items()) or "-"
     for name, value in [("records", res.records), ("jobs ended", res.done),
                         ("failed", res.failed), ("bad records (skipped)", res.bad),
+                        ("by outcome", outcomes),
+                        ("cache hit share", f"{res.cache_hit_share:.1%}"),
                         ("cost", f"${res.cost_usd:.6f}"),
                         ("cost per record", f"${res.cost_usd / max(1, res.done):.6f}"),
                         ("makespan", f"{res.makespan_s:.1f}s"),
@@ -454,8 +476,12 @@ def batch_status(batch_id: str) -> None:
         handle, desc = await _handle(batch_id, result_type=BatchResult, what="batch")
         if desc.status == WorkflowExecutionStatus.RUNNING:
             p = await handle.query(BatchRun.progress)
+            eta = p.estimated_finish.isoformat(timespec="seconds") if p.estimated_finish else "?"
             console.print(f"{batch_id}: running page {p.pages + 1}; done {p.done}, failed "
-                          f"{p.failed}, bad {p.bad}, running {p.running}, ${p.cost_usd:.6f}")
+                          f"{p.failed}, bad {p.bad}, running {p.running} of window {p.window}, "
+                          f"{p.remaining} left, ${p.cost_usd:.6f}, estimated finish {eta}"
+                          + (f" (deadline {p.deadline.isoformat(timespec='seconds')})"
+                             if p.deadline else ""))
         else:
             _print_batch(await handle.result())
 

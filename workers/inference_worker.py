@@ -15,6 +15,7 @@ import zmq.asyncio
 from temporalio import activity
 from temporalio.worker import Worker
 
+from activities.admission import BatchAdmission
 from activities.cachebust import CacheBust, CacheBustDetector
 from activities.directory import KvEventApplier, PrefixDirectory
 from activities.inference import InferenceActivities
@@ -67,10 +68,15 @@ class EngineView:
 
 async def heartbeat_loop(registry: EngineRegistry, http: httpx.AsyncClient,
                          engine: EngineEndpoint, interval_s: float,
-                         view: EngineView | None = None) -> None:
+                         view: EngineView | None = None,
+                         admission: BatchAdmission | None = None) -> None:
     was_healthy: bool | None = None
     while True:
         hb = await probe_engine(http, engine)
+        if admission is not None:
+            hb.batch_limit, hb.batch_active = admission.limit, admission.active
+            hb.batch_waiting = admission.waiting
+            hb.interactive_ttft_p95_ms = admission.interactive_p95_ms()
         if view is not None:
             view.last = hb
         if hb.healthy:
@@ -125,12 +131,13 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
                 "warmloop_cache_busts", "prompt prefixes that changed where they should not"
             ).add(1, {"profile": b.profile, "kind": b.kind})
 
+        admission = BatchAdmission(settings.admission)
         inference = InferenceActivities(
             engine_id=engine.id, base_url=engine.url, model=engine.model, http=http,
             transcripts=TranscriptStore(build_s3(settings), settings.s3_bucket),
             directory=directory, registry=registry,
             detector=CacheBustDetector(redis, directory, on_bust=on_bust),
-            engine_info=view,
+            engine_info=view, admission=admission,
         )
         worker = Worker(
             client,
@@ -143,7 +150,7 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(heartbeat_loop(registry, http, engine, settings.engine_heartbeat_s,
-                                              view))
+                                              view, admission))
                 if engine.kv_events:
                     tg.create_task(kv_event_loop(engine.kv_events,
                                                  KvEventApplier(directory, engine.id)))

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from workflows.lanes import AdmissionConfig
 from workflows.routing import RoutingConfig
 
 KV_EVENTS_TOPIC = "kv-events"
@@ -74,6 +75,8 @@ class Settings(BaseSettings):
     hit rate from it); off in production, it grows without bound."""
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     """Weights of the routing score, e.g. WARMLOOP_ROUTING='{"max_load": 4}'."""
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    """Batch admission per engine, e.g. WARMLOOP_ADMISSION='{"k_max": 8}'."""
     agent_metrics_port: int | None = Field(default=9464, ge=1024, le=65535)
     """Prometheus /metrics of the agent worker (None: off)."""
     inference_metrics_base_port: int | None = Field(default=9470, ge=1024, le=65000)

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 from temporalio import workflow
-from temporalio.common import RetryPolicy, SearchAttributeKey
+from temporalio.common import Priority, RetryPolicy, SearchAttributeKey
 from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.exceptions import TimeoutError as ActivityTimeoutError
 
@@ -41,7 +41,6 @@ from workflows.contracts import (
     JobResult,
     JobState,
     JobStatus,
-    Lane,
     PendingApproval,
     PickEngineRequest,
     RouteRequest,
@@ -52,6 +51,7 @@ from workflows.contracts import (
     ToolResult,
     engine_task_queue,
 )
+from workflows.lanes import TASK_PRIORITY, VLLM_PRIORITY
 from workflows.pricing import pricing_for
 from workflows.profiles import Profile, UnknownProfileError, get_profile
 from workflows.profiles.base import ApprovalRule, ToolCallError, ToolSpec
@@ -65,9 +65,6 @@ GENERATE_RETRY = RetryPolicy(
     non_retryable_error_types=["ContextOverflow", "EngineRejected", "TranscriptGap"],
 )
 MAX_FAILOVERS = 2
-# vLLM's request priority (--scheduling-policy priority; lower runs first): interactive
-# steps jump the queue ahead of batch steps on the same engine.
-LANE_PRIORITY = {Lane.INTERACTIVE: 0, Lane.BATCH: 10}
 SHORT_ACTIVITY = timedelta(seconds=30)
 PICK_RETRY = RetryPolicy(maximum_attempts=5, initial_interval=timedelta(seconds=1))
 ROUTE_TIMEOUT = timedelta(seconds=5)
@@ -265,7 +262,7 @@ class AgentJob:
             tail=remaining_text(limits, self._usage, self._elapsed_s()),
             max_tokens=step_output_budget(profile.budgets, kind, limits, self._usage),
             tools=job.tools,
-            priority=LANE_PRIORITY[job.lane],
+            priority=VLLM_PRIORITY[job.lane], lane=job.lane,
         )
         gen, route_reason, failovers, routed = await self._generate(
             request, job, pickup_timeout=timedelta(seconds=job.step_pickup_timeout_s)
@@ -381,6 +378,8 @@ class AgentJob:
                     # not picked up in time: the engine's worker is gone, fail over
                     schedule_to_start_timeout=pickup_timeout,
                     retry_policy=GENERATE_RETRY, result_type=GenerateResult,
+                    # batch steps wait behind interactive ones in the task queue too
+                    priority=Priority(priority_key=TASK_PRIORITY[job.lane]),
                 )
                 return gen, decision.reason, len(failed), routed
             except ActivityError as e:

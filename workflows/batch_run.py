@@ -21,6 +21,7 @@ from temporalio.workflow import ParentClosePolicy
 
 from workflows.agent_job import AgentJob
 from workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult, Lane
+from workflows.lanes import adapt_window, estimate_finish_s
 
 READ_TIMEOUT = timedelta(minutes=2)
 
@@ -33,7 +34,15 @@ class BatchInput(BaseModel):
     profile: str = Field(min_length=1)
     source: str = Field(min_length=1, description="s3://bucket/key.jsonl, or a JSONL path "
                         "readable by the agent workers.")
-    window: int = Field(default=4, ge=1, le=1024, description="Child jobs running at once.")
+    window: int = Field(default=4, ge=1, le=1024, description="Child jobs running at once "
+                        "(the start; a deadline may widen it).")
+    deadline: datetime | None = Field(
+        default=None, description="Finish by then: the window widens (up to max_window) "
+        "when the pace so far would miss it, and narrows back when well ahead.")
+    max_window: int = Field(default=64, ge=1, le=4096,
+                            description="The fleet's batch capacity: the widest window.")
+    tools: list[str] | None = Field(default=None, min_length=1,
+                                    description="Offer only these tools to every job.")
     page_size: int = Field(default=100, ge=1, le=10_000,
                            description="Records per workflow run (continue-as-new between).")
     max_steps: int | None = Field(default=None, ge=1, le=10_000)
@@ -61,6 +70,11 @@ class BatchCarry(BaseModel):
     cost_usd: float = 0.0
     started_at: datetime | None = None
     result_keys: list[str] = Field(default_factory=list)
+    window: int | None = None
+    """The window as last adapted to the deadline."""
+    by_state: dict[str, int] = Field(default_factory=dict)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 class ReadPageRequest(BaseModel):
@@ -80,6 +94,8 @@ class ReadPageResult(BaseModel):
     bad: list[RecordOutcome]
     next_line: int
     exhausted: bool
+    remaining_lines: int = 0
+    """Non-blank lines after this page: with the page, what the batch has left."""
 
 
 class WritePageRequest(BaseModel):
@@ -98,8 +114,13 @@ class BatchProgress(BaseModel):
     running: int
     cost_usd: float
     pages: int
+    window: int
+    """Child jobs allowed at once now (adapted to the deadline)."""
+    remaining: int
+    """Records not finished yet, this page's and the source's after it."""
     estimated_finish: datetime | None = None
-    """None until the source's size is known (after the last page is read)."""
+    """At the pace so far; None before the first record finishes."""
+    deadline: datetime | None = None
 
 
 class BatchResult(BaseModel):
@@ -115,6 +136,10 @@ class BatchResult(BaseModel):
     cost_usd: float
     result_keys: list[str]
     makespan_s: float
+    by_state: dict[str, int] = Field(default_factory=dict)
+    """Records by outcome: each JobState, BAD_RECORD and FAILED."""
+    cache_hit_share: float = 0.0
+    """Prompt tokens the engines served from their prefix caches, over all jobs."""
 
 
 
@@ -124,12 +149,42 @@ class BatchRun:
         self._carry = BatchCarry()
         self._running = 0
         self._batch_id = ""
+        self._window = 1
+        self._remaining = 0
+        self._deadline: datetime | None = None
 
     @workflow.query
     def progress(self) -> BatchProgress:
         c = self._carry
-        return BatchProgress(batch_id=self._batch_id, done=c.done, failed=c.failed, bad=c.bad,
-                             running=self._running, cost_usd=c.cost_usd, pages=c.pages)
+        eta = self._eta_s()
+        return BatchProgress(
+            batch_id=self._batch_id, done=c.done, failed=c.failed, bad=c.bad,
+            running=self._running, cost_usd=c.cost_usd, pages=c.pages, window=self._window,
+            remaining=self._remaining, deadline=self._deadline,
+            estimated_finish=None if eta is None else workflow.now() + timedelta(seconds=eta),
+        )
+
+    def _elapsed_s(self) -> float:
+        started = self._carry.started_at or workflow.now()
+        return (workflow.now() - started).total_seconds()
+
+    def _eta_s(self) -> float | None:
+        c = self._carry
+        return estimate_finish_s(done=c.done + c.failed, remaining=self._remaining,
+                                 elapsed_s=self._elapsed_s())
+
+    def _adapt(self, inp: BatchInput) -> None:
+        if inp.deadline is None:
+            return
+        c = self._carry
+        finished = c.done + c.failed
+        pace = self._elapsed_s() / finished if finished else None
+        left = (inp.deadline - workflow.now()).total_seconds()
+        new = adapt_window(self._window, base=inp.window, max_window=inp.max_window,
+                           remaining=self._remaining, seconds_per_record=pace, seconds_left=left)
+        if new != self._window:
+            workflow.logger.info("batch window %d -> %d for the deadline", self._window, new)
+            self._window = c.window = new
 
     @workflow.run
     async def run(self, inp: BatchInput) -> BatchResult:
@@ -138,6 +193,8 @@ class BatchRun:
         self._batch_id = info.workflow_id
         self._carry = inp.carry or BatchCarry(started_at=workflow.now())
         c = self._carry
+        self._deadline = inp.deadline
+        self._window = c.window or min(inp.window, inp.max_window)
         page = await workflow.execute_activity(
             "read_records",
             ReadPageRequest(source=inp.source, profile=inp.profile, first_line=c.next_line,
@@ -145,8 +202,11 @@ class BatchRun:
             start_to_close_timeout=READ_TIMEOUT, task_queue=AGENT_TASK_QUEUE,
             retry_policy=RetryPolicy(maximum_attempts=5), result_type=ReadPageResult,
         )
+        self._remaining = len(page.records) + page.remaining_lines
         outcomes = list(page.bad) + await self._run_window(inp, page.records)
         outcomes.sort(key=lambda o: o.line)
+        for o in outcomes:
+            c.by_state[o.state] = c.by_state.get(o.state, 0) + 1
         c.pages += 1
         key = await workflow.execute_activity(
             "write_batch_results",
@@ -164,29 +224,35 @@ class BatchRun:
             batch_id=self._batch_id, profile=inp.profile, records=c.done + c.failed + c.bad,
             done=c.done, failed=c.failed, bad=c.bad, cost_usd=c.cost_usd,
             result_keys=c.result_keys, makespan_s=(workflow.now() - started).total_seconds(),
+            by_state=dict(sorted(c.by_state.items())),
+            cache_hit_share=c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
         )
 
     async def _run_window(self, inp: BatchInput, records: list[TaskRecord]
                           ) -> list[RecordOutcome]:
-        """Run ``records`` as child jobs, at most ``inp.window`` at a time."""
+        """Run ``records`` as child jobs, at most ``self._window`` at a time (in order)."""
         outcomes: list[RecordOutcome] = []
-        slots = asyncio.Semaphore(inp.window)
-
-        async def one(rec: TaskRecord) -> None:
-            async with slots:
-                self._running += 1
-                try:
-                    outcomes.append(await self._child(inp, rec))
-                finally:
-                    self._running -= 1
-
-        await asyncio.gather(*(one(r) for r in records))
+        tasks = []
+        for rec in records:
+            await workflow.wait_condition(lambda: self._running < self._window)
+            self._running += 1
+            tasks.append(asyncio.ensure_future(self._one(inp, rec, outcomes)))
+        await asyncio.gather(*tasks)
         return outcomes
+
+    async def _one(self, inp: BatchInput, rec: TaskRecord,
+                   outcomes: list[RecordOutcome]) -> None:
+        try:
+            outcomes.append(await self._child(inp, rec))
+        finally:
+            self._running -= 1
+            self._remaining -= 1
+            self._adapt(inp)
 
     async def _child(self, inp: BatchInput, rec: TaskRecord) -> RecordOutcome:
         job_id = f"{self._batch_id}-L{rec.line}"
         job = JobInput(profile=inp.profile, task=rec.task, max_steps=inp.max_steps,
-                       lane=Lane.BATCH)
+                       lane=Lane.BATCH, tools=inp.tools)
         try:
             res: JobResult = await workflow.execute_child_workflow(
                 AgentJob.run, job, id=job_id, task_queue=AGENT_TASK_QUEUE,
@@ -198,6 +264,8 @@ class BatchRun:
                                  reason=str(e.cause or e))
         self._carry.done += 1
         self._carry.cost_usd += res.usage.cost_usd
+        self._carry.prompt_tokens += res.usage.prompt_tokens
+        self._carry.cached_tokens += res.usage.cached_tokens
         return RecordOutcome(line=rec.line, job_id=job_id, state=res.state.value,
                              reason=res.reason, cost_usd=res.usage.cost_usd)
 

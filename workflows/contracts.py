@@ -175,6 +175,9 @@ class GenerateRequest(BaseModel):
     """The profile's tools offered in this job; None: all."""
     max_tokens: int = Field(ge=1)
     priority: int = 0
+    """vLLM request priority (lower first); see workflows.lanes."""
+    lane: Lane = Lane.INTERACTIVE
+    """Batch steps wait for the engine's batch admission; interactive ones never do."""
     expected_cached_tokens: int | None = None
     """The router's prediction for this step; the worker scores the prefix directory's
     accuracy against the engine's reported cached tokens."""

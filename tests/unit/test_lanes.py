@@ -1,0 +1,86 @@
+"""Lane policy: batch admission K, the deadline-driven window, the finish estimate."""
+
+from __future__ import annotations
+
+import asyncio
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from activities.admission import BatchAdmission
+from workflows.lanes import AdmissionConfig, adapt_window, estimate_finish_s, next_batch_limit
+
+CFG = AdmissionConfig(interactive_ttft_target_ms=1000, k_min=1, k_max=16, k_start=4, window=4)
+
+
+def test_k_halves_over_target_grows_when_comfortable_or_idle() -> None:
+    assert next_batch_limit(8, 1500, CFG) == 4
+    assert next_batch_limit(1, 5000, CFG) == 1
+    assert next_batch_limit(4, 300, CFG) == 5
+    assert next_batch_limit(4, 800, CFG) == 4  # between 0.6x and 1x target: hold
+    assert next_batch_limit(16, None, CFG) == 16
+    assert next_batch_limit(3, None, CFG) == 4
+
+
+@given(k=st.integers(1, 16), a=st.floats(0, 5000), b=st.floats(0, 5000))
+def test_k_never_grows_with_worse_latency(k: int, a: float, b: float) -> None:
+    lo, hi = sorted((a, b))
+    assert next_batch_limit(k, hi, CFG) <= next_batch_limit(k, lo, CFG)
+
+
+def test_window_widens_to_meet_the_deadline_and_narrows_when_ahead() -> None:
+    # 100 records left at 2 s each with window 4: 200 s of work, 50 s left -> 16 wide
+    assert adapt_window(4, base=4, max_window=32, remaining=100, seconds_per_record=2.0,
+                        seconds_left=50) == 16
+    assert adapt_window(4, base=4, max_window=8, remaining=100, seconds_per_record=2.0,
+                        seconds_left=50) == 8  # capped by the fleet's batch capacity
+    assert adapt_window(16, base=4, max_window=32, remaining=10, seconds_per_record=1.0,
+                        seconds_left=1000) == 15
+    assert adapt_window(4, base=4, max_window=32, remaining=10, seconds_per_record=1.0,
+                        seconds_left=1000) == 4
+    assert adapt_window(4, base=4, max_window=32, remaining=10, seconds_per_record=None,
+                        seconds_left=10) == 4
+    assert adapt_window(4, base=4, max_window=32, remaining=10, seconds_per_record=1.0,
+                        seconds_left=-5) == 32  # late: everything the fleet allows
+
+
+def test_finish_estimate_follows_the_pace_so_far() -> None:
+    assert estimate_finish_s(done=10, remaining=30, elapsed_s=20) == 60
+    assert estimate_finish_s(done=0, remaining=30, elapsed_s=20) is None
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def test_admission_caps_batch_steps_and_adapts_to_interactive_ttft() -> None:
+    clock = Clock()
+    adm = BatchAdmission(CFG, clock=clock)
+    assert adm.limit == 4
+    for _ in range(4):
+        await adm.acquire()
+    blocked = asyncio.ensure_future(adm.acquire())
+    await asyncio.sleep(0.01)
+    assert not blocked.done() and adm.waiting == 1
+    await adm.release()
+    await asyncio.wait_for(blocked, 1)
+    assert adm.active == 4
+    # slow interactive steps halve K at once
+    await adm.observe_interactive(2500)
+    assert adm.limit == 2
+    # fast ones grow it back, one step per full window, not faster than once a second
+    for _ in range(4):
+        await adm.observe_interactive(100)
+    assert adm.limit == 2
+    clock.t += 2
+    await adm.observe_interactive(100)
+    assert adm.limit == 3
+    # with no interactive traffic, K creeps up by itself
+    clock.t += 100
+    for _ in range(4):
+        await adm.release()
+    assert adm.limit == 4

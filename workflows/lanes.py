@@ -1,0 +1,72 @@
+"""Lanes: interactive steps go before batch steps. Pure policy, shared by the workflow
+(Temporal task priority, the batch window), the inference worker (batch admission)
+and the benchmarks."""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import BaseModel, Field
+
+from workflows.contracts import Lane
+
+# vLLM's request priority (--scheduling-policy priority; lower runs first).
+VLLM_PRIORITY = {Lane.INTERACTIVE: 0, Lane.BATCH: 10}
+# Temporal task priority (priority_key: 1 is highest, 5 lowest; unset is 3).
+TASK_PRIORITY = {Lane.INTERACTIVE: 1, Lane.BATCH: 5}
+
+
+class AdmissionConfig(BaseModel):
+    """How many batch steps an engine runs at once (K), and how K adapts."""
+
+    interactive_ttft_target_ms: float = Field(default=1500.0, gt=0)
+    """Interactive TTFT p95 that batch admission defends. Tune it to the engine: a GPU
+    engine's target is tens of ms, the tiny model on two CPU cores about a second."""
+    k_min: int = Field(default=1, ge=1)
+    k_max: int = Field(default=16, ge=1)
+    k_start: int = Field(default=4, ge=1)
+    window: int = Field(default=20, ge=4)
+    """Interactive TTFTs in the sliding window the p95 is taken over."""
+    idle_grow_s: float = Field(default=5.0, gt=0)
+    """With no interactive step for this long, K grows by one (the lane is idle)."""
+
+
+def next_batch_limit(k: int, interactive_ttft_p95_ms: float | None,
+                     config: AdmissionConfig) -> int:
+    """AIMD on K: halve it when interactive TTFT p95 is over target, add one when it is
+    comfortably under (or there is no interactive traffic), else keep it."""
+    if interactive_ttft_p95_ms is None:
+        return min(config.k_max, k + 1)
+    target = config.interactive_ttft_target_ms
+    if interactive_ttft_p95_ms > target:
+        return max(config.k_min, k // 2)
+    if interactive_ttft_p95_ms < 0.6 * target:
+        return min(config.k_max, k + 1)
+    return max(config.k_min, min(config.k_max, k))
+
+
+def adapt_window(window: int, *, base: int, max_window: int, remaining: int,
+                 seconds_per_record: float | None, seconds_left: float | None) -> int:
+    """The batch's sliding window for its deadline.
+
+    Widen it (up to ``max_window``, the fleet's batch capacity) when the records left
+    at the current pace would miss the deadline; narrow it back toward ``base`` when
+    the batch is well ahead, leaving the engines to interactive work."""
+    if seconds_left is None or seconds_per_record is None or remaining <= 0:
+        return window
+    if seconds_left <= 0:
+        return max_window
+    needed = remaining * seconds_per_record * window  # seconds of one window-slot's work
+    wanted = math.ceil(needed / seconds_left)
+    if wanted > window:
+        return min(max_window, max(wanted, window + 1))
+    if wanted < window // 2:
+        return max(base, window - 1)
+    return window
+
+
+def estimate_finish_s(*, done: int, remaining: int, elapsed_s: float) -> float | None:
+    """Seconds until the batch ends at its pace so far (None before the first record)."""
+    if done <= 0 or elapsed_s <= 0:
+        return None
+    return remaining * elapsed_s / done
