@@ -23,7 +23,7 @@ import structlog
 from pydantic import BaseModel
 
 from activities.directory import PrefixDirectory
-from workflows.routing import first_difference
+from workflows.routing import first_difference, prefix_family
 
 log = structlog.get_logger(__name__)
 
@@ -58,13 +58,15 @@ class CacheBustDetector:
 
     async def check(self, *, profile: str, job_id: str, step: int, hashes: list[str],
                     block_size: int, stable_blocks: int,
-                    previous: list[str] | None) -> list[CacheBust]:
+                    previous: list[str] | None,
+                    tools: list[str] | None = None) -> list[CacheBust]:
         """Compare a served prompt's chain with its profile's stable prefix and with the
         job's previous prompt (``previous``: its reusable blocks). Returns the busts."""
         busts: list[CacheBust] = []
         stable = hashes[:stable_blocks]
+        family = prefix_family(profile, tools)  # jobs offering other tools differ, rightly
         if stable:
-            ref = await self._dir.profile_chain(profile)
+            ref = await self._dir.profile_chain(family)
             if ref is not None:
                 i = first_difference(ref[:len(stable)], stable)
                 if i is not None or len(ref) != len(stable):
@@ -74,7 +76,7 @@ class CacheBustDetector:
             if ref != stable:
                 # The newest stable prefix is the reference: a deliberate profile change
                 # fires once, a timestamp in the system prompt fires on every job.
-                await self._dir.set_profile_chain(profile, stable, block_size)
+                await self._dir.set_profile_chain(family, stable, block_size)
         if previous:
             i = first_difference(previous, hashes)
             if i is None and len(hashes) < len(previous):

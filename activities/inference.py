@@ -95,9 +95,11 @@ class InferenceActivities:
             if batch:
                 assert self._admission is not None
                 await self._admission.acquire(on_wait=activity.heartbeat)
+            beat = asyncio.ensure_future(_keep_heartbeating())
             try:
                 result = await self._generate(req)
             finally:
+                beat.cancel()
                 if batch:
                     assert self._admission is not None
                     await self._admission.release()
@@ -212,7 +214,7 @@ class InferenceActivities:
             await self._detector.check(profile=profile.name, job_id=req.job_id, step=req.step,
                                        hashes=chain.hashes, block_size=block_size,
                                        stable_blocks=stable // block_size,
-                                       previous=previous)
+                                       previous=previous, tools=req.tools)
 
     async def _tokenize(self, payload: dict[str, Any]) -> list[int]:
         r = await self._http.post(self._base + "/tokenize",
@@ -270,3 +272,12 @@ class InferenceActivities:
 def _step_seed(req: GenerateRequest) -> int:
     key = f"{req.profile}/{canonical_json(req.task)}/{req.step}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "big") & 0x7FFFFFFF
+
+
+async def _keep_heartbeating(interval_s: float = 2.0) -> None:
+    """Heartbeat while a step runs, even while the engine queues it and streams nothing:
+    the heartbeat says the worker is alive (so a dead one is noticed in seconds); a
+    stalled engine is caught by the HTTP read timeout instead."""
+    while True:
+        activity.heartbeat()
+        await asyncio.sleep(interval_s)

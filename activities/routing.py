@@ -14,7 +14,13 @@ from temporalio.exceptions import ApplicationError
 from activities.directory import PrefixDirectory
 from activities.registry import EngineHeartbeat, EngineRegistry, step_key, step_key_profile
 from workflows.contracts import EngineChoice, PickEngineRequest, RouteRequest
-from workflows.routing import EngineCandidate, RouteDecision, RoutingConfig, choose_engine
+from workflows.routing import (
+    EngineCandidate,
+    RouteDecision,
+    RoutingConfig,
+    choose_engine,
+    prefix_family,
+)
 
 log = structlog.get_logger(__name__)
 ROUND_ROBIN_KEY = "warmloop:route:rr"
@@ -53,7 +59,8 @@ class RoutingActivities:
             else:
                 # A new job: its profile's stable prefix is warm where it is cached, or
                 # where a step of the same profile is being served right now.
-                stable = await self._dir.profile_chain(req.profile) or []
+                family = prefix_family(req.profile, req.tools)
+                stable = await self._dir.profile_chain(family) or []
                 matched = await self._dir.matched_blocks(stable, ids)
                 for e in live:
                     warming = any(step_key_profile(k) == req.profile for k in steps[e.engine_id])

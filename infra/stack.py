@@ -310,6 +310,15 @@ class Stack:
         path = self.settings.resolved_model_path
         if not self.settings.manages_engines or model_is_built(path):
             return
+        # Engines still serving the old build would tokenize differently from new ones:
+        # restart every engine (and its worker) on the new model, never a mix.
+        running = [p.name for p in self.engine_parts() + self.worker_parts()[:-1]
+                   if self._pid(p.name) is not None]
+        if running:
+            self.log("the model recipe changed: stopping the engines to restart them on the "
+                     "new build")
+            for name in reversed(running):
+                self.stop_part(name, sig=signal.SIGTERM)
         self.log(f"building the tiny local model in {path} ...")
         out = subprocess.run([sys.executable, "-m", "infra.tiny_model", str(path)],
                              capture_output=True, text=True)

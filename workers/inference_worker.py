@@ -69,7 +69,8 @@ class EngineView:
 async def heartbeat_loop(registry: EngineRegistry, http: httpx.AsyncClient,
                          engine: EngineEndpoint, interval_s: float,
                          view: EngineView | None = None,
-                         admission: BatchAdmission | None = None) -> None:
+                         admission: BatchAdmission | None = None,
+                         directory: PrefixDirectory | None = None) -> None:
     was_healthy: bool | None = None
     while True:
         hb = await probe_engine(http, engine)
@@ -85,6 +86,9 @@ async def heartbeat_loop(registry: EngineRegistry, http: httpx.AsyncClient,
             await registry.leave(engine.id)  # never route to an engine that fails /health
         if hb.healthy != was_healthy:
             log.info("engine_health", engine=engine.id, healthy=hb.healthy)
+            if hb.healthy and directory is not None:
+                # A (re)started engine holds nothing: forget what the directory believed.
+                await directory.clear_engine(engine.id)
             was_healthy = hb.healthy
         await asyncio.sleep(interval_s)
 
@@ -150,7 +154,7 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(heartbeat_loop(registry, http, engine, settings.engine_heartbeat_s,
-                                              view, admission))
+                                              view, admission, directory))
                 if engine.kv_events:
                     tg.create_task(kv_event_loop(engine.kv_events,
                                                  KvEventApplier(directory, engine.id)))

@@ -58,7 +58,7 @@ from workflows.profiles.base import ApprovalRule, ToolCallError, ToolSpec
 from workflows.routing import RouteDecision
 
 GENERATE_START_TO_CLOSE = timedelta(seconds=90)
-GENERATE_HEARTBEAT = timedelta(seconds=30)
+GENERATE_HEARTBEAT = timedelta(seconds=10)
 GENERATE_RETRY = RetryPolicy(
     maximum_attempts=3,
     initial_interval=timedelta(milliseconds=500),
@@ -335,7 +335,7 @@ class AgentJob:
             return await workflow.execute_local_activity(
                 "route_step",
                 RouteRequest(job_id=self._job_id, step=request.step, profile=request.profile,
-                             policy=job.routing, exclude=exclude,
+                             policy=job.routing, exclude=exclude, tools=job.tools,
                              last_engine=self._engine.engine_id if self._engine else None),
                 start_to_close_timeout=ROUTE_TIMEOUT, retry_policy=PICK_RETRY,
                 result_type=RouteDecision,

@@ -153,6 +153,8 @@ class RouteRequest(BaseModel):
     policy: RoutingPolicy = "cache_aware"
     last_engine: str | None = None
     """The engine of the job's previous step: its whole transcript is likely cached there."""
+    tools: list[str] | None = None
+    """The tools the job offers: part of its stable prefix."""
     exclude: list[str] = Field(default_factory=list, description="Engines that failed this step.")
 
 

@@ -147,6 +147,12 @@ def block_hashes(token_ids: list[int], block_size: int, *, salt: str = "") -> li
     return out
 
 
+def prefix_family(profile: str, tools: list[str] | None) -> str:
+    """Jobs whose prompts share a stable prefix: the same profile offering the same tools
+    (the tool schemas are part of the stable prefix)."""
+    return profile if tools is None else f"{profile}[{','.join(sorted(set(tools)))}]"
+
+
 def first_difference(a: list[str], b: list[str]) -> int | None:
     """Index of the first block where two chains differ, or None if one prefixes the other."""
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
