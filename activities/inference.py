@@ -136,7 +136,6 @@ class InferenceActivities:
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
-                activity.heartbeat()  # throttled by the SDK; a hung stream stops it
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 if chunk.get("prompt_token_ids"):
