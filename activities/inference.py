@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -16,7 +15,8 @@ from temporalio.exceptions import ApplicationError
 
 from activities.admission import BatchAdmission
 from activities.cachebust import CacheBustDetector
-from activities.directory import PrefixDirectory, prompt_chain
+from activities.directory import PrefixDirectory, PromptChain, prompt_chain
+from activities.holds import HoldManager, pause_kind
 from activities.registry import EngineHeartbeat, EngineRegistry, step_key
 from activities.transcripts import TranscriptStore
 from workflows.contracts import FunctionCall, GenerateRequest, GenerateResult, Lane, ToolCall
@@ -44,7 +44,8 @@ class InferenceActivities:
                  registry: EngineRegistry | None = None,
                  detector: CacheBustDetector | None = None,
                  engine_info: Callable[[], EngineHeartbeat | None] | None = None,
-                 admission: BatchAdmission | None = None) -> None:
+                 admission: BatchAdmission | None = None,
+                 holds: HoldManager | None = None) -> None:
         self._engine_id = engine_id
         self._base = base_url.rstrip("/")
         self._url = self._base + "/v1/chat/completions"
@@ -56,6 +57,7 @@ class InferenceActivities:
         self._detector = detector
         self._engine_info = engine_info or (lambda: None)
         self._admission = admission
+        self._holds = holds
         self._stable_tokens: dict[str, int] = {}
         self._tail_overhead: int | None = None
 
@@ -82,7 +84,6 @@ class InferenceActivities:
             # The prompt's token ids come back in the first chunk: the prefix directory
             # hashes them in the engine's own blocks.
             "return_token_ids": self._dir is not None,
-            **({"seed": _step_seed(req)} if profile.seeded_sampling else {}),
         }, profile, stored
 
     @activity.defn(name="generate")
@@ -91,6 +92,8 @@ class InferenceActivities:
             job_id=req.job_id, step=req.step, engine=self._engine_id
         )
         batch = self._admission is not None and req.lane == Lane.BATCH
+        if self._holds is not None:
+            await self._holds.resume(req.job_id)
         try:
             if batch:
                 assert self._admission is not None
@@ -111,6 +114,13 @@ class InferenceActivities:
                 await self._registry.step_done(self._engine_id,
                                                step_key(req.job_id, req.step, req.profile))
             structlog.contextvars.unbind_contextvars("job_id", "step", "engine")
+
+    @activity.defn(name="prewarm")
+    async def prewarm(self, req: GenerateRequest) -> GenerateResult:
+        """Prefill a paused job's prompt again (one output token) so that its next step,
+        routed here, finds it cached: sent when an approver opens or decides the job's
+        pending approval. The workflow does not count it as a step."""
+        return await self.generate(req)
 
     async def _generate(self, req: GenerateRequest) -> GenerateResult:
         picked_up = time.time()
@@ -181,10 +191,11 @@ class InferenceActivities:
                  pickup_ms=round((picked_up - scheduled) * 1000, 1))
         if tail_tokens is not None and prompt_ids:
             try:
-                await self._record_prefix(req, profile, body, prompt_ids, await tail_tokens,
-                                          result.cached_tokens)
+                chain = await self._record_prefix(req, profile, body, prompt_ids,
+                                                  await tail_tokens, result.cached_tokens)
+                await self._hold_or_release(req, profile, result, prompt_ids, chain)
             except (httpx.HTTPError, OSError, ValueError) as e:
-                # The directory is advice: losing one record costs a cache hit, not a step.
+                # The directory and holds are advice: losing one costs a cache hit, not a step.
                 log.warning("prefix_record_failed", error=str(e))
         elif tail_tokens is not None:
             tail_tokens.cancel()
@@ -192,9 +203,21 @@ class InferenceActivities:
 
     # ---- prefix directory and cache-bust detector ----------------------------------------
 
+    async def _hold_or_release(self, req: GenerateRequest, profile: Profile,
+                               result: GenerateResult, prompt_ids: list[int],
+                               chain: PromptChain) -> None:
+        if self._holds is None or len(result.tool_calls) != 1:
+            return
+        call = result.tool_calls[0].function
+        await self._holds.after_step(
+            job_id=req.job_id, profile=profile,
+            kind=pause_kind(profile, call.name, call.arguments),
+            prefix_tokens=prompt_ids[:chain.reusable_blocks * chain.block_size],
+            policy=req.hold_policy, interactive=req.lane == Lane.INTERACTIVE)
+
     async def _record_prefix(self, req: GenerateRequest, profile: Profile,
                              body: dict[str, Any], prompt_ids: list[int], tail_tokens: int,
-                             cached_tokens: int) -> None:
+                             cached_tokens: int) -> PromptChain:
         assert self._dir is not None
         info = self._engine_info()
         block_size = info.block_size if info else 16
@@ -214,6 +237,7 @@ class InferenceActivities:
                                        hashes=chain.hashes, block_size=block_size,
                                        stable_blocks=stable // block_size,
                                        previous=previous, tools=req.tools)
+        return chain
 
     async def _tokenize(self, payload: dict[str, Any]) -> list[int]:
         r = await self._http.post(self._base + "/tokenize",
@@ -266,11 +290,6 @@ class InferenceActivities:
         # 5xx: retryable; Temporal's retry policy decides how often.
         raise ApplicationError(f"engine {self._engine_id} error {resp.status_code}: {body}",
                                type="EngineError")
-
-
-def _step_seed(req: GenerateRequest) -> int:
-    key = f"{req.profile}/{canonical_json(req.task)}/{req.step}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "big") & 0x7FFFFFFF
 
 
 async def _keep_heartbeating(interval_s: float = 2.0) -> None:

@@ -36,6 +36,8 @@ class EngineHeartbeat(BaseModel):
     """Whether the prefix directory follows this engine's KV events (else it estimates)."""
     held_tokens: int = 0
     """Prefix tokens the worker keeps warm for paused jobs."""
+    prefill_computed_total: float = 0.0
+    """Cumulative prompt tokens the engine computed (not from cache): its churn."""
     batch_limit: int = 0
     """K: batch-lane steps this engine admits at once (adapted to interactive TTFT)."""
     batch_active: int = 0

@@ -10,6 +10,7 @@ import structlog
 from temporalio.worker import Worker
 
 from activities.batch import BatchActivities
+from activities.pauses import PauseActivities, PauseStats
 from activities.registry import EngineRegistry
 from activities.routing import RoutingActivities
 from activities.storage import StorageActivities
@@ -38,8 +39,9 @@ async def run_agent_worker(settings: Settings) -> None:
     tools = ToolActivities(
         [TicketTriageTools.bundled(), InvoiceReconciliationTools.bundled(),
          *(SyntheticTools(p.name) for p in SYNTHETIC_PROFILES)],
-        EffectLedger(redis), s3=s3, bucket=settings.s3_bucket,
+        EffectLedger(redis), s3=s3, bucket=settings.s3_bucket, pauses=PauseStats(redis),
     )
+    pauses = PauseActivities(PauseStats(redis))
     storage = StorageActivities(s3, settings.s3_bucket)
     batch = BatchActivities(s3, settings.s3_bucket)
     worker = Worker(
@@ -47,7 +49,8 @@ async def run_agent_worker(settings: Settings) -> None:
         task_queue=AGENT_TASK_QUEUE,
         workflows=[AgentJob, BatchRun],
         activities=[routing.route_step, routing.pick_engine, tools.run_tool,
-                    storage.store_transcript, batch.read_records, batch.write_batch_results],
+                    storage.store_transcript, batch.read_records, batch.write_batch_results,
+                    pauses.record_pause],
         max_concurrent_activities=64,
     )
     me = WORKER_KEY.format(f"{socket.gethostname()}-{os.getpid()}")

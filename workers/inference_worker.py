@@ -18,7 +18,9 @@ from temporalio.worker import Worker
 from activities.admission import BatchAdmission
 from activities.cachebust import CacheBust, CacheBustDetector
 from activities.directory import KvEventApplier, PrefixDirectory
+from activities.holds import HoldManager
 from activities.inference import InferenceActivities
+from activities.pauses import PauseStats
 from activities.registry import (
     EngineHeartbeat,
     EngineRegistry,
@@ -52,6 +54,8 @@ async def probe_engine(http: httpx.AsyncClient, engine: EngineEndpoint) -> Engin
         waiting=int(metrics.get("vllm:num_requests_waiting", 0)),
         kv_usage=metrics.get("vllm:kv_cache_usage_perc", 0.0), at=time.time(),
         block_size=block_size or 16, kv_capacity_tokens=capacity,
+        prefill_computed_total=(metrics.get("vllm:prefix_cache_queries_total", 0.0)
+                                - metrics.get("vllm:prefix_cache_hits_total", 0.0)),
         precise=engine.kv_events is not None,
     )
 
@@ -70,10 +74,15 @@ async def heartbeat_loop(registry: EngineRegistry, http: httpx.AsyncClient,
                          engine: EngineEndpoint, interval_s: float,
                          view: EngineView | None = None,
                          admission: BatchAdmission | None = None,
-                         directory: PrefixDirectory | None = None) -> None:
+                         directory: PrefixDirectory | None = None,
+                         holds: HoldManager | None = None) -> None:
     was_healthy: bool | None = None
     while True:
         hb = await probe_engine(http, engine)
+        if holds is not None:
+            hb.held_tokens = holds.held_tokens
+            if hb.healthy:
+                holds.observe_engine(hb.prefill_computed_total)
         if admission is not None:
             hb.batch_limit, hb.batch_active = admission.limit, admission.active
             hb.batch_waiting = admission.waiting
@@ -136,17 +145,20 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
             ).add(1, {"profile": b.profile, "kind": b.kind})
 
         admission = BatchAdmission(settings.admission)
+        holds = HoldManager(engine_id=engine.id, base_url=engine.url, model=engine.model,
+                            http=http, redis=redis, pauses=PauseStats(redis), engine_info=view,
+                            config=settings.holding)
         inference = InferenceActivities(
             engine_id=engine.id, base_url=engine.url, model=engine.model, http=http,
             transcripts=TranscriptStore(build_s3(settings), settings.s3_bucket),
             directory=directory, registry=registry,
             detector=CacheBustDetector(redis, directory, on_bust=on_bust),
-            engine_info=view, admission=admission,
+            engine_info=view, admission=admission, holds=holds,
         )
         worker = Worker(
             client,
             task_queue=engine_task_queue(engine.id),
-            activities=[inference.generate],
+            activities=[inference.generate, inference.prewarm],
             # Enough in flight for the engine to batch; its own scheduler queues the rest.
             max_concurrent_activities=32,
         )
@@ -154,7 +166,8 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(heartbeat_loop(registry, http, engine, settings.engine_heartbeat_s,
-                                              view, admission, directory))
+                                              view, admission, directory, holds))
+                tg.create_task(holds.run())
                 if engine.kv_events:
                     tg.create_task(kv_event_loop(engine.kv_events,
                                                  KvEventApplier(directory, engine.id)))

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from workflows.holding import HoldConfig
 from workflows.lanes import AdmissionConfig
 from workflows.routing import RoutingConfig
 
@@ -75,6 +76,8 @@ class Settings(BaseSettings):
     hit rate from it); off in production, it grows without bound."""
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     """Weights of the routing score, e.g. WARMLOOP_ROUTING='{"max_load": 4}'."""
+    holding: HoldConfig = Field(default_factory=HoldConfig)
+    """Prices and limits of holding paused jobs' prefixes, e.g. WARMLOOP_HOLDING='{...}'."""
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     """Batch admission per engine, e.g. WARMLOOP_ADMISSION='{"k_max": 8}'."""
     agent_metrics_port: int | None = Field(default=9464, ge=1024, le=65535)

@@ -31,6 +31,7 @@ from workflows.budgets import (
 from workflows.contracts import (
     AGENT_TASK_QUEUE,
     ApprovalRecord,
+    ApprovalViewed,
     ChatMessage,
     Decision,
     EngineChoice,
@@ -43,6 +44,7 @@ from workflows.contracts import (
     JobStatus,
     PendingApproval,
     PickEngineRequest,
+    RecordPauseRequest,
     RouteRequest,
     StepRecord,
     StoreTranscriptRequest,
@@ -70,6 +72,8 @@ PICK_RETRY = RetryPolicy(maximum_attempts=5, initial_interval=timedelta(seconds=
 ROUTE_TIMEOUT = timedelta(seconds=5)
 # Routing runs every step, so it is a local activity: no task-queue round trip.
 PATCH_ROUTE_EVERY_STEP = "route-every-step"
+PATCH_PREWARM = "prewarm-on-approval"
+PREWARM_TIMEOUT = timedelta(seconds=60)
 
 # Search attributes (registered by `warmloop dev up`; on a cluster see the README).
 SA_PROFILE = SearchAttributeKey.for_keyword("WarmloopProfile")
@@ -110,6 +114,9 @@ class AgentJob:
         self._approvals: list[ApprovalRecord] = []
         self._pending: dict[str, PendingApproval] = {}
         self._decisions: dict[str, Decision] = {}
+        self._viewed: set[str] = set()
+        self._job: JobInput | None = None
+        self._task: BaseModel | None = None
 
     # ---- queries and updates --------------------------------------------------------
 
@@ -130,6 +137,11 @@ class AgentJob:
         """Approve or reject a pending tool call; returns the approval decided."""
         self._decisions[decision.approval_id] = decision
         return self._pending[decision.approval_id]
+
+    @workflow.signal
+    async def viewed(self, v: ApprovalViewed) -> None:
+        """An approver opened a pending approval: warm the prefix for the step after it."""
+        self._viewed.add(v.approval_id)
 
     @decide.validator
     def _validate_decide(self, decision: Decision) -> None:
@@ -164,6 +176,7 @@ class AgentJob:
         workflow.upsert_search_attributes([SA_PROFILE.value_set(profile.name),
                                            SA_STATE.value_set(JobState.RUNNING.value)])
         limits = self._limits(profile, job)
+        self._job, self._task = job, task
         try:
             await self._loop(job, profile, task, limits)
         except _JobEnded as end:
@@ -262,7 +275,7 @@ class AgentJob:
             tail=remaining_text(limits, self._usage, self._elapsed_s()),
             max_tokens=step_output_budget(profile.budgets, kind, limits, self._usage),
             tools=job.tools,
-            priority=VLLM_PRIORITY[job.lane], lane=job.lane,
+            priority=VLLM_PRIORITY[job.lane], lane=job.lane, hold_policy=job.hold_policy,
         )
         gen, route_reason, failovers, routed = await self._generate(
             request, job, pickup_timeout=timedelta(seconds=job.step_pickup_timeout_s)
@@ -509,6 +522,9 @@ class AgentJob:
         )
         self._pending[pending.approval_id] = pending
         self._publish_pending()
+        warm_on_view = None
+        if workflow.patched(PATCH_PREWARM):
+            warm_on_view = asyncio.ensure_future(self._prewarm_when_viewed(pending.approval_id))
         decision = await self._wait_decision(pending, limits)
         if decision is None and rule.on_timeout == "escalate":
             pending.escalated = True
@@ -529,6 +545,9 @@ class AgentJob:
                 decided_at=workflow.now(),
             )
         self._approvals.append(record)
+        if warm_on_view is not None:
+            warm_on_view.cancel()
+            await self._after_human(rule, now)
         if record.outcome == "approved":
             return True
         self._answer(call, f"rejected by {record.decided_by}"
@@ -537,6 +556,53 @@ class AgentJob:
             raise _JobEnded(JobState.REJECTED,
                             f"{rule.kind} approval {record.outcome} by {record.decided_by}")
         return False
+
+    async def _prewarm_when_viewed(self, approval_id: str) -> None:
+        await workflow.wait_condition(lambda: approval_id in self._viewed)
+        await self._prewarm(f"approval {approval_id} viewed")
+
+    async def _after_human(self, rule: ApprovalRule, asked_at: datetime) -> None:
+        """The decision is in: record how long the human took, and warm the prefix again
+        (it may have been evicted during a long wait) before the next step needs it."""
+        waited = (workflow.now() - asked_at).total_seconds()
+        try:
+            await workflow.execute_local_activity(
+                "record_pause", RecordPauseRequest(profile=self._profile_name,
+                                                   kind=f"approval:{rule.kind}", seconds=waited),
+                start_to_close_timeout=ROUTE_TIMEOUT,
+                retry_policy=RetryPolicy(maximum_attempts=2))
+        except ActivityError:
+            workflow.logger.warning("could not record the approval's pause")
+        await self._prewarm("approval decided")
+
+    async def _prewarm(self, why: str) -> None:
+        """Re-prefill the job's prompt on the engine its next step will be routed to.
+
+        Best effort: a failed prewarm only means the next step prefills itself."""
+        job, task = self._job, self._task
+        if job is None or task is None or job.engine_id is not None:
+            return
+        request = GenerateRequest(
+            job_id=self._job_id, step=self._usage.steps, profile=self._profile_name,
+            task=task.model_dump(mode="json"), base_len=self._stored_len,
+            new_messages=self._transcript[self._stored_len:], tail="", max_tokens=1,
+            tools=job.tools, priority=VLLM_PRIORITY[job.lane], lane=job.lane,
+            hold_policy="never",
+        )
+        routed = await self._route(request, job, [])
+        if routed is None:
+            return
+        try:
+            await workflow.execute_activity(
+                "prewarm", request, task_queue=engine_task_queue(routed.engine_id),
+                start_to_close_timeout=PREWARM_TIMEOUT,
+                schedule_to_start_timeout=timedelta(seconds=job.step_pickup_timeout_s),
+                retry_policy=RetryPolicy(maximum_attempts=1), result_type=GenerateResult,
+                priority=Priority(priority_key=TASK_PRIORITY[job.lane]),
+            )
+            workflow.logger.info("prefix prewarmed on %s (%s)", routed.engine_id, why)
+        except ActivityError:
+            workflow.logger.warning("prewarm on %s failed (%s)", routed.engine_id, why)
 
     async def _wait_decision(self, pending: PendingApproval, limits: JobLimits
                              ) -> Decision | None:

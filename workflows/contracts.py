@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from workflows.budgets import JobLimits, Usage
+from workflows.holding import HoldPolicy
 from workflows.routing import RouteReason, RoutingPolicy
 
 AGENT_TASK_QUEUE = "warmloop-agent"
@@ -78,6 +79,11 @@ class JobInput(BaseModel):
     engine_id: str | None = Field(
         default=None, description="Pin the job to this engine instead of routing it."
     )
+    hold_policy: HoldPolicy = Field(
+        default="cost_model",
+        description="While the job waits on a tool or a human: keep its prefix warm when "
+        "the cost model says it pays (cost_model), always (always_hold), or leave it to the "
+        "engine's LRU (never). The last two are baselines for benchmarks.")
     routing: RoutingPolicy = Field(
         default="cache_aware",
         description="How each step picks its engine. cache_aware: where its prefix is "
@@ -180,6 +186,7 @@ class GenerateRequest(BaseModel):
     """vLLM request priority (lower first); see workflows.lanes."""
     lane: Lane = Lane.INTERACTIVE
     """Batch steps wait for the engine's batch admission; interactive ones never do."""
+    hold_policy: HoldPolicy = "cost_model"
     expected_cached_tokens: int | None = None
     """The router's prediction for this step; the worker scores the prefix directory's
     accuracy against the engine's reported cached tokens."""
@@ -279,6 +286,23 @@ class Decision(BaseModel):
     approve: bool
     approver: str = Field(min_length=1)
     comment: str = Field(default="", max_length=2000)
+
+
+class ApprovalViewed(BaseModel):
+    """Input of the ``viewed`` signal: an approver opened a pending approval. The job
+    warms its prefix again at once, so the step after the decision finds it cached."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    approval_id: str
+    viewer: str = ""
+
+
+class RecordPauseRequest(BaseModel):
+    profile: str
+    kind: str
+    """``tool:<name>`` or ``approval:<kind>``."""
+    seconds: float = Field(ge=0)
 
 
 class ApprovalRecord(BaseModel):

@@ -1,8 +1,7 @@
 """Hold or release: whether a paused job's prefix should be kept warm, by cost.
 
-Pure policy (no I/O), so the workflow, the inference worker, the simulator and the
-tests run the same code. Not yet wired into AgentJob: the engine-side hold table and
-the pause statistics in Redis are the next step (see the README's roadmap).
+Pure policy (no I/O), so the inference worker (``activities.holds``), the benchmarks
+and the tests run the same code.
 
 While a job waits on a tool or a human, its prefix sits in the engine's LRU. Holding
 it (1-token touches that refresh its blocks) costs KV memory other jobs could use,
@@ -17,9 +16,31 @@ import bisect
 import math
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Protocol
+from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+HoldPolicy = Literal["cost_model", "always_hold", "never"]
+"""cost_model: decide_hold per pause; always_hold and never (vLLM's own LRU) are the
+baselines benchmarks compare it with."""
+
+
+class HoldConfig(BaseModel):
+    """Prices and limits of holding on one engine."""
+
+    max_held_fraction: float = Field(default=0.3, gt=0, le=1)
+    """Cap on held tokens as a share of the KV pool; the oldest holds go first."""
+    prefill_tokens_per_s: float = Field(default=20_000.0, gt=0)
+    gpu_usd_per_hour: float = Field(default=0.80, gt=0)
+    interactive_latency_usd_per_s: float = Field(default=0.01, ge=0)
+    """What a second of added latency on an interactive job's resume is worth."""
+    batch_latency_usd_per_s: float = Field(default=0.0, ge=0)
+    always_hold_ttl_s: float = Field(default=600.0, gt=0)
+    """TTL of the always_hold baseline policy."""
+    min_touch_interval_s: float = Field(default=0.25, gt=0)
+    max_touch_interval_s: float = Field(default=30.0, gt=0)
+    touch_priority: int = 5
+    """vLLM priority of touches: after interactive steps (0), before batch steps (10)."""
 
 
 class HoldAction(StrEnum):

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import structlog
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.pauses import PauseStats, tool_kind
 from activities.tools.base import EffectLedger, ToolOutcome, Toolset
 from activities.tools.ticket_triage import TicketTriageTools
 from workflows.contracts import ToolRequest, ToolResult
@@ -21,7 +23,8 @@ class ToolActivities:
     """Runs tools; large outputs go to S3 whole, the transcript keeps a cut preview."""
 
     def __init__(self, toolsets: list[Toolset], ledger: EffectLedger, *, s3: Any,
-                 bucket: str) -> None:
+                 bucket: str, pauses: PauseStats | None = None) -> None:
+        self._pauses = pauses
         self._toolsets = {t.profile: t for t in toolsets}
         self._ledger = ledger
         self._s3 = s3
@@ -35,7 +38,11 @@ class ToolActivities:
                                    type="UnknownProfile", non_retryable=True)
         profile = get_profile(req.profile)
         with structlog.contextvars.bound_contextvars(job_id=req.job_id, step=req.step):
+            started = time.monotonic()
             outcome = await toolset.arun(req)
+            if self._pauses is not None:
+                await self._pauses.record(req.profile, tool_kind(req.name),
+                                          time.monotonic() - started)
             result = outcome.result
             if outcome.effect is not None and profile.tool(req.name).side_effect:
                 fresh = await self._ledger.apply_once(req.job_id, req.step, req.name,

@@ -1,8 +1,9 @@
 """Tools of the synthetic benchmark profiles: seeded output and seeded pauses.
 
-A lookup's answer and its duration depend only on (job, step), so a workload replays
-identically under every routing policy. The pause stands for a tool's real latency
-(an API call, a database query) and is what a paused job's prefix must survive.
+A lookup's answer and its duration depend only on (case, step), so a workload replays
+the same tool results under every routing policy (the job ids differ per run). The
+pause stands for a tool's real latency (an API call, a database query) and is what a
+paused job's prefix must survive.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class SyntheticTools(Toolset):
         self._max = pause_max_s
 
     def _rng(self, req: ToolRequest) -> random.Random:
-        return random.Random(f"{req.job_id}/{req.step}/{req.name}")
+        return random.Random(f"{req.profile}/{req.task_id}/{req.step}/{req.name}")
 
     def pause_s(self, req: ToolRequest) -> float:
         rng = self._rng(req)

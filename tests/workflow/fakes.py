@@ -18,6 +18,7 @@ from workflows.contracts import (
     GenerateRequest,
     GenerateResult,
     PickEngineRequest,
+    RecordPauseRequest,
     RouteRequest,
     StoreTranscriptRequest,
     ToolCall,
@@ -58,7 +59,18 @@ class FakeActivities:
         self.forced_routes: list[str] = []
         """Engines the next routes go to regardless of the score (e.g. a dead one)."""
         self.stored: list[StoreTranscriptRequest] = []
+        self.pauses: list[RecordPauseRequest] = []
+        self.prewarms: list[GenerateRequest] = []
         self._rr = itertools.count()
+
+    @activity.defn(name="record_pause")
+    async def record_pause(self, req: RecordPauseRequest) -> None:
+        self.pauses.append(req)
+
+    @activity.defn(name="prewarm")
+    async def prewarm(self, req: GenerateRequest) -> GenerateResult:
+        self.prewarms.append(req)
+        return reply(None)
 
     @activity.defn(name="route_step")
     async def route_step(self, req: RouteRequest) -> RouteDecision:

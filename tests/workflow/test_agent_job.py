@@ -33,10 +33,12 @@ async def workers(env: WorkflowEnvironment, fakes: FakeActivities,
     """An agent worker plus one engine worker per id in ``serving`` (default: all)."""
     client = env.client
     agent = Worker(client, task_queue=AGENT_TASK_QUEUE, workflows=[AgentJob],
-                   activities=[fakes.route_step, fakes.pick_engine, fakes.run_tool,
+                   activities=[fakes.route_step, fakes.pick_engine, fakes.record_pause,
+                               fakes.run_tool,
                                fakes.store_transcript])
     engine_workers = [
-        Worker(client, task_queue=engine_task_queue(e), activities=[fakes.generate])
+        Worker(client, task_queue=engine_task_queue(e), activities=[fakes.generate,
+                                                                   fakes.prewarm])
         for e in (fakes.engines if serving is None else serving)
     ]
     async with agent:

@@ -51,9 +51,11 @@ async def run_batch(env: WorkflowEnvironment, inp: BatchInput) -> tuple[Any, Mem
     client = env.client
     async with (
         Worker(client, task_queue=AGENT_TASK_QUEUE, workflows=[AgentJob, BatchRun],
-               activities=[fakes.route_step, fakes.pick_engine, fakes.run_tool,
+               activities=[fakes.route_step, fakes.pick_engine, fakes.record_pause,
+                               fakes.run_tool,
                            fakes.store_transcript, batch.read_records, batch.write_batch_results]),
-        Worker(client, task_queue=engine_task_queue("fake0"), activities=[fakes.generate]),
+        Worker(client, task_queue=engine_task_queue("fake0"), activities=[fakes.generate,
+                                                                   fakes.prewarm]),
     ):
         res = await client.execute_workflow(BatchRun.run, inp,
                                             id=f"batch-{uuid.uuid4().hex[:6]}",

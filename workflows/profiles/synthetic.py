@@ -1,9 +1,10 @@
 """Synthetic profiles for benchmarks: a family of agents with long, distinct stable
-prefixes, one lookup tool with seeded output and seeded pauses, seeded sampling.
+prefixes, one lookup tool whose output and pause are seeded by (case, step).
 
-They make a workload that is the same under every routing policy (same prompts, same
-step counts), so that cache hit rates and prefill tokens can be compared; they are not
-meant to do useful work. ``bench/routing.py`` runs them.
+They make a workload that is nearly the same under every routing policy (same
+prefixes, tool outputs and step counts; only the model's sampled arguments differ), so
+that cache hit rates and prefill tokens can be compared; they do no useful work.
+``bench/routing.py`` runs them.
 """
 
 from __future__ import annotations
@@ -85,7 +86,6 @@ def synthetic_profile(domain: str) -> Profile:
         ),
         limits=JobLimits(max_steps=10, max_tool_calls={"lookup": 50}),
         budgets=OutputBudgets(plan=48, execute=48, reflect=48),
-        seeded_sampling=True,
     )
 
 

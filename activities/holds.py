@@ -1,0 +1,235 @@
+"""Holding, engine-side: keep a paused job's prefix warm while it pays.
+
+The inference worker decides after each step whose tool call will pause the job (a
+tool, or a human approval): it asks the cost model (``workflows.holding.decide_hold``)
+with the pause statistics of that tool or approval kind and the engine's pressure.
+A hold is kept by 1-token touch requests on the prefix's token ids, often enough that
+the blocks never reach the end of vLLM's LRU (the interval follows the engine's churn),
+until the job resumes, the hold's TTL passes, or the cap on held tokens needs room.
+
+A hold never changes correctness: a job whose hold is lost just re-prefills.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import redis.asyncio as aioredis
+import structlog
+
+from activities.pauses import PauseStats, approval_kind, tool_kind
+from activities.registry import EngineHeartbeat
+from workflows.holding import (
+    HoldAction,
+    HoldChoice,
+    HoldConfig,
+    HoldCosts,
+    HoldPolicy,
+    decide_hold,
+)
+from workflows.profiles import Profile
+from workflows.profiles.base import ToolCallError
+
+log = structlog.get_logger(__name__)
+
+HOLDS_KEY = "warmloop:holds:{}"
+"""Hash per engine: job id -> the hold (JSON)."""
+HOLD_STATS = "warmloop:holds:stats:{}"
+"""Hash per engine: holds, touches, touch tokens, releases by cause."""
+
+
+@dataclass
+class Hold:
+    job_id: str
+    kind: str
+    tokens: list[int]
+    until: float
+    next_touch: float
+    created: float
+    touches: int = 0
+
+    def record(self) -> str:
+        return json.dumps({"kind": self.kind, "tokens": len(self.tokens),
+                           "until": round(self.until, 1), "touches": self.touches})
+
+
+def pause_kind(profile: Profile, tool: str, arguments: str) -> str | None:
+    """What the job will wait on after this call: ``tool:<name>`` or
+    ``approval:<kind>``; None when the call ends the job or is invalid (the repair
+    step follows at once)."""
+    try:
+        spec, args = profile.validate_call(tool, arguments)
+    except ToolCallError:
+        return None
+    if spec.finishes_job:
+        return None
+    rule = profile.approval_for(spec.name, args)
+    return approval_kind(rule.kind) if rule is not None else tool_kind(spec.name)
+
+
+class HoldManager:
+    def __init__(self, *, engine_id: str, base_url: str, model: str, http: httpx.AsyncClient,
+                 redis: aioredis.Redis, pauses: PauseStats,
+                 engine_info: Callable[[], EngineHeartbeat | None],
+                 config: HoldConfig | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._engine = engine_id
+        self._url = base_url.rstrip("/") + "/v1/completions"
+        self._model = model
+        self._http = http
+        self._redis = redis
+        self._pauses = pauses
+        self._info = engine_info
+        self.config = config or HoldConfig()
+        self._clock = clock
+        self.holds: dict[str, Hold] = {}
+        self._last_probe: tuple[float, float] | None = None
+        self.churn_tokens_per_s = 0.0
+
+    @property
+    def held_tokens(self) -> int:
+        return sum(len(h.tokens) for h in self.holds.values())
+
+    # ---- decisions ----------------------------------------------------------------------
+
+    def costs(self, prefix_tokens: int, *, interactive: bool) -> HoldCosts | None:
+        info = self._info()
+        if info is None or not info.kv_capacity_tokens:
+            return None
+        c = self.config
+        return HoldCosts(
+            prefix_tokens=prefix_tokens, kv_capacity_tokens=info.kv_capacity_tokens,
+            kv_usage=min(0.999, max(info.kv_usage, self.held_tokens / info.kv_capacity_tokens)),
+            prefill_s_per_token=1.0 / c.prefill_tokens_per_s,
+            gpu_usd_per_s=c.gpu_usd_per_hour / 3600,
+            latency_usd_per_s=(c.interactive_latency_usd_per_s if interactive
+                               else c.batch_latency_usd_per_s),
+        )
+
+    async def after_step(self, *, job_id: str, profile: Profile, kind: str | None,
+                         prefix_tokens: list[int], policy: HoldPolicy,
+                         interactive: bool) -> HoldChoice | None:
+        """The step's call pauses the job on ``kind``: hold its prefix or let it go."""
+        if kind is None or not prefix_tokens or policy == "never":
+            return None
+        if policy == "always_hold":
+            choice = HoldChoice(HoldAction.HOLD, self.config.always_hold_ttl_s, 0.0, 0.0,
+                                "always_hold policy")
+        else:
+            costs = self.costs(len(prefix_tokens), interactive=interactive)
+            if costs is None:
+                return None
+            choice = decide_hold(costs, await self._pauses.distribution(profile, kind))
+        if choice.action == HoldAction.HOLD:
+            now = self._clock()
+            self.holds[job_id] = Hold(job_id=job_id, kind=kind, tokens=list(prefix_tokens),
+                                      until=now + choice.ttl_s, next_touch=now, created=now)
+            await self._stat("holds")
+            await self._make_room()
+            await self._publish()
+        log.info("hold_decision", job_id=job_id, kind=kind, action=choice.action.value,
+                 ttl_s=round(choice.ttl_s, 1), reason=choice.reason)
+        return choice
+
+    async def resume(self, job_id: str) -> None:
+        """The job's next step is here: its hold has done its work."""
+        if self.holds.pop(job_id, None) is not None:
+            await self._stat("released_on_resume")
+            await self._publish()
+
+    # ---- keeping holds warm ------------------------------------------------------------
+
+    def touch_interval_s(self) -> float:
+        """Touch before other traffic can push the prefix's blocks out of the LRU: the
+        blocks free for reuse ahead of them, over the rate other traffic uses blocks."""
+        info = self._info()
+        c = self.config
+        if info is None or not info.kv_capacity_tokens or self.churn_tokens_per_s <= 0:
+            return c.max_touch_interval_s
+        free = info.kv_capacity_tokens * (1 - info.kv_usage) - self.held_tokens
+        interval = 0.5 * max(0.0, free) / self.churn_tokens_per_s
+        return min(c.max_touch_interval_s, max(c.min_touch_interval_s, interval))
+
+    def observe_engine(self, computed_tokens_total: float, now: float | None = None) -> None:
+        """Feed the engine's cumulative computed-prefill counter (queries - hits)."""
+        now = self._clock() if now is None else now
+        if self._last_probe is not None:
+            t0, v0 = self._last_probe
+            if now > t0 and computed_tokens_total >= v0:
+                rate = (computed_tokens_total - v0) / (now - t0)
+                self.churn_tokens_per_s = 0.7 * self.churn_tokens_per_s + 0.3 * rate
+        self._last_probe = (now, computed_tokens_total)
+
+    async def tick(self) -> None:
+        now = self._clock()
+        for job_id, h in list(self.holds.items()):
+            if now >= h.until:
+                del self.holds[job_id]
+                await self._stat("released_on_ttl")
+        due = [h for h in self.holds.values() if h.next_touch <= now]
+        if due:
+            await asyncio.gather(*(self._touch(h) for h in due))
+            interval = self.touch_interval_s()
+            for h in due:
+                h.next_touch = self._clock() + interval
+        await self._publish()
+
+    async def run(self, tick_s: float = 0.25) -> None:
+        while True:
+            try:
+                await self.tick()
+            except (httpx.HTTPError, OSError) as e:
+                log.warning("hold_tick_failed", error=str(e))
+            await asyncio.sleep(tick_s)
+
+    async def _touch(self, h: Hold) -> None:
+        body: dict[str, Any] = {"model": self._model, "prompt": h.tokens, "max_tokens": 1,
+                                "temperature": 0, "priority": self.config.touch_priority}
+        r = await self._http.post(self._url, json=body, timeout=30.0)
+        if r.status_code != 200:
+            log.warning("touch_failed", job_id=h.job_id, status=r.status_code)
+            return
+        usage = r.json().get("usage") or {}
+        prompt = int(usage.get("prompt_tokens", 0))
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        h.touches += 1
+        pipe = self._redis.pipeline(transaction=False)
+        key = HOLD_STATS.format(self._engine)
+        pipe.hincrby(key, "touches", 1)
+        pipe.hincrby(key, "touch_prompt_tokens", prompt)
+        # what the touch made the engine compute: its uncached prompt and one output token
+        pipe.hincrby(key, "touch_computed_tokens", prompt - cached + 1)
+        await pipe.execute()
+
+    async def _make_room(self) -> None:
+        info = self._info()
+        if info is None or not info.kv_capacity_tokens:
+            return
+        cap = self.config.max_held_fraction * info.kv_capacity_tokens
+        for h in sorted(self.holds.values(), key=lambda h: h.created):
+            if self.held_tokens <= cap:
+                break
+            del self.holds[h.job_id]
+            await self._stat("released_for_room")
+
+    async def _stat(self, field: str) -> None:
+        await self._redis.hincrby(HOLD_STATS.format(self._engine), field, 1)
+
+    async def _publish(self) -> None:
+        key = HOLDS_KEY.format(self._engine)
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.delete(key)
+        if self.holds:
+            pipe.hset(key, mapping={j: h.record() for j, h in self.holds.items()})
+        await pipe.execute()
+
+
+async def hold_stats(redis: aioredis.Redis, engine_id: str) -> dict[str, int]:
+    raw = await redis.hgetall(HOLD_STATS.format(engine_id))
+    return {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
