@@ -603,6 +603,7 @@ def engines(as_json: bool = typer.Option(False, "--json", help="One JSON object 
         from redis.exceptions import RedisError
 
         from activities.directory import PrefixDirectory
+        from activities.holds import HOLDS_KEY
         from activities.registry import EngineRegistry
 
         s = _settings()
@@ -614,22 +615,91 @@ def engines(as_json: bool = typer.Option(False, "--json", help="One JSON object 
             in_flight = await registry.in_flight(ids)
             directory = PrefixDirectory(r)
             blocks = {e: await directory.engine_blocks(e) for e in ids}
+            holds = {e: int(await r.hlen(HOLDS_KEY.format(e))) for e in ids}
         except RedisError as err:
             fail(f"cannot reach Redis at {s.redis_url} ({err}); is the stack up?")
         if as_json:
             for hb in live:
                 print(json.dumps({**hb.model_dump(), "in_flight": in_flight[hb.engine_id],
-                                  "directory_blocks": blocks[hb.engine_id]}))
+                                  "directory_blocks": blocks[hb.engine_id],
+                                  "holds": holds[hb.engine_id]}))
             return
-        table = Table("engine", "task queue", "model", "running", "waiting", "routed",
-                      "KV use", "KV pool", "block", "directory", "mode")
+        table = Table("engine", "model", "running", "waiting", "routed", "batch K",
+                      "KV use", "KV pool", "held", "directory", "mode")
         for hb in live:
-            table.add_row(hb.engine_id, hb.task_queue, hb.model, str(hb.running),
-                          str(hb.waiting), str(in_flight[hb.engine_id]), f"{hb.kv_usage:.0%}",
-                          f"{hb.kv_capacity_tokens:,} tok", str(hb.block_size),
-                          f"{blocks[hb.engine_id]:,} blocks",
+            table.add_row(hb.engine_id, hb.model, str(hb.running),
+                          str(hb.waiting), str(in_flight[hb.engine_id]),
+                          f"{hb.batch_active}/{hb.batch_limit}" if hb.batch_limit else "-",
+                          f"{hb.kv_usage:.0%}", f"{hb.kv_capacity_tokens:,} tok",
+                          f"{hb.held_tokens:,} tok in {holds[hb.engine_id]} holds",
+                          f"{blocks[hb.engine_id]:,} blocks of {hb.block_size}",
                           "precise (KV events)" if hb.precise else "estimated")
         console.print(table if live else "no live engines")
+
+    run(go())
+
+
+@app.command()
+def pauses() -> None:
+    """How long each tool and approval kind keeps jobs waiting (the hold/release input)."""
+
+    async def go() -> None:
+        import redis.asyncio as aioredis
+        from redis.exceptions import RedisError
+
+        from activities.pauses import PauseStats
+        from workflows.profiles import PROFILES
+
+        s = _settings()
+        r = aioredis.Redis.from_url(s.redis_url)
+        try:
+            rows = await PauseStats(r).summaries(PROFILES)
+        except RedisError as err:
+            fail(f"cannot reach Redis at {s.redis_url} ({err}); is the stack up?")
+        if not rows:
+            console.print("no pauses recorded yet")
+            return
+        table = Table("profile", "pause", "samples", "p50", "p90", "p99", "from")
+        for row in rows:
+            table.add_row(row.profile, row.kind, str(row.samples), _duration(row.p50_s),
+                          _duration(row.p90_s), _duration(row.p99_s),
+                          "profile prior" if row.from_prior else "observed")
+        console.print(table)
+
+    run(go())
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+@app.command()
+def view(job_id: str, approval_id: str = typer.Argument(None),
+         viewer: str = typer.Option("", "--as", help="Who is looking.")) -> None:
+    """Open a job's pending approvals: prints them and tells the job, which warms its
+    prefix again so the step after your decision starts from a warm cache."""
+
+    async def go() -> None:
+        from workflows.agent_job import AgentJob
+        from workflows.contracts import ApprovalViewed
+
+        handle, _ = await _handle(job_id)
+        pending = await handle.query(AgentJob.pending_approvals)
+        if not pending:
+            console.print(f"{job_id} has no pending approvals")
+            return
+        for p in pending:
+            if approval_id and p.approval_id != approval_id:
+                continue
+            console.print(f"{p.approval_id}: {p.tool} {json.dumps(p.arguments)} "
+                          f"(approvers: {', '.join(p.approvers)}; deadline "
+                          f"{p.deadline:%Y-%m-%d %H:%M:%S} UTC)")
+            await handle.signal(AgentJob.viewed, ApprovalViewed(approval_id=p.approval_id,
+                                                                viewer=viewer))
 
     run(go())
 

@@ -1,0 +1,163 @@
+"""Pause statistics (pure parts) and the engine-side hold table, with the engine and
+Redis stubbed (the real ones are in tests/integration/test_holds.py)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+from activities.holds import HoldManager, pause_kind
+from activities.pauses import bucket_mid, bucket_of, points, prior_for
+from activities.registry import EngineHeartbeat
+from workflows.holding import HoldAction, HoldConfig, PauseDistribution
+from workflows.profiles import get_profile
+
+
+def test_histogram_buckets_bracket_their_durations() -> None:
+    for s in (0.2, 3.0, 45.0, 1800.0):
+        mid = bucket_mid(bucket_of(s))
+        assert 0.7 * s < mid < 1.45 * s
+    assert bucket_of(0.0) == 0 and bucket_of(10**9) == 47
+    pts = points({bucket_of(3.0): 300, bucket_of(40.0): 100})
+    assert len(pts) == 200 and pts.count(bucket_mid(bucket_of(3.0))) == 150
+
+
+def test_what_a_call_pauses_on() -> None:
+    triage = get_profile("ticket-triage")
+    assert pause_kind(triage, "search_kb", '{"topic": "crash"}') == "tool:search_kb"
+    assert pause_kind(triage, "set_priority", '{"priority": "urgent"}') == \
+        "approval:urgent_priority"
+    assert pause_kind(triage, "finish", '{"resolution": "resolved", "priority": "low"}') is None
+    assert pause_kind(triage, "search_kb", "not json") is None
+    assert prior_for(triage, "approval:urgent_priority") == (1200.0, 3600.0)
+    assert prior_for(triage, "tool:search_kb") == (1.0, 5.0)
+
+
+class StubRedis:
+    def __init__(self) -> None:
+        self.hashes: dict[str, dict[str, Any]] = {}
+
+    def pipeline(self, transaction: bool = False) -> StubRedis:
+        return self
+
+    async def execute(self) -> list[Any]:
+        return []
+
+    def _h(self, key: str) -> dict[str, Any]:
+        return self.hashes.setdefault(key, {})
+
+    def hincrby(self, key: str, field: str, n: int) -> Any:
+        self._h(key)[field] = self._h(key).get(field, 0) + n
+        return _done()
+
+    def delete(self, key: str) -> Any:
+        self.hashes.pop(key, None)
+        return _done()
+
+    def hset(self, key: str, mapping: dict[str, str]) -> Any:
+        self._h(key).update(mapping)
+        return _done()
+
+
+class _done:
+    """Awaitable no-op: lets the stub's commands be awaited or queued on a 'pipeline'."""
+
+    def __await__(self) -> Any:
+        if False:
+            yield
+        return None
+
+
+class StubPauses:
+    def __init__(self, median: float, p90: float) -> None:
+        self.dist = PauseDistribution(prior_median_s=median, prior_p90_s=p90)
+
+    async def distribution(self, profile: Any, kind: str) -> PauseDistribution:
+        return self.dist
+
+
+class Clock:
+    t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def manager(pauses: StubPauses, touches: list[dict[str, Any]], *, kv_usage: float = 0.3,
+            capacity: int = 16384) -> tuple[HoldManager, StubRedis, Clock]:
+    def engine(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        touches.append(body)
+        n = len(body["prompt"])
+        return httpx.Response(200, json={"usage": {"prompt_tokens": n, "prompt_tokens_details":
+                                                   {"cached_tokens": n - n % 128}}})
+
+    hb = EngineHeartbeat(engine_id="e0", task_queue="engine.e0", model="tiny", url="u",
+                         healthy=True, at=0, kv_usage=kv_usage, kv_capacity_tokens=capacity,
+                         block_size=128)
+    redis, clock = StubRedis(), Clock()
+    m = HoldManager(engine_id="e0", base_url="http://engine", model="tiny",
+                    http=httpx.AsyncClient(transport=httpx.MockTransport(engine)),
+                    redis=redis, pauses=pauses, engine_info=lambda: hb,  # type: ignore[arg-type]
+                    config=HoldConfig(), clock=clock)
+    return m, redis, clock
+
+
+async def test_short_tool_pause_is_held_and_touched_until_resume() -> None:
+    touches: list[dict[str, Any]] = []
+    m, redis, clock = manager(StubPauses(2.0, 6.0), touches)
+    triage = get_profile("ticket-triage")
+    choice = await m.after_step(job_id="j1", profile=triage, kind="tool:search_kb",
+                                prefix_tokens=list(range(2048)), policy="cost_model",
+                                interactive=True)
+    assert choice is not None and choice.action == HoldAction.HOLD and choice.ttl_s > 2
+    assert m.held_tokens == 2048 and "j1" in redis.hashes["warmloop:holds:e0"]
+    await m.tick()
+    assert len(touches) == 1 and touches[0]["max_tokens"] == 1
+    assert touches[0]["prompt"] == list(range(2048))
+    assert redis.hashes["warmloop:holds:stats:e0"]["touch_computed_tokens"] == 1
+    await m.tick()  # not due yet: no second touch
+    assert len(touches) == 1
+    await m.resume("j1")
+    assert m.held_tokens == 0 and "warmloop:holds:e0" not in redis.hashes
+    assert redis.hashes["warmloop:holds:stats:e0"]["released_on_resume"] == 1
+
+
+async def test_an_approval_that_takes_an_hour_is_released() -> None:
+    m, _, _ = manager(StubPauses(1200.0, 3600.0), [])
+    choice = await m.after_step(job_id="j1", profile=get_profile("ticket-triage"),
+                                kind="approval:urgent_priority", prefix_tokens=[1] * 2048,
+                                policy="cost_model", interactive=True)
+    assert choice is not None and choice.action == HoldAction.RELEASE
+    assert m.held_tokens == 0
+
+
+async def test_baselines_and_ttl_and_the_cap() -> None:
+    m, redis, clock = manager(StubPauses(1200.0, 3600.0), [], capacity=10_000)
+    triage = get_profile("ticket-triage")
+    assert await m.after_step(job_id="j0", profile=triage, kind="tool:search_kb",
+                              prefix_tokens=[1] * 100, policy="never", interactive=True) is None
+    for i in range(3):  # always_hold ignores the cost; the 30% cap keeps the newest
+        clock.t += 1
+        await m.after_step(job_id=f"j{i}", profile=triage, kind="approval:urgent_priority",
+                           prefix_tokens=[1] * 1400, policy="always_hold", interactive=True)
+    assert sorted(m.holds) == ["j1", "j2"] and m.held_tokens == 2800
+    assert redis.hashes["warmloop:holds:stats:e0"]["released_for_room"] == 1
+    clock.t += HoldConfig().always_hold_ttl_s + 1
+    await m.tick()
+    assert not m.holds
+    assert redis.hashes["warmloop:holds:stats:e0"]["released_on_ttl"] == 2
+
+
+def test_touch_interval_follows_the_engines_churn() -> None:
+    m, _, clock = manager(StubPauses(2, 6), [], kv_usage=0.5, capacity=16384)
+    assert m.touch_interval_s() == HoldConfig().max_touch_interval_s  # no churn seen yet
+    m.observe_engine(0.0)
+    clock.t += 1
+    m.observe_engine(10_000.0)  # 10k computed tokens a second: ~3k/s after smoothing
+    fast = m.touch_interval_s()
+    assert HoldConfig().min_touch_interval_s <= fast < 5
+    m.observe_engine(10_000.0, now=clock.t + 10)  # quiet for 10 s
+    assert m.touch_interval_s() > fast
