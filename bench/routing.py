@@ -42,7 +42,7 @@ from workers.clients import build_s3, connect
 from workers.settings import Settings
 from workflows.agent_job import AgentJob
 from workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult, engine_task_queue
-from workflows.profiles.synthetic import SYNTHETIC_PROFILES, WORDS
+from workflows.profiles.synthetic import SYNTHETIC_DOMAINS, WORDS
 
 POLICIES = ("warmloop", "round_robin", "least_loaded", "peer")
 PEER_ENGINE = "peer"
@@ -79,7 +79,7 @@ def workload(seed: int, n_jobs: int, mean_gap_s: float) -> list[JobSpec]:
     """Interleaved jobs over the synthetic profiles; the first profile is hot (half of
     the jobs), the rest share the other half."""
     rng = random.Random(seed)
-    hot, *others = [p.name for p in SYNTHETIC_PROFILES]
+    hot, *others = [f"synthetic-{d}" for d in SYNTHETIC_DOMAINS]
     specs, t = [], 0.0
     for i in range(n_jobs):
         profile = hot if rng.random() < 0.5 else rng.choice(others)

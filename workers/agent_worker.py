@@ -38,7 +38,7 @@ async def run_agent_worker(settings: Settings) -> None:
     routing = RoutingActivities(registry, redis, config=settings.routing)
     tools = ToolActivities(
         [TicketTriageTools.bundled(), InvoiceReconciliationTools.bundled(),
-         *(SyntheticTools(p.name) for p in SYNTHETIC_PROFILES)],
+         *(SyntheticTools(p.name, settings.synthetic_pauses) for p in SYNTHETIC_PROFILES)],
         EffectLedger(redis), s3=s3, bucket=settings.s3_bucket, pauses=PauseStats(redis),
     )
     pauses = PauseActivities(PauseStats(redis))

@@ -12,6 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from workflows.holding import HoldConfig
 from workflows.lanes import AdmissionConfig
 from workflows.routing import RoutingConfig
+from workflows.synthetic_pauses import SyntheticPauses
 
 KV_EVENTS_TOPIC = "kv-events"
 
@@ -76,6 +77,8 @@ class Settings(BaseSettings):
     hit rate from it); off in production, it grows without bound."""
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     """Weights of the routing score, e.g. WARMLOOP_ROUTING='{"max_load": 4}'."""
+    synthetic_pauses: SyntheticPauses = Field(default_factory=SyntheticPauses)
+    """Pauses of the synthetic benchmark tools (bench-routing: short; bench-pauses: long)."""
     holding: HoldConfig = Field(default_factory=HoldConfig)
     """Prices and limits of holding paused jobs' prefixes, e.g. WARMLOOP_HOLDING='{...}'."""
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)

@@ -15,28 +15,29 @@ import random
 from activities.tools.base import ToolOutcome, Toolset
 from workflows.contracts import ToolRequest, ToolResult
 from workflows.profiles.synthetic import WORDS
+from workflows.synthetic_pauses import SyntheticPauses
 
 
 class SyntheticTools(Toolset):
-    def __init__(self, profile: str, *, pause_median_s: float = 0.4,
-                 pause_sigma: float = 0.6, pause_max_s: float = 3.0) -> None:
+    def __init__(self, profile: str, pauses: SyntheticPauses | None = None) -> None:
         self.profile = profile
-        self._median = pause_median_s
-        self._sigma = pause_sigma
-        self._max = pause_max_s
+        self._p = pauses or SyntheticPauses()
 
     def _rng(self, req: ToolRequest) -> random.Random:
         return random.Random(f"{req.profile}/{req.task_id}/{req.step}/{req.name}")
 
     def pause_s(self, req: ToolRequest) -> float:
-        rng = self._rng(req)
-        return min(self._max, self._median * math.exp(self._sigma * rng.gauss(0.0, 1.0)))
+        p, rng = self._p, self._rng(req)
+        pause = p.median_s * math.exp(p.sigma * rng.gauss(0.0, 1.0))
+        if rng.random() < p.long_share:
+            pause = rng.uniform(p.long_min_s, p.long_max_s)
+        return min(p.max_s, pause)
 
     def run(self, req: ToolRequest) -> ToolOutcome:
         if req.name == "close":
             return ToolOutcome(ToolResult(ok=True, output="closed"))
         rng = self._rng(req)
-        rng.random()  # the first draw is the pause's
+        rng.random(), rng.random(), rng.random()  # the pause's draws
         words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(40, 70)))
         return ToolOutcome(ToolResult(ok=True, output=f"record {req.arguments['key']}: {words}"))
 

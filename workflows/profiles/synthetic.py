@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from workflows.budgets import JobLimits, OutputBudgets
-from workflows.profiles.base import Profile, ToolSpec
+from workflows.profiles.base import ApprovalRule, Profile, ToolSpec
 
 SYNTHETIC_DOMAINS = ("support", "billing", "legal", "logistics")
 LOOKUP_KEYS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")
@@ -74,7 +74,14 @@ class CloseArgs(BaseModel):
     outcome: Literal["done", "escalated"]
 
 
-def synthetic_profile(domain: str) -> Profile:
+REVIEW_APPROVAL = ApprovalRule(
+    kind="hotel_lookup", tool="lookup", field="key", op="eq", value="hotel",
+    approvers=("reviewer",), deadline_s=3600, pause_median_s=120, pause_p90_s=600,
+)
+"""The review profile's human step: looking up the "hotel" record needs a reviewer."""
+
+
+def synthetic_profile(domain: str, *, approvals: tuple[ApprovalRule, ...] = ()) -> Profile:
     return Profile(
         name=f"synthetic-{domain}",
         system_prompt=system_prompt(domain),
@@ -84,9 +91,14 @@ def synthetic_profile(domain: str) -> Profile:
             ToolSpec("lookup", f"Look up a {domain} record by key.", LookupArgs),
             ToolSpec("close", "Close the case with an outcome.", CloseArgs, finishes_job=True),
         ),
+        approvals=approvals,
         limits=JobLimits(max_steps=10, max_tool_calls={"lookup": 50}),
         budgets=OutputBudgets(plan=48, execute=48, reflect=48),
     )
 
 
-SYNTHETIC_PROFILES = tuple(synthetic_profile(d) for d in SYNTHETIC_DOMAINS)
+SYNTHETIC_PROFILES = (
+    *(synthetic_profile(d) for d in SYNTHETIC_DOMAINS),
+    # Not in the routing workload: its jobs wait for humans (bench-pauses approves them).
+    synthetic_profile("review", approvals=(REVIEW_APPROVAL,)),
+)

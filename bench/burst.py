@@ -1,0 +1,259 @@
+"""`make bench-burst`: a nightly-style burst of ticket and invoice jobs, naive vs the
+batch lane, while a trickle of interactive jobs runs.
+
+(a) naive: every job started at once as an ordinary job, round-robin per step, no lanes;
+(b) warmloop: two ``BatchRun``s (tickets, invoices) in the batch lane: cache-aware
+    routing that packs the burst by profile, lower vLLM and Temporal priority, and each
+    engine admitting at most K batch steps (K adapted to interactive TTFT).
+
+Interactive TTFT p95 is measured idle, during (a) and during (b). Prefill tokens come
+from the engines' own counters. The bench runs its own stack with small KV pools; the
+last line of output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import redis.asyncio as aioredis
+from rich.console import Console
+from rich.table import Table
+from temporalio.client import Client
+
+from bench.common import (
+    bench_settings,
+    delta,
+    engine_counters,
+    pct,
+    prefill_computed,
+    reset_caches,
+)
+from bench.demo import bundled_tasks
+from infra.stack import Stack
+from workers.clients import build_s3, connect
+from workflows.agent_job import AgentJob
+from workflows.batch_run import BatchInput, BatchResult, BatchRun
+from workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult, Lane
+from workflows.lanes import AdmissionConfig
+
+# Tools that never wait for a human (urgent priorities and large payments do).
+TOOLS = {"ticket-triage": ["lookup_customer", "search_kb", "draft_reply", "finish"],
+         "invoice-reconciliation": ["fetch_invoice", "fetch_purchase_order", "compare_lines",
+                                    "flag_discrepancy", "finish"]}
+
+
+@dataclass
+class Phase:
+    name: str
+    interactive_ttfts: list[float]
+    prefill_tokens: int
+    batch_prefill_tokens: int
+    makespan_s: float
+    batch_states: dict[str, int]
+    interactive_jobs: int
+
+
+async def trickle(client: Client, stop: asyncio.Event, tag: str, gap_s: float,
+                  max_steps: int) -> list[JobResult]:
+    """Interactive ticket jobs, one every ``gap_s``, until ``stop``."""
+    tickets = bundled_tasks("ticket-triage")
+    running: list[asyncio.Task[JobResult]] = []
+    i = 0
+    while not stop.is_set():
+        job = JobInput(profile="ticket-triage", task=tickets[i % len(tickets)],
+                       max_steps=max_steps, tools=TOOLS["ticket-triage"])
+        running.append(asyncio.ensure_future(client.execute_workflow(
+            AgentJob.run, job, id=f"burst-{tag}-i{i:03d}", task_queue=AGENT_TASK_QUEUE)))
+        i += 1
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=gap_s)
+    return list(await asyncio.gather(*running))
+
+
+def ttfts(results: list[JobResult]) -> list[float]:
+    return [s.ttft_ms for r in results for s in r.steps]
+
+
+def states(results: list[JobResult]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in results:
+        out[r.state.value] = out.get(r.state.value, 0) + 1
+    return out
+
+
+async def naive_burst(client: Client, tasks: list[tuple[str, dict[str, Any]]], tag: str,
+                      max_steps: int) -> list[JobResult]:
+    """Everything at once, as ordinary interactive jobs, round-robin per step."""
+    return list(await asyncio.gather(*(
+        client.execute_workflow(
+            AgentJob.run,
+            JobInput(profile=p, task=t, max_steps=max_steps, tools=TOOLS[p],
+                     routing="round_robin", lane=Lane.INTERACTIVE, hold_policy="never"),
+            id=f"burst-{tag}-n{i:03d}", task_queue=AGENT_TASK_QUEUE)
+        for i, (p, t) in enumerate(tasks))))
+
+
+async def lane_burst(client: Client, s3: Any, bucket: str, tasks: list[tuple[str, dict[str, Any]]],
+                     tag: str, max_steps: int) -> list[BatchResult]:
+    """One BatchRun per profile in the batch lane, every record released at once."""
+    runs = []
+    for profile in TOOLS:
+        lines = [json.dumps(t) for p, t in tasks if p == profile]
+        key = f"bench/{tag}/{profile}.jsonl"
+        await asyncio.to_thread(s3.put_object, Bucket=bucket, Key=key,
+                                Body=("\n".join(lines) + "\n").encode())
+        inp = BatchInput(profile=profile, source=f"s3://{bucket}/{key}", window=len(lines),
+                         max_window=len(lines), page_size=len(lines), max_steps=max_steps,
+                         tools=TOOLS[profile])
+        runs.append(client.execute_workflow(BatchRun.run, inp, id=f"burst-{tag}-b-{profile}",
+                                            task_queue=AGENT_TASK_QUEUE))
+    return list(await asyncio.gather(*runs))
+
+
+async def batch_job_results(client: Client, batches: list[BatchResult]) -> list[JobResult]:
+    """The child jobs' results (for their prefill and end states)."""
+    out = []
+    for b in batches:
+        async for w in client.list_workflows(f"WorkflowId STARTS_WITH '{b.batch_id}-L'"):
+            h = client.get_workflow_handle(w.id, result_type=JobResult)
+            out.append(await h.result())
+    return out
+
+
+async def phase(name: str, client: Client, http: httpx.AsyncClient, urls: list[str],
+                redis: aioredis.Redis, engine_ids: list[str], args: argparse.Namespace,
+                burst: Any) -> Phase:
+    await reset_caches(http, urls, redis, engine_ids)
+    before = await engine_counters(http, urls)
+    stop = asyncio.Event()
+    tag = f"{name}-{uuid.uuid4().hex[:6]}"
+    interactive = asyncio.ensure_future(trickle(client, stop, tag, args.trickle_gap_s,
+                                                args.interactive_steps))
+    t0 = time.monotonic()
+    if burst is None:
+        await asyncio.sleep(args.idle_s)  # the idle phase: only the trickle runs
+        batch: list[JobResult] = []
+    else:
+        batch = await burst(tag)
+    makespan = time.monotonic() - t0
+    stop.set()
+    inter = await interactive
+    d = delta(await engine_counters(http, urls), before)
+    return Phase(name=name, interactive_ttfts=ttfts(inter), prefill_tokens=prefill_computed(d),
+                 batch_prefill_tokens=sum(s.prompt_tokens - s.cached_tokens
+                                          for r in batch for s in r.steps),
+                 makespan_s=makespan if burst else 0.0, batch_states=states(batch),
+                 interactive_jobs=len(inter))
+
+
+async def main_async(args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    settings = bench_settings(
+        "burst", offset=10, engines=2, kv_cache_bytes=args.kv_cache_bytes,
+        admission=AdmissionConfig(interactive_ttft_target_ms=args.ttft_target_ms,
+                                  k_start=args.k_start, k_max=args.k_max))
+    stack = Stack(settings, log=lambda m: console.print(f"  {m}", highlight=False))
+    console.print("starting the bench stack (2 engines, KV pool "
+                  f"{args.kv_cache_bytes // 2048:,} tokens each) ...")
+    await asyncio.to_thread(stack.up)
+    urls = [e.url.rstrip("/") for e in settings.engine_endpoints]
+    engine_ids = [e.id for e in settings.engine_endpoints]
+    client = await connect(settings)
+    redis = aioredis.Redis.from_url(settings.redis_url)
+    s3 = build_s3(settings)
+    pool = {p: bundled_tasks(p) for p in TOOLS}
+    half = args.jobs // 2
+    tasks = [("ticket-triage", pool["ticket-triage"][i % len(pool["ticket-triage"])])
+             for i in range(half)] + \
+        [("invoice-reconciliation", pool["invoice-reconciliation"][i % 20])
+         for i in range(args.jobs - half)]
+
+    async def naive(tag: str) -> list[JobResult]:
+        return await naive_burst(client, tasks, tag, args.max_steps)
+
+    async def lanes(tag: str) -> list[JobResult]:
+        batches = await lane_burst(client, s3, settings.s3_bucket, tasks, tag, args.max_steps)
+        return await batch_job_results(client, batches)
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=5.0)) as http:
+        try:
+            phases = {}
+            for name, burst in (("idle", None), ("naive", naive), ("lanes", lanes)):
+                console.print(f"phase {name} ...")
+                phases[name] = p = await phase(name, client, http, urls, redis, engine_ids,
+                                               args, burst)
+                console.print(f"  interactive TTFT p50/p95 {pct(p.interactive_ttfts, .5):.0f}/"
+                              f"{pct(p.interactive_ttfts, .95):.0f} ms over "
+                              f"{len(p.interactive_ttfts)} steps; prefill {p.prefill_tokens:,};"
+                              f" makespan {p.makespan_s:.1f}s; {p.batch_states}")
+        finally:
+            await redis.aclose()
+    if not args.keep_stack:
+        await asyncio.to_thread(stack.down)
+    return summarize(phases, console)
+
+
+def summarize(ph: dict[str, Phase], console: Console) -> dict[str, Any]:
+    naive, lanes = ph["naive"], ph["lanes"]
+    p95 = {k: pct(v.interactive_ttfts, .95) for k, v in ph.items()}
+    table = Table(title="bench-burst: 2 engines, engines' own counters")
+    for c in ("figure", "naive (no lanes, round-robin)", "warmloop batch lane", "ratio"):
+        table.add_column(c, justify="right")
+    table.add_row("prefill tokens computed (all traffic)", f"{naive.prefill_tokens:,}",
+                  f"{lanes.prefill_tokens:,}",
+                  f"{lanes.prefill_tokens / max(1, naive.prefill_tokens):.2f}x (target <= 0.80)")
+    table.add_row("prefill tokens of the burst's jobs", f"{naive.batch_prefill_tokens:,}",
+                  f"{lanes.batch_prefill_tokens:,}",
+                  f"{lanes.batch_prefill_tokens / max(1, naive.batch_prefill_tokens):.2f}x")
+    table.add_row("burst makespan", f"{naive.makespan_s:.1f}s", f"{lanes.makespan_s:.1f}s",
+                  f"{lanes.makespan_s / max(1e-9, naive.makespan_s):.2f}x (target <= 1.10)")
+    table.add_row("interactive TTFT p95", f"{p95['naive']:.0f} ms", f"{p95['lanes']:.0f} ms",
+                  f"idle {p95['idle']:.0f} ms; lanes {p95['lanes'] / max(1e-9, p95['idle']):.2f}x"
+                  f" idle (target <= 2), no lanes {p95['naive'] / max(1e-9, p95['idle']):.2f}x")
+    table.add_row("burst jobs' end states", str(naive.batch_states), str(lanes.batch_states), "")
+    console.print(table)
+    return {
+        "naive_prefill_tokens": naive.prefill_tokens,
+        "warmloop_prefill_tokens": lanes.prefill_tokens,
+        "naive_burst_job_prefill_tokens": naive.batch_prefill_tokens,
+        "warmloop_burst_job_prefill_tokens": lanes.batch_prefill_tokens,
+        "naive_makespan_s": round(naive.makespan_s, 2),
+        "warmloop_makespan_s": round(lanes.makespan_s, 2),
+        "interactive_ttft_p95_idle_ms": round(p95["idle"], 1),
+        "interactive_ttft_p95_burst_lanes_ms": round(p95["lanes"], 1),
+        "interactive_ttft_p95_burst_nolanes_ms": round(p95["naive"], 1),
+        "interactive_ttft_p50_ms": {k: round(pct(v.interactive_ttfts, .5), 1)
+                                    for k, v in ph.items()},
+        "interactive_steps": {k: len(v.interactive_ttfts) for k, v in ph.items()},
+        "burst_states": {"naive": naive.batch_states, "warmloop": lanes.batch_states},
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--jobs", type=int, default=100)
+    p.add_argument("--max-steps", type=int, default=5)
+    p.add_argument("--interactive-steps", type=int, default=3)
+    p.add_argument("--trickle-gap-s", type=float, default=2.0)
+    p.add_argument("--idle-s", type=float, default=40.0)
+    p.add_argument("--kv-cache-bytes", type=int, default=48 * 1024 * 1024)
+    p.add_argument("--ttft-target-ms", type=float, default=600.0)
+    p.add_argument("--k-start", type=int, default=4)
+    p.add_argument("--k-max", type=int, default=16)
+    p.add_argument("--keep-stack", action="store_true")
+    args = p.parse_args(argv)
+    console = Console(stderr=True)
+    out = asyncio.run(main_async(args, console))
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""What the benchmarks share: a stack of their own, the engines' counters, percentiles."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis.asyncio as aioredis
+
+from activities.directory import PrefixDirectory
+from activities.registry import parse_vllm_metrics
+from workers.settings import Settings
+
+COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+            "vllm:prompt_tokens_total", "vllm:request_prefill_kv_computed_tokens_sum",
+            "vllm:generation_tokens_total")
+
+
+def bench_settings(name: str, *, offset: int, engines: int, kv_cache_bytes: int,
+                   **extra: Any) -> Settings:
+    """A stack apart from `warmloop dev up`'s: its own state dir and ports (``offset``
+    keeps two benches apart), small KV pools, prompt chains traced for the oracle."""
+    return Settings(
+        state_dir=Path(f".warmloop/bench-{name}"),
+        temporal_address=f"127.0.0.1:{7300 + offset}", temporal_ui_port=7350 + offset,
+        redis_url=f"redis://127.0.0.1:{6400 + offset}/0",
+        s3_endpoint_url=f"http://127.0.0.1:{9020 + offset}", engine_count=engines,
+        engine_base_port=8200 + offset * 10, engine_kv_events_base_port=5600 + offset * 10,
+        engine_kv_cache_bytes=kv_cache_bytes, engine_max_model_len=8192,
+        agent_metrics_port=None, inference_metrics_base_port=None,
+        trace_prompt_chains=True, log_format="json", **extra,
+    )
+
+
+async def engine_counters(http: httpx.AsyncClient, urls: list[str]) -> dict[str, float]:
+    """The engines' own counters, summed over the fleet."""
+    total: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
+    for u in urls:
+        m = parse_vllm_metrics((await http.get(f"{u}/metrics")).text)
+        for k in COUNTERS:
+            total[k] += m.get(k, 0.0)
+    return total
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in after}
+
+
+def prefill_computed(d: dict[str, float]) -> int:
+    """Prompt tokens the engines computed (not served from their caches)."""
+    return int(d["vllm:prefix_cache_queries_total"] - d["vllm:prefix_cache_hits_total"])
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+async def reset_caches(http: httpx.AsyncClient, urls: list[str], redis: aioredis.Redis,
+                       engine_ids: list[str]) -> None:
+    """Cold caches (vLLM's POST /reset_prefix_cache, VLLM_SERVER_DEV_MODE=1) and a
+    directory that knows it."""
+    for u in urls:
+        r = await http.post(f"{u}/reset_prefix_cache")
+        r.raise_for_status()
+    directory = PrefixDirectory(redis)
+    # The engines' AllBlocksCleared events empty the directory; wait for it to show.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if all([await directory.engine_blocks(e) == 0 for e in engine_ids]):
+            break
+        await asyncio.sleep(0.1)
+    for e in engine_ids:
+        await directory.clear_engine(e)
+    await redis.delete("warmloop:dir:trace", "warmloop:route:rr")
