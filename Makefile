@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint down status clean bench-routing
+.PHONY: install demo test test-fast lint down status clean bench-routing bench-burst bench-pauses
 
 install: $(INSTALLED)
 
@@ -38,6 +38,14 @@ lint: install
 ## Routing benchmark: warmloop vs round-robin, least-loaded and sglang-router (own stack).
 bench-routing: install $(VENV)/.bench-installed
 	$(BIN)/python -m bench.routing
+
+## Batch lane: a 100-job burst, naive vs lanes, with interactive jobs alongside (own stack).
+bench-burst: install
+	$(BIN)/python -m bench.burst
+
+## Hold or release: always-release vs always-hold vs the cost model under churn (own stack).
+bench-pauses: install
+	$(BIN)/python -m bench.pauses
 
 $(VENV)/.bench-installed: $(INSTALLED)
 	$(BIN)/python -m pip install -q -e ".[bench]"

@@ -35,8 +35,14 @@ from temporalio.worker import Worker
 
 from activities.directory import PrefixDirectory
 from activities.inference import InferenceActivities
-from activities.registry import parse_vllm_metrics
 from activities.transcripts import TranscriptStore
+from bench.common import (
+    COUNTERS,
+    bench_settings,
+    engine_counters,
+    pct,
+    reset_caches,
+)
 from infra.stack import Stack
 from workers.clients import build_s3, connect
 from workers.settings import Settings
@@ -46,21 +52,10 @@ from workflows.profiles.synthetic import SYNTHETIC_DOMAINS, WORDS
 
 POLICIES = ("warmloop", "round_robin", "least_loaded", "peer")
 PEER_ENGINE = "peer"
-COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-            "vllm:prompt_tokens_total", "vllm:request_prefill_kv_computed_tokens_sum")
 
 
-def bench_settings(*, engines: int, kv_cache_bytes: int) -> Settings:
-    """A stack of its own: other ports and state dir than the dev stack's."""
-    return Settings(
-        state_dir=Path(".warmloop/bench-routing"), temporal_address="127.0.0.1:7300",
-        temporal_ui_port=8300, redis_url="redis://127.0.0.1:6400/0",
-        s3_endpoint_url="http://127.0.0.1:9020", engine_count=engines,
-        engine_base_port=8200, engine_kv_events_base_port=5600,
-        engine_kv_cache_bytes=kv_cache_bytes, engine_max_model_len=8192,
-        agent_metrics_port=None, inference_metrics_base_port=None,
-        trace_prompt_chains=True, log_format="json",
-    )
+def routing_settings(*, engines: int, kv_cache_bytes: int) -> Settings:
+    return bench_settings("routing", offset=0, engines=engines, kv_cache_bytes=kv_cache_bytes)
 
 
 # ---- the workload --------------------------------------------------------------------
@@ -93,22 +88,6 @@ def workload(seed: int, n_jobs: int, mean_gap_s: float) -> list[JobSpec]:
 # ---- measuring ------------------------------------------------------------------------
 
 
-async def engine_counters(http: httpx.AsyncClient, urls: list[str]) -> dict[str, float]:
-    total: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
-    for u in urls:
-        m = parse_vllm_metrics((await http.get(f"{u}/metrics")).text)
-        for k in COUNTERS:
-            total[k] += m.get(k, 0.0)
-    return total
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
-
-
 @dataclass
 class PolicyRun:
     policy: str
@@ -131,23 +110,6 @@ def oracle_hit_rate(trace: list[dict[str, Any]], block_size: int) -> float:
     unique = {h for t in trace for h in t["hashes"]}
     partial = sum(t["tokens"] - len(t["hashes"]) * block_size for t in trace)
     return 1 - (len(unique) * block_size + partial) / total if total else 0.0
-
-
-async def reset_caches(http: httpx.AsyncClient, urls: list[str], redis: aioredis.Redis,
-                       engine_ids: list[str]) -> None:
-    for u in urls:
-        r = await http.post(f"{u}/reset_prefix_cache")
-        r.raise_for_status()
-    directory = PrefixDirectory(redis)
-    # The engines' AllBlocksCleared events empty the directory; wait for it to show.
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if all([await directory.engine_blocks(e) == 0 for e in engine_ids]):
-            break
-        await asyncio.sleep(0.1)
-    for e in engine_ids:
-        await directory.clear_engine(e)
-    await redis.delete("warmloop:dir:trace", "warmloop:route:rr")
 
 
 async def run_policy(client: Client, policy: str, specs: list[JobSpec], run_tag: str,
@@ -257,7 +219,7 @@ async def direct_dispatch_ms(http: httpx.AsyncClient, url: str, n: int = 20) -> 
 
 
 async def main_async(args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    settings = bench_settings(engines=args.engines, kv_cache_bytes=args.kv_cache_bytes)
+    settings = routing_settings(engines=args.engines, kv_cache_bytes=args.kv_cache_bytes)
     stack = Stack(settings, log=lambda m: console.print(f"  {m}", highlight=False))
     console.print(f"starting the bench stack ({args.engines} engines, KV pool "
                   f"{args.kv_cache_bytes // 2048:,} tokens each) ...")

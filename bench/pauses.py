@@ -1,0 +1,271 @@
+"""`make bench-pauses`: hold or release a paused job's prefix, under background churn.
+
+Agent jobs whose tools pause (lognormal, median ~3 s, some 20-60 s) and jobs that wait
+for a (time-compressed) human approval run on engines with small KV pools, while
+background traffic with fresh prompts churns the pools. The same workload runs under
+always-release (vLLM's default LRU), always-hold, and warmloop's cost model. Figures
+come from the engines' own usage (cached tokens per step), the touch requests' usage
+and the background traffic's own TTFT. The last line of output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import redis.asyncio as aioredis
+from rich.console import Console
+from rich.table import Table
+from temporalio.client import Client, WorkflowHandle
+from temporalio.service import RPCError
+
+from activities.holds import hold_stats
+from bench.common import bench_settings, pct, reset_caches
+from infra.stack import Stack
+from workers.approvals import decide
+from workers.clients import connect
+from workflows.agent_job import AgentJob
+from workflows.contracts import AGENT_TASK_QUEUE, ApprovalViewed, Decision, JobInput, JobResult
+from workflows.holding import HoldPolicy
+from workflows.profiles.synthetic import WORDS
+from workflows.synthetic_pauses import SyntheticPauses
+
+POLICIES: dict[str, HoldPolicy] = {"release": "never", "hold": "always_hold",
+                                   "warmloop": "cost_model"}
+
+
+@dataclass
+class PolicyRun:
+    policy: str
+    post_pause_prompt: int = 0
+    post_pause_cached: int = 0
+    touch_tokens: int = 0
+    touches: int = 0
+    completion: list[float] = field(default_factory=list)
+    other_ttft_ms: list[float] = field(default_factory=list)
+    states: dict[str, int] = field(default_factory=dict)
+    approvals: int = 0
+
+    @property
+    def recomputed(self) -> int:
+        return self.post_pause_prompt - self.post_pause_cached
+
+
+async def background(http: httpx.AsyncClient, urls: list[str], stop: asyncio.Event,
+                     rate_per_s: float, prompt_words: int, ttfts: list[float],
+                     seed: int) -> None:
+    """Other traffic: fresh prompts (nothing to reuse) at a steady rate per engine,
+    each measuring its own TTFT."""
+    rng = random.Random(seed)
+
+    async def one(url: str, text: str) -> None:
+        t = time.perf_counter()
+        body = {"model": "tiny", "max_tokens": 4, "stream": True, "priority": 0,
+                "messages": [{"role": "user", "content": text}]}
+        with contextlib.suppress(httpx.HTTPError):
+            async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and '"content"' in line:
+                        ttfts.append((time.perf_counter() - t) * 1000)
+                        break
+
+    tasks: list[asyncio.Task[None]] = []
+    while not stop.is_set():
+        for url in urls:
+            text = f"{uuid.uuid4()} " + " ".join(rng.choice(WORDS) for _ in range(prompt_words))
+            tasks.append(asyncio.ensure_future(one(url, text)))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=1.0 / rate_per_s)
+    await asyncio.gather(*tasks)
+
+
+async def approver(client: Client, handles: list[WorkflowHandle[Any, Any]], done: asyncio.Event,
+                   delay_s: tuple[float, float], seed: int) -> int:
+    """A time-compressed human: opens each pending approval half-way, decides at the end."""
+    rng = random.Random(seed)
+    seen: dict[str, float] = {}
+    viewed: set[str] = set()
+    decided = 0
+    while not done.is_set():
+        for h in handles:
+            try:
+                pending = await h.query(AgentJob.pending_approvals)
+            except RPCError:
+                continue
+            for p in pending:
+                key = f"{h.id}/{p.approval_id}"
+                now = time.monotonic()
+                due = seen.setdefault(key, now + rng.uniform(*delay_s))
+                if now >= due - delay_s[0] / 2 and key not in viewed:
+                    viewed.add(key)
+                    with contextlib.suppress(RPCError):
+                        await h.signal(AgentJob.viewed, ApprovalViewed(
+                            approval_id=p.approval_id, viewer="reviewer"))
+                if now >= due:
+                    with contextlib.suppress(Exception):
+                        await decide(client, h.id, Decision(approval_id=p.approval_id,
+                                                            approve=True, approver="reviewer"))
+                        decided += 1
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(done.wait(), timeout=0.5)
+    return decided
+
+
+async def run_policy(name: str, policy: HoldPolicy, client: Client, http: httpx.AsyncClient,
+                     urls: list[str], redis: aioredis.Redis, engine_ids: list[str],
+                     args: argparse.Namespace) -> PolicyRun:
+    await reset_caches(http, urls, redis, engine_ids)
+    before = {e: await hold_stats(redis, e) for e in engine_ids}
+    out = PolicyRun(policy=name)
+    stop_bg, done = asyncio.Event(), asyncio.Event()
+    bg = asyncio.ensure_future(background(http, urls, stop_bg, args.bg_rate, args.bg_words,
+                                          out.other_ttft_ms, args.seed))
+    rng = random.Random(args.seed)
+    tag = f"{name}-{uuid.uuid4().hex[:6]}"
+    handles: list[WorkflowHandle[Any, JobResult]] = []
+    for i in range(args.jobs):
+        review = i % args.review_every == 0
+        profile = "synthetic-review" if review else "synthetic-support"
+        text = " ".join(rng.choice(WORDS) for _ in range(40))
+        job = JobInput(profile=profile, task={"case_id": f"S{i:04d}", "text": text},
+                       max_steps=args.steps, tools=["lookup"], hold_policy=policy)
+        handles.append(await client.start_workflow(
+            AgentJob.run, job, id=f"pauses-{tag}-{i:03d}", task_queue=AGENT_TASK_QUEUE))
+        await asyncio.sleep(args.gap_s)
+    human = asyncio.ensure_future(approver(client, handles, done,
+                                           (args.approval_min_s, args.approval_max_s),
+                                           args.seed))
+    results = []
+    for h in handles:
+        results.append(await h.result())
+    done.set()
+    out.approvals = await human
+    stop_bg.set()
+    await bg
+    for r in results:
+        out.states[r.state.value] = out.states.get(r.state.value, 0) + 1
+        post = [s for s in r.steps if s.step > 1]
+        out.post_pause_prompt += sum(s.prompt_tokens for s in post)
+        out.post_pause_cached += sum(s.cached_tokens for s in post)
+    for h in handles:
+        desc = await h.describe()
+        if desc.close_time and desc.start_time:
+            out.completion.append((desc.close_time - desc.start_time).total_seconds())
+    after = {e: await hold_stats(redis, e) for e in engine_ids}
+    for e in engine_ids:
+        out.touch_tokens += after[e].get("touch_computed_tokens", 0) - \
+            before[e].get("touch_computed_tokens", 0)
+        out.touches += after[e].get("touches", 0) - before[e].get("touches", 0)
+    return out
+
+
+async def main_async(args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    settings = bench_settings(
+        "pauses", offset=20, engines=2, kv_cache_bytes=args.kv_cache_bytes,
+        synthetic_pauses=SyntheticPauses(median_s=args.pause_median_s, sigma=0.5,
+                                         long_share=args.long_share, long_min_s=20,
+                                         long_max_s=60, max_s=60))
+    stack = Stack(settings, log=lambda m: console.print(f"  {m}", highlight=False))
+    console.print(f"starting the bench stack (2 engines, KV pool "
+                  f"{args.kv_cache_bytes // 2048:,} tokens each) ...")
+    await asyncio.to_thread(stack.up)
+    urls = [e.url.rstrip("/") for e in settings.engine_endpoints]
+    engine_ids = [e.id for e in settings.engine_endpoints]
+    client = await connect(settings)
+    redis = aioredis.Redis.from_url(settings.redis_url)
+    runs: dict[str, PolicyRun] = {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=5.0),
+                                 limits=httpx.Limits(max_connections=200)) as http:
+        try:
+            for name in args.policies:
+                console.print(f"policy {name}: {args.jobs} jobs ...")
+                r = runs[name] = await run_policy(name, POLICIES[name], client, http, urls,
+                                                  redis, engine_ids, args)
+                console.print(f"  post-pause prefill recomputed {r.recomputed:,} of "
+                              f"{r.post_pause_prompt:,}; touch tokens {r.touch_tokens:,} "
+                              f"({r.touches} touches); completion p50 "
+                              f"{pct(r.completion, .5):.1f}s; other TTFT p95 "
+                              f"{pct(r.other_ttft_ms, .95):.0f} ms; {r.states}")
+        finally:
+            await redis.aclose()
+    if not args.keep_stack:
+        await asyncio.to_thread(stack.down)
+    return summarize(runs, console)
+
+
+def summarize(runs: dict[str, PolicyRun], console: Console) -> dict[str, Any]:
+    table = Table(title="bench-pauses: post-pause steps, engines' own usage")
+    for c in ("policy", "prefill recomputed", "cached on resume", "touch tokens",
+              "job p50 s", "job p95 s", "other TTFT p95 ms", "end states"):
+        table.add_column(c, justify="right")
+    for name, r in runs.items():
+        table.add_row(name, f"{r.recomputed:,}", f"{r.post_pause_cached:,}",
+                      f"{r.touch_tokens:,}", f"{pct(r.completion, .5):.1f}",
+                      f"{pct(r.completion, .95):.1f}", f"{pct(r.other_ttft_ms, .95):.0f}",
+                      ", ".join(f"{k} {v}" for k, v in sorted(r.states.items())))
+    console.print(table)
+    rel, wl = runs.get("release"), runs.get("warmloop")
+    if rel and wl:
+        saved = rel.recomputed - wl.recomputed
+        console.print(
+            f"targets: warmloop recomputes {1 - wl.recomputed / max(1, rel.recomputed):.0%} "
+            f"fewer post-pause prefill tokens than always-release (target >= 50%); touches "
+            f"cost {wl.touch_tokens / max(1, saved):.1%} of the tokens they saved (target < 5%);"
+            f" other traffic's TTFT p95 {pct(wl.other_ttft_ms, .95) / max(1e-9, pct(rel.other_ttft_ms, .95)):.2f}x "  # noqa: E501
+            "always-release's (target <= 1.2)")
+
+    def per(f: Any) -> dict[str, Any]:
+        return {k: f(v) for k, v in runs.items()}
+
+    return {
+        "release_prefill_tokens": rel.recomputed if rel else None,
+        "hold_prefill_tokens": runs["hold"].recomputed if "hold" in runs else None,
+        "warmloop_prefill_tokens": wl.recomputed if wl else None,
+        "touch_tokens": per(lambda r: r.touch_tokens),
+        "touches": per(lambda r: r.touches),
+        "post_pause_prompt_tokens": per(lambda r: r.post_pause_prompt),
+        "completion_p50_s": per(lambda r: round(pct(r.completion, .5), 2)),
+        "completion_p95_s": per(lambda r: round(pct(r.completion, .95), 2)),
+        "other_ttft_p95_ms": per(lambda r: round(pct(r.other_ttft_ms, .95), 1)),
+        "other_requests": per(lambda r: len(r.other_ttft_ms)),
+        "approvals": per(lambda r: r.approvals),
+        "states": per(lambda r: r.states),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--jobs", type=int, default=16)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--review-every", type=int, default=4,
+                   help="every Nth job is a review job (its 'hotel' lookups need approval)")
+    p.add_argument("--gap-s", type=float, default=1.5, help="between job starts")
+    p.add_argument("--pause-median-s", type=float, default=3.0)
+    p.add_argument("--long-share", type=float, default=0.1,
+                   help="share of tool pauses of 20-60 s")
+    p.add_argument("--approval-min-s", type=float, default=20.0)
+    p.add_argument("--approval-max-s", type=float, default=40.0)
+    p.add_argument("--bg-rate", type=float, default=1.0,
+                   help="background requests per second per engine")
+    p.add_argument("--bg-words", type=int, default=500)
+    p.add_argument("--kv-cache-bytes", type=int, default=32 * 1024 * 1024)
+    p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    p.add_argument("--keep-stack", action="store_true")
+    args = p.parse_args(argv)
+    console = Console(stderr=True)
+    out = asyncio.run(main_async(args, console))
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
