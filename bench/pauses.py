@@ -136,7 +136,8 @@ async def run_policy(name: str, policy: HoldPolicy, client: Client, http: httpx.
         profile = "synthetic-review" if review else "synthetic-support"
         text = " ".join(rng.choice(WORDS) for _ in range(40))
         job = JobInput(profile=profile, task={"case_id": f"S{i:04d}", "text": text},
-                       max_steps=args.steps, tools=["lookup"], hold_policy=policy)
+                       max_steps=args.steps, hold_policy=policy,
+                       tools=["lookup", "escalate"] if review else ["lookup"])
         handles.append(await client.start_workflow(
             AgentJob.run, job, id=f"pauses-{tag}-{i:03d}", task_queue=AGENT_TASK_QUEUE))
         await asyncio.sleep(args.gap_s)
@@ -247,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--jobs", type=int, default=16)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--review-every", type=int, default=4,
-                   help="every Nth job is a review job (its 'hotel' lookups need approval)")
+                   help="every Nth job is a review job (its escalations need approval)")
     p.add_argument("--gap-s", type=float, default=1.5, help="between job starts")
     p.add_argument("--pause-median-s", type=float, default=3.0)
     p.add_argument("--long-share", type=float, default=0.1,

@@ -36,6 +36,8 @@ class SyntheticTools(Toolset):
     def run(self, req: ToolRequest) -> ToolOutcome:
         if req.name == "close":
             return ToolOutcome(ToolResult(ok=True, output="closed"))
+        if req.name == "escalate":
+            return ToolOutcome(ToolResult(ok=True, output="a reviewer approved the escalation"))
         rng = self._rng(req)
         rng.random(), rng.random(), rng.random()  # the pause's draws
         words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(40, 70)))

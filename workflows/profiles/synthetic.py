@@ -74,14 +74,20 @@ class CloseArgs(BaseModel):
     outcome: Literal["done", "escalated"]
 
 
+class EscalateArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reason: Literal["unclear", "risky", "exception"]
+
+
 REVIEW_APPROVAL = ApprovalRule(
-    kind="hotel_lookup", tool="lookup", field="key", op="eq", value="hotel",
-    approvers=("reviewer",), deadline_s=3600, pause_median_s=120, pause_p90_s=600,
+    kind="escalation", tool="escalate", approvers=("reviewer",), deadline_s=3600,
+    pause_median_s=120, pause_p90_s=600,
 )
-"""The review profile's human step: looking up the "hotel" record needs a reviewer."""
+"""The review profile's human step: every escalation waits for a reviewer."""
 
 
-def synthetic_profile(domain: str, *, approvals: tuple[ApprovalRule, ...] = ()) -> Profile:
+def synthetic_profile(domain: str, *, approvals: tuple[ApprovalRule, ...] = (),
+                      extra_tools: tuple[ToolSpec, ...] = ()) -> Profile:
     return Profile(
         name=f"synthetic-{domain}",
         system_prompt=system_prompt(domain),
@@ -90,6 +96,7 @@ def synthetic_profile(domain: str, *, approvals: tuple[ApprovalRule, ...] = ()) 
         tools=(
             ToolSpec("lookup", f"Look up a {domain} record by key.", LookupArgs),
             ToolSpec("close", "Close the case with an outcome.", CloseArgs, finishes_job=True),
+            *extra_tools,
         ),
         approvals=approvals,
         limits=JobLimits(max_steps=10, max_tool_calls={"lookup": 50}),
@@ -100,5 +107,6 @@ def synthetic_profile(domain: str, *, approvals: tuple[ApprovalRule, ...] = ()) 
 SYNTHETIC_PROFILES = (
     *(synthetic_profile(d) for d in SYNTHETIC_DOMAINS),
     # Not in the routing workload: its jobs wait for humans (bench-pauses approves them).
-    synthetic_profile("review", approvals=(REVIEW_APPROVAL,)),
+    synthetic_profile("review", approvals=(REVIEW_APPROVAL,), extra_tools=(
+        ToolSpec("escalate", "Ask a reviewer to look at the case.", EscalateArgs),)),
 )

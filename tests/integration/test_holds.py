@@ -1,0 +1,151 @@
+"""Hold or release and pre-warming on the real stack: holds appear in Redis and are
+kept by real 1-token touches; an approver opening a pending approval re-prefills the
+job's prompt on a real engine; pauses are recorded and shown by `warmloop pauses`."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+from temporalio.client import Client
+
+from activities.holds import HOLDS_KEY, hold_stats
+from infra.stack import Stack
+from tests.integration.cli import warmloop
+from tests.polling import eventually
+from workers.approvals import decide
+from workers.settings import Settings
+from workflows.agent_job import AgentJob
+from workflows.contracts import (
+    AGENT_TASK_QUEUE,
+    Decision,
+    JobInput,
+    JobState,
+    PendingApproval,
+)
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def redis(settings: Settings) -> AsyncIterator[aioredis.Redis]:
+    r = aioredis.Redis.from_url(settings.redis_url)
+    try:
+        yield r
+    finally:
+        await r.aclose()
+
+
+def case(n: int) -> dict[str, str]:
+    return {"case_id": f"S{n:04d}", "text": "a short synthetic case for the hold tests"}
+
+
+async def test_a_held_prefix_is_touched_while_the_tool_runs_and_released_on_resume(
+    stack: Stack, client: Client, settings: Settings, redis: aioredis.Redis,
+) -> None:
+    engines = [e.id for e in settings.engine_endpoints]
+    before = {e: await hold_stats(redis, e) for e in engines}
+    job_id = f"hold-{uuid.uuid4().hex[:6]}"
+    handle = await client.start_workflow(
+        AgentJob.run,
+        JobInput(profile="synthetic-support", task=case(1), max_steps=4, tools=["lookup"],
+                 hold_policy="always_hold"),
+        id=job_id, task_queue=AGENT_TASK_QUEUE)
+
+    async def held() -> str | None:
+        for e in engines:
+            raw = await redis.hget(HOLDS_KEY.format(e), job_id)
+            if raw is not None:
+                return e
+        return None
+
+    engine = await eventually(held, attempts=600)
+    res = await handle.result()
+    assert res.state == JobState.LOOP_CAP and len(res.steps) == 4
+    after = await hold_stats(redis, engine)
+    grew = {k: after.get(k, 0) - before[engine].get(k, 0) for k in after}
+    # one hold per paused step (the last step's call pauses too, then the job ends)
+    assert grew.get("holds", 0) >= 3
+    assert grew.get("touches", 0) >= 3
+    # touches find the prefix cached: they compute a partial block and one token each
+    assert grew["touch_computed_tokens"] <= grew["touches"] * 129
+    assert grew.get("released_on_resume", 0) >= 3
+    # every step after the first found its prefix warm
+    assert all(s.cached_tokens > 0 for s in res.steps[1:])
+    assert await redis.hget(HOLDS_KEY.format(engine), job_id) is None or grew.get(
+        "released_on_ttl", 0) == 0  # the final hold lasts until its TTL, never past it
+
+
+async def test_opening_a_pending_approval_prewarms_the_prompt_on_an_engine(
+    stack: Stack, client: Client, settings: Settings, redis: aioredis.Redis,
+) -> None:
+    # Offered only `escalate`, a review job asks a reviewer at every step.
+    job_id = f"prewarm-{uuid.uuid4().hex[:6]}"
+    handle = await client.start_workflow(
+        AgentJob.run,
+        JobInput(profile="synthetic-review", task=case(2), max_steps=2, tools=["escalate"],
+                 hold_policy="never"),
+        id=job_id, task_queue=AGENT_TASK_QUEUE)
+
+    async def pending() -> list[PendingApproval] | None:
+        p = await handle.query(AgentJob.pending_approvals)
+        if not p:
+            desc = await handle.describe()
+            assert desc.status is not None and desc.status.name == "RUNNING", \
+                "the job ended before it asked for approval"
+        return p or None
+
+    approval = (await eventually(pending, attempts=2400))[0]
+    status = await handle.query(AgentJob.status)
+    assert status.step == 1
+    # Flush every engine's cache: without a prewarm the next step would start cold.
+    async with httpx.AsyncClient() as http:
+        for e in settings.engine_endpoints:
+            (await http.post(f"{e.url}/reset_prefix_cache")).raise_for_status()
+    out = warmloop("view", job_id, "--as", "reviewer")
+    assert out.returncode == 0, out.stderr
+    assert approval.approval_id in out.stdout
+
+    async def prewarmed() -> bool:
+        h = await client.get_workflow_handle(job_id).fetch_history()
+        return any(e.activity_task_completed_event_attributes.result.payloads
+                   for e in h.events if e.HasField("activity_task_completed_event_attributes")
+                   and _scheduled_type(h, e) == "prewarm")
+
+    await eventually(prewarmed, attempts=600)
+    await decide(client, job_id, Decision(approval_id=approval.approval_id,
+                                          approve=True, approver="reviewer"))
+    second = await eventually(pending, attempts=2400)  # step 2 escalates again
+    await decide(client, job_id, Decision(approval_id=second[0].approval_id,
+                                          approve=True, approver="reviewer"))
+    res = await handle.result()
+    after = next(s for s in res.steps if s.step == 2)
+    # the step after the decision found the prefix the prewarm computed
+    assert after.cached_tokens >= 1024, after
+    rec = next(a for a in res.approvals if a.approval.approval_id == approval.approval_id)
+    assert rec.outcome == "approved"
+    out = warmloop("pauses")
+    assert out.returncode == 0, out.stderr
+    assert "synthetic-review" in out.stdout and "approval:escalation" in out.stdout
+    assert "tool:escalate" in out.stdout
+
+
+def _scheduled_type(history: Any, completed: Any) -> str:
+    sched_id = completed.activity_task_completed_event_attributes.scheduled_event_id
+    for e in history.events:
+        if e.event_id == sched_id:
+            return str(e.activity_task_scheduled_event_attributes.activity_type.name)
+    return ""
+
+
+async def test_engines_report_batch_admission_and_holds(stack: Stack) -> None:
+    out = warmloop("engines", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert rows and all(r["batch_limit"] >= 1 for r in rows)
+    assert all("held_tokens" in r and "holds" in r for r in rows)
