@@ -546,7 +546,7 @@ class AgentJob:
             )
         self._approvals.append(record)
         if warm_on_view is not None:
-            warm_on_view.cancel()
+            await warm_on_view
             await self._after_human(rule, now)
         if record.outcome == "approved":
             return True
@@ -558,8 +558,13 @@ class AgentJob:
         return False
 
     async def _prewarm_when_viewed(self, approval_id: str) -> None:
-        await workflow.wait_condition(lambda: approval_id in self._viewed)
-        await self._prewarm(f"approval {approval_id} viewed")
+        """Prewarm once when an approver opens the approval; nothing if it is decided or
+        ends first. Never cancelled: an activity cancelled as it completes is an error."""
+        await workflow.wait_condition(lambda: approval_id in self._viewed
+                                      or approval_id in self._decisions
+                                      or approval_id not in self._pending)
+        if approval_id in self._viewed and approval_id not in self._decisions:
+            await self._prewarm(f"approval {approval_id} viewed")
 
     async def _after_human(self, rule: ApprovalRule, asked_at: datetime) -> None:
         """The decision is in: record how long the human took, and warm the prefix again

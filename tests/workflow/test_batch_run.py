@@ -42,8 +42,9 @@ def write_records(path: Path, n_good: int, bad_at: dict[int, str]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-async def run_batch(env: WorkflowEnvironment, inp: BatchInput) -> tuple[Any, MemoryS3,
-                                                                        FakeActivities]:
+async def run_batch(env: WorkflowEnvironment, inp: BatchInput,
+                    *, keep_history: list[Any] | None = None, batch_id: str | None = None
+                    ) -> tuple[Any, MemoryS3, FakeActivities]:
     fakes = FakeActivities(lambda req: reply("finish", '{"resolution": "resolved", '
                                                        '"priority": "low"}'))
     s3 = MemoryS3()
@@ -52,14 +53,16 @@ async def run_batch(env: WorkflowEnvironment, inp: BatchInput) -> tuple[Any, Mem
     async with (
         Worker(client, task_queue=AGENT_TASK_QUEUE, workflows=[AgentJob, BatchRun],
                activities=[fakes.route_step, fakes.pick_engine, fakes.record_pause,
-                               fakes.run_tool,
-                           fakes.store_transcript, batch.read_records, batch.write_batch_results]),
-        Worker(client, task_queue=engine_task_queue("fake0"), activities=[fakes.generate,
-                                                                   fakes.prewarm]),
+                           fakes.run_tool, fakes.store_transcript, batch.read_records,
+                           batch.write_batch_results]),
+        Worker(client, task_queue=engine_task_queue("fake0"),
+               activities=[fakes.generate, fakes.prewarm]),
     ):
-        res = await client.execute_workflow(BatchRun.run, inp,
-                                            id=f"batch-{uuid.uuid4().hex[:6]}",
+        bid = batch_id or f"batch-{uuid.uuid4().hex[:6]}"
+        res = await client.execute_workflow(BatchRun.run, inp, id=bid,
                                             task_queue=AGENT_TASK_QUEUE)
+        if keep_history is not None:
+            keep_history.append(await client.get_workflow_handle(bid).fetch_history())
     return res, s3, fakes
 
 

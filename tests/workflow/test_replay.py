@@ -18,11 +18,22 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer
 
 from tests.workflow.fakes import FakeActivities, reply
-from tests.workflow.test_agent_job import run_job, workers
+from tests.workflow.test_agent_job import TICKET, run_job, workers
+from tests.workflow.test_batch_run import run_batch, write_records
 from workflows.agent_job import AgentJob
-from workflows.contracts import GenerateRequest, GenerateResult
+from workflows.batch_run import BatchInput, BatchRun
+from workflows.contracts import (
+    AGENT_TASK_QUEUE,
+    ApprovalViewed,
+    Decision,
+    GenerateRequest,
+    GenerateResult,
+    JobInput,
+)
 
 HISTORIES = Path(__file__).parent / "histories"
+RECORDED_IDS = {"batch_run_with_bad_line": "replay-batch"}
+"""Workflow ids of recorded histories whose commands depend on the id (child job ids)."""
 
 
 def _script(req: GenerateRequest) -> GenerateResult:
@@ -35,7 +46,13 @@ def _script(req: GenerateRequest) -> GenerateResult:
 
 
 def _replayer() -> Replayer:
-    return Replayer(workflows=[AgentJob], data_converter=pydantic_data_converter)
+    return Replayer(workflows=[AgentJob, BatchRun], data_converter=pydantic_data_converter)
+
+
+def _record(name: str, history: WorkflowHistory) -> None:
+    if os.environ.get("WARMLOOP_RECORD_HISTORIES"):
+        HISTORIES.mkdir(exist_ok=True)
+        (HISTORIES / name).write_text(history.to_json())
 
 
 async def test_a_fresh_history_replays(time_skipping_env: WorkflowEnvironment) -> None:
@@ -45,14 +62,53 @@ async def test_a_fresh_history_replays(time_skipping_env: WorkflowEnvironment) -
         history = await client.get_workflow_handle(res.job_id).fetch_history()
     assert len(res.steps) == 4
     await _replayer().replay_workflow(history)
-    if os.environ.get("WARMLOOP_RECORD_HISTORIES"):
-        HISTORIES.mkdir(exist_ok=True)
-        (HISTORIES / "agent_job_finish_with_repair.json").write_text(history.to_json())
+    _record("agent_job_routed_with_repair.json", history)
+
+
+async def test_a_fresh_history_with_an_approval_and_prewarm_replays(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    script = iter([reply("set_priority", '{"priority": "urgent"}'),
+                   reply("finish", '{"resolution": "escalated", "priority": "urgent"}')])
+    fakes = FakeActivities(lambda req: next(script))
+    async with workers(time_skipping_env, fakes) as client:
+        handle = await client.start_workflow(
+            AgentJob.run, JobInput(profile="ticket-triage", task=TICKET, max_steps=4),
+            id="replay-approval", task_queue=AGENT_TASK_QUEUE)
+        for _ in range(200):
+            if await handle.query(AgentJob.pending_approvals):
+                break
+            await asyncio.sleep(0.05)
+        await handle.signal(AgentJob.viewed, ApprovalViewed(approval_id="urgent_priority-1"))
+        await handle.execute_update(AgentJob.decide, Decision(
+            approval_id="urgent_priority-1", approve=True, approver="team-lead"))
+        await handle.result()
+        history = await handle.fetch_history()
+    # viewed, then decided: a prewarm for each (one if both land in one workflow task),
+    # and the human's pause was recorded
+    assert 1 <= len(fakes.prewarms) <= 2 and [p.kind for p in fakes.pauses] == [
+        "approval:urgent_priority"]
+    await _replayer().replay_workflow(history)
+    _record("agent_job_approval_prewarm.json", history)
+
+
+async def test_a_fresh_batch_history_replays(time_skipping_env: WorkflowEnvironment,
+                                             tmp_path: Path) -> None:
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 4, {3: "{not json"})
+    kept: list[WorkflowHistory] = []
+    res, _, _ = await run_batch(time_skipping_env, BatchInput(
+        profile="ticket-triage", source=str(src), window=2, page_size=10),
+        keep_history=kept, batch_id=RECORDED_IDS["batch_run_with_bad_line"])
+    assert res.records == 5
+    await _replayer().replay_workflow(kept[0])
+    _record("batch_run_with_bad_line.json", kept[0])
 
 
 @pytest.mark.parametrize("path", sorted(HISTORIES.glob("*.json")), ids=lambda p: p.stem)
 async def test_recorded_histories_replay(path: Path) -> None:
-    history = WorkflowHistory.from_json("recorded", await asyncio.to_thread(path.read_text))
+    history = WorkflowHistory.from_json(RECORDED_IDS.get(path.stem, "recorded"),
+                                        await asyncio.to_thread(path.read_text))
     await _replayer().replay_workflow(history)
 
 
