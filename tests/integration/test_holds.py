@@ -69,12 +69,16 @@ async def test_a_held_prefix_is_touched_while_the_tool_runs_and_released_on_resu
     assert res.state == JobState.LOOP_CAP and len(res.steps) == 4
     after = await hold_stats(redis, engine)
     grew = {k: after.get(k, 0) - before[engine].get(k, 0) for k in after}
-    # one hold per paused step (the last step's call pauses too, then the job ends)
-    assert grew.get("holds", 0) >= 3
-    assert grew.get("touches", 0) >= 3
+    # a hold per step whose valid call pauses the job (an invalid call is repaired at
+    # once); each is released when the next step arrives, except the last one's, which
+    # waits for its TTL (the worker cannot know that step was the last)
+    holds = grew.get("holds", 0)
+    assert holds >= 2
+    # the first touch comes at the worker's next tick (0.25 s); a short tool may beat it
+    assert grew.get("touches", 0) >= 1
     # touches find the prefix cached: they compute a partial block and one token each
     assert grew["touch_computed_tokens"] <= grew["touches"] * 129
-    assert grew.get("released_on_resume", 0) >= 3
+    assert grew.get("released_on_resume", 0) >= holds - 1
     # every step after the first found its prefix warm
     assert all(s.cached_tokens > 0 for s in res.steps[1:])
     assert await redis.hget(HOLDS_KEY.format(engine), job_id) is None or grew.get(

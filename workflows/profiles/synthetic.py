@@ -100,7 +100,10 @@ def synthetic_profile(domain: str, *, approvals: tuple[ApprovalRule, ...] = (),
         ),
         approvals=approvals,
         limits=JobLimits(max_steps=10, max_tool_calls={"lookup": 50}),
-        budgets=OutputBudgets(plan=48, execute=48, reflect=48),
+        # The random tiny model pads guided JSON with whitespace (unbounded inside the
+        # tool-call tag) until max_tokens cuts it: allow a longer streak of repairs.
+        budgets=OutputBudgets(plan=64, execute=64, reflect=64),
+        max_invalid_calls=6,
     )
 
 
