@@ -131,14 +131,6 @@ class PrefixDirectory:
         d = json.loads(raw)
         return list(d["hashes"]), str(d["engine"])
 
-    async def lookup_chain(self, job_id: str, profile: str) -> tuple[list[str], str | None]:
-        """The chain to match for a job's next step, and the engine that served its last
-        step: the job's own last prompt, or for a new job its profile's stable prefix."""
-        known = await self.job_chain(job_id)
-        if known is not None:
-            return known
-        return (await self.profile_chain(profile)) or [], None
-
     async def matched_blocks(self, chain: list[str], engine_ids: list[str]) -> dict[str, int]:
         """For each engine, how many leading blocks of ``chain`` it holds."""
         chain = chain[:MAX_WALK_BLOCKS]

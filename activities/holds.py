@@ -31,7 +31,10 @@ from workflows.holding import (
     HoldConfig,
     HoldCosts,
     HoldPolicy,
+    TtlCacheCosts,
+    TtlCacheEndpoint,
     decide_hold,
+    keepalive_schedule,
 )
 from workflows.profiles import Profile
 from workflows.profiles.base import ToolCallError
@@ -53,6 +56,11 @@ class Hold:
     next_touch: float
     created: float
     touches: int = 0
+    body: dict[str, Any] | None = None
+    """ttl_cache engines: the chat request a keep-alive ping resends (a managed API takes
+    messages, not token ids)."""
+    pings: list[float] | None = None
+    """ttl_cache engines: when to ping (just before each expiry)."""
 
     def record(self) -> str:
         return json.dumps({"kind": self.kind, "tokens": len(self.tokens),
@@ -78,9 +86,12 @@ class HoldManager:
                  redis: aioredis.Redis, pauses: PauseStats,
                  engine_info: Callable[[], EngineHeartbeat | None],
                  config: HoldConfig | None = None,
+                 ttl_cache: TtlCacheEndpoint | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self._engine = engine_id
+        self._ttl_cache = ttl_cache
         self._url = base_url.rstrip("/") + "/v1/completions"
+        self._chat_url = base_url.rstrip("/") + "/v1/chat/completions"
         self._model = model
         self._http = http
         self._redis = redis
@@ -98,7 +109,19 @@ class HoldManager:
 
     # ---- decisions ----------------------------------------------------------------------
 
-    def costs(self, prefix_tokens: int, *, interactive: bool) -> HoldCosts | None:
+    def costs(self, prefix_tokens: int, *, interactive: bool
+              ) -> HoldCosts | TtlCacheCosts | None:
+        c = self.config
+        latency = (c.interactive_latency_usd_per_s if interactive
+                   else c.batch_latency_usd_per_s)
+        if self._ttl_cache is not None:
+            t = self._ttl_cache
+            return TtlCacheCosts(
+                prefix_tokens=prefix_tokens, cache_ttl_s=t.cache_ttl_s, margin_s=t.margin_s,
+                input_usd_per_token=t.input_usd_per_mtok / 1e6,
+                cached_input_usd_per_token=t.cached_input_usd_per_mtok / 1e6,
+                output_usd_per_token=t.output_usd_per_mtok / 1e6,
+                prefill_s_per_token=1.0 / c.prefill_tokens_per_s, latency_usd_per_s=latency)
         info = self._info()
         if info is None or not info.kv_capacity_tokens:
             return None
@@ -114,7 +137,8 @@ class HoldManager:
 
     async def after_step(self, *, job_id: str, profile: Profile, kind: str | None,
                          prefix_tokens: list[int], policy: HoldPolicy,
-                         interactive: bool) -> HoldChoice | None:
+                         interactive: bool, body: dict[str, Any] | None = None
+                         ) -> HoldChoice | None:
         """The step's call pauses the job on ``kind``: hold its prefix or let it go."""
         if kind is None or not prefix_tokens or policy == "never":
             return None
@@ -128,8 +152,16 @@ class HoldManager:
             choice = decide_hold(costs, await self._pauses.distribution(profile, kind))
         if choice.action == HoldAction.HOLD:
             now = self._clock()
-            self.holds[job_id] = Hold(job_id=job_id, kind=kind, tokens=list(prefix_tokens),
-                                      until=now + choice.ttl_s, next_touch=now, created=now)
+            hold = Hold(job_id=job_id, kind=kind, tokens=list(prefix_tokens),
+                        until=now + choice.ttl_s, next_touch=now, created=now)
+            if self._ttl_cache is not None:
+                # the step itself just refreshed the TTL: ping only before each expiry
+                hold.body = body
+                hold.pings = [now + t for t in keepalive_schedule(
+                    cache_ttl_s=self._ttl_cache.cache_ttl_s, hold_for_s=choice.ttl_s,
+                    margin_s=self._ttl_cache.margin_s)]
+                hold.next_touch = hold.pings[0] if hold.pings else hold.until
+            self.holds[job_id] = hold
             await self._stat("holds")
             await self._make_room()
             await self._publish()
@@ -177,7 +209,11 @@ class HoldManager:
             await asyncio.gather(*(self._touch(h) for h in due))
             interval = self.touch_interval_s()
             for h in due:
-                h.next_touch = self._clock() + interval
+                if h.pings is not None:
+                    h.pings = [t for t in h.pings if t > now]
+                    h.next_touch = h.pings[0] if h.pings else h.until
+                else:
+                    h.next_touch = self._clock() + interval
         await self._publish()
 
     async def run(self, tick_s: float = 0.25) -> None:
@@ -189,9 +225,13 @@ class HoldManager:
             await asyncio.sleep(tick_s)
 
     async def _touch(self, h: Hold) -> None:
-        body: dict[str, Any] = {"model": self._model, "prompt": h.tokens, "max_tokens": 1,
-                                "temperature": 0, "priority": self.config.touch_priority}
-        r = await self._http.post(self._url, json=body, timeout=30.0)
+        if h.body is not None:  # a managed API: resend the conversation, one output token
+            url, body = self._chat_url, {**h.body, "max_tokens": 1, "stream": False}
+            body.pop("stream_options", None)
+        else:
+            url, body = self._url, {"model": self._model, "prompt": h.tokens, "max_tokens": 1,
+                                    "temperature": 0, "priority": self.config.touch_priority}
+        r = await self._http.post(url, json=body, timeout=30.0)
         if r.status_code != 200:
             log.warning("touch_failed", job_id=h.job_id, status=r.status_code)
             return

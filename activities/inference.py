@@ -193,7 +193,7 @@ class InferenceActivities:
             try:
                 chain = await self._record_prefix(req, profile, body, prompt_ids,
                                                   await tail_tokens, result.cached_tokens)
-                await self._hold_or_release(req, profile, result, prompt_ids, chain)
+                await self._hold_or_release(req, profile, result, prompt_ids, chain, body)
             except (httpx.HTTPError, OSError, ValueError) as e:
                 # The directory and holds are advice: losing one costs a cache hit, not a step.
                 log.warning("prefix_record_failed", error=str(e))
@@ -205,7 +205,7 @@ class InferenceActivities:
 
     async def _hold_or_release(self, req: GenerateRequest, profile: Profile,
                                result: GenerateResult, prompt_ids: list[int],
-                               chain: PromptChain) -> None:
+                               chain: PromptChain, body: dict[str, Any]) -> None:
         if self._holds is None or len(result.tool_calls) != 1:
             return
         call = result.tool_calls[0].function
@@ -213,7 +213,7 @@ class InferenceActivities:
             job_id=req.job_id, profile=profile,
             kind=pause_kind(profile, call.name, call.arguments),
             prefix_tokens=prompt_ids[:chain.reusable_blocks * chain.block_size],
-            policy=req.hold_policy, interactive=req.lane == Lane.INTERACTIVE)
+            policy=req.hold_policy, interactive=req.lane == Lane.INTERACTIVE, body=body)
 
     async def _record_prefix(self, req: GenerateRequest, profile: Profile,
                              body: dict[str, Any], prompt_ids: list[int], tail_tokens: int,

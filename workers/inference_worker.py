@@ -32,6 +32,7 @@ from workers.clients import build_redis, build_s3, connect
 from workers.logging import configure_logging
 from workers.settings import KV_EVENTS_TOPIC, EngineEndpoint, Settings
 from workflows.contracts import engine_task_queue
+from workflows.holding import TtlCacheEndpoint
 
 log = structlog.get_logger(__name__)
 
@@ -147,7 +148,12 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
         admission = BatchAdmission(settings.admission)
         holds = HoldManager(engine_id=engine.id, base_url=engine.url, model=engine.model,
                             http=http, redis=redis, pauses=PauseStats(redis), engine_info=view,
-                            config=settings.holding)
+                            config=settings.holding,
+                            ttl_cache=None if engine.kind == "vllm" else TtlCacheEndpoint(
+                                cache_ttl_s=engine.cache_ttl_s,
+                                input_usd_per_mtok=engine.input_usd_per_mtok,
+                                cached_input_usd_per_mtok=engine.cached_input_usd_per_mtok,
+                                output_usd_per_mtok=engine.output_usd_per_mtok))
         inference = InferenceActivities(
             engine_id=engine.id, base_url=engine.url, model=engine.model, http=http,
             transcripts=TranscriptStore(build_s3(settings), settings.s3_bucket),

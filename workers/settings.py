@@ -24,6 +24,17 @@ class EngineEndpoint(BaseModel):
                     "is engine.<id>.")
     url: str = Field(description="Base URL without /v1, e.g. http://10.0.0.5:8000.")
     model: str = Field(default="tiny", description="Served model name sent in requests.")
+    kind: Literal["vllm", "ttl_cache"] = Field(
+        default="vllm", description="vllm: a KV pool with an LRU (holds are kept by "
+        "touches paced by churn). ttl_cache: a managed API whose prompt cache expires "
+        "cache_ttl_s after last use (holds are keep-alive pings just before expiry).")
+    cache_ttl_s: float = Field(default=300.0, gt=0, description="ttl_cache: prompt-cache TTL.")
+    input_usd_per_mtok: float = Field(default=3.0, ge=0,
+                                      description="ttl_cache: uncached input price.")
+    cached_input_usd_per_mtok: float = Field(default=0.3, ge=0,
+                                             description="ttl_cache: cached input price.")
+    output_usd_per_mtok: float = Field(default=15.0, ge=0,
+                                       description="ttl_cache: output price.")
     kv_events: str | None = Field(
         default=None, pattern=r"^tcp://[^*]+:[0-9]+$",
         description="ZMQ endpoint the engine publishes its KV events to (vLLM "

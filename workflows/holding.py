@@ -43,6 +43,18 @@ class HoldConfig(BaseModel):
     """vLLM priority of touches: after interactive steps (0), before batch steps (10)."""
 
 
+class TtlCacheEndpoint(BaseModel):
+    """An engine kind: a managed API whose prompt cache expires ``cache_ttl_s`` after
+    last use, billed per token (cached input cheaper)."""
+
+    cache_ttl_s: float = Field(default=300.0, gt=0)
+    margin_s: float = Field(default=5.0, ge=0)
+    """Ping this long before expiry."""
+    input_usd_per_mtok: float = Field(default=3.0, ge=0)
+    cached_input_usd_per_mtok: float = Field(default=0.3, ge=0)
+    output_usd_per_mtok: float = Field(default=15.0, ge=0)
+
+
 class HoldAction(StrEnum):
     HOLD = "hold"
     RELEASE = "release"

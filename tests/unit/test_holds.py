@@ -11,7 +11,7 @@ import httpx
 from activities.holds import HoldManager, pause_kind
 from activities.pauses import bucket_mid, bucket_of, points, prior_for
 from activities.registry import EngineHeartbeat
-from workflows.holding import HoldAction, HoldConfig, PauseDistribution
+from workflows.holding import HoldAction, HoldConfig, PauseDistribution, TtlCacheEndpoint
 from workflows.profiles import get_profile
 
 
@@ -161,3 +161,39 @@ def test_touch_interval_follows_the_engines_churn() -> None:
     assert HoldConfig().min_touch_interval_s <= fast < 5
     m.observe_engine(10_000.0, now=clock.t + 10)  # quiet for 10 s
     assert m.touch_interval_s() > fast
+
+
+async def test_a_ttl_cache_endpoint_is_kept_by_pings_just_before_expiry() -> None:
+    pings: list[dict[str, Any]] = []
+
+    def api(request: httpx.Request) -> httpx.Response:
+        pings.append({"url": str(request.url), **json.loads(request.content)})
+        return httpx.Response(200, json={"usage": {"prompt_tokens": 2048,
+                                                   "prompt_tokens_details":
+                                                   {"cached_tokens": 2048}}})
+
+    clock = Clock()
+    m = HoldManager(engine_id="api", base_url="https://api.example", model="m",
+                    http=httpx.AsyncClient(transport=httpx.MockTransport(api)),
+                    redis=StubRedis(), pauses=StubPauses(400.0, 900.0),  # type: ignore[arg-type]
+                    engine_info=lambda: None, clock=clock,
+                    ttl_cache=TtlCacheEndpoint(cache_ttl_s=300, margin_s=5))
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True,
+            "stream_options": {"include_usage": True}, "max_tokens": 64}
+    choice = await m.after_step(job_id="j", profile=get_profile("ticket-triage"),
+                                kind="approval:urgent_priority", prefix_tokens=[1] * 2048,
+                                policy="cost_model", interactive=True, body=body)
+    # pinging at the cached price is far cheaper than paying the prefix uncached again
+    assert choice is not None and choice.action == HoldAction.HOLD
+    hold = m.holds["j"]
+    assert hold.pings is not None and hold.pings[0] == clock.t + 295
+    assert hold.pings == [clock.t + 295 * k for k in range(1, len(hold.pings) + 1)]
+    await m.tick()
+    assert pings == []  # the step itself just refreshed the cache
+    clock.t += 296
+    await m.tick()
+    assert len(pings) == 1 and pings[0]["url"].endswith("/v1/chat/completions")
+    assert pings[0]["max_tokens"] == 1 and pings[0]["stream"] is False
+    assert "stream_options" not in pings[0] and pings[0]["messages"] == body["messages"]
+    await m.tick()
+    assert len(pings) == 1  # next one before the next expiry
