@@ -373,12 +373,12 @@ def summarize(runs: dict[str, PolicyRun], direct: list[float], quiet: list[JobRe
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--jobs", type=int, default=64)
+    p.add_argument("--jobs", type=int, default=60)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--engines", type=int, default=2, choices=(2, 3))
-    p.add_argument("--mean-gap-s", type=float, default=1.5,
+    p.add_argument("--mean-gap-s", type=float, default=3.0,
                    help="mean time between job arrivals (exponential)")
-    p.add_argument("--kv-cache-bytes", type=int, default=24 * 1024 * 1024,
+    p.add_argument("--kv-cache-bytes", type=int, default=16 * 1024 * 1024,
                    help="KV pool per engine (2,048 bytes per token on the tiny model)")
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     p.add_argument("--peer-port", type=int, default=8290)

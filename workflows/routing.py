@@ -44,7 +44,7 @@ class RoutingConfig(BaseModel):
 
     prefill_tokens_per_s: float = Field(default=20_000.0, gt=0)
     """Engine prefill throughput: converts cached tokens into seconds saved."""
-    delay_per_request_s: float = Field(default=0.02, ge=0)
+    delay_per_request_s: float = Field(default=0.01, ge=0)
     """Added latency each request already on an engine costs a new one (batching
     slows every sequence a little; a queue costs whole steps)."""
     max_load: int = Field(default=8, ge=1)
