@@ -29,7 +29,7 @@ def bench_settings(name: str, *, offset: int, engines: int, kv_cache_bytes: int,
         redis_url=f"redis://127.0.0.1:{6400 + offset}/0",
         s3_endpoint_url=f"http://127.0.0.1:{9020 + offset}", engine_count=engines,
         engine_base_port=8200 + offset * 10, engine_kv_events_base_port=5600 + offset * 10,
-        engine_kv_cache_bytes=kv_cache_bytes, engine_max_model_len=8192,
+        engine_kv_cache_bytes=kv_cache_bytes, engine_max_model_len=6144,
         agent_metrics_port=None, inference_metrics_base_port=None,
         trace_prompt_chains=True, log_format="json", **extra,
     )
