@@ -13,7 +13,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.directory import PrefixDirectory
 from activities.registry import EngineHeartbeat, EngineRegistry, step_key, step_key_profile
-from workflows.contracts import EngineChoice, PickEngineRequest, RouteRequest
+from workflows.contracts import EngineChoice, Lane, PickEngineRequest, RouteRequest
 from workflows.routing import (
     EngineCandidate,
     RouteDecision,
@@ -75,7 +75,8 @@ class RoutingActivities:
         turn = await self._redis.incr(ROUND_ROBIN_KEY) if req.policy == "round_robin" else 0
         decision = choose_engine(candidates, job_id=req.job_id, last_engine=req.last_engine,
                                  failover=bool(req.exclude), config=self._config,
-                                 policy=req.policy, turn=turn)
+                                 policy=req.policy, turn=turn,
+                                 batch=req.lane == Lane.BATCH)
         await self._registry.step_routed(decision.engine_id,
                                          step_key(req.job_id, req.step, req.profile))
         decision.took_ms = (time.perf_counter() - started) * 1000

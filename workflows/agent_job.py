@@ -349,6 +349,7 @@ class AgentJob:
                 "route_step",
                 RouteRequest(job_id=self._job_id, step=request.step, profile=request.profile,
                              policy=job.routing, exclude=exclude, tools=job.tools,
+                             lane=job.lane,
                              last_engine=self._engine.engine_id if self._engine else None),
                 start_to_close_timeout=ROUTE_TIMEOUT, retry_policy=PICK_RETRY,
                 result_type=RouteDecision,

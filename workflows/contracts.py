@@ -161,6 +161,7 @@ class RouteRequest(BaseModel):
     """The engine of the job's previous step: its whole transcript is likely cached there."""
     tools: list[str] | None = None
     """The tools the job offers: part of its stable prefix."""
+    lane: Lane = Lane.INTERACTIVE
     exclude: list[str] = Field(default_factory=list, description="Engines that failed this step.")
 
 

@@ -49,6 +49,10 @@ class RoutingConfig(BaseModel):
     slows every sequence a little; a queue costs whole steps)."""
     max_load: int = Field(default=8, ge=1)
     """An engine with this many requests on it is passed over while another is below."""
+    batch_delay_factor: float = Field(default=0.25, ge=0, le=1)
+    """Batch steps weigh queueing delay this much less: a batch job values its makespan,
+    not each step's latency, so it stays where its transcript is cached unless the
+    engine is far busier."""
     min_saving_s: float = Field(default=0.005, ge=0)
     """Scores closer than this are ties, broken by load: a few cached blocks must not
     pile new jobs onto one engine."""
@@ -71,10 +75,11 @@ def _spread_key(job_id: str, engine_id: str) -> str:
     return hashlib.blake2b(f"{job_id}/{engine_id}".encode(), digest_size=8).hexdigest()
 
 
-def score(c: EngineCandidate, config: RoutingConfig) -> float:
+def score(c: EngineCandidate, config: RoutingConfig, *, batch: bool = False) -> float:
     """Seconds this engine saves the step: cached prefill minus expected queueing."""
     saved = c.expected_cached_tokens / config.prefill_tokens_per_s
-    return saved - c.load * config.delay_per_request_s
+    delay = config.delay_per_request_s * (config.batch_delay_factor if batch else 1.0)
+    return saved - c.load * delay
 
 
 def choose_engine(
@@ -86,11 +91,13 @@ def choose_engine(
     config: RoutingConfig | None = None,
     policy: RoutingPolicy = "cache_aware",
     turn: int = 0,
+    batch: bool = False,
 ) -> RouteDecision:
     """Pick the engine for one step.
 
     ``candidates`` must be the live engines minus any that failed this step. ``turn`` is
-    a counter for the round-robin baseline. Raises ValueError when there are none.
+    a counter for the round-robin baseline; ``batch`` marks a batch-lane step. Raises
+    ValueError when there are none.
     """
     if not candidates:
         raise ValueError("no live engine to route to")
@@ -104,7 +111,7 @@ def choose_engine(
         return _decision(by_load[0], "failover" if failover else "least_loaded", {})
 
     under = [c for c in ordered if c.load < cfg.max_load] or ordered
-    scores = {c.engine_id: score(c, cfg) for c in under}
+    scores = {c.engine_id: score(c, cfg, batch=batch) for c in under}
     best = max(scores.values())
     # Near-ties (cold starts, equal warmth) go by load, then a per-job spread.
     tied = [c for c in by_load if c in under and best - scores[c.engine_id] <= cfg.min_saving_s]

@@ -168,3 +168,10 @@ def test_the_bench_workload_is_seeded_and_has_a_hot_profile() -> None:
     hot = sum(1 for s in a if s.profile == "synthetic-support")
     assert 20 <= hot <= 44 and len({s.profile for s in a}) == 4
     assert all(6 <= s.steps <= 10 for s in a)
+
+
+def test_a_batch_step_stays_with_its_transcript_where_an_interactive_one_moves() -> None:
+    engines = [cand("e0", cached=2048, running=6), cand("e1", cached=1536, running=2)]
+    assert choose_engine(engines, job_id="j", last_engine="e0", config=CFG).engine_id == "e1"
+    assert choose_engine(engines, job_id="j", last_engine="e0", config=CFG,
+                         batch=True).engine_id == "e0"
