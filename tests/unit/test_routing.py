@@ -171,7 +171,7 @@ def test_the_bench_workload_is_seeded_and_has_a_hot_profile() -> None:
 
 
 def test_a_batch_step_stays_with_its_transcript_where_an_interactive_one_moves() -> None:
-    engines = [cand("e0", cached=2048, running=6), cand("e1", cached=1536, running=2)]
+    engines = [cand("e0", cached=4096, running=6), cand("e1", cached=1536, running=2)]
     assert choose_engine(engines, job_id="j", last_engine="e0", config=CFG).engine_id == "e1"
     assert choose_engine(engines, job_id="j", last_engine="e0", config=CFG,
                          batch=True).engine_id == "e0"
