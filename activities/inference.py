@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -91,21 +92,11 @@ class InferenceActivities:
         structlog.contextvars.bind_contextvars(
             job_id=req.job_id, step=req.step, engine=self._engine_id
         )
-        batch = self._admission is not None and req.lane == Lane.BATCH
         if self._holds is not None:
             await self._holds.resume(req.job_id)
         try:
-            if batch:
-                assert self._admission is not None
-                await self._admission.acquire(on_wait=activity.heartbeat)
-            beat = asyncio.ensure_future(_keep_heartbeating())
-            try:
+            async with self._batch_slot(req), _heartbeating():
                 result = await self._generate(req)
-            finally:
-                beat.cancel()
-                if batch:
-                    assert self._admission is not None
-                    await self._admission.release()
             if self._admission is not None and req.lane == Lane.INTERACTIVE:
                 await self._admission.observe_interactive(result.ttft_ms)
             return result
@@ -114,6 +105,18 @@ class InferenceActivities:
                 await self._registry.step_done(self._engine_id,
                                                step_key(req.job_id, req.step, req.profile))
             structlog.contextvars.unbind_contextvars("job_id", "step", "engine")
+
+    @contextlib.asynccontextmanager
+    async def _batch_slot(self, req: GenerateRequest) -> AsyncIterator[None]:
+        """Batch steps wait for one of the engine's K batch slots; others go straight on."""
+        if self._admission is None or req.lane != Lane.BATCH:
+            yield
+            return
+        await self._admission.acquire(on_wait=activity.heartbeat)
+        try:
+            yield
+        finally:
+            await self._admission.release()
 
     @activity.defn(name="prewarm")
     async def prewarm(self, req: GenerateRequest) -> GenerateResult:
@@ -295,10 +298,19 @@ class InferenceActivities:
                                type="EngineError")
 
 
-async def _keep_heartbeating(interval_s: float = 2.0) -> None:
+@contextlib.asynccontextmanager
+async def _heartbeating(interval_s: float = 2.0) -> AsyncIterator[None]:
     """Heartbeat while a step runs, even while the engine queues it and streams nothing:
     the heartbeat says the worker is alive (so a dead one is noticed in seconds); a
     stalled engine is caught by the HTTP read timeout instead."""
-    while True:
-        activity.heartbeat()
-        await asyncio.sleep(interval_s)
+
+    async def beat() -> None:
+        while True:
+            activity.heartbeat()
+            await asyncio.sleep(interval_s)
+
+    task = asyncio.ensure_future(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
