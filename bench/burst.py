@@ -32,6 +32,7 @@ from bench.common import (
     bench_settings,
     delta,
     engine_counters,
+    fresh_state,
     pct,
     prefill_computed,
     reset_caches,
@@ -162,6 +163,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
     stack = Stack(settings, log=lambda m: console.print(f"  {m}", highlight=False))
     console.print("starting the bench stack (2 engines, KV pool "
                   f"{args.kv_cache_bytes // 2048:,} tokens each) ...")
+    fresh_state(settings)
     await asyncio.to_thread(stack.up)
     urls = [e.url.rstrip("/") for e in settings.engine_endpoints]
     engine_ids = [e.id for e in settings.engine_endpoints]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -78,3 +79,16 @@ async def reset_caches(http: httpx.AsyncClient, urls: list[str], redis: aioredis
     for e in engine_ids:
         await directory.clear_engine(e)
     await redis.delete("warmloop:dir:trace", "warmloop:route:rr")
+
+
+def fresh_state(settings: Settings) -> None:
+    """A benchmark starts from an empty Temporal database: workflows left running by an
+    interrupted run would otherwise resume and load the engines. A server still running
+    (a stack kept with --keep-stack) keeps its database."""
+    host, port = settings.temporal_address.rsplit(":", 1)
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        if sock.connect_ex((host, int(port))) == 0:
+            return
+    for f in settings.state_dir.glob("temporal.db*"):
+        f.unlink()

@@ -28,7 +28,7 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
 
 from activities.holds import hold_stats
-from bench.common import bench_settings, pct, reset_caches
+from bench.common import bench_settings, fresh_state, pct, reset_caches
 from infra.stack import Stack
 from workers.approvals import decide
 from workers.clients import connect
@@ -183,6 +183,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
     stack = Stack(settings, log=lambda m: console.print(f"  {m}", highlight=False))
     console.print(f"starting the bench stack (2 engines, KV pool "
                   f"{args.kv_cache_bytes // 2048:,} tokens each) ...")
+    fresh_state(settings)
     await asyncio.to_thread(stack.up)
     urls = [e.url.rstrip("/") for e in settings.engine_endpoints]
     engine_ids = [e.id for e in settings.engine_endpoints]
@@ -259,9 +260,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pause-median-s", type=float, default=3.0)
     p.add_argument("--long-share", type=float, default=0.1,
                    help="share of tool pauses of 20-60 s")
-    p.add_argument("--approval-min-s", type=float, default=20.0)
-    p.add_argument("--approval-max-s", type=float, default=40.0)
-    p.add_argument("--bg-rate", type=float, default=2.0,
+    p.add_argument("--approval-min-s", type=float, default=10.0)
+    p.add_argument("--approval-max-s", type=float, default=20.0)
+    p.add_argument("--bg-rate", type=float, default=3.0,
                    help="background requests per second per engine")
     p.add_argument("--bg-words", type=int, default=500)
     p.add_argument("--kv-cache-bytes", type=int, default=16 * 1024 * 1024)

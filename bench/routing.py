@@ -40,6 +40,7 @@ from bench.common import (
     COUNTERS,
     bench_settings,
     engine_counters,
+    fresh_state,
     pct,
     reset_caches,
 )
@@ -225,6 +226,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
     stack = Stack(settings, log=lambda m: console.print(f"  {m}", highlight=False))
     console.print(f"starting the bench stack ({args.engines} engines, KV pool "
                   f"{args.kv_cache_bytes // 2048:,} tokens each) ...")
+    fresh_state(settings)
     await asyncio.to_thread(stack.up)
     urls = [e.url.rstrip("/") for e in settings.engine_endpoints]
     engine_ids = [e.id for e in settings.engine_endpoints]
