@@ -152,8 +152,11 @@ class HoldManager:
             choice = decide_hold(costs, await self._pauses.distribution(profile, kind))
         if choice.action == HoldAction.HOLD:
             now = self._clock()
+            # The step just used these blocks: they are the most recently used now, so
+            # the first touch is due one churn interval from now, not at once.
             hold = Hold(job_id=job_id, kind=kind, tokens=list(prefix_tokens),
-                        until=now + choice.ttl_s, next_touch=now, created=now)
+                        until=now + choice.ttl_s, next_touch=now + self.touch_interval_s(),
+                        created=now)
             if self._ttl_cache is not None:
                 # the step itself just refreshed the TTL: ping only before each expiry
                 hold.body = body

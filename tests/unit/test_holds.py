@@ -108,12 +108,18 @@ def manager(pauses: StubPauses, touches: list[dict[str, Any]], *, kv_usage: floa
 async def test_short_tool_pause_is_held_and_touched_until_resume() -> None:
     touches: list[dict[str, Any]] = []
     m, redis, clock = manager(StubPauses(2.0, 6.0), touches)
+    m.observe_engine(0.0)
+    clock.t += 1
+    m.observe_engine(20_000.0)  # other traffic computes ~6k tokens a second: touch often
     triage = get_profile("ticket-triage")
     choice = await m.after_step(job_id="j1", profile=triage, kind="tool:search_kb",
                                 prefix_tokens=list(range(2048)), policy="cost_model",
                                 interactive=True)
     assert choice is not None and choice.action == HoldAction.HOLD and choice.ttl_s > 2
     assert m.held_tokens == 2048 and "j1" in redis.hashes["warmloop:holds:e0"]
+    await m.tick()
+    assert touches == []  # the step just used the prefix: nothing to refresh yet
+    clock.t += m.touch_interval_s()
     await m.tick()
     assert len(touches) == 1 and touches[0]["max_tokens"] == 1
     assert touches[0]["prompt"] == list(range(2048))
