@@ -119,7 +119,7 @@ async def test_short_tool_pause_is_held_and_touched_until_resume() -> None:
     assert m.held_tokens == 2048 and "j1" in redis.hashes["warmloop:holds:e0"]
     await m.tick()
     assert touches == []  # the step just used the prefix: nothing to refresh yet
-    clock.t += m.touch_interval_s()
+    clock.t = m.holds["j1"].next_touch
     await m.tick()
     assert len(touches) == 1 and touches[0]["max_tokens"] == 1
     assert touches[0]["prompt"] == list(range(2048))
