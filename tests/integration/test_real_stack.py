@@ -63,8 +63,13 @@ async def test_every_step_after_the_first_reads_its_prefix_from_the_engine_cache
     for res in results:
         assert res.state in terminal, res.reason
         assert res.steps, res.reason
-        # the job stayed on one engine (sticky) ...
-        assert len({s.engine_id for s in res.steps}) == 1
+        # each step returned to the job's engine, or moved for a named reason (that
+        # engine got busier: routing weighs the cached prefix against the load) ...
+        for prev, s in zip(res.steps, res.steps[1:], strict=False):
+            if s.engine_id == prev.engine_id:
+                assert s.route_reason == "sticky", s
+            else:
+                assert s.route_reason in ("prefix", "least_loaded"), s
         for s in res.steps:
             assert s.prompt_tokens > 0 and s.completion_tokens > 0
             assert s.ttft_ms > 0 and s.latency_ms >= s.ttft_ms
@@ -72,6 +77,8 @@ async def test_every_step_after_the_first_reads_its_prefix_from_the_engine_cache
         for s in res.steps[1:]:
             assert s.cached_tokens > 0, (res.job_id, s)
             assert s.cached_tokens <= s.prompt_tokens
+    later = [s for r in results for s in r.steps[1:]]
+    assert sum(s.route_reason == "sticky" for s in later) >= 0.7 * len(later)
     # every job is accounted for in the engines actually configured
     engines = {e.id for e in settings.engine_endpoints}
     assert {s.engine_id for r in results for s in r.steps} <= engines
