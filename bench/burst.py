@@ -30,16 +30,15 @@ from temporalio.client import Client
 
 from bench.common import (
     bench_settings,
+    bench_stack,
     delta,
     engine_counters,
-    fresh_state,
     pct,
     prefill_computed,
     reset_caches,
 )
 from bench.demo import bundled_tasks
-from infra.stack import Stack
-from workers.clients import build_s3, connect
+from workers.clients import build_s3
 from workflows.agent_job import AgentJob
 from workflows.batch_run import BatchInput, BatchResult, BatchRun
 from workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult, Lane
@@ -160,15 +159,6 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
         "burst", offset=10, engines=2, kv_cache_bytes=args.kv_cache_bytes,
         admission=AdmissionConfig(interactive_ttft_target_ms=args.ttft_target_ms,
                                   k_start=args.k_start, k_max=args.k_max))
-    stack = Stack(settings, log=lambda m: console.print(f"  {m}", highlight=False))
-    console.print("starting the bench stack (2 engines, KV pool "
-                  f"{args.kv_cache_bytes // 2048:,} tokens each) ...")
-    fresh_state(settings)
-    await asyncio.to_thread(stack.up)
-    urls = [e.url.rstrip("/") for e in settings.engine_endpoints]
-    engine_ids = [e.id for e in settings.engine_endpoints]
-    client = await connect(settings)
-    redis = aioredis.Redis.from_url(settings.redis_url)
     s3 = build_s3(settings)
     pool = {p: bundled_tasks(p) for p in TOOLS}
     half = args.jobs // 2
@@ -176,29 +166,27 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
              for i in range(half)] + \
         [("invoice-reconciliation", pool["invoice-reconciliation"][i % 20])
          for i in range(args.jobs - half)]
+    async with (bench_stack(settings, console, keep=args.keep_stack) as fleet,
+                httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=5.0)) as http):
+        client = fleet.client
 
-    async def naive(tag: str) -> list[JobResult]:
-        return await naive_burst(client, tasks, tag, args.max_steps)
+        async def naive(tag: str) -> list[JobResult]:
+            return await naive_burst(client, tasks, tag, args.max_steps)
 
-    async def lanes(tag: str) -> list[JobResult]:
-        batches = await lane_burst(client, s3, settings.s3_bucket, tasks, tag, args.max_steps)
-        return await batch_job_results(client, batches)
+        async def lanes(tag: str) -> list[JobResult]:
+            batches = await lane_burst(client, s3, settings.s3_bucket, tasks, tag,
+                                       args.max_steps)
+            return await batch_job_results(client, batches)
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=5.0)) as http:
-        try:
-            phases = {}
-            for name, burst in (("idle", None), ("naive", naive), ("lanes", lanes)):
-                console.print(f"phase {name} ...")
-                phases[name] = p = await phase(name, client, http, urls, redis, engine_ids,
-                                               args, burst)
-                console.print(f"  interactive TTFT p50/p95 {pct(p.interactive_ttfts, .5):.0f}/"
-                              f"{pct(p.interactive_ttfts, .95):.0f} ms over "
-                              f"{len(p.interactive_ttfts)} steps; prefill {p.prefill_tokens:,};"
-                              f" makespan {p.makespan_s:.1f}s; {p.batch_states}")
-        finally:
-            await redis.aclose()
-    if not args.keep_stack:
-        await asyncio.to_thread(stack.down)
+        phases = {}
+        for name, burst in (("idle", None), ("naive", naive), ("lanes", lanes)):
+            console.print(f"phase {name} ...")
+            phases[name] = p = await phase(name, client, http, fleet.urls, fleet.redis,
+                                           fleet.engine_ids, args, burst)
+            console.print(f"  interactive TTFT p50/p95 {pct(p.interactive_ttfts, .5):.0f}/"
+                          f"{pct(p.interactive_ttfts, .95):.0f} ms over "
+                          f"{len(p.interactive_ttfts)} steps; prefill {p.prefill_tokens:,};"
+                          f" makespan {p.makespan_s:.1f}s; {p.batch_states}")
     return summarize(phases, console)
 
 

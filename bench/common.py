@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import redis.asyncio as aioredis
+from rich.console import Console
+from temporalio.client import Client
 
 from activities.directory import PrefixDirectory
 from activities.registry import parse_vllm_metrics
+from infra.stack import Stack
+from workers.clients import connect
 from workers.settings import Settings
 
 COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
@@ -92,3 +99,35 @@ def fresh_state(settings: Settings) -> None:
             return
     for f in settings.state_dir.glob("temporal.db*"):
         f.unlink()
+
+
+@dataclass(frozen=True)
+class BenchFleet:
+    """A running bench stack and the clients every benchmark uses."""
+
+    client: Client
+    redis: aioredis.Redis
+    urls: list[str]
+    engine_ids: list[str]
+
+
+@contextlib.asynccontextmanager
+async def bench_stack(settings: Settings, console: Console, *,
+                      keep: bool) -> AsyncIterator[BenchFleet]:
+    """Start the bench's own stack from an empty Temporal database; take it down after
+    a run that ends normally, unless ``keep`` (a failed run leaves it up to inspect)."""
+    stack = Stack(settings, log=lambda m: console.print(f"  {m}", highlight=False))
+    kv = settings.engine_kv_cache_bytes or 0
+    console.print(f"starting the bench stack ({settings.engine_count} engines, KV pool "
+                  f"{kv // 2048:,} tokens each) ...")
+    fresh_state(settings)
+    await asyncio.to_thread(stack.up)
+    redis = aioredis.Redis.from_url(settings.redis_url)
+    try:
+        yield BenchFleet(client=await connect(settings), redis=redis,
+                         urls=[e.url.rstrip("/") for e in settings.engine_endpoints],
+                         engine_ids=[e.id for e in settings.engine_endpoints])
+    finally:
+        await redis.aclose()
+    if not keep:
+        await asyncio.to_thread(stack.down)

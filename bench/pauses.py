@@ -28,10 +28,8 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
 
 from activities.holds import hold_stats
-from bench.common import bench_settings, fresh_state, pct, reset_caches
-from infra.stack import Stack
+from bench.common import bench_settings, bench_stack, pct, reset_caches
 from workers.approvals import decide
-from workers.clients import connect
 from workflows.agent_job import AgentJob
 from workflows.contracts import AGENT_TASK_QUEUE, ApprovalViewed, Decision, JobInput, JobResult
 from workflows.holding import HoldPolicy
@@ -180,32 +178,19 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
         synthetic_pauses=SyntheticPauses(median_s=args.pause_median_s, sigma=0.5,
                                          long_share=args.long_share, long_min_s=20,
                                          long_max_s=60, max_s=60))
-    stack = Stack(settings, log=lambda m: console.print(f"  {m}", highlight=False))
-    console.print(f"starting the bench stack (2 engines, KV pool "
-                  f"{args.kv_cache_bytes // 2048:,} tokens each) ...")
-    fresh_state(settings)
-    await asyncio.to_thread(stack.up)
-    urls = [e.url.rstrip("/") for e in settings.engine_endpoints]
-    engine_ids = [e.id for e in settings.engine_endpoints]
-    client = await connect(settings)
-    redis = aioredis.Redis.from_url(settings.redis_url)
     runs: dict[str, PolicyRun] = {}
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=5.0),
-                                 limits=httpx.Limits(max_connections=200)) as http:
-        try:
-            for name in args.policies:
-                console.print(f"policy {name}: {args.jobs} jobs ...")
-                r = runs[name] = await run_policy(name, POLICIES[name], client, http, urls,
-                                                  redis, engine_ids, args)
-                console.print(f"  post-pause prefill recomputed {r.recomputed:,} of "
-                              f"{r.post_pause_prompt:,}; touch tokens {r.touch_tokens:,} "
-                              f"({r.touches} touches); completion p50 "
-                              f"{pct(r.completion, .5):.1f}s; other TTFT p95 "
-                              f"{pct(r.other_ttft_ms, .95):.0f} ms; {r.states}")
-        finally:
-            await redis.aclose()
-    if not args.keep_stack:
-        await asyncio.to_thread(stack.down)
+    async with (bench_stack(settings, console, keep=args.keep_stack) as fleet,
+                httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=5.0),
+                                  limits=httpx.Limits(max_connections=200)) as http):
+        for name in args.policies:
+            console.print(f"policy {name}: {args.jobs} jobs ...")
+            r = runs[name] = await run_policy(name, POLICIES[name], fleet.client, http,
+                                              fleet.urls, fleet.redis, fleet.engine_ids, args)
+            console.print(f"  post-pause prefill recomputed {r.recomputed:,} of "
+                          f"{r.post_pause_prompt:,}; touch tokens {r.touch_tokens:,} "
+                          f"({r.touches} touches); completion p50 "
+                          f"{pct(r.completion, .5):.1f}s; other TTFT p95 "
+                          f"{pct(r.other_ttft_ms, .95):.0f} ms; {r.states}")
     return summarize(runs, console)
 
 

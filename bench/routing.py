@@ -35,17 +35,17 @@ from temporalio.worker import Worker
 
 from activities.directory import PrefixDirectory
 from activities.inference import InferenceActivities
+from activities.registry import parse_cache_config
 from activities.transcripts import TranscriptStore
 from bench.common import (
     COUNTERS,
     bench_settings,
+    bench_stack,
     engine_counters,
-    fresh_state,
     pct,
     reset_caches,
 )
-from infra.stack import Stack
-from workers.clients import build_s3, connect
+from workers.clients import build_s3
 from workers.settings import Settings
 from workflows.agent_job import AgentJob
 from workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult, engine_task_queue
@@ -223,25 +223,22 @@ async def direct_dispatch_ms(http: httpx.AsyncClient, url: str, n: int = 20) -> 
 
 async def main_async(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     settings = routing_settings(engines=args.engines, kv_cache_bytes=args.kv_cache_bytes)
-    stack = Stack(settings, log=lambda m: console.print(f"  {m}", highlight=False))
-    console.print(f"starting the bench stack ({args.engines} engines, KV pool "
-                  f"{args.kv_cache_bytes // 2048:,} tokens each) ...")
-    fresh_state(settings)
-    await asyncio.to_thread(stack.up)
-    urls = [e.url.rstrip("/") for e in settings.engine_endpoints]
-    engine_ids = [e.id for e in settings.engine_endpoints]
-    client = await connect(settings)
-    redis = aioredis.Redis.from_url(settings.redis_url)
     specs = workload(args.seed, args.jobs, args.mean_gap_s)
     run_tag = f"{int(time.time()) % 100000}"
     runs: dict[str, PolicyRun] = {}
-    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=5.0)) as http:
-        block_size = int((await http.get(f"{urls[0]}/metrics")).text
-                         .split('block_size="', 1)[1].split('"', 1)[0])
+    async with (bench_stack(settings, console, keep=args.keep_stack) as fleet,
+                httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=5.0)) as http):
+        client, urls = fleet.client, fleet.urls
+        block_size, _ = parse_cache_config((await http.get(f"{urls[0]}/metrics")).text)
         peer = PeerRouter(urls, args.peer_port, settings.state_dir / "logs" / "sglang-router.log")
         peer_inference = InferenceActivities(
             engine_id=PEER_ENGINE, base_url=peer.url, model="tiny", http=http,
             transcripts=TranscriptStore(build_s3(settings), settings.s3_bucket))
+
+        async def run(policy: str) -> PolicyRun:
+            return await run_policy(client, policy, specs, run_tag, http, urls, fleet.redis,
+                                    fleet.engine_ids, block_size)
+
         try:
             for policy in args.policies:
                 console.print(f"policy {policy}: {len(specs)} jobs ...")
@@ -251,12 +248,10 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
                     async with Worker(client, task_queue=engine_task_queue(PEER_ENGINE),
                                       activities=[peer_inference.generate],
                                       max_concurrent_activities=64):
-                        runs[policy] = await run_policy(client, policy, specs, run_tag, http,
-                                                        urls, redis, engine_ids, block_size)
+                        runs[policy] = await run(policy)
                     peer.stop()
                 else:
-                    runs[policy] = await run_policy(client, policy, specs, run_tag, http, urls,
-                                                    redis, engine_ids, block_size)
+                    runs[policy] = await run(policy)
                 r = runs[policy]
                 console.print(f"  hit rate {r.hit_rate:.3f}, prefill {r.prefill_tokens:,} tokens,"
                               f" job p95 {r.job_p95_s:.1f}s, makespan {r.makespan_s:.1f}s, "
@@ -272,9 +267,6 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
             direct = await direct_dispatch_ms(http, urls[0])
         finally:
             peer.stop()
-            await redis.aclose()
-    if not args.keep_stack:
-        await asyncio.to_thread(stack.down)
     return summarize(runs, direct, quiet, console)
 
 
