@@ -4,30 +4,55 @@ vLLM's priority scheduling lets an interactive request jump the queue, but it do
 preempt running batch requests, and every running sequence slows each decode
 iteration. So the worker beside the engine caps the batch steps it lets through, and
 adapts the cap (``workflows.lanes.next_batch_limit``) to the interactive TTFT it sees.
+
+Who goes first matters as much as how many: a waiting step of a job already under way
+goes before the first step of a new job (oldest job first). A burst then runs about K
+jobs to completion at a time, and their prefixes stay in the engine's KV between
+steps, instead of every job of the burst taking turns and each step finding its
+prefix evicted by the others'. K is also held to what fits in the KV pool at the
+batch steps' observed prompt size.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 
-from workflows.lanes import AdmissionConfig, next_batch_limit
+from workflows.lanes import AdmissionConfig, kv_fit_limit, next_batch_limit
+
+# Jobs remembered as "under way" (their first admission time); the oldest are forgotten.
+_MAX_TRACKED_JOBS = 10_000
 
 
 class BatchAdmission:
     def __init__(self, config: AdmissionConfig | None = None, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 kv_capacity_tokens: Callable[[], int] | None = None) -> None:
         self.config = config or AdmissionConfig()
         self.limit = min(self.config.k_max, max(self.config.k_min, self.config.k_start))
+        """K as adapted to interactive TTFT (before the KV fit)."""
         self.active = 0
         self.waiting = 0
         self._ttfts: deque[float] = deque(maxlen=self.config.window)
+        self._prompt_tokens: deque[tuple[int, int]] = deque(maxlen=self.config.window)
         self._last_interactive: float | None = None
         self._last_adjust = clock()
         self._clock = clock
-        self._changed = asyncio.Condition()
+        self._kv_capacity = kv_capacity_tokens or (lambda: 0)
+        # (order, arrival, future): a min-heap of waiters, continuing jobs first
+        self._waiters: list[tuple[tuple[int, float], int, asyncio.Future[None]]] = []
+        self._arrivals = itertools.count()
+        self._started: OrderedDict[str, float] = OrderedDict()
+
+    @property
+    def effective_limit(self) -> int:
+        """K after the KV fit: the batch steps admitted at once."""
+        fit = kv_fit_limit(self._kv_capacity(), list(self._prompt_tokens), self.config)
+        return max(self.config.k_min, min(self.limit, fit)) if fit else self.limit
 
     def interactive_p95_ms(self) -> float | None:
         if not self._ttfts:
@@ -35,27 +60,67 @@ class BatchAdmission:
         s = sorted(self._ttfts)
         return s[min(len(s) - 1, round(0.95 * (len(s) - 1)))]
 
-    async def acquire(self, on_wait: Callable[[], None] | None = None) -> None:
-        """Wait for a batch slot; ``on_wait`` runs every second while waiting (heartbeat)."""
+    def _order(self, job_id: str | None) -> tuple[int, float]:
+        started = self._started.get(job_id) if job_id else None
+        return (0, started) if started is not None else (1, 0.0)
+
+    def _mark_started(self, job_id: str | None) -> None:
+        if job_id and job_id not in self._started:
+            self._started[job_id] = self._clock()
+            while len(self._started) > _MAX_TRACKED_JOBS:
+                self._started.popitem(last=False)
+
+    def _wake(self) -> None:
+        while self._waiters and self.active < self.effective_limit:
+            _, _, fut = heapq.heappop(self._waiters)
+            if fut.done():  # its step was cancelled while waiting
+                continue
+            self.active += 1
+            fut.set_result(None)
+
+    async def acquire(self, job_id: str | None = None,
+                      on_wait: Callable[[], None] | None = None) -> None:
+        """Wait for a batch slot; ``on_wait`` runs every second while waiting (heartbeat).
+
+        ``job_id`` orders the waiters: steps of jobs admitted before go first, oldest job
+        first; a new job's first step waits its turn (arrival order)."""
+        if not self._waiters and self.active < self.effective_limit:
+            self.active += 1
+            self._mark_started(job_id)
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiters, (self._order(job_id), next(self._arrivals), fut))
         self.waiting += 1
         try:
-            async with self._changed:
-                while self.active >= self.limit:
-                    try:
-                        await asyncio.wait_for(self._changed.wait(), timeout=1.0)
-                    except TimeoutError:
-                        self._grow_if_idle()
-                        if on_wait is not None:
-                            on_wait()
-                self.active += 1
+            while True:
+                try:
+                    await asyncio.wait_for(asyncio.shield(fut), timeout=1.0)
+                    break
+                except TimeoutError:
+                    self._grow_if_idle()
+                    self._wake()
+                    if on_wait is not None:
+                        on_wait()
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.active -= 1  # the slot came with the cancellation: hand it on
+                self._wake()
+            else:
+                fut.cancel()
+            raise
         finally:
             self.waiting -= 1
+        self._mark_started(job_id)
 
     async def release(self) -> None:
-        async with self._changed:
-            self.active -= 1
-            self._grow_if_idle()
-            self._changed.notify_all()
+        self.active -= 1
+        self._grow_if_idle()
+        self._wake()
+
+    def observe_batch(self, prompt_tokens: int, shared_tokens: int = 0) -> None:
+        """A batch step's prompt size, and how much of it every job of its profile
+        shares: K is held to the jobs that fit in the KV pool."""
+        self._prompt_tokens.append((prompt_tokens, min(shared_tokens, prompt_tokens)))
 
     async def observe_interactive(self, ttft_ms: float) -> None:
         """An interactive step's TTFT: K halves at once when p95 is over target, and
@@ -66,7 +131,7 @@ class BatchAdmission:
         new = next_batch_limit(self.limit, p95, self.config)
         if new < self.limit or (new > self.limit and len(self._ttfts) >= self.config.window
                                 and self._clock() - self._last_adjust > 1.0):
-            await self._set(new)
+            self._set(new)
 
     def _grow_if_idle(self) -> None:
         now = self._clock()
@@ -78,11 +143,10 @@ class BatchAdmission:
             self._last_adjust = now
             self._ttfts.clear()
 
-    async def _set(self, k: int) -> None:
-        async with self._changed:
-            if k < self.limit:
-                # judge the smaller K on fresh samples, not on the ones that cut it
-                self._ttfts.clear()
-            self.limit = k
-            self._last_adjust = self._clock()
-            self._changed.notify_all()
+    def _set(self, k: int) -> None:
+        if k < self.limit:
+            # judge the smaller K on fresh samples, not on the ones that cut it
+            self._ttfts.clear()
+        self.limit = k
+        self._last_adjust = self._clock()
+        self._wake()

@@ -8,6 +8,12 @@ the blocks never reach the end of vLLM's LRU (the interval follows the engine's 
 until the job resumes, the hold's TTL passes, or the cap on held tokens needs room.
 
 A hold never changes correctness: a job whose hold is lost just re-prefills.
+
+A touch must not become a re-prefill: where the engine publishes KV events (precise
+mode), the touch first asks the prefix directory which of the held blocks are still
+cached. Blocks lost off the end shrink the hold to what survived; a hold whose first
+block is gone is dropped. So a touch computes one token, never a lost tail (the job's
+next step recomputes that only if it needs it).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import httpx
 import redis.asyncio as aioredis
 import structlog
 
+from activities.directory import PrefixDirectory
 from activities.pauses import PauseStats, approval_kind, tool_kind
 from activities.registry import EngineHeartbeat
 from workflows.holding import (
@@ -61,6 +68,9 @@ class Hold:
     messages, not token ids)."""
     pings: list[float] | None = None
     """ttl_cache engines: when to ping (just before each expiry)."""
+    hashes: list[str] | None = None
+    """The held blocks' chain in the prefix directory (checked before each touch)."""
+    block_size: int = 16
 
     def record(self) -> str:
         return json.dumps({"kind": self.kind, "tokens": len(self.tokens),
@@ -87,8 +97,10 @@ class HoldManager:
                  engine_info: Callable[[], EngineHeartbeat | None],
                  config: HoldConfig | None = None,
                  ttl_cache: TtlCacheEndpoint | None = None,
+                 directory: PrefixDirectory | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self._engine = engine_id
+        self._directory = directory
         self._ttl_cache = ttl_cache
         self._url = base_url.rstrip("/") + "/v1/completions"
         self._chat_url = base_url.rstrip("/") + "/v1/chat/completions"
@@ -137,7 +149,8 @@ class HoldManager:
 
     async def after_step(self, *, job_id: str, profile: Profile, kind: str | None,
                          prefix_tokens: list[int], policy: HoldPolicy,
-                         interactive: bool, body: dict[str, Any] | None = None
+                         interactive: bool, body: dict[str, Any] | None = None,
+                         block_hashes: list[str] | None = None, block_size: int = 16
                          ) -> HoldChoice | None:
         """The step's call pauses the job on ``kind``: hold its prefix or let it go."""
         if kind is None or not prefix_tokens or policy == "never":
@@ -156,7 +169,8 @@ class HoldManager:
             # the first touch is due one churn interval from now, not at once.
             hold = Hold(job_id=job_id, kind=kind, tokens=list(prefix_tokens),
                         until=now + choice.ttl_s, next_touch=now + self.touch_interval_s(),
-                        created=now)
+                        created=now, hashes=list(block_hashes) if block_hashes else None,
+                        block_size=block_size)
             if self._ttl_cache is not None:
                 # the step itself just refreshed the TTL: ping only before each expiry
                 hold.body = body
@@ -232,6 +246,8 @@ class HoldManager:
             url, body = self._chat_url, {**h.body, "max_tokens": 1, "stream": False}
             body.pop("stream_options", None)
         else:
+            if not await self._still_cached(h):
+                return
             url, body = self._url, {"model": self._model, "prompt": h.tokens, "max_tokens": 1,
                                     "temperature": 0, "priority": self.config.touch_priority}
         r = await self._http.post(url, json=body, timeout=30.0)
@@ -249,6 +265,25 @@ class HoldManager:
         # what the touch made the engine compute: its uncached prompt and one output token
         pipe.hincrby(key, "touch_computed_tokens", prompt - cached + 1)
         await pipe.execute()
+
+    async def _still_cached(self, h: Hold) -> bool:
+        """Trim the hold to its blocks the engine still caches (per its KV events);
+        False, and the hold dropped, when none are left."""
+        info = self._info()
+        if self._directory is None or not h.hashes or info is None or not info.precise:
+            return True
+        kept = (await self._directory.matched_blocks(h.hashes, [self._engine]))[self._engine]
+        if kept >= len(h.hashes):
+            return True
+        if kept == 0:
+            self.holds.pop(h.job_id, None)
+            await self._stat("released_lost")
+            log.info("hold_lost", job_id=h.job_id, blocks=len(h.hashes))
+            return False
+        h.hashes = h.hashes[:kept]
+        h.tokens = h.tokens[:kept * h.block_size + 1]
+        await self._stat("shrunk")
+        return True
 
     async def _make_room(self) -> None:
         info = self._info()

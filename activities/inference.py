@@ -60,6 +60,7 @@ class InferenceActivities:
         self._admission = admission
         self._holds = holds
         self._stable_tokens: dict[str, int] = {}
+        self._profile_stable: dict[str, int] = {}
         self._tail_overhead: int | None = None
 
     async def _body(self, req: GenerateRequest
@@ -99,6 +100,9 @@ class InferenceActivities:
                 result = await self._generate(req)
             if self._admission is not None and req.lane == Lane.INTERACTIVE:
                 await self._admission.observe_interactive(result.ttft_ms)
+            elif self._admission is not None:
+                self._admission.observe_batch(result.prompt_tokens,
+                                              self._profile_stable.get(req.profile, 0))
             return result
         finally:
             if self._registry is not None:
@@ -112,7 +116,7 @@ class InferenceActivities:
         if self._admission is None or req.lane != Lane.BATCH:
             yield
             return
-        await self._admission.acquire(on_wait=activity.heartbeat)
+        await self._admission.acquire(req.job_id, on_wait=activity.heartbeat)
         try:
             yield
         finally:
@@ -219,7 +223,8 @@ class InferenceActivities:
             # alone, where a prompt of whole blocks would recompute its last block
             prefix_tokens=prompt_ids[:chain.reusable_blocks * chain.block_size + 1]
             if chain.reusable_blocks else [],
-            policy=req.hold_policy, interactive=req.lane == Lane.INTERACTIVE, body=body)
+            policy=req.hold_policy, interactive=req.lane == Lane.INTERACTIVE, body=body,
+            block_hashes=chain.hashes[:chain.reusable_blocks], block_size=chain.block_size)
 
     async def _record_prefix(self, req: GenerateRequest, profile: Profile,
                              body: dict[str, Any], prompt_ids: list[int], tail_tokens: int,
@@ -239,6 +244,7 @@ class InferenceActivities:
             await self._dir.record_accuracy(req.expected_cached_tokens, cached_tokens)
         if self._detector is not None:
             stable = await self._stable_prefix_tokens(profile, body)
+            self._profile_stable[profile.name] = stable
             await self._detector.check(profile=profile.name, job_id=req.job_id, step=req.step,
                                        hashes=chain.hashes, block_size=block_size,
                                        stable_blocks=stable // block_size,

@@ -59,6 +59,7 @@ class Phase:
     makespan_s: float
     batch_states: dict[str, int]
     interactive_jobs: int
+    route_reasons: dict[str, int]
 
 
 async def trickle(client: Client, stop: asyncio.Event, tag: str, gap_s: float,
@@ -80,6 +81,15 @@ async def trickle(client: Client, stop: asyncio.Event, tag: str, gap_s: float,
 
 def ttfts(results: list[JobResult]) -> list[float]:
     return [s.ttft_ms for r in results for s in r.steps]
+
+
+def reasons(results: list[JobResult]) -> dict[str, int]:
+    """How the burst's steps were placed (a failover re-prefills the job elsewhere)."""
+    out: dict[str, int] = {}
+    for r in results:
+        for s in r.steps:
+            out[s.route_reason] = out.get(s.route_reason, 0) + 1
+    return out
 
 
 def states(results: list[JobResult]) -> dict[str, int]:
@@ -151,7 +161,7 @@ async def phase(name: str, client: Client, http: httpx.AsyncClient, urls: list[s
                  batch_prefill_tokens=sum(s.prompt_tokens - s.cached_tokens
                                           for r in batch for s in r.steps),
                  makespan_s=makespan if burst else 0.0, batch_states=states(batch),
-                 interactive_jobs=len(inter))
+                 interactive_jobs=len(inter), route_reasons=reasons(batch))
 
 
 async def main_async(args: argparse.Namespace, console: Console) -> dict[str, Any]:
@@ -186,7 +196,8 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
             console.print(f"  interactive TTFT p50/p95 {pct(p.interactive_ttfts, .5):.0f}/"
                           f"{pct(p.interactive_ttfts, .95):.0f} ms over "
                           f"{len(p.interactive_ttfts)} steps; prefill {p.prefill_tokens:,};"
-                          f" makespan {p.makespan_s:.1f}s; {p.batch_states}")
+                          f" makespan {p.makespan_s:.1f}s; {p.batch_states};"
+                          f" routes {p.route_reasons}")
     return summarize(phases, console)
 
 
@@ -223,6 +234,7 @@ def summarize(ph: dict[str, Phase], console: Console) -> dict[str, Any]:
                                     for k, v in ph.items()},
         "interactive_steps": {k: len(v.interactive_ttfts) for k, v in ph.items()},
         "burst_states": {"naive": naive.batch_states, "warmloop": lanes.batch_states},
+        "burst_route_reasons": {"naive": naive.route_reasons, "warmloop": lanes.route_reasons},
     }
 
 

@@ -85,7 +85,7 @@ async def heartbeat_loop(registry: EngineRegistry, http: httpx.AsyncClient,
             if hb.healthy:
                 holds.observe_engine(hb.prefill_computed_total)
         if admission is not None:
-            hb.batch_limit, hb.batch_active = admission.limit, admission.active
+            hb.batch_limit, hb.batch_active = admission.effective_limit, admission.active
             hb.batch_waiting = admission.waiting
             hb.interactive_ttft_p95_ms = admission.interactive_p95_ms()
         if view is not None:
@@ -133,7 +133,8 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
     client = await connect(settings, metrics_port=settings.inference_metrics_port(engine.id))
     redis = build_redis(settings)
     registry = EngineRegistry(redis, ttl_s=settings.engine_ttl_s)
-    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    limits = httpx.Limits(max_connections=settings.inference_max_steps,
+                          max_keepalive_connections=64)
     # A stream that sends nothing for 30 s is treated as lost: the activity fails and
     # Temporal retries it, instead of a step hanging until start_to_close.
     async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0),
@@ -145,10 +146,12 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
                 "warmloop_cache_busts", "prompt prefixes that changed where they should not"
             ).add(1, {"profile": b.profile, "kind": b.kind})
 
-        admission = BatchAdmission(settings.admission)
+        admission = BatchAdmission(
+            settings.admission,
+            kv_capacity_tokens=lambda: view.last.kv_capacity_tokens if view.last else 0)
         holds = HoldManager(engine_id=engine.id, base_url=engine.url, model=engine.model,
                             http=http, redis=redis, pauses=PauseStats(redis), engine_info=view,
-                            config=settings.holding,
+                            config=settings.holding, directory=directory,
                             ttl_cache=None if engine.kind == "vllm" else TtlCacheEndpoint(
                                 cache_ttl_s=engine.cache_ttl_s,
                                 input_usd_per_mtok=engine.input_usd_per_mtok,
@@ -165,8 +168,9 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
             client,
             task_queue=engine_task_queue(engine.id),
             activities=[inference.generate, inference.prewarm],
-            # Enough in flight for the engine to batch; its own scheduler queues the rest.
-            max_concurrent_activities=32,
+            # Interactive steps go straight to the engine, whose scheduler queues them;
+            # batch steps wait here for admission, in its order.
+            max_concurrent_activities=settings.inference_max_steps,
         )
         log.info("inference_worker_started", task_queue=engine_task_queue(engine.id))
         try:

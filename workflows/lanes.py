@@ -29,6 +29,10 @@ class AdmissionConfig(BaseModel):
     """Interactive TTFTs in the sliding window the p95 is taken over."""
     idle_grow_s: float = Field(default=5.0, gt=0)
     """With no interactive step for this long, K grows by one (the lane is idle)."""
+    kv_share: float = Field(default=0.8, gt=0, le=1)
+    """Share of the engine's KV pool the batch jobs under way may fill; K is held to the
+    jobs that fit in it, so that a job's prefix is still cached at its next step. Set 1
+    to let K fill the pool; lower it when interactive jobs need their prefixes kept."""
 
 
 def next_batch_limit(k: int, interactive_ttft_p95_ms: float | None,
@@ -43,6 +47,21 @@ def next_batch_limit(k: int, interactive_ttft_p95_ms: float | None,
     if interactive_ttft_p95_ms < 0.6 * target:
         return min(config.k_max, k + 1)
     return max(config.k_min, min(config.k_max, k))
+
+
+def kv_fit_limit(kv_capacity_tokens: int, samples: list[tuple[int, int]],
+                 config: AdmissionConfig) -> int:
+    """How many batch jobs fit in the KV pool at once: 0 when unknown.
+
+    ``samples`` are recent batch steps' (prompt tokens, tokens shared by every job of
+    the profile). A job under way keeps its own part cached between steps; the shared
+    prefix is cached once per engine."""
+    if kv_capacity_tokens <= 0 or not samples:
+        return 0
+    shared = max(s for _, s in samples)
+    own = sum(max(1, p - s) for p, s in samples) / len(samples)
+    room = config.kv_share * kv_capacity_tokens - shared
+    return max(1, int(room // own))
 
 
 def adapt_window(window: int, *, base: int, max_window: int, remaining: int,

@@ -203,3 +203,42 @@ async def test_a_ttl_cache_endpoint_is_kept_by_pings_just_before_expiry() -> Non
     assert "stream_options" not in pings[0] and pings[0]["messages"] == body["messages"]
     await m.tick()
     assert len(pings) == 1  # next one before the next expiry
+
+
+class StubDirectory:
+    """The prefix directory's view of the engine: how many leading held blocks remain."""
+
+    def __init__(self, kept: int) -> None:
+        self.kept = kept
+
+    async def matched_blocks(self, chain: list[str], engine_ids: list[str]) -> dict[str, int]:
+        return {e: min(self.kept, len(chain)) for e in engine_ids}
+
+
+async def test_a_touch_never_recomputes_blocks_the_engine_lost() -> None:
+    touches: list[dict[str, Any]] = []
+    m, redis, clock = manager(StubPauses(2.0, 6.0), touches)
+    info = m._info()
+    assert info is not None
+    info.precise = True  # the engine publishes KV events: the directory is exact
+    directory = StubDirectory(kept=16)
+    m._directory = directory  # type: ignore[assignment]
+    triage = get_profile("ticket-triage")
+    await m.after_step(job_id="j1", profile=triage, kind="tool:search_kb",
+                       prefix_tokens=list(range(16 * 128 + 1)), policy="always_hold",
+                       interactive=True, block_hashes=[f"b{i}" for i in range(16)],
+                       block_size=128)
+    clock.t = m.holds["j1"].next_touch
+    await m.tick()
+    assert len(touches[-1]["prompt"]) == 16 * 128 + 1  # all cached: touch the whole hold
+    directory.kept = 10  # other traffic evicted the last six blocks
+    clock.t = m.holds["j1"].next_touch
+    await m.tick()
+    assert touches[-1]["prompt"] == list(range(10 * 128 + 1))
+    assert m.held_tokens == 10 * 128 + 1
+    assert redis.hashes["warmloop:holds:stats:e0"]["shrunk"] == 1
+    directory.kept = 0  # all gone: the hold is lost, and no touch re-prefills it
+    clock.t = m.holds["j1"].next_touch
+    await m.tick()
+    assert len(touches) == 2 and not m.holds
+    assert redis.hashes["warmloop:holds:stats:e0"]["released_lost"] == 1

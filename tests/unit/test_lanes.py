@@ -8,7 +8,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from activities.admission import BatchAdmission
-from workflows.lanes import AdmissionConfig, adapt_window, estimate_finish_s, next_batch_limit
+from workflows.lanes import (
+    AdmissionConfig,
+    adapt_window,
+    estimate_finish_s,
+    kv_fit_limit,
+    next_batch_limit,
+)
 
 CFG = AdmissionConfig(interactive_ttft_target_ms=1000, k_min=1, k_max=16, k_start=4, window=4)
 
@@ -84,3 +90,62 @@ async def test_admission_caps_batch_steps_and_adapts_to_interactive_ttft() -> No
     for _ in range(4):
         await adm.release()
     assert adm.limit == 4
+
+
+async def test_steps_of_jobs_under_way_go_before_new_jobs_oldest_first() -> None:
+    clock = Clock()
+    adm = BatchAdmission(CFG.model_copy(update={"k_start": 2}), clock=clock)
+    await adm.acquire("first")
+    clock.t += 1
+    await adm.acquire("second")
+    order: list[str] = []
+
+    async def step(job: str) -> None:
+        await adm.acquire(job)
+        order.append(job)
+
+    waiting = [asyncio.ensure_future(step(j)) for j in ("new-1", "new-2")]
+    await asyncio.sleep(0)
+    # their next steps arrive after the new jobs' first steps, in the other order
+    waiting += [asyncio.ensure_future(step(j)) for j in ("second", "first")]
+    await asyncio.sleep(0.01)
+    assert adm.waiting == 4 and not order
+    for _ in range(4):
+        await adm.release()
+        await asyncio.sleep(0.01)
+    await asyncio.gather(*waiting)
+    # continuing jobs first (oldest admission first), then new jobs in arrival order
+    assert order == ["first", "second", "new-1", "new-2"]
+
+
+async def test_a_cancelled_waiter_gives_up_its_place() -> None:
+    adm = BatchAdmission(CFG.model_copy(update={"k_start": 1}), clock=Clock())
+    await adm.acquire("a")
+    gone = asyncio.ensure_future(adm.acquire("b"))
+    then = asyncio.ensure_future(adm.acquire("c"))
+    await asyncio.sleep(0.01)
+    gone.cancel()
+    await asyncio.sleep(0.01)
+    await adm.release()
+    await asyncio.wait_for(then, 1)
+    assert adm.active == 1 and adm.waiting == 0
+
+
+def test_k_is_held_to_the_jobs_that_fit_in_the_kv_pool() -> None:
+    cfg = CFG.model_copy(update={"kv_share": 0.8})
+    # 10,000-token pool, 1,000 shared tokens, 1,000 tokens of each job's own
+    assert kv_fit_limit(10_000, [(2_000, 1_000)] * 3, cfg) == 7
+    assert kv_fit_limit(0, [(2_000, 1_000)], cfg) == 0  # pool unknown: no cap
+    assert kv_fit_limit(10_000, [], cfg) == 0
+    assert kv_fit_limit(1_000, [(9_000, 0)], cfg) == 1  # never below one
+    adm = BatchAdmission(CFG.model_copy(update={"k_start": 16}), clock=Clock(),
+                         kv_capacity_tokens=lambda: 10_000)
+    assert adm.effective_limit == 16
+    adm.observe_batch(2_000, 1_000)
+    assert adm.effective_limit == 7
+
+
+@given(cap=st.integers(1_000, 1_000_000), own=st.integers(1, 5_000), more=st.integers(0, 5_000))
+def test_bigger_jobs_never_fit_more(cap: int, own: int, more: int) -> None:
+    assert kv_fit_limit(cap, [(own + more + 500, 500)], CFG) <= \
+        kv_fit_limit(cap, [(own + 500, 500)], CFG)
