@@ -397,13 +397,9 @@ class AgentJob:
                 )
                 return gen, decision.reason, len(failed), routed
             except ActivityError as e:
-                if _error_type(e) == "ContextOverflow":
-                    raise _JobEnded(JobState.CONTEXT_EXHAUSTED,
-                                    "the transcript no longer fits the context window") from e
-                if _error_type(e) == "TranscriptGap" and request.base_len > 0:
-                    workflow.logger.warning("transcript store lost messages; resending")
-                    request = request.model_copy(
-                        update={"base_len": 0, "new_messages": self._transcript})
+                resend = self._after_step_error(e, request)
+                if resend is not None:
+                    request = resend
                     continue
                 timed_out = isinstance(e.cause, ActivityTimeoutError)
                 workflow.logger.warning("step %d failed on engine %s (timeout: %s); re-routing",
@@ -440,15 +436,9 @@ class AgentJob:
                 )
                 return gen, route_reason, len(failed)
             except ActivityError as e:
-                if _error_type(e) == "ContextOverflow":
-                    raise _JobEnded(JobState.CONTEXT_EXHAUSTED,
-                                    "the transcript no longer fits the context window") from e
-                if _error_type(e) == "TranscriptGap" and request.base_len > 0:
-                    # The stored transcript was lost (e.g. an in-memory S3 restarted): the
-                    # workflow holds it whole, so send it all once and go on.
-                    workflow.logger.warning("transcript store lost messages; resending")
-                    request = request.model_copy(
-                        update={"base_len": 0, "new_messages": self._transcript})
+                resend = self._after_step_error(e, request)
+                if resend is not None:
+                    request = resend
                     continue
                 lost = self._engine.engine_id
                 timed_out = isinstance(e.cause, ActivityTimeoutError)
@@ -458,6 +448,21 @@ class AgentJob:
                 self._engine = None
         raise _JobEnded(JobState.ENGINE_UNAVAILABLE,
                         f"step {request.step} failed on engines {', '.join(failed)}")
+
+    def _after_step_error(self, e: ActivityError, request: GenerateRequest
+                          ) -> GenerateRequest | None:
+        """A step that failed for the job's own reason: end the job, or the request to
+        send again on the same engine. None: the engine failed it (the caller fails over).
+        """
+        if _error_type(e) == "ContextOverflow":
+            raise _JobEnded(JobState.CONTEXT_EXHAUSTED,
+                            "the transcript no longer fits the context window") from e
+        if _error_type(e) == "TranscriptGap" and request.base_len > 0:
+            # The stored transcript was lost (e.g. an in-memory S3 restarted): the
+            # workflow holds it whole, so send it all once and go on.
+            workflow.logger.warning("transcript store lost messages; resending")
+            return request.model_copy(update={"base_len": 0, "new_messages": self._transcript})
+        return None
 
     @staticmethod
     def _validate(profile: Profile, gen: GenerateResult,
