@@ -168,14 +168,15 @@ class HoldManager:
             # The step just used these blocks: they are the most recently used now, so
             # the first touch is due one churn interval from now, not at once.
             hold = Hold(job_id=job_id, kind=kind, tokens=list(prefix_tokens),
-                        until=now + choice.ttl_s, next_touch=now + self.touch_interval_s(),
+                        until=now + self._hold_for_s(choice, policy),
+                        next_touch=now + self.touch_interval_s(),
                         created=now, hashes=list(block_hashes) if block_hashes else None,
                         block_size=block_size)
             if self._ttl_cache is not None:
                 # the step itself just refreshed the TTL: ping only before each expiry
                 hold.body = body
                 hold.pings = [now + t for t in keepalive_schedule(
-                    cache_ttl_s=self._ttl_cache.cache_ttl_s, hold_for_s=choice.ttl_s,
+                    cache_ttl_s=self._ttl_cache.cache_ttl_s, hold_for_s=hold.until - now,
                     margin_s=self._ttl_cache.margin_s)]
                 hold.next_touch = hold.pings[0] if hold.pings else hold.until
             self.holds[job_id] = hold
@@ -185,6 +186,9 @@ class HoldManager:
         log.info("hold_decision", job_id=job_id, kind=kind, action=choice.action.value,
                  ttl_s=round(choice.ttl_s, 1), reason=choice.reason)
         return choice
+
+    def _hold_for_s(self, choice: HoldChoice, policy: HoldPolicy) -> float:
+        return choice.ttl_s * (1.0 if policy == "always_hold" else self.config.ttl_slack)
 
     async def resume(self, job_id: str) -> None:
         """The job's next step is here: its hold has done its work."""
@@ -264,6 +268,14 @@ class HoldManager:
         pipe.hincrby(key, "touch_prompt_tokens", prompt)
         # what the touch made the engine compute: its uncached prompt and one output token
         pipe.hincrby(key, "touch_computed_tokens", prompt - cached + 1)
+        await pipe.execute()
+
+    async def record_prewarm(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """A pre-warm re-prefilled a paused job's prompt: count what it computed."""
+        pipe = self._redis.pipeline(transaction=False)
+        key = HOLD_STATS.format(self._engine)
+        pipe.hincrby(key, "prewarms", 1)
+        pipe.hincrby(key, "prewarm_computed_tokens", max(0, prompt_tokens - cached_tokens))
         await pipe.execute()
 
     async def _still_cached(self, h: Hold) -> bool:

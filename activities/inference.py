@@ -127,7 +127,10 @@ class InferenceActivities:
         """Prefill a paused job's prompt again (one output token) so that its next step,
         routed here, finds it cached: sent when an approver opens or decides the job's
         pending approval. The workflow does not count it as a step."""
-        return await self.generate(req)
+        result = await self.generate(req)
+        if self._holds is not None:
+            await self._holds.record_prewarm(result.prompt_tokens, result.cached_tokens)
+        return result
 
     async def _generate(self, req: GenerateRequest) -> GenerateResult:
         picked_up = time.time()

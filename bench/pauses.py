@@ -49,6 +49,9 @@ class PolicyRun:
     post_pause_cached: int = 0
     touch_tokens: int = 0
     touches: int = 0
+    prewarm_tokens: int = 0
+    """Prefill the pre-warms (on an approval's view and decision) computed: a re-prefill
+    moved ahead of the step, so it counts as recomputed."""
     completion: list[float] = field(default_factory=list)
     other_ttft_ms: list[float] = field(default_factory=list)
     states: dict[str, int] = field(default_factory=dict)
@@ -56,7 +59,7 @@ class PolicyRun:
 
     @property
     def recomputed(self) -> int:
-        return self.post_pause_prompt - self.post_pause_cached
+        return self.post_pause_prompt - self.post_pause_cached + self.prewarm_tokens
 
 
 async def background(http: httpx.AsyncClient, urls: list[str], stop: asyncio.Event,
@@ -169,6 +172,8 @@ async def run_policy(name: str, policy: HoldPolicy, client: Client, http: httpx.
         out.touch_tokens += after[e].get("touch_computed_tokens", 0) - \
             before[e].get("touch_computed_tokens", 0)
         out.touches += after[e].get("touches", 0) - before[e].get("touches", 0)
+        out.prewarm_tokens += after[e].get("prewarm_computed_tokens", 0) - \
+            before[e].get("prewarm_computed_tokens", 0)
     return out
 
 
@@ -187,7 +192,8 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
             r = runs[name] = await run_policy(name, POLICIES[name], fleet.client, http,
                                               fleet.urls, fleet.redis, fleet.engine_ids, args)
             console.print(f"  post-pause prefill recomputed {r.recomputed:,} of "
-                          f"{r.post_pause_prompt:,}; touch tokens {r.touch_tokens:,} "
+                          f"{r.post_pause_prompt:,} (pre-warms {r.prewarm_tokens:,}); "
+                          f"touch tokens {r.touch_tokens:,} "
                           f"({r.touches} touches); completion p50 "
                           f"{pct(r.completion, .5):.1f}s; other TTFT p95 "
                           f"{pct(r.other_ttft_ms, .95):.0f} ms; {r.states}")
@@ -196,11 +202,13 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
 
 def summarize(runs: dict[str, PolicyRun], console: Console) -> dict[str, Any]:
     table = Table(title="bench-pauses: post-pause steps, engines' own usage")
-    for c in ("policy", "prefill recomputed", "cached on resume", "touch tokens",
+    for c in ("policy", "prefill recomputed", "of it pre-warms", "cached on resume",
+              "touch tokens",
               "job p50 s", "job p95 s", "other TTFT p95 ms", "end states"):
         table.add_column(c, justify="right")
     for name, r in runs.items():
-        table.add_row(name, f"{r.recomputed:,}", f"{r.post_pause_cached:,}",
+        table.add_row(name, f"{r.recomputed:,}", f"{r.prewarm_tokens:,}",
+                      f"{r.post_pause_cached:,}",
                       f"{r.touch_tokens:,}", f"{pct(r.completion, .5):.1f}",
                       f"{pct(r.completion, .95):.1f}", f"{pct(r.other_ttft_ms, .95):.0f}",
                       ", ".join(f"{k} {v}" for k, v in sorted(r.states.items())))
@@ -224,6 +232,7 @@ def summarize(runs: dict[str, PolicyRun], console: Console) -> dict[str, Any]:
         "warmloop_prefill_tokens": wl.recomputed if wl else None,
         "touch_tokens": per(lambda r: r.touch_tokens),
         "touches": per(lambda r: r.touches),
+        "prewarm_tokens": per(lambda r: r.prewarm_tokens),
         "post_pause_prompt_tokens": per(lambda r: r.post_pause_prompt),
         "completion_p50_s": per(lambda r: round(pct(r.completion, .5), 2)),
         "completion_p95_s": per(lambda r: round(pct(r.completion, .95), 2)),

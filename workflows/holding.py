@@ -35,6 +35,10 @@ class HoldConfig(BaseModel):
     interactive_latency_usd_per_s: float = Field(default=0.01, ge=0)
     """What a second of added latency on an interactive job's resume is worth."""
     batch_latency_usd_per_s: float = Field(default=0.0, ge=0)
+    ttl_slack: float = Field(default=1.2, ge=1.0, le=4.0)
+    """A hold lasts the chosen TTL times this. The TTL is a recorded pause's histogram
+    bucket middle, and a pause in that bucket may run up to ~16 % longer (log buckets
+    1.35x wide): without slack the longest expected pauses outlive their holds."""
     always_hold_ttl_s: float = Field(default=600.0, gt=0)
     """TTL of the always_hold baseline policy."""
     min_touch_interval_s: float = Field(default=0.25, gt=0)
