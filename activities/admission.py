@@ -22,7 +22,11 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
+import structlog
+
 from workflows.lanes import AdmissionConfig, kv_fit_limit, next_batch_limit
+
+log = structlog.get_logger(__name__)
 
 # Jobs remembered as "under way" (their first admission time); the oldest are forgotten.
 _MAX_TRACKED_JOBS = 10_000
@@ -142,11 +146,16 @@ class BatchAdmission:
             self.limit = next_batch_limit(self.limit, None, self.config)
             self._last_adjust = now
             self._ttfts.clear()
+            log.info("batch_limit", k=self.limit, effective=self.effective_limit,
+                     why="no interactive steps")
 
     def _set(self, k: int) -> None:
+        p95 = self.interactive_p95_ms()
         if k < self.limit:
             # judge the smaller K on fresh samples, not on the ones that cut it
             self._ttfts.clear()
         self.limit = k
         self._last_adjust = self._clock()
+        log.info("batch_limit", k=k, effective=self.effective_limit,
+                 interactive_ttft_p95_ms=p95)
         self._wake()

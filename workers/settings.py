@@ -81,11 +81,11 @@ class Settings(BaseSettings):
     engines: list[EngineEndpoint] | None = None
     """External engines. When set, `dev up` starts no engines of its own."""
     engine_heartbeat_s: float = Field(default=1.0, gt=0)
-    inference_max_steps: int = Field(default=256, ge=1, le=4096)
-    """Steps one inference worker takes from its queue at once. Batch steps beyond K
-    wait inside the worker (heartbeating), where admission orders them; a lower value
-    leaves them in Temporal's queue, in arrival order, and a busy engine's queued
-    steps may then time out waiting for pickup and fail over."""
+    inference_max_steps: int = Field(default=64, ge=1, le=4096)
+    """Steps one inference worker takes from its queue at once (the engine's scheduler
+    queues interactive ones; batch ones wait in admission). The rest wait in Temporal's
+    queue by task priority. Keep it well above the batch K, and high enough that a
+    busy engine's steps are picked up within ``step_pickup_timeout_s``."""
     engine_ttl_s: float = Field(default=5.0, gt=0)
     """An engine whose heartbeat is older than this has left the fleet."""
     trace_prompt_chains: bool = False

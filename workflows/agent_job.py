@@ -53,7 +53,7 @@ from workflows.contracts import (
     ToolResult,
     engine_task_queue,
 )
-from workflows.lanes import TASK_PRIORITY, VLLM_PRIORITY
+from workflows.lanes import VLLM_PRIORITY, task_priority
 from workflows.pricing import pricing_for
 from workflows.profiles import Profile, UnknownProfileError, get_profile
 from workflows.profiles.base import ApprovalRule, ToolCallError, ToolSpec
@@ -393,7 +393,7 @@ class AgentJob:
                     schedule_to_start_timeout=pickup_timeout,
                     retry_policy=GENERATE_RETRY, result_type=GenerateResult,
                     # batch steps wait behind interactive ones in the task queue too
-                    priority=Priority(priority_key=TASK_PRIORITY[job.lane]),
+                    priority=Priority(priority_key=task_priority(job.lane, request.step)),
                 )
                 return gen, decision.reason, len(failed), routed
             except ActivityError as e:
@@ -609,7 +609,7 @@ class AgentJob:
                 start_to_close_timeout=PREWARM_TIMEOUT,
                 schedule_to_start_timeout=timedelta(seconds=job.step_pickup_timeout_s),
                 retry_policy=RetryPolicy(maximum_attempts=1), result_type=GenerateResult,
-                priority=Priority(priority_key=TASK_PRIORITY[job.lane]),
+                priority=Priority(priority_key=task_priority(job.lane, request.step + 1)),
             )
             workflow.logger.info("prefix prewarmed on %s (%s)", routed.engine_id, why)
         except ActivityError:

@@ -14,6 +14,16 @@ from workflows.contracts import Lane
 VLLM_PRIORITY = {Lane.INTERACTIVE: 0, Lane.BATCH: 10}
 # Temporal task priority (priority_key: 1 is highest, 5 lowest; unset is 3).
 TASK_PRIORITY = {Lane.INTERACTIVE: 1, Lane.BATCH: 5}
+BATCH_CONTINUING_TASK_PRIORITY = 4
+"""A batch job's later steps go before new batch jobs' first steps: a burst then runs
+jobs to completion while their prefixes are still cached (see activities.admission)."""
+
+
+def task_priority(lane: Lane, step: int) -> int:
+    """Temporal task priority of a job's ``step`` (1-based) in ``lane``."""
+    if lane == Lane.BATCH and step > 1:
+        return BATCH_CONTINUING_TASK_PRIORITY
+    return TASK_PRIORITY[lane]
 
 
 class AdmissionConfig(BaseModel):
