@@ -51,6 +51,7 @@ class BatchAdmission:
         self._waiters: list[tuple[tuple[int, float], int, asyncio.Future[None]]] = []
         self._arrivals = itertools.count()
         self._started: OrderedDict[str, float] = OrderedDict()
+        self._fleet_p95: float | None = None
 
     @property
     def effective_limit(self) -> int:
@@ -63,6 +64,26 @@ class BatchAdmission:
             return None
         s = sorted(self._ttfts)
         return s[min(len(s) - 1, round(0.95 * (len(s) - 1)))]
+
+    def recent_interactive_p95_ms(self) -> float | None:
+        """This engine's interactive TTFT p95, or None when it has seen no interactive
+        step for ``idle_grow_s`` (what it publishes for its neighbours)."""
+        last = self._last_interactive
+        if last is None or self._clock() - last > self.config.idle_grow_s:
+            return None
+        return self.interactive_p95_ms()
+
+    def observe_fleet(self, others_p95_ms: list[float]) -> None:
+        """The other engines' recent interactive TTFT p95s (each heartbeat). Over target
+        anywhere: K halves (at most once per ``idle_grow_s``) and does not grow while
+        idle here; the neighbours' interactive steps share this engine's host."""
+        if not self.config.fleet_signal:
+            return
+        worst = max(others_p95_ms, default=None)
+        self._fleet_p95 = worst
+        if worst is not None and worst > self.config.interactive_ttft_target_ms \
+                and self._clock() - self._last_adjust > self.config.idle_grow_s:
+            self._set(max(self.config.k_min, self.limit // 2), why="neighbour over target")
 
     def _order(self, job_id: str | None) -> tuple[int, float]:
         started = self._started.get(job_id) if job_id else None
@@ -132,6 +153,8 @@ class BatchAdmission:
         self._ttfts.append(ttft_ms)
         self._last_interactive = self._clock()
         p95 = self.interactive_p95_ms()
+        if p95 is not None and self._fleet_p95 is not None:
+            p95 = max(p95, self._fleet_p95)  # grow only when the neighbours are fine too
         new = next_batch_limit(self.limit, p95, self.config)
         if new < self.limit or (new > self.limit and len(self._ttfts) >= self.config.window
                                 and self._clock() - self._last_adjust > 1.0):
@@ -139,17 +162,19 @@ class BatchAdmission:
 
     def _grow_if_idle(self) -> None:
         now = self._clock()
-        idle = self._last_interactive is None or \
-            now - self._last_interactive > self.config.idle_grow_s
+        idle = (self._last_interactive is None
+                or now - self._last_interactive > self.config.idle_grow_s) and \
+            (self._fleet_p95 is None
+             or self._fleet_p95 < 0.6 * self.config.interactive_ttft_target_ms)
         if idle and now - self._last_adjust > self.config.idle_grow_s \
                 and self.limit < self.config.k_max:
             self.limit = next_batch_limit(self.limit, None, self.config)
             self._last_adjust = now
             self._ttfts.clear()
             log.info("batch_limit", k=self.limit, effective=self.effective_limit,
-                     why="no interactive steps")
+                     why="no interactive steps", fleet_p95_ms=self._fleet_p95)
 
-    def _set(self, k: int) -> None:
+    def _set(self, k: int, why: str = "interactive TTFT here") -> None:
         p95 = self.interactive_p95_ms()
         if k < self.limit:
             # judge the smaller K on fresh samples, not on the ones that cut it
@@ -157,5 +182,5 @@ class BatchAdmission:
         self.limit = k
         self._last_adjust = self._clock()
         log.info("batch_limit", k=k, effective=self.effective_limit,
-                 interactive_ttft_p95_ms=p95)
+                 interactive_ttft_p95_ms=p95, fleet_p95_ms=self._fleet_p95, why=why)
         self._wake()

@@ -87,11 +87,15 @@ async def heartbeat_loop(registry: EngineRegistry, http: httpx.AsyncClient,
         if admission is not None:
             hb.batch_limit, hb.batch_active = admission.effective_limit, admission.active
             hb.batch_waiting = admission.waiting
-            hb.interactive_ttft_p95_ms = admission.interactive_p95_ms()
+            hb.interactive_ttft_p95_ms = admission.recent_interactive_p95_ms()
         if view is not None:
             view.last = hb
         if hb.healthy:
             await registry.heartbeat(hb)
+            if admission is not None and admission.config.fleet_signal:
+                admission.observe_fleet([
+                    e.interactive_ttft_p95_ms for e in await registry.live()
+                    if e.engine_id != engine.id and e.interactive_ttft_p95_ms is not None])
         else:
             await registry.leave(engine.id)  # never route to an engine that fails /health
         if hb.healthy != was_healthy:
@@ -101,6 +105,18 @@ async def heartbeat_loop(registry: EngineRegistry, http: httpx.AsyncClient,
                 await directory.clear_engine(engine.id)
             was_healthy = hb.healthy
         await asyncio.sleep(interval_s)
+
+
+async def loop_lag_monitor(interval_s: float = 0.5, warn_ms: float = 200.0) -> None:
+    """Log when this worker's event loop runs late: a late loop delays pickups and
+    inflates the TTFT the worker measures (and feeds to batch admission)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        start = loop.time()
+        await asyncio.sleep(interval_s)
+        lag_ms = (loop.time() - start - interval_s) * 1000
+        if lag_ms > warn_ms:
+            log.warning("event_loop_lag", lag_ms=round(lag_ms))
 
 
 async def kv_event_loop(endpoint: str, applier: KvEventApplier) -> None:
@@ -178,6 +194,7 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
                 tg.create_task(heartbeat_loop(registry, http, engine, settings.engine_heartbeat_s,
                                               view, admission, directory, holds))
                 tg.create_task(holds.run())
+                tg.create_task(loop_lag_monitor())
                 if engine.kv_events:
                     tg.create_task(kv_event_loop(engine.kv_events,
                                                  KvEventApplier(directory, engine.id)))

@@ -39,6 +39,11 @@ class AdmissionConfig(BaseModel):
     """Interactive TTFTs in the sliding window the p95 is taken over."""
     idle_grow_s: float = Field(default=5.0, gt=0)
     """With no interactive step for this long, K grows by one (the lane is idle)."""
+    fleet_signal: bool = True
+    """K also answers to the worst interactive TTFT p95 the other engines report: engines
+    that share a host's CPUs (vLLM-CPU) or a node's memory bandwidth slow each other, so
+    batch work on one engine can hurt interactive steps on its neighbour. Set False
+    when every engine has a machine of its own."""
     kv_share: float = Field(default=0.8, gt=0, le=1)
     """Share of the engine's KV pool the batch jobs under way may fill; K is held to the
     jobs that fit in it, so that a job's prefix is still cached at its next step. Set 1

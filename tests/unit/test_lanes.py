@@ -149,3 +149,42 @@ def test_k_is_held_to_the_jobs_that_fit_in_the_kv_pool() -> None:
 def test_bigger_jobs_never_fit_more(cap: int, own: int, more: int) -> None:
     assert kv_fit_limit(cap, [(own + more + 500, 500)], CFG) <= \
         kv_fit_limit(cap, [(own + 500, 500)], CFG)
+
+
+async def test_a_neighbour_over_target_holds_k_down_here() -> None:
+    clock = Clock()
+    adm = BatchAdmission(CFG.model_copy(update={"k_start": 8}), clock=clock)
+    clock.t += 10
+    adm.observe_fleet([2500.0, 300.0])  # one engine on this host is slow
+    assert adm.limit == 4
+    adm.observe_fleet([2500.0])  # at most once per idle_grow_s
+    assert adm.limit == 4
+    clock.t += 100  # no interactive step here for long: but the neighbour is still slow
+    await adm.acquire("a")
+    await adm.release()
+    assert adm.limit == 4
+    adm.observe_fleet([])  # the neighbour went quiet: the lane is idle, K grows
+    clock.t += 10
+    await adm.acquire("a")
+    await adm.release()
+    assert adm.limit == 5
+    # this engine's own interactive steps are fast, but growth waits for the neighbours
+    adm.observe_fleet([700.0])
+    for _ in range(4):
+        clock.t += 2
+        await adm.observe_interactive(100)
+    assert adm.limit == 5
+    alone = BatchAdmission(CFG.model_copy(update={"k_start": 8, "fleet_signal": False}),
+                           clock=clock)
+    clock.t += 10
+    alone.observe_fleet([2500.0])
+    assert alone.limit == 8
+
+
+def test_an_engine_publishes_no_p95_once_its_interactive_traffic_stops() -> None:
+    clock = Clock()
+    adm = BatchAdmission(CFG, clock=clock)
+    asyncio.run(adm.observe_interactive(400))
+    assert adm.recent_interactive_p95_ms() == 400
+    clock.t += CFG.idle_grow_s + 1
+    assert adm.recent_interactive_p95_ms() is None
