@@ -174,7 +174,8 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
     settings = bench_settings(
         "burst", offset=10, engines=2, kv_cache_bytes=args.kv_cache_bytes,
         admission=AdmissionConfig(interactive_ttft_target_ms=args.ttft_target_ms,
-                                  k_start=args.k_start, k_max=args.k_max))
+                                  k_start=args.k_start, k_max=args.k_max,
+                                  fleet_signal=args.fleet_signal))
     s3 = build_s3(settings)
     pool = {p: bundled_tasks(p) for p in TOOLS}
     half = args.jobs // 2
@@ -257,10 +258,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-cache-bytes", type=int, default=24 * 1024 * 1024,
                    help="per engine; 24 MiB is 12,288 tokens of the tiny model: the burst's "
                    "working set (~50k tokens) does not fit in the two pools at once")
-    p.add_argument("--ttft-target-ms", type=float, default=400.0,
-                   help="batch admission's interactive TTFT p95 target (2x idle is ~450 ms)")
+    p.add_argument("--ttft-target-ms", type=float, default=600.0,
+                   help="batch admission's interactive TTFT p95 target")
     p.add_argument("--k-start", type=int, default=4)
     p.add_argument("--k-max", type=int, default=16)
+    p.add_argument("--fleet-signal", action="store_true",
+                   help="K also answers to the other engines' interactive TTFT")
     p.add_argument("--keep-stack", action="store_true")
     args = p.parse_args(argv)
     console = Console(stderr=True)

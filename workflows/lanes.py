@@ -39,11 +39,13 @@ class AdmissionConfig(BaseModel):
     """Interactive TTFTs in the sliding window the p95 is taken over."""
     idle_grow_s: float = Field(default=5.0, gt=0)
     """With no interactive step for this long, K grows by one (the lane is idle)."""
-    fleet_signal: bool = True
-    """K also answers to the worst interactive TTFT p95 the other engines report: engines
-    that share a host's CPUs (vLLM-CPU) or a node's memory bandwidth slow each other, so
-    batch work on one engine can hurt interactive steps on its neighbour. Set False
-    when every engine has a machine of its own."""
+    fleet_signal: bool = False
+    """K also answers to the worst interactive TTFT p95 the other engines report. Set it
+    when engines share a host (CPU engines, GPUs on one node's memory bandwidth) and
+    batch work on one engine visibly slows interactive steps on its neighbour. Off by
+    default: where interactive TTFT does not follow K (on the 2-core dev machine it is
+    set by CPU contention from the whole stack), it would hold every engine's K at
+    k_min for nothing."""
     kv_share: float = Field(default=0.8, gt=0, le=1)
     """Share of the engine's KV pool the batch jobs under way may fill; K is held to the
     jobs that fit in it, so that a job's prefix is still cached at its next step. Set 1

@@ -153,7 +153,8 @@ def test_bigger_jobs_never_fit_more(cap: int, own: int, more: int) -> None:
 
 async def test_a_neighbour_over_target_holds_k_down_here() -> None:
     clock = Clock()
-    adm = BatchAdmission(CFG.model_copy(update={"k_start": 8}), clock=clock)
+    adm = BatchAdmission(CFG.model_copy(update={"k_start": 8, "fleet_signal": True}),
+                         clock=clock)
     clock.t += 10
     adm.observe_fleet([2500.0, 300.0])  # one engine on this host is slow
     assert adm.limit == 4
