@@ -48,7 +48,9 @@ class RoutingConfig(BaseModel):
     """Added latency each request already on an engine costs a new one (batching
     slows every sequence a little; a queue costs whole steps)."""
     max_load: int = Field(default=8, ge=1)
-    """An engine with this many requests on it is passed over while another is below."""
+    """An engine with this many requests on it is passed over while another is below.
+    Not for batch steps: they are meant to queue in their engine's batch admission, and
+    moving one for load throws its cached transcript away."""
     batch_delay_factor: float = Field(default=0.25, ge=0, le=1)
     """Batch steps weigh queueing delay this much less: a batch job values its makespan,
     not each step's latency, so it stays where its transcript is cached unless the
@@ -110,7 +112,7 @@ def choose_engine(
     if policy == "least_loaded":
         return _decision(by_load[0], "failover" if failover else "least_loaded", {})
 
-    under = [c for c in ordered if c.load < cfg.max_load] or ordered
+    under = ordered if batch else [c for c in ordered if c.load < cfg.max_load] or ordered
     scores = {c.engine_id: score(c, cfg, batch=batch) for c in under}
     best = max(scores.values())
     # Near-ties (cold starts, equal warmth) go by load, then a per-job spread.

@@ -175,3 +175,8 @@ def test_a_batch_step_stays_with_its_transcript_where_an_interactive_one_moves()
     assert choose_engine(engines, job_id="j", last_engine="e0", config=CFG).engine_id == "e1"
     assert choose_engine(engines, job_id="j", last_engine="e0", config=CFG,
                          batch=True).engine_id == "e0"
+    # a batch job's engine past max_load: the step waits in its admission queue there
+    queued = [cand("e0", cached=4096, running=10), cand("e1", running=3)]
+    assert choose_engine(queued, job_id="j", last_engine="e0", config=CFG).engine_id == "e1"
+    batch = choose_engine(queued, job_id="j", last_engine="e0", config=CFG, batch=True)
+    assert (batch.engine_id, batch.reason) == ("e0", "sticky")
