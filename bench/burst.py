@@ -117,16 +117,18 @@ async def naive_burst(client: Client, tasks: list[tuple[str, dict[str, Any]]], t
 
 
 async def lane_burst(client: Client, s3: Any, bucket: str, tasks: list[tuple[str, dict[str, Any]]],
-                     tag: str, max_steps: int) -> list[BatchResult]:
-    """One BatchRun per profile in the batch lane, every record released at once."""
+                     tag: str, max_steps: int, window: int) -> list[BatchResult]:
+    """One BatchRun per profile in the batch lane, every record released at once; each
+    run keeps ``window`` jobs in progress (what the KV pools hold between steps)."""
     runs = []
     for profile in TOOLS:
         lines = [json.dumps(t) for p, t in tasks if p == profile]
         key = f"bench/{tag}/{profile}.jsonl"
         await asyncio.to_thread(s3.put_object, Bucket=bucket, Key=key,
                                 Body=("\n".join(lines) + "\n").encode())
-        inp = BatchInput(profile=profile, source=f"s3://{bucket}/{key}", window=len(lines),
-                         max_window=len(lines), page_size=len(lines), max_steps=max_steps,
+        inp = BatchInput(profile=profile, source=f"s3://{bucket}/{key}",
+                         window=min(window, len(lines)), max_window=len(lines),
+                         page_size=len(lines), max_steps=max_steps,
                          tools=BURST_TOOLS[profile])
         runs.append(client.execute_workflow(BatchRun.run, inp, id=f"burst-{tag}-b-{profile}",
                                             task_queue=AGENT_TASK_QUEUE))
@@ -192,7 +194,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
 
         async def lanes(tag: str) -> list[JobResult]:
             batches = await lane_burst(client, s3, settings.s3_bucket, tasks, tag,
-                                       args.max_steps)
+                                       args.max_steps, args.window)
             return await batch_job_results(client, batches)
 
         phases = {}
@@ -262,6 +264,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="batch admission's interactive TTFT p95 target")
     p.add_argument("--k-start", type=int, default=4)
     p.add_argument("--k-max", type=int, default=16)
+    p.add_argument("--window", type=int, default=16,
+                   help="jobs in progress per BatchRun (two runs): ~2 x 16 jobs' own "
+                   "tokens fit in the two 12k-token pools beside the shared prefixes")
     p.add_argument("--fleet-signal", action="store_true",
                    help="K also answers to the other engines' interactive TTFT")
     p.add_argument("--keep-stack", action="store_true")
