@@ -96,7 +96,8 @@ class BatchAdmission:
                 self._started.popitem(last=False)
 
     def _wake(self) -> None:
-        while self._waiters and self.active < self.effective_limit:
+        limit = self.effective_limit
+        while self._waiters and self.active < limit:
             _, _, fut = heapq.heappop(self._waiters)
             if fut.done():  # its step was cancelled while waiting
                 continue

@@ -180,7 +180,7 @@ class HoldManager:
                     margin_s=self._ttl_cache.margin_s)]
                 hold.next_touch = hold.pings[0] if hold.pings else hold.until
             self.holds[job_id] = hold
-            await self._stat("holds")
+            await self._count(holds=1)
             await self._make_room()
             await self._publish()
         log.info("hold_decision", job_id=job_id, kind=kind, action=choice.action.value,
@@ -193,7 +193,7 @@ class HoldManager:
     async def resume(self, job_id: str) -> None:
         """The job's next step is here: its hold has done its work."""
         if self.holds.pop(job_id, None) is not None:
-            await self._stat("released_on_resume")
+            await self._count(released_on_resume=1)
             await self._publish()
 
     # ---- keeping holds warm ------------------------------------------------------------
@@ -224,7 +224,7 @@ class HoldManager:
         for job_id, h in list(self.holds.items()):
             if now >= h.until:
                 del self.holds[job_id]
-                await self._stat("released_on_ttl")
+                await self._count(released_on_ttl=1)
         due = [h for h in self.holds.values() if h.next_touch <= now]
         if due:
             await asyncio.gather(*(self._touch(h) for h in due))
@@ -262,21 +262,14 @@ class HoldManager:
         prompt = int(usage.get("prompt_tokens", 0))
         cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         h.touches += 1
-        pipe = self._redis.pipeline(transaction=False)
-        key = HOLD_STATS.format(self._engine)
-        pipe.hincrby(key, "touches", 1)
-        pipe.hincrby(key, "touch_prompt_tokens", prompt)
         # what the touch made the engine compute: its uncached prompt and one output token
-        pipe.hincrby(key, "touch_computed_tokens", prompt - cached + 1)
-        await pipe.execute()
+        await self._count(touches=1, touch_prompt_tokens=prompt,
+                          touch_computed_tokens=prompt - cached + 1)
 
     async def record_prewarm(self, prompt_tokens: int, cached_tokens: int) -> None:
         """A pre-warm re-prefilled a paused job's prompt: count what it computed."""
-        pipe = self._redis.pipeline(transaction=False)
-        key = HOLD_STATS.format(self._engine)
-        pipe.hincrby(key, "prewarms", 1)
-        pipe.hincrby(key, "prewarm_computed_tokens", max(0, prompt_tokens - cached_tokens))
-        await pipe.execute()
+        await self._count(prewarms=1,
+                          prewarm_computed_tokens=max(0, prompt_tokens - cached_tokens))
 
     async def _still_cached(self, h: Hold) -> bool:
         """Trim the hold to its blocks the engine still caches (per its KV events);
@@ -289,12 +282,12 @@ class HoldManager:
             return True
         if kept == 0:
             self.holds.pop(h.job_id, None)
-            await self._stat("released_lost")
+            await self._count(released_lost=1)
             log.info("hold_lost", job_id=h.job_id, blocks=len(h.hashes))
             return False
         h.hashes = h.hashes[:kept]
         h.tokens = h.tokens[:kept * h.block_size + 1]
-        await self._stat("shrunk")
+        await self._count(shrunk=1)
         return True
 
     async def _make_room(self) -> None:
@@ -306,10 +299,15 @@ class HoldManager:
             if self.held_tokens <= cap:
                 break
             del self.holds[h.job_id]
-            await self._stat("released_for_room")
+            await self._count(released_for_room=1)
 
-    async def _stat(self, field: str) -> None:
-        await self._redis.hincrby(HOLD_STATS.format(self._engine), field, 1)
+    async def _count(self, **increments: int) -> None:
+        """Add to this engine's hold statistics, in one round trip."""
+        pipe = self._redis.pipeline(transaction=False)
+        key = HOLD_STATS.format(self._engine)
+        for field, n in increments.items():
+            pipe.hincrby(key, field, n)
+        await pipe.execute()
 
     async def _publish(self) -> None:
         key = HOLDS_KEY.format(self._engine)

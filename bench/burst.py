@@ -19,6 +19,7 @@ import contextlib
 import json
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,18 +91,11 @@ def ttfts(results: list[JobResult]) -> list[float]:
 
 def reasons(results: list[JobResult]) -> dict[str, int]:
     """How the burst's steps were placed (a failover re-prefills the job elsewhere)."""
-    out: dict[str, int] = {}
-    for r in results:
-        for s in r.steps:
-            out[s.route_reason] = out.get(s.route_reason, 0) + 1
-    return out
+    return dict(Counter(s.route_reason for r in results for s in r.steps))
 
 
 def states(results: list[JobResult]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for r in results:
-        out[r.state.value] = out.get(r.state.value, 0) + 1
-    return out
+    return dict(Counter(r.state.value for r in results))
 
 
 async def naive_burst(client: Client, tasks: list[tuple[str, dict[str, Any]]], tag: str,
@@ -118,7 +112,7 @@ async def naive_burst(client: Client, tasks: list[tuple[str, dict[str, Any]]], t
 
 async def lane_burst(client: Client, s3: Any, bucket: str, tasks: list[tuple[str, dict[str, Any]]],
                      tag: str, max_steps: int, window: int) -> list[BatchResult]:
-    """One BatchRun per profile in the batch lane, every record released at once; each
+    """One BatchRun per profile in the batch lane, every record submitted at once; each
     run keeps ``window`` jobs in progress (what the KV pools hold between steps)."""
     runs = []
     for profile in TOOLS:
