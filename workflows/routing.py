@@ -52,9 +52,10 @@ class RoutingConfig(BaseModel):
     Not for batch steps: they are meant to queue in their engine's batch admission, and
     moving one for load throws its cached transcript away."""
     batch_delay_factor: float = Field(default=0.25, ge=0, le=1)
-    """Batch steps weigh queueing delay this much less: a batch job values its makespan,
-    not each step's latency, so it stays where its transcript is cached unless the
-    engine is far busier."""
+    """A batch job's later steps weigh queueing delay this much less: a batch job values
+    its makespan, not each step's latency, so it stays where its transcript is cached
+    unless the engine is far busier. A batch job's first step weighs load in full (see
+    ``score``)."""
     min_saving_s: float = Field(default=0.005, ge=0)
     """Scores closer than this are ties, broken by load: a few cached blocks must not
     pile new jobs onto one engine."""
@@ -77,11 +78,17 @@ def _spread_key(job_id: str, engine_id: str) -> str:
     return hashlib.blake2b(f"{job_id}/{engine_id}".encode(), digest_size=8).hexdigest()
 
 
-def score(c: EngineCandidate, config: RoutingConfig, *, batch: bool = False) -> float:
-    """Seconds this engine saves the step: cached prefill minus expected queueing."""
+def score(c: EngineCandidate, config: RoutingConfig, *, batch: bool = False,
+          continuing: bool = True) -> float:
+    """Seconds this engine saves the step: cached prefill minus expected queueing.
+
+    Only a batch job's later steps discount queueing (``batch_delay_factor``). Its first
+    step finds at most the profile's prefix, which costs one prefill per engine, while
+    a burst packed onto the engine that warmed that prefix first leaves the other
+    engines idle and stretches the makespan."""
     saved = c.expected_cached_tokens / config.prefill_tokens_per_s
-    delay = config.delay_per_request_s * (config.batch_delay_factor if batch else 1.0)
-    return saved - c.load * delay
+    weight = config.batch_delay_factor if batch and continuing else 1.0
+    return saved - c.load * config.delay_per_request_s * weight
 
 
 def choose_engine(
@@ -112,8 +119,12 @@ def choose_engine(
     if policy == "least_loaded":
         return _decision(by_load[0], "failover" if failover else "least_loaded", {})
 
-    under = ordered if batch else [c for c in ordered if c.load < cfg.max_load] or ordered
-    scores = {c.engine_id: score(c, cfg, batch=batch) for c in under}
+    continuing = last_engine is not None
+    # A batch job's later step is not moved for load: it queues in its engine's
+    # admission, where its transcript is cached.
+    under = ordered if batch and continuing else \
+        [c for c in ordered if c.load < cfg.max_load] or ordered
+    scores = {c.engine_id: score(c, cfg, batch=batch, continuing=continuing) for c in under}
     best = max(scores.values())
     # Near-ties (cold starts, equal warmth) go by load, then a per-job spread.
     tied = [c for c in by_load if c in under and best - scores[c.engine_id] <= cfg.min_saving_s]

@@ -180,3 +180,15 @@ def test_a_batch_step_stays_with_its_transcript_where_an_interactive_one_moves()
     assert choose_engine(queued, job_id="j", last_engine="e0", config=CFG).engine_id == "e1"
     batch = choose_engine(queued, job_id="j", last_engine="e0", config=CFG, batch=True)
     assert (batch.engine_id, batch.reason) == ("e0", "sticky")
+
+
+def test_a_batch_burst_spreads_once_the_warm_engine_is_much_busier() -> None:
+    cfg = RoutingConfig(prefill_tokens_per_s=20_000, delay_per_request_s=0.01, max_load=8)
+    # 1,792 cached tokens save ~90 ms: worth a few more requests in front, not a burst
+    close = [cand("e0", cached=1792, in_flight=7), cand("e1", in_flight=3)]
+    assert choose_engine(close, job_id="j", config=cfg, batch=True).engine_id == "e0"
+    lopsided = [cand("e0", cached=1792, in_flight=24), cand("e1", in_flight=6)]
+    assert choose_engine(lopsided, job_id="j", config=cfg, batch=True).engine_id == "e1"
+    # the same job's later step stays with its transcript on the busy engine
+    later = choose_engine(lopsided, job_id="j", last_engine="e0", config=cfg, batch=True)
+    assert (later.engine_id, later.reason) == ("e0", "sticky")

@@ -1,0 +1,64 @@
+"""The embedded stack's process helpers (real child processes, no engines)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from infra.stack import engine_compute_pids, lower_cpu_priority
+
+pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs Linux /proc")
+
+# A parent (the "API server") whose child renames itself the way vLLM titles its engine
+# core, and a sibling that keeps a plain name.
+TREE = """
+import subprocess, sys, time
+named = ("open('/proc/self/comm', 'w').write('VLLM::Worker'); "
+         "import time, threading; threading.Thread(target=time.sleep, args=(60,)).start(); "
+         "print('up', flush=True); time.sleep(60)")
+a = subprocess.Popen([sys.executable, '-c', named], stdout=subprocess.PIPE, text=True)
+b = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])
+a.stdout.readline()
+print(a.pid, b.pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.fixture
+def tree() -> Iterator[tuple[int, int, int]]:
+    parent = subprocess.Popen([sys.executable, "-c", TREE], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    named, plain = (int(x) for x in parent.stdout.readline().split())
+    try:
+        yield parent.pid, named, plain
+    finally:
+        for pid in (named, plain):
+            os.kill(pid, 9)
+        parent.kill()
+        parent.wait()
+
+
+def _nice_and_policy(tid: int) -> tuple[int, int]:
+    fields = Path(f"/proc/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[16]), int(fields[38])  # nice, policy (stat fields 19 and 41)
+
+
+def test_only_the_engine_compute_processes_are_found(tree: tuple[int, int, int]) -> None:
+    parent, named, plain = tree
+    assert engine_compute_pids(parent) == [named]
+
+
+def test_every_thread_of_a_compute_process_is_lowered(tree: tuple[int, int, int]) -> None:
+    parent, named, plain = tree
+    tids = [int(t) for t in os.listdir(f"/proc/{named}/task")]
+    assert len(tids) >= 2  # the main thread and the sleeper
+    base = os.getpriority(os.PRIO_PROCESS, 0)  # children start at ours
+    target = min(19, base + 5)
+    assert lower_cpu_priority([named], target) == len(tids)
+    assert {_nice_and_policy(t) for t in tids} == {(target, os.SCHED_BATCH)}
+    assert _nice_and_policy(plain) == (base, os.SCHED_OTHER)
