@@ -140,7 +140,8 @@ class InferenceActivities:
         started = time.perf_counter()
         scheduled = activity.info().current_attempt_scheduled_time.timestamp()
         dispatch_ms = max(0.0, (time.time() - scheduled) * 1000)
-        first_token: float | None = None
+        first_token: float | None = None  # the engine's first token: its first chunk
+        first_delta: float | None = None  # the first parsed content or call delta
         content: list[str] = []
         calls: dict[int, dict[str, Any]] = {}
         usage: dict[str, Any] = {}
@@ -160,10 +161,15 @@ class InferenceActivities:
                     usage = chunk["usage"]
                 if chunk.get("prompt_token_ids"):
                     prompt_ids = chunk["prompt_token_ids"]
-                for choice in chunk.get("choices") or []:
+                choices = chunk.get("choices") or []
+                if first_token is None and choices:
+                    # vLLM streams the role chunk when the first token is sampled; a tool
+                    # call's first delta waits for its name, several decode steps later.
+                    first_token = time.perf_counter()
+                for choice in choices:
                     delta = choice.get("delta") or {}
-                    if first_token is None and (delta.get("content") or delta.get("tool_calls")):
-                        first_token = time.perf_counter()
+                    if first_delta is None and (delta.get("content") or delta.get("tool_calls")):
+                        first_delta = time.perf_counter()
                     if delta.get("content"):
                         content.append(delta["content"])
                     for tc in delta.get("tool_calls") or []:
@@ -197,6 +203,8 @@ class InferenceActivities:
         )
         log.info("step_generated", prompt_tokens=result.prompt_tokens,
                  cached_tokens=result.cached_tokens, ttft_ms=round(result.ttft_ms, 1),
+                 first_delta_ms=round(((first_delta or done) - started) * 1000, 1),
+                 latency_ms=round(result.latency_ms, 1),
                  dispatch_ms=round(dispatch_ms, 1),
                  pickup_ms=round((picked_up - scheduled) * 1000, 1))
         if tail_tokens is not None and prompt_ids:

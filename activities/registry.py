@@ -49,6 +49,9 @@ class EngineHeartbeat(BaseModel):
 
 INFLIGHT_KEY = "warmloop:inflight:{}"
 INFLIGHT_MAX_AGE_S = 600.0
+BATCH_JOBS_KEY = "warmloop:batchjobs:{}"
+BATCH_JOB_RESIDENT_S = 30.0
+"""A batch job counts as under way on an engine this long after its last step there."""
 """A routed step not finished after this long is not counted (its worker died)."""
 
 _METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*$")
@@ -106,6 +109,23 @@ class EngineRegistry:
     async def step_routed(self, engine_id: str, step_key: str, now: float | None = None) -> None:
         await self._redis.zadd(INFLIGHT_KEY.format(engine_id),
                                {step_key: time.time() if now is None else now})
+
+    async def batch_job_routed(self, engine_id: str, job_id: str,
+                               now: float | None = None) -> None:
+        await self._redis.zadd(BATCH_JOBS_KEY.format(engine_id),
+                               {job_id: time.time() if now is None else now})
+
+    async def batch_jobs(self, engine_ids: list[str], now: float | None = None) -> dict[str, int]:
+        """Batch jobs under way on each engine: a step routed there within
+        ``BATCH_JOB_RESIDENT_S``. Between its steps a job has nothing in flight, but its
+        transcript is cached there and its next step will come back."""
+        since = (time.time() if now is None else now) - BATCH_JOB_RESIDENT_S
+        pipe = self._redis.pipeline(transaction=False)
+        for e in engine_ids:
+            pipe.zremrangebyscore(BATCH_JOBS_KEY.format(e), "-inf", since)
+            pipe.zcard(BATCH_JOBS_KEY.format(e))
+        res = await pipe.execute()
+        return {e: int(res[2 * i + 1]) for i, e in enumerate(engine_ids)}
 
     async def step_done(self, engine_id: str, step_key: str) -> None:
         await self._redis.zrem(INFLIGHT_KEY.format(engine_id), step_key)

@@ -50,6 +50,8 @@ class RoutingActivities:
         live = await self._live(req.exclude)
         ids = [e.engine_id for e in live]
         steps = await self._registry.in_flight_steps(ids)
+        batch = req.lane == Lane.BATCH
+        resident = await self._registry.batch_jobs(ids) if batch else dict.fromkeys(ids, 0)
         expected = {e: 0 for e in ids}
         if req.policy == "cache_aware":
             job = await self._dir.job_chain(req.job_id)
@@ -69,16 +71,19 @@ class RoutingActivities:
         candidates = [
             EngineCandidate(engine_id=e.engine_id, expected_cached_tokens=expected[e.engine_id],
                             running=e.running, waiting=e.waiting,
-                            in_flight=len(steps[e.engine_id]), kv_usage=e.kv_usage)
+                            in_flight=len(steps[e.engine_id]), kv_usage=e.kv_usage,
+                            batch_jobs=resident[e.engine_id])
             for e in live
         ]
         turn = await self._redis.incr(ROUND_ROBIN_KEY) if req.policy == "round_robin" else 0
         decision = choose_engine(candidates, job_id=req.job_id, last_engine=req.last_engine,
                                  failover=bool(req.exclude), config=self._config,
                                  policy=req.policy, turn=turn,
-                                 batch=req.lane == Lane.BATCH)
+                                 batch=batch)
         await self._registry.step_routed(decision.engine_id,
                                          step_key(req.job_id, req.step, req.profile))
+        if batch:
+            await self._registry.batch_job_routed(decision.engine_id, req.job_id)
         decision.took_ms = (time.perf_counter() - started) * 1000
         log.info("step_routed", job_id=req.job_id, step=req.step, engine=decision.engine_id,
                  reason=decision.reason, expected_cached=decision.expected_cached_tokens)

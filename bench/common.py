@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -51,6 +52,37 @@ async def engine_counters(http: httpx.AsyncClient, urls: list[str]) -> dict[str,
         for k in COUNTERS:
             total[k] += m.get(k, 0.0)
     return total
+
+
+TTFT_BUCKET = "vllm:time_to_first_token_seconds_bucket"
+_LE = re.compile(r'le="([^"]+)"')
+
+
+async def engine_ttft_buckets(http: httpx.AsyncClient, urls: list[str]) -> dict[float, float]:
+    """The engines' own TTFT histogram (cumulative counts per upper bound, in seconds),
+    summed over the fleet."""
+    out: dict[float, float] = {}
+    for u in urls:
+        for line in (await http.get(f"{u}/metrics")).text.splitlines():
+            if line.startswith(TTFT_BUCKET):
+                le = _LE.search(line)
+                if le:
+                    bound = float(le.group(1))  # "+Inf" parses as inf
+                    out[bound] = out.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def histogram_quantile_ms(after: dict[float, float], before: dict[float, float],
+                          q: float) -> float | None:
+    """The upper bound (ms) of the histogram bucket holding quantile ``q`` of the
+    requests counted between two scrapes; None when there were none."""
+    counts = sorted((b, after[b] - before.get(b, 0.0)) for b in after)
+    if not counts or counts[-1][1] <= 0:
+        return None
+    for bound, cumulative in counts:
+        if cumulative >= q * counts[-1][1]:
+            return bound * 1000
+    return None
 
 
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:

@@ -208,6 +208,9 @@ class GenerateResult(BaseModel):
     """From the engine's ``usage.prompt_tokens_details.cached_tokens``: the ground truth."""
     completion_tokens: int
     ttft_ms: float
+    """To the engine's first token: its first streamed chunk (vLLM sends it when the first
+    token is sampled), not the first parsed tool-call delta, which comes several decode
+    steps later."""
     latency_ms: float
     dispatch_ms: float = 0.0
     """From Temporal scheduling this attempt to the request leaving for the engine:

@@ -31,6 +31,9 @@ class EngineCandidate(BaseModel):
     """Steps routed here and not finished yet: fresher than the heartbeat during a burst."""
     kv_usage: float = Field(default=0.0, ge=0.0)
     """Fraction of the KV pool in use."""
+    batch_jobs: int = Field(default=0, ge=0)
+    """Batch jobs under way here (a step routed here lately), counted for a batch job's
+    first step only: between steps a job has nothing in flight, yet it will come back."""
 
     @property
     def load(self) -> int:
@@ -87,8 +90,10 @@ def score(c: EngineCandidate, config: RoutingConfig, *, batch: bool = False,
     a burst packed onto the engine that warmed that prefix first leaves the other
     engines idle and stretches the makespan."""
     saved = c.expected_cached_tokens / config.prefill_tokens_per_s
-    weight = config.batch_delay_factor if batch and continuing else 1.0
-    return saved - c.load * config.delay_per_request_s * weight
+    if batch and continuing:
+        return saved - c.load * config.delay_per_request_s * config.batch_delay_factor
+    load = max(c.load, c.batch_jobs) if batch else c.load
+    return saved - load * config.delay_per_request_s
 
 
 def choose_engine(

@@ -192,3 +192,14 @@ def test_a_batch_burst_spreads_once_the_warm_engine_is_much_busier() -> None:
     # the same job's later step stays with its transcript on the busy engine
     later = choose_engine(lopsided, job_id="j", last_engine="e0", config=cfg, batch=True)
     assert (later.engine_id, later.reason) == ("e0", "sticky")
+
+
+def test_a_new_batch_job_counts_the_jobs_under_way_not_only_the_steps_in_flight() -> None:
+    cfg = RoutingConfig(prefill_tokens_per_s=20_000, delay_per_request_s=0.01, max_load=8)
+    # e0 holds the prefix and has few steps in flight, but 20 jobs between their steps
+    engines = [EngineCandidate(engine_id="e0", expected_cached_tokens=1792, in_flight=3,
+                               batch_jobs=20),
+               EngineCandidate(engine_id="e1", in_flight=2, batch_jobs=4)]
+    assert choose_engine(engines, job_id="j", config=cfg, batch=True).engine_id == "e1"
+    # an interactive step does not look at batch jobs between their steps
+    assert choose_engine(engines, job_id="j", config=cfg).engine_id == "e0"
