@@ -371,3 +371,26 @@ async def test_the_prefix_directory_predicts_cached_tokens_of_sticky_steps(
     else:
         assert out.returncode == 0, out.stdout + out.stderr
         assert "cache busts: none seen" in out.stdout
+
+
+async def test_batch_jobs_under_way_are_counted_per_engine_and_expire(
+    stack: Stack, settings: Settings, redis: aioredis.Redis
+) -> None:
+    """The count a new batch job's placement balances on (real Redis)."""
+    from activities.registry import BATCH_JOB_RESIDENT_S, BATCH_JOBS_KEY
+
+    registry = EngineRegistry(redis, ttl_s=settings.engine_ttl_s)
+    engines = ["test-bj-a", "test-bj-b"]
+    await redis.delete(*[BATCH_JOBS_KEY.format(e) for e in engines])
+    now = time.time()
+    try:
+        for step in range(3):  # one job's steps count once
+            await registry.batch_job_routed("test-bj-a", "job-1", now=now + step)
+        await registry.batch_job_routed("test-bj-a", "job-2", now=now)
+        await registry.batch_job_routed("test-bj-b", "job-3", now=now - BATCH_JOB_RESIDENT_S - 1)
+        assert await registry.batch_jobs(engines, now=now + 3) == {"test-bj-a": 2, "test-bj-b": 0}
+        # job-2's last step there is now too old: it has finished or moved
+        later = now + BATCH_JOB_RESIDENT_S + 1
+        assert await registry.batch_jobs(engines, now=later) == {"test-bj-a": 1, "test-bj-b": 0}
+    finally:
+        await redis.delete(*[BATCH_JOBS_KEY.format(e) for e in engines])
