@@ -187,7 +187,8 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
     settings = bench_settings(
         "burst", offset=10, engines=2, kv_cache_bytes=args.kv_cache_bytes,
         admission=AdmissionConfig(interactive_ttft_target_ms=args.ttft_target_ms,
-                                  k_start=args.k_start, k_max=args.k_max,
+                                  k_min=args.k_min, k_start=args.k_start,
+                                  k_max=args.k_max,
                                   fleet_signal=args.fleet_signal))
     s3 = build_s3(settings)
     pool = {p: bundled_tasks(p) for p in TOOLS}
@@ -291,6 +292,9 @@ def main(argv: list[str] | None = None) -> None:
                    "working set (~50k tokens) does not fit in the two pools at once")
     p.add_argument("--ttft-target-ms", type=float, default=300.0,
                    help="batch admission's interactive TTFT p95 target")
+    p.add_argument("--k-min", type=int, default=1,
+                   help="0: an engine may admit no batch step while interactive TTFT is "
+                   "over target")
     p.add_argument("--k-start", type=int, default=4)
     p.add_argument("--k-max", type=int, default=16)
     p.add_argument("--window", type=int, default=16,

@@ -32,7 +32,11 @@ class AdmissionConfig(BaseModel):
     interactive_ttft_target_ms: float = Field(default=1500.0, gt=0)
     """Interactive TTFT p95 that batch admission defends. Tune it to the engine: a GPU
     engine's target is tens of ms, the tiny model on two CPU cores about a second."""
-    k_min: int = Field(default=1, ge=1)
+    k_min: int = Field(default=1, ge=0)
+    """0 lets the lane yield an engine entirely while its interactive TTFT is over
+    target (batch steps wait; K comes back once fresh interactive samples are well
+    under target, or after ``idle_grow_s`` with none). It protects interactive latency
+    at the burst's expense where even one batch step at a time is too many."""
     k_max: int = Field(default=16, ge=1)
     k_start: int = Field(default=4, ge=1)
     window: int = Field(default=20, ge=4)

@@ -189,3 +189,20 @@ def test_an_engine_publishes_no_p95_once_its_interactive_traffic_stops() -> None
     assert adm.recent_interactive_p95_ms() == 400
     clock.t += CFG.idle_grow_s + 1
     assert adm.recent_interactive_p95_ms() is None
+
+
+async def test_with_k_min_zero_the_lane_yields_the_engine_and_comes_back() -> None:
+    clock = Clock()
+    adm = BatchAdmission(CFG.model_copy(update={"k_min": 0, "k_start": 1}), clock=clock)
+    await adm.observe_interactive(2500)  # over target at K = 1: the lane stops here
+    assert adm.limit == 0
+    blocked = asyncio.ensure_future(adm.acquire("job"))
+    await asyncio.sleep(0.01)
+    assert not blocked.done() and adm.waiting == 1
+    # a full window of fast interactive steps with no batch running brings K back
+    clock.t += 2
+    for _ in range(CFG.window):
+        await adm.observe_interactive(100)
+    assert adm.limit == 1
+    await asyncio.wait_for(blocked, 1)
+    assert adm.active == 1
