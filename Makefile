@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint down status clean bench-routing bench-burst bench-pauses
+.PHONY: install demo test test-fast lint down status clean bench-routing bench-burst bench-pauses bench-contention
 
 install: $(INSTALLED)
 
@@ -42,6 +42,10 @@ bench-routing: install $(VENV)/.bench-installed
 ## Batch lane: a 100-job burst, naive vs lanes, with interactive jobs alongside (own stack).
 bench-burst: install
 	$(BIN)/python -m bench.burst
+
+## The floor under any batch lane here: raw vLLM probe TTFT beside batch streams (own stack).
+bench-contention: install
+	$(BIN)/python -m bench.contention
 
 ## Hold or release: always-release vs always-hold vs the cost model under churn (own stack).
 bench-pauses: install

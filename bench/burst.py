@@ -286,7 +286,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-steps", type=int, default=5)
     p.add_argument("--interactive-steps", type=int, default=3)
     p.add_argument("--trickle-gap-s", type=float, default=2.0)
-    p.add_argument("--idle-s", type=float, default=40.0)
+    p.add_argument("--idle-s", type=float, default=90.0,
+                   help="the idle baseline: ~1.4 interactive steps a second")
     p.add_argument("--kv-cache-bytes", type=int, default=24 * 1024 * 1024,
                    help="per engine; 24 MiB is 12,288 tokens of the tiny model: the burst's "
                    "working set (~50k tokens) does not fit in the two pools at once")
