@@ -222,7 +222,8 @@ class HoldManager:
     async def tick(self) -> None:
         now = self._clock()
         for job_id, h in list(self.holds.items()):
-            if now >= h.until:
+            # A step may resume (or hold anew) the job while this loop awaits Redis.
+            if now >= h.until and self.holds.get(job_id) is h:
                 del self.holds[job_id]
                 await self._count(released_on_ttl=1)
         due = [h for h in self.holds.values() if h.next_touch <= now]
@@ -243,6 +244,8 @@ class HoldManager:
                 await self.tick()
             except (httpx.HTTPError, OSError) as e:
                 log.warning("hold_tick_failed", error=str(e))
+            except Exception:  # noqa: BLE001 - holds are advice; the worker serves steps
+                log.exception("hold_tick_failed")
             await asyncio.sleep(tick_s)
 
     async def _touch(self, h: Hold) -> None:

@@ -244,3 +244,23 @@ async def test_a_touch_never_recomputes_blocks_the_engine_lost() -> None:
     await m.tick()
     assert len(touches) == 2 and not m.holds
     assert redis.hashes["warmloop:holds:stats:e0"]["released_lost"] == 1
+
+
+async def test_a_job_resumed_while_the_ttl_sweep_awaits_is_not_released_twice() -> None:
+    m, redis, clock = manager(StubPauses(1200.0, 3600.0), [], capacity=100_000)
+    triage = get_profile("ticket-triage")
+    for job in ("j1", "j2"):
+        await m.after_step(job_id=job, profile=triage, kind="approval:urgent_priority",
+                           prefix_tokens=[1] * 256, policy="always_hold", interactive=True)
+    clock.t += HoldConfig().always_hold_ttl_s + 1
+    count = m._count
+
+    async def count_then_resume_j2(**increments: int) -> None:
+        await count(**increments)
+        await m.resume("j2")  # j2's next step arrives while j1's release is recorded
+
+    m._count = count_then_resume_j2  # type: ignore[method-assign]
+    await m.tick()  # raised KeyError('j2') and stopped the worker's hold loop before
+    assert not m.holds
+    stats = redis.hashes["warmloop:holds:stats:e0"]
+    assert stats["released_on_ttl"] == 1 and stats["released_on_resume"] == 1
