@@ -163,6 +163,11 @@ class BatchAdmission:
 
     def _grow_if_idle(self) -> None:
         now = self._clock()
+        if self.limit == 0 and now - self._last_adjust > self.config.idle_grow_s:
+            # k_min 0: a stopped lane tries one step again after a pause, or a host busy
+            # for other reasons (p95 between 0.6x and 1x target) would stop it for good
+            self._set(1, why="retry after a pause")
+            return
         idle = (self._last_interactive is None
                 or now - self._last_interactive > self.config.idle_grow_s) and \
             (self._fleet_p95 is None

@@ -284,7 +284,8 @@ class HoldManager:
         if kept >= len(h.hashes):
             return True
         if kept == 0:
-            self.holds.pop(h.job_id, None)
+            if self.holds.get(h.job_id) is h:  # not resumed or held anew meanwhile
+                del self.holds[h.job_id]
             await self._count(released_lost=1)
             log.info("hold_lost", job_id=h.job_id, blocks=len(h.hashes))
             return False
@@ -301,6 +302,8 @@ class HoldManager:
         for h in sorted(self.holds.values(), key=lambda h: h.created):
             if self.held_tokens <= cap:
                 break
+            if self.holds.get(h.job_id) is not h:  # resumed while we awaited Redis
+                continue
             del self.holds[h.job_id]
             await self._count(released_for_room=1)
 

@@ -38,8 +38,9 @@ class EngineHeartbeat(BaseModel):
     """Prefix tokens the worker keeps warm for paused jobs."""
     prefill_computed_total: float = 0.0
     """Cumulative prompt tokens the engine computed (not from cache): its churn."""
-    batch_limit: int = 0
-    """K: batch-lane steps this engine admits at once (adapted to interactive TTFT)."""
+    batch_limit: int | None = None
+    """Batch steps the engine admits at once (K after the KV fit; 0: the lane is
+    stopped here; adapted to interactive TTFT); None without batch admission."""
     batch_active: int = 0
     batch_waiting: int = 0
     interactive_ttft_p95_ms: float | None = None
@@ -49,10 +50,10 @@ class EngineHeartbeat(BaseModel):
 
 INFLIGHT_KEY = "warmloop:inflight:{}"
 INFLIGHT_MAX_AGE_S = 600.0
+"""A routed step not finished after this long is not counted (its worker died)."""
 BATCH_JOBS_KEY = "warmloop:batchjobs:{}"
 BATCH_JOB_RESIDENT_S = 30.0
 """A batch job counts as under way on an engine this long after its last step there."""
-"""A routed step not finished after this long is not counted (its worker died)."""
 
 _METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*$")
 

@@ -81,7 +81,7 @@ def histogram_quantile_ms(after: dict[float, float], before: dict[float, float],
         return None
     for bound, cumulative in counts:
         if cumulative >= q * counts[-1][1]:
-            return bound * 1000
+            return bound * 1000 if bound != float("inf") else None
     return None
 
 

@@ -68,7 +68,7 @@ async def batch_stream(http: httpx.AsyncClient, url: str, stop: asyncio.Event,
                        seed: int) -> None:
     i = 0
     while not stop.is_set():
-        await ttft_ms(http, url, BATCH_PREFIX + text(60, seed * 100_000 + i), 10, 48)
+        await ttft_ms(http, url, f"{BATCH_PREFIX} {text(60, seed * 100_000 + i)}", 10, 48)
         i += 1
 
 
@@ -78,7 +78,7 @@ async def probes(http: httpx.AsyncClient, url: str, seconds: float, seed: int) -
     i = 0
     while time.monotonic() < end:
         tasks.append(asyncio.ensure_future(
-            ttft_ms(http, url, PROBE_PREFIX + text(40, seed + i), 0, 8)))
+            ttft_ms(http, url, f"{PROBE_PREFIX} {text(40, seed + i)}", 0, 8)))
         i += 1
         await asyncio.sleep(0.4)
     return list(await asyncio.gather(*tasks))
@@ -94,7 +94,9 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
         await ttft_ms(http, urls[1], PROBE_PREFIX, 0, 1)  # the probe's prefix is warm
         for n, (label, on, streams) in enumerate(SCENARIOS):
             stop = asyncio.Event()
-            load = [asyncio.ensure_future(batch_stream(http, urls[e], stop, 10 * e + k))
+            # seeds differ per scenario: no batch prompt is ever cached from an earlier one
+            load = [asyncio.ensure_future(batch_stream(http, urls[e], stop,
+                                                       100 * n + 10 * e + k))
                     for e in on for k in range(streams)]
             if load:
                 await asyncio.sleep(2)  # the streams are under way

@@ -166,7 +166,9 @@ def lower_cpu_priority(pids: list[int], nice: int) -> int:
         for tid in tids:
             with contextlib.suppress(OSError):  # the thread ended meanwhile
                 os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
-                os.setpriority(os.PRIO_PROCESS, tid, nice)
+                # never raise a thread's priority (EPERM unless privileged)
+                os.setpriority(os.PRIO_PROCESS, tid,
+                               max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
                 changed += 1
     return changed
 

@@ -629,7 +629,8 @@ def engines(as_json: bool = typer.Option(False, "--json", help="One JSON object 
         for hb in live:
             table.add_row(hb.engine_id, hb.model, str(hb.running),
                           str(hb.waiting), str(in_flight[hb.engine_id]),
-                          f"{hb.batch_active}/{hb.batch_limit}" if hb.batch_limit else "-",
+                          "-" if hb.batch_limit is None
+                          else f"{hb.batch_active}/{hb.batch_limit}",
                           f"{hb.kv_usage:.0%}", f"{hb.kv_capacity_tokens:,} tok",
                           f"{hb.held_tokens:,} tok in {holds[hb.engine_id]} holds",
                           f"{blocks[hb.engine_id]:,} blocks of {hb.block_size}",

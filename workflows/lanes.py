@@ -34,8 +34,8 @@ class AdmissionConfig(BaseModel):
     engine's target is tens of ms, the tiny model on two CPU cores about a second."""
     k_min: int = Field(default=1, ge=0)
     """0 lets the lane yield an engine entirely while its interactive TTFT is over
-    target (batch steps wait; K comes back once fresh interactive samples are well
-    under target, or after ``idle_grow_s`` with none). It protects interactive latency
+    target (batch steps wait; K comes back to 1 once fresh interactive samples are well
+    under target, or ``idle_grow_s`` after the cut, to try again). It protects interactive latency
     at the burst's expense where even one batch step at a time is too many."""
     k_max: int = Field(default=16, ge=1)
     k_start: int = Field(default=4, ge=1)

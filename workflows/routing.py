@@ -52,8 +52,9 @@ class RoutingConfig(BaseModel):
     slows every sequence a little; a queue costs whole steps)."""
     max_load: int = Field(default=8, ge=1)
     """An engine with this many requests on it is passed over while another is below.
-    Not for batch steps: they are meant to queue in their engine's batch admission, and
-    moving one for load throws its cached transcript away."""
+    Not for a batch job's later steps: they are meant to queue in their engine's batch
+    admission, and moving one for load throws its cached transcript away. A batch job's
+    first step counts the batch jobs under way there as load too."""
     batch_delay_factor: float = Field(default=0.25, ge=0, le=1)
     """A batch job's later steps weigh queueing delay this much less: a batch job values
     its makespan, not each step's latency, so it stays where its transcript is cached
@@ -127,8 +128,11 @@ def choose_engine(
     continuing = last_engine is not None
     # A batch job's later step is not moved for load: it queues in its engine's
     # admission, where its transcript is cached.
+    def load(c: EngineCandidate) -> int:
+        return max(c.load, c.batch_jobs) if batch else c.load
+
     under = ordered if batch and continuing else \
-        [c for c in ordered if c.load < cfg.max_load] or ordered
+        [c for c in ordered if load(c) < cfg.max_load] or ordered
     scores = {c.engine_id: score(c, cfg, batch=batch, continuing=continuing) for c in under}
     best = max(scores.values())
     # Near-ties (cold starts, equal warmth) go by load, then a per-job spread.

@@ -206,3 +206,18 @@ async def test_with_k_min_zero_the_lane_yields_the_engine_and_comes_back() -> No
     assert adm.limit == 1
     await asyncio.wait_for(blocked, 1)
     assert adm.active == 1
+
+
+async def test_a_stopped_lane_tries_again_after_a_pause() -> None:
+    clock = Clock()
+    adm = BatchAdmission(CFG.model_copy(update={"k_min": 0, "k_start": 1}), clock=clock)
+    await adm.observe_interactive(2500)
+    assert adm.limit == 0
+    blocked = asyncio.ensure_future(adm.acquire("job"))
+    # interactive steps stay between 0.6x and 1x target: never "well under" it
+    for _ in range(CFG.window):
+        await adm.observe_interactive(800)
+    assert adm.limit == 0
+    clock.t += CFG.idle_grow_s + 1
+    await asyncio.wait_for(blocked, 3)  # the waiter's next 1 s tick retries K = 1
+    assert adm.limit == 1 and adm.active == 1
