@@ -221,10 +221,8 @@ class HoldManager:
 
     async def tick(self) -> None:
         now = self._clock()
-        for job_id, h in list(self.holds.items()):
-            # A step may resume (or hold anew) the job while this loop awaits Redis.
-            if now >= h.until and self.holds.get(job_id) is h:
-                del self.holds[job_id]
+        for h in list(self.holds.values()):
+            if now >= h.until and self._forget(h):
                 await self._count(released_on_ttl=1)
         due = [h for h in self.holds.values() if h.next_touch <= now]
         if due:
@@ -284,8 +282,7 @@ class HoldManager:
         if kept >= len(h.hashes):
             return True
         if kept == 0:
-            if self.holds.get(h.job_id) is h:  # not resumed or held anew meanwhile
-                del self.holds[h.job_id]
+            self._forget(h)
             await self._count(released_lost=1)
             log.info("hold_lost", job_id=h.job_id, blocks=len(h.hashes))
             return False
@@ -302,10 +299,16 @@ class HoldManager:
         for h in sorted(self.holds.values(), key=lambda h: h.created):
             if self.held_tokens <= cap:
                 break
-            if self.holds.get(h.job_id) is not h:  # resumed while we awaited Redis
-                continue
-            del self.holds[h.job_id]
-            await self._count(released_for_room=1)
+            if self._forget(h):
+                await self._count(released_for_room=1)
+
+    def _forget(self, h: Hold) -> bool:
+        """Drop ``h`` if it is still its job's hold. Callers await Redis between choosing
+        a hold and dropping it, and a step may resume (or hold anew) the job meanwhile."""
+        if self.holds.get(h.job_id) is not h:
+            return False
+        del self.holds[h.job_id]
+        return True
 
     async def _count(self, **increments: int) -> None:
         """Add to this engine's hold statistics, in one round trip."""

@@ -51,7 +51,9 @@ class RoutingActivities:
         ids = [e.engine_id for e in live]
         steps = await self._registry.in_flight_steps(ids)
         batch = req.lane == Lane.BATCH
-        resident = await self._registry.batch_jobs(ids) if batch else dict.fromkeys(ids, 0)
+        # only a batch job's first step weighs the jobs under way (workflows.routing)
+        resident = (await self._registry.batch_jobs(ids) if batch and req.last_engine is None
+                    else dict.fromkeys(ids, 0))
         expected = {e: 0 for e in ids}
         if req.policy == "cache_aware":
             job = await self._dir.job_chain(req.job_id)

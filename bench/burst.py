@@ -32,13 +32,14 @@ from temporalio.client import Client
 from bench.common import (
     bench_settings,
     bench_stack,
+    counters_of,
     delta,
-    engine_counters,
-    engine_ttft_buckets,
     histogram_quantile_ms,
     pct,
     prefill_computed,
     reset_caches,
+    scrape,
+    ttft_buckets_of,
 )
 from bench.demo import bundled_tasks
 from workers.clients import build_s3
@@ -158,8 +159,7 @@ async def phase(name: str, client: Client, http: httpx.AsyncClient, urls: list[s
                 redis: aioredis.Redis, engine_ids: list[str], args: argparse.Namespace,
                 burst: Any) -> Phase:
     await reset_caches(http, urls, redis, engine_ids)
-    before = await engine_counters(http, urls)
-    ttft_before = await engine_ttft_buckets(http, urls)
+    before = await scrape(http, urls)
     stop = asyncio.Event()
     tag = f"{name}-{uuid.uuid4().hex[:6]}"
     interactive = asyncio.ensure_future(trickle(client, stop, tag, args.trickle_gap_s,
@@ -173,8 +173,9 @@ async def phase(name: str, client: Client, http: httpx.AsyncClient, urls: list[s
     makespan = time.monotonic() - t0
     stop.set()
     inter = await interactive
-    d = delta(await engine_counters(http, urls), before)
-    engine_p95 = histogram_quantile_ms(await engine_ttft_buckets(http, urls), ttft_before, .95)
+    after = await scrape(http, urls)
+    d = delta(counters_of(after), counters_of(before))
+    engine_p95 = histogram_quantile_ms(ttft_buckets_of(after), ttft_buckets_of(before), .95)
     return Phase(name=name, interactive_ttfts=ttfts(inter), prefill_tokens=prefill_computed(d),
                  engine_ttft_p95_ms=engine_p95, interactive_prefill_tokens=computed(inter),
                  batch_prefill_tokens=computed(batch),

@@ -44,26 +44,35 @@ def bench_settings(name: str, *, offset: int, engines: int, kv_cache_bytes: int,
     )
 
 
-async def engine_counters(http: httpx.AsyncClient, urls: list[str]) -> dict[str, float]:
+async def scrape(http: httpx.AsyncClient, urls: list[str]) -> list[str]:
+    """Each engine's /metrics page, read once for every figure taken from it."""
+    return [(await http.get(f"{u}/metrics")).text for u in urls]
+
+
+def counters_of(pages: list[str]) -> dict[str, float]:
     """The engines' own counters, summed over the fleet."""
     total: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
-    for u in urls:
-        m = parse_vllm_metrics((await http.get(f"{u}/metrics")).text)
+    for page in pages:
+        m = parse_vllm_metrics(page)
         for k in COUNTERS:
             total[k] += m.get(k, 0.0)
     return total
+
+
+async def engine_counters(http: httpx.AsyncClient, urls: list[str]) -> dict[str, float]:
+    return counters_of(await scrape(http, urls))
 
 
 TTFT_BUCKET = "vllm:time_to_first_token_seconds_bucket"
 _LE = re.compile(r'le="([^"]+)"')
 
 
-async def engine_ttft_buckets(http: httpx.AsyncClient, urls: list[str]) -> dict[float, float]:
+def ttft_buckets_of(pages: list[str]) -> dict[float, float]:
     """The engines' own TTFT histogram (cumulative counts per upper bound, in seconds),
     summed over the fleet."""
     out: dict[float, float] = {}
-    for u in urls:
-        for line in (await http.get(f"{u}/metrics")).text.splitlines():
+    for page in pages:
+        for line in page.splitlines():
             if line.startswith(TTFT_BUCKET):
                 le = _LE.search(line)
                 if le:

@@ -104,12 +104,19 @@ def _http_ok(url: str) -> bool:
         return False
 
 
-def _alive(pid: int) -> bool:
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/<pid>/stat after the process name (which may hold spaces and ")"): state,
+    ppid, ...; None when the process is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
+            return f.read().rsplit(")", 1)[1].split()
     except OSError:
-        return False
+        return None
+
+
+def _alive(pid: int) -> bool:
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
@@ -126,14 +133,9 @@ def settings_env(settings: Settings) -> dict[str, str]:
 def _children_by_parent() -> dict[int, list[int]]:
     out: dict[int, list[int]] = {}
     for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # comm may hold spaces and ")"
-        out.setdefault(ppid, []).append(int(d.name))
+        fields = _stat_fields(d.name) if d.name.isdigit() else None
+        if fields is not None:
+            out.setdefault(int(fields[1]), []).append(int(d.name))
     return out
 
 

