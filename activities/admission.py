@@ -3,7 +3,7 @@
 vLLM's priority scheduling lets an interactive request jump the queue, but it does not
 preempt running batch requests, and every running sequence slows each decode
 iteration. So the worker beside the engine caps the batch steps it lets through, and
-adapts the cap (``workflows.lanes.next_batch_limit``) to the interactive TTFT it sees.
+adapts the cap (``warmloop.workflows.lanes.next_batch_limit``) to the interactive TTFT it sees.
 
 Who goes first matters as much as how many: a waiting step of a job already under way
 goes before the first step of a new job (oldest job first). A burst then runs about K
@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import structlog
 
-from workflows.lanes import AdmissionConfig, kv_fit_limit, next_batch_limit
+from warmloop.workflows.lanes import AdmissionConfig, kv_fit_limit, next_batch_limit
 
 log = structlog.get_logger(__name__)
 

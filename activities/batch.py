@@ -11,15 +11,15 @@ from pydantic import ValidationError
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from workflows.batch_run import (
+from warmloop.workflows.batch_run import (
     ReadPageRequest,
     ReadPageResult,
     RecordOutcome,
     TaskRecord,
     WritePageRequest,
 )
-from workflows.profiles import UnknownProfileError, get_profile
-from workflows.profiles.base import first_error
+from warmloop.workflows.profiles import UnknownProfileError, get_profile
+from warmloop.workflows.profiles.base import first_error
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:

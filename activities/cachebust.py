@@ -22,8 +22,8 @@ import redis.asyncio as aioredis
 import structlog
 from pydantic import BaseModel
 
-from activities.directory import PrefixDirectory
-from workflows.routing import first_difference, prefix_family
+from warmloop.activities.directory import PrefixDirectory
+from warmloop.workflows.routing import first_difference, prefix_family
 
 log = structlog.get_logger(__name__)
 

@@ -1,7 +1,7 @@
 """The prefix directory: which engine likely holds which prompt prefix.
 
-Kept in Redis, one sorted set per engine of block hashes (``workflows.routing.block_hashes``)
-scored by last use. Two ways to keep it true:
+Kept in Redis, one sorted set per engine of block hashes
+(``warmloop.workflows.routing.block_hashes``) scored by last use. Two ways to keep it true:
 
 - **precise**: the engine publishes its KV events (vLLM ``--kv-events-config``) and the
   inference worker applies each ``BlockStored``/``BlockRemoved`` (``KvEventApplier``);
@@ -24,7 +24,7 @@ from typing import Any
 import redis.asyncio as aioredis
 import structlog
 
-from workflows.routing import block_hashes
+from warmloop.workflows.routing import block_hashes
 
 log = structlog.get_logger(__name__)
 
@@ -222,7 +222,7 @@ class KvEventApplier:
 
 
 def _chain_step(parent_hex: str, tokens: list[int]) -> str:
-    # Same construction as workflows.routing.block_hashes, one block at a time.
+    # Same construction as warmloop.workflows.routing.block_hashes, one block at a time.
     h = hashlib.blake2b(bytes.fromhex(parent_hex) if parent_hex else b"", digest_size=8)
     h.update(b"".join(t.to_bytes(4, "little", signed=False) for t in tokens))
     return h.hexdigest()

@@ -1,7 +1,7 @@
 """Holding, engine-side: keep a paused job's prefix warm while it pays.
 
 The inference worker decides after each step whose tool call will pause the job (a
-tool, or a human approval): it asks the cost model (``workflows.holding.decide_hold``)
+tool, or a human approval): it asks the cost model (``warmloop.workflows.holding.decide_hold``)
 with the pause statistics of that tool or approval kind and the engine's pressure.
 A hold is kept by 1-token touch requests on the prefix's token ids, often enough that
 the blocks never reach the end of vLLM's LRU (the interval follows the engine's churn),
@@ -29,10 +29,10 @@ import httpx
 import redis.asyncio as aioredis
 import structlog
 
-from activities.directory import PrefixDirectory
-from activities.pauses import PauseStats, approval_kind, tool_kind
-from activities.registry import EngineHeartbeat
-from workflows.holding import (
+from warmloop.activities.directory import PrefixDirectory
+from warmloop.activities.pauses import PauseStats, approval_kind, tool_kind
+from warmloop.activities.registry import EngineHeartbeat
+from warmloop.workflows.holding import (
     HoldAction,
     HoldChoice,
     HoldConfig,
@@ -43,8 +43,8 @@ from workflows.holding import (
     decide_hold,
     keepalive_schedule,
 )
-from workflows.profiles import Profile
-from workflows.profiles.base import ToolCallError
+from warmloop.workflows.profiles import Profile
+from warmloop.workflows.profiles.base import ToolCallError
 
 log = structlog.get_logger(__name__)
 

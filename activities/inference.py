@@ -14,15 +14,21 @@ import structlog
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.admission import BatchAdmission
-from activities.cachebust import CacheBustDetector
-from activities.directory import PrefixDirectory, PromptChain, prompt_chain
-from activities.holds import HoldManager, pause_kind
-from activities.registry import EngineHeartbeat, EngineRegistry, step_key
-from activities.transcripts import TranscriptStore
-from workflows.contracts import FunctionCall, GenerateRequest, GenerateResult, Lane, ToolCall
-from workflows.profiles import Profile, get_profile
-from workflows.prompt import assemble_prompt, canonical_json
+from warmloop.activities.admission import BatchAdmission
+from warmloop.activities.cachebust import CacheBustDetector
+from warmloop.activities.directory import PrefixDirectory, PromptChain, prompt_chain
+from warmloop.activities.holds import HoldManager, pause_kind
+from warmloop.activities.registry import EngineHeartbeat, EngineRegistry, step_key
+from warmloop.activities.transcripts import TranscriptStore
+from warmloop.workflows.contracts import (
+    FunctionCall,
+    GenerateRequest,
+    GenerateResult,
+    Lane,
+    ToolCall,
+)
+from warmloop.workflows.profiles import Profile, get_profile
+from warmloop.workflows.prompt import assemble_prompt, canonical_json
 
 log = structlog.get_logger(__name__)
 

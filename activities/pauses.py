@@ -3,7 +3,7 @@
 Kept in Redis as a fixed log-spaced histogram per (profile, kind), so memory stays
 bounded however many pauses are seen and any process can merge them. Until a kind
 has enough samples the profile's prior (a lognormal) stands in
-(``workflows.holding.PauseDistribution``).
+(``warmloop.workflows.holding.PauseDistribution``).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from temporalio import activity
 
-from workflows.contracts import RecordPauseRequest
-from workflows.holding import PauseDistribution
-from workflows.profiles import Profile
+from warmloop.workflows.contracts import RecordPauseRequest
+from warmloop.workflows.holding import PauseDistribution
+from warmloop.workflows.profiles import Profile
 
 PAUSES_KEY = "warmloop:pauses:{}|{}"
 PAUSES_INDEX = "warmloop:pauses"

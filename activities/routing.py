@@ -1,6 +1,6 @@
 """The routing activity: gathers what the router needs (live engines and their load
 from the registry, how much of the step's prefix each holds from the prefix directory)
-and asks the pure scoring function in ``workflows.routing`` for the engine."""
+and asks the pure scoring function in ``warmloop.workflows.routing`` for the engine."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import structlog
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.directory import PrefixDirectory
-from activities.registry import EngineHeartbeat, EngineRegistry, step_key, step_key_profile
-from workflows.contracts import EngineChoice, Lane, PickEngineRequest, RouteRequest
-from workflows.routing import (
+from warmloop.activities.directory import PrefixDirectory
+from warmloop.activities.registry import EngineHeartbeat, EngineRegistry, step_key, step_key_profile
+from warmloop.workflows.contracts import EngineChoice, Lane, PickEngineRequest, RouteRequest
+from warmloop.workflows.routing import (
     EngineCandidate,
     RouteDecision,
     RoutingConfig,
@@ -51,7 +51,7 @@ class RoutingActivities:
         ids = [e.engine_id for e in live]
         steps = await self._registry.in_flight_steps(ids)
         batch = req.lane == Lane.BATCH
-        # only a batch job's first step weighs the jobs under way (workflows.routing)
+        # only a batch job's first step weighs the jobs under way (warmloop.workflows.routing)
         resident = (await self._registry.batch_jobs(ids) if batch and req.last_engine is None
                     else dict.fromkeys(ids, 0))
         expected = {e: 0 for e in ids}

@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import TypeAdapter
 from temporalio import activity
 
-from workflows.contracts import ChatMessage, StoreTranscriptRequest
+from warmloop.workflows.contracts import ChatMessage, StoreTranscriptRequest
 
 _transcript = TypeAdapter(list[ChatMessage])
 

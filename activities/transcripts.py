@@ -13,7 +13,7 @@ from typing import Any
 
 from temporalio.exceptions import ApplicationError
 
-from workflows.contracts import ChatMessage
+from warmloop.workflows.contracts import ChatMessage
 
 TRANSCRIPT_GAP = "TranscriptGap"
 

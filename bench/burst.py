@@ -41,12 +41,12 @@ from bench.common import (
     scrape,
     ttft_buckets_of,
 )
-from bench.demo import bundled_tasks
-from workers.clients import build_s3
-from workflows.agent_job import AgentJob
-from workflows.batch_run import BatchInput, BatchResult, BatchRun
-from workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult, Lane
-from workflows.lanes import AdmissionConfig
+from warmloop.workers.clients import build_s3
+from warmloop.workers.demo import bundled_tasks
+from warmloop.workflows.agent_job import AgentJob
+from warmloop.workflows.batch_run import BatchInput, BatchResult, BatchRun
+from warmloop.workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult, Lane
+from warmloop.workflows.lanes import AdmissionConfig
 
 # Tools that never wait for a human (urgent priorities and large payments do).
 TOOLS = {"ticket-triage": ["lookup_customer", "search_kb", "draft_reply", "finish"],

@@ -17,11 +17,11 @@ import redis.asyncio as aioredis
 from rich.console import Console
 from temporalio.client import Client
 
-from activities.directory import PrefixDirectory
-from activities.registry import parse_vllm_metrics
-from infra.stack import Stack
-from workers.clients import connect
-from workers.settings import Settings
+from warmloop.activities.directory import PrefixDirectory
+from warmloop.activities.registry import parse_vllm_metrics
+from warmloop.infra.stack import Stack
+from warmloop.workers.clients import connect
+from warmloop.workers.settings import Settings
 
 COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
             "vllm:prompt_tokens_total", "vllm:request_prefill_kv_computed_tokens_sum",

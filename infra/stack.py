@@ -28,7 +28,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from workers.settings import KV_EVENTS_TOPIC, Settings
+from warmloop.workers.settings import KV_EVENTS_TOPIC, Settings
 
 BIN = Path(sys.executable).parent
 GUIDED_DECODING_CONFIG = json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})
@@ -42,7 +42,7 @@ async def register_search_attributes(client: Any) -> None:
         ListSearchAttributesRequest,
     )
 
-    from workflows.agent_job import SEARCH_ATTRIBUTES
+    from warmloop.workflows.agent_job import SEARCH_ATTRIBUTES
 
     kinds = {"Keyword": IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD,
              "KeywordList": IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD_LIST}
@@ -274,14 +274,14 @@ class Stack:
         parts = [
             Part(
                 f"inference-worker-{e.id}",
-                [sys.executable, "-m", "workers.inference_worker", "--engine-id", e.id],
+                [sys.executable, "-m", "warmloop.workers.inference_worker", "--engine-id", e.id],
                 ready=functools.partial(self._redis_has, f"warmloop:engine:{e.id}"),
                 timeout_s=60,
             )
             for e in self.settings.engine_endpoints
         ]
         parts.append(Part(
-            "agent-worker", [sys.executable, "-m", "workers.agent_worker"],
+            "agent-worker", [sys.executable, "-m", "warmloop.workers.agent_worker"],
             ready=lambda: self._agent_worker_ready(), timeout_s=60,
         ))
         return parts
@@ -332,7 +332,7 @@ class Stack:
     def _register_search_attributes(self) -> None:
         import asyncio
 
-        from workers.clients import connect
+        from warmloop.workers.clients import connect
 
         async def go() -> None:
             await register_search_attributes(await connect(self.settings))
@@ -340,7 +340,7 @@ class Stack:
         asyncio.run(go())
 
     def _create_bucket(self) -> None:
-        from workers.clients import build_s3
+        from warmloop.workers.clients import build_s3
 
         s3 = build_s3(self.settings)
         with contextlib.suppress(s3.exceptions.BucketAlreadyOwnedByYou):
@@ -366,7 +366,7 @@ class Stack:
             raise StackError(f"engine at {url} failed its warm-up request: {r.text[:300]}")
 
     def build_model(self) -> None:
-        from infra.tiny_model import model_is_built
+        from warmloop.infra.tiny_model import model_is_built
 
         path = self.settings.resolved_model_path
         if not self.settings.manages_engines or model_is_built(path):
@@ -381,7 +381,7 @@ class Stack:
             for name in reversed(running):
                 self.stop_part(name, sig=signal.SIGTERM)
         self.log(f"building the tiny local model in {path} ...")
-        out = subprocess.run([sys.executable, "-m", "infra.tiny_model", str(path)],
+        out = subprocess.run([sys.executable, "-m", "warmloop.infra.tiny_model", str(path)],
                              capture_output=True, text=True)
         if out.returncode != 0:
             raise StackError(f"building the tiny model failed:\n{out.stderr[-2000:]}")

@@ -158,7 +158,7 @@ def _corpus(seed: int = 7) -> list[str]:
     lines += ["".join(rng.choice("0123456789abcdef") for _ in range(32)) for _ in range(200)]
     # The profiles' own prompts and tool schemas, so the stable prefix tokenizes like a
     # real model's would (about 4 characters a token, not 2).
-    from workflows.profiles import PROFILES
+    from warmloop.workflows.profiles import PROFILES
 
     for profile in PROFILES.values():
         text = (

@@ -13,9 +13,9 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from infra.stack import Stack, register_search_attributes
-from workers.clients import connect
-from workers.settings import Settings
+from warmloop.infra.stack import Stack, register_search_attributes
+from warmloop.workers.clients import connect
+from warmloop.workers.settings import Settings
 
 BIN = Path(sys.executable).parent
 

@@ -9,22 +9,22 @@ import socket
 import structlog
 from temporalio.worker import Worker
 
-from activities.batch import BatchActivities
-from activities.pauses import PauseActivities, PauseStats
-from activities.registry import EngineRegistry
-from activities.routing import RoutingActivities
-from activities.storage import StorageActivities
-from activities.tools import EffectLedger, ToolActivities
-from activities.tools.invoice_reconciliation import InvoiceReconciliationTools
-from activities.tools.synthetic import SyntheticTools
-from activities.tools.ticket_triage import TicketTriageTools
-from workers.clients import build_redis, build_s3, connect
-from workers.logging import configure_logging
-from workers.settings import Settings
-from workflows.agent_job import AgentJob
-from workflows.batch_run import BatchRun
-from workflows.contracts import AGENT_TASK_QUEUE
-from workflows.profiles.synthetic import SYNTHETIC_PROFILES
+from warmloop.activities.batch import BatchActivities
+from warmloop.activities.pauses import PauseActivities, PauseStats
+from warmloop.activities.registry import EngineRegistry
+from warmloop.activities.routing import RoutingActivities
+from warmloop.activities.storage import StorageActivities
+from warmloop.activities.tools import EffectLedger, ToolActivities
+from warmloop.activities.tools.invoice_reconciliation import InvoiceReconciliationTools
+from warmloop.activities.tools.synthetic import SyntheticTools
+from warmloop.activities.tools.ticket_triage import TicketTriageTools
+from warmloop.workers.clients import build_redis, build_s3, connect
+from warmloop.workers.logging import configure_logging
+from warmloop.workers.settings import Settings
+from warmloop.workflows.agent_job import AgentJob
+from warmloop.workflows.batch_run import BatchRun
+from warmloop.workflows.contracts import AGENT_TASK_QUEUE
+from warmloop.workflows.profiles.synthetic import SYNTHETIC_PROFILES
 
 log = structlog.get_logger(__name__)
 WORKER_KEY = "warmloop:worker:agent:{}"

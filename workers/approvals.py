@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from temporalio.client import Client
 
-from workflows.agent_job import SA_PENDING, AgentJob
-from workflows.contracts import Decision, PendingApproval
+from warmloop.workflows.agent_job import SA_PENDING, AgentJob
+from warmloop.workflows.contracts import Decision, PendingApproval
 
 PENDING_QUERY = (f"WorkflowType = 'AgentJob' AND ExecutionStatus = 'Running' "
                  f"AND {SA_PENDING.name} IS NOT NULL")

@@ -21,10 +21,10 @@ from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
-from workers.clients import StackNotRunningError, connect
-from workers.settings import Settings
-from workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult, JobStatus
-from workflows.profiles import UnknownProfileError, get_profile
+from warmloop.workers.clients import StackNotRunningError, connect
+from warmloop.workers.settings import Settings
+from warmloop.workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult, JobStatus
+from warmloop.workflows.profiles import UnknownProfileError, get_profile
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Durable LLM agent jobs on warm vLLM prefix caches.")
@@ -65,7 +65,7 @@ def _settings() -> Settings:
 @dev_app.command("up")
 def dev_up() -> None:
     """Start (or keep) the embedded stack and wait until every part is healthy."""
-    from infra.stack import Stack, StackError
+    from warmloop.infra.stack import Stack, StackError
 
     stack = Stack(_settings(), log=lambda m: console.print(m, highlight=False))
     try:
@@ -80,7 +80,7 @@ def dev_up() -> None:
 @dev_app.command("down")
 def dev_down() -> None:
     """Stop what `dev up` started."""
-    from infra.stack import Stack
+    from warmloop.infra.stack import Stack
 
     stopped = Stack(_settings()).down()
     console.print(f"stopped: {', '.join(stopped) if stopped else 'nothing was running'}")
@@ -89,7 +89,7 @@ def dev_down() -> None:
 @dev_app.command("status")
 def dev_status() -> None:
     """Show each part of the embedded stack."""
-    from infra.stack import Stack
+    from warmloop.infra.stack import Stack
 
     table = Table("part", "pid", "healthy", "log")
     for p in Stack(_settings()).status():
@@ -104,7 +104,7 @@ def dev_status() -> None:
 @worker_app.command("agent")
 def worker_agent() -> None:
     """Run an agent worker (workflows, tools, routing, storage)."""
-    from workers.agent_worker import main
+    from warmloop.workers.agent_worker import main
 
     main()
 
@@ -112,7 +112,7 @@ def worker_agent() -> None:
 @worker_app.command("inference")
 def worker_inference(engine_id: str = typer.Option(..., "--engine-id")) -> None:
     """Run the inference worker for one engine of WARMLOOP_ENGINES."""
-    from workers.inference_worker import main
+    from warmloop.workers.inference_worker import main
 
     main(["--engine-id", engine_id])
 
@@ -157,7 +157,7 @@ def submit(
     jid = job_id or f"{profile}-{uuid.uuid4().hex[:10]}"
 
     async def go() -> None:
-        from workflows.agent_job import AgentJob
+        from warmloop.workflows.agent_job import AgentJob
 
         client = await connect(_settings())
         try:
@@ -259,7 +259,7 @@ def approvals() -> None:
     """List pending approvals across all jobs."""
 
     async def go() -> None:
-        from workers.approvals import list_pending
+        from warmloop.workers.approvals import list_pending
 
         pending = await list_pending(await connect(_settings()))
         if not pending:
@@ -279,8 +279,8 @@ def _decide(job_id: str, approval_id: str, approve: bool, approver: str, comment
     async def go() -> None:
         from temporalio.client import WorkflowUpdateFailedError
 
-        from workers.approvals import decide
-        from workflows.contracts import Decision
+        from warmloop.workers.approvals import decide
+        from warmloop.workflows.contracts import Decision
 
         client = await connect(_settings())
         await _handle(job_id)
@@ -336,8 +336,8 @@ def report(
     success, TTFT per step and per task, from the jobs' recorded engine usage."""
 
     async def go() -> None:
-        from bench.report import report_table
-        from workflows.agent_job import AgentJob
+        from warmloop.workers.report import report_table
+        from warmloop.workflows.agent_job import AgentJob
 
         client = await connect(_settings())
         after = (datetime.now(UTC) - parse_since(since)).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -367,7 +367,7 @@ def report(
 def _batch_input(source: str, profile: str, window: int, page_size: int,
                  max_steps: int | None, deadline: str | None = None,
                  max_window: int = 64) -> Any:
-    from workflows.batch_run import BatchInput
+    from warmloop.workflows.batch_run import BatchInput
 
     try:
         get_profile(profile)
@@ -412,7 +412,7 @@ def batch_run(
     bid = batch_id or f"batch-{profile}-{uuid.uuid4().hex[:8]}"
 
     async def go() -> None:
-        from workflows.batch_run import BatchRun
+        from warmloop.workflows.batch_run import BatchRun
 
         client = await connect(_settings())
         try:
@@ -431,7 +431,7 @@ def batch_run(
 async def _follow_batch(handle: Any) -> None:
     from rich.progress import Progress
 
-    from workflows.batch_run import BatchRun
+    from warmloop.workflows.batch_run import BatchRun
 
     with Progress(console=console) as bar:
         task = bar.add_task("records", total=None)
@@ -471,7 +471,7 @@ def batch_status(batch_id: str) -> None:
     """Progress of a running batch, or its result."""
 
     async def go() -> None:
-        from workflows.batch_run import BatchResult, BatchRun
+        from warmloop.workflows.batch_run import BatchResult, BatchRun
 
         handle, desc = await _handle(batch_id, result_type=BatchResult, what="batch")
         if desc.status == WorkflowExecutionStatus.RUNNING:
@@ -509,7 +509,7 @@ def schedule_create(
     inp = _batch_input(input_source, profile, window, 100, None)
 
     async def go() -> None:
-        from workflows.batch_run import BatchRun
+        from warmloop.workflows.batch_run import BatchRun
 
         client = await connect(_settings())
         try:
@@ -602,9 +602,9 @@ def engines(as_json: bool = typer.Option(False, "--json", help="One JSON object 
         import redis.asyncio as aioredis
         from redis.exceptions import RedisError
 
-        from activities.directory import PrefixDirectory
-        from activities.holds import HOLDS_KEY
-        from activities.registry import EngineRegistry
+        from warmloop.activities.directory import PrefixDirectory
+        from warmloop.activities.holds import HOLDS_KEY
+        from warmloop.activities.registry import EngineRegistry
 
         s = _settings()
         r = aioredis.Redis.from_url(s.redis_url)
@@ -648,8 +648,8 @@ def pauses() -> None:
         import redis.asyncio as aioredis
         from redis.exceptions import RedisError
 
-        from activities.pauses import PauseStats
-        from workflows.profiles import PROFILES
+        from warmloop.activities.pauses import PauseStats
+        from warmloop.workflows.profiles import PROFILES
 
         s = _settings()
         r = aioredis.Redis.from_url(s.redis_url)
@@ -685,8 +685,8 @@ def view(job_id: str, approval_id: str = typer.Argument(None),
     prefix again so the step after your decision starts from a warm cache."""
 
     async def go() -> None:
-        from workflows.agent_job import AgentJob
-        from workflows.contracts import ApprovalViewed
+        from warmloop.workflows.agent_job import AgentJob
+        from warmloop.workflows.contracts import ApprovalViewed
 
         handle, _ = await _handle(job_id)
         pending = await handle.query(AgentJob.pending_approvals)
@@ -714,8 +714,8 @@ def doctor() -> None:
         import redis.asyncio as aioredis
         from redis.exceptions import RedisError
 
-        from activities.cachebust import bust_report
-        from activities.directory import PrefixDirectory
+        from warmloop.activities.cachebust import bust_report
+        from warmloop.activities.directory import PrefixDirectory
 
         s = _settings()
         r = aioredis.Redis.from_url(s.redis_url)
@@ -758,7 +758,7 @@ def demo(
     max_steps: int = typer.Option(8, "--max-steps", min=1, max=50),
 ) -> None:
     """Run ticket-triage jobs on the running stack and print the report."""
-    from bench.demo import run_demo
+    from warmloop.workers.demo import run_demo
 
     run(run_demo(_settings(), n_jobs=jobs, max_steps=max_steps, console=console))
 

@@ -10,7 +10,7 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 
-from workers.settings import Settings
+from warmloop.workers.settings import Settings
 
 
 class StackNotRunningError(RuntimeError):

@@ -15,24 +15,24 @@ import zmq.asyncio
 from temporalio import activity
 from temporalio.worker import Worker
 
-from activities.admission import BatchAdmission
-from activities.cachebust import CacheBust, CacheBustDetector
-from activities.directory import KvEventApplier, PrefixDirectory
-from activities.holds import HoldManager
-from activities.inference import InferenceActivities
-from activities.pauses import PauseStats
-from activities.registry import (
+from warmloop.activities.admission import BatchAdmission
+from warmloop.activities.cachebust import CacheBust, CacheBustDetector
+from warmloop.activities.directory import KvEventApplier, PrefixDirectory
+from warmloop.activities.holds import HoldManager
+from warmloop.activities.inference import InferenceActivities
+from warmloop.activities.pauses import PauseStats
+from warmloop.activities.registry import (
     EngineHeartbeat,
     EngineRegistry,
     parse_cache_config,
     parse_vllm_metrics,
 )
-from activities.transcripts import TranscriptStore
-from workers.clients import build_redis, build_s3, connect
-from workers.logging import configure_logging
-from workers.settings import KV_EVENTS_TOPIC, EngineEndpoint, Settings
-from workflows.contracts import engine_task_queue
-from workflows.holding import TtlCacheEndpoint
+from warmloop.activities.transcripts import TranscriptStore
+from warmloop.workers.clients import build_redis, build_s3, connect
+from warmloop.workers.logging import configure_logging
+from warmloop.workers.settings import KV_EVENTS_TOPIC, EngineEndpoint, Settings
+from warmloop.workflows.contracts import engine_task_queue
+from warmloop.workflows.holding import TtlCacheEndpoint
 
 log = structlog.get_logger(__name__)
 

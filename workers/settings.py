@@ -9,10 +9,10 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from workflows.holding import HoldConfig
-from workflows.lanes import AdmissionConfig
-from workflows.routing import RoutingConfig
-from workflows.synthetic_pauses import SyntheticPauses
+from warmloop.workflows.holding import HoldConfig
+from warmloop.workflows.lanes import AdmissionConfig
+from warmloop.workflows.routing import RoutingConfig
+from warmloop.workflows.synthetic_pauses import SyntheticPauses
 
 KV_EVENTS_TOPIC = "kv-events"
 
@@ -51,7 +51,7 @@ class Settings(BaseSettings):
     """
 
     # "null" in a variable means None, so that a child process started with these
-    # settings (infra.stack.settings_env) sees an unset option as unset.
+    # settings (warmloop.infra.stack.settings_env) sees an unset option as unset.
     model_config = SettingsConfigDict(env_prefix="WARMLOOP_", extra="ignore",
                                       env_parse_none_str="null")
 

@@ -19,7 +19,7 @@ from temporalio.common import Priority, RetryPolicy, SearchAttributeKey
 from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.exceptions import TimeoutError as ActivityTimeoutError
 
-from workflows.budgets import (
+from warmloop.workflows.budgets import (
     JobLimits,
     StepKind,
     Usage,
@@ -28,7 +28,7 @@ from workflows.budgets import (
     remaining_text,
     step_output_budget,
 )
-from workflows.contracts import (
+from warmloop.workflows.contracts import (
     AGENT_TASK_QUEUE,
     ApprovalRecord,
     ApprovalViewed,
@@ -53,11 +53,11 @@ from workflows.contracts import (
     ToolResult,
     engine_task_queue,
 )
-from workflows.lanes import VLLM_PRIORITY, task_priority
-from workflows.pricing import pricing_for
-from workflows.profiles import Profile, UnknownProfileError, get_profile
-from workflows.profiles.base import ApprovalRule, ToolCallError, ToolSpec
-from workflows.routing import RouteDecision
+from warmloop.workflows.lanes import VLLM_PRIORITY, task_priority
+from warmloop.workflows.pricing import pricing_for
+from warmloop.workflows.profiles import Profile, UnknownProfileError, get_profile
+from warmloop.workflows.profiles.base import ApprovalRule, ToolCallError, ToolSpec
+from warmloop.workflows.routing import RouteDecision
 
 GENERATE_START_TO_CLOSE = timedelta(seconds=90)
 GENERATE_HEARTBEAT = timedelta(seconds=10)

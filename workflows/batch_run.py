@@ -19,9 +19,9 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ChildWorkflowError
 from temporalio.workflow import ParentClosePolicy
 
-from workflows.agent_job import AgentJob
-from workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult, Lane
-from workflows.lanes import adapt_window, estimate_finish_s
+from warmloop.workflows.agent_job import AgentJob
+from warmloop.workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult, Lane
+from warmloop.workflows.lanes import adapt_window, estimate_finish_s
 
 READ_TIMEOUT = timedelta(minutes=2)
 

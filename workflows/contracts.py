@@ -12,9 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from workflows.budgets import JobLimits, Usage
-from workflows.holding import HoldPolicy
-from workflows.routing import RouteReason, RoutingPolicy
+from warmloop.workflows.budgets import JobLimits, Usage
+from warmloop.workflows.holding import HoldPolicy
+from warmloop.workflows.routing import RouteReason, RoutingPolicy
 
 AGENT_TASK_QUEUE = "warmloop-agent"
 
@@ -184,7 +184,7 @@ class GenerateRequest(BaseModel):
     """The profile's tools offered in this job; None: all."""
     max_tokens: int = Field(ge=1)
     priority: int = 0
-    """vLLM request priority (lower first); see workflows.lanes."""
+    """vLLM request priority (lower first); see warmloop.workflows.lanes."""
     lane: Lane = Lane.INTERACTIVE
     """Batch steps wait for the engine's batch admission; interactive ones never do."""
     hold_policy: HoldPolicy = "cost_model"

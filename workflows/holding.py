@@ -1,6 +1,6 @@
 """Hold or release: whether a paused job's prefix should be kept warm, by cost.
 
-Pure policy (no I/O), so the inference worker (``activities.holds``), the benchmarks
+Pure policy (no I/O), so the inference worker (``warmloop.activities.holds``), the benchmarks
 and the tests run the same code.
 
 While a job waits on a tool or a human, its prefix sits in the engine's LRU. Holding

@@ -8,7 +8,7 @@ import math
 
 from pydantic import BaseModel, Field
 
-from workflows.contracts import Lane
+from warmloop.workflows.contracts import Lane
 
 # vLLM's request priority (--scheduling-policy priority; lower runs first).
 VLLM_PRIORITY = {Lane.INTERACTIVE: 0, Lane.BATCH: 10}
@@ -16,7 +16,7 @@ VLLM_PRIORITY = {Lane.INTERACTIVE: 0, Lane.BATCH: 10}
 TASK_PRIORITY = {Lane.INTERACTIVE: 1, Lane.BATCH: 5}
 BATCH_CONTINUING_TASK_PRIORITY = 4
 """A batch job's later steps go before new batch jobs' first steps: a burst then runs
-jobs to completion while their prefixes are still cached (see activities.admission)."""
+jobs to completion while their prefixes are still cached (see warmloop.activities.admission)."""
 
 
 def task_priority(lane: Lane, step: int) -> int:

@@ -9,8 +9,8 @@ import json
 
 from pydantic import BaseModel
 
-from workflows.contracts import ChatMessage
-from workflows.profiles import Profile
+from warmloop.workflows.contracts import ChatMessage
+from warmloop.workflows.profiles import Profile
 
 
 def canonical_json(value: object) -> str:
@@ -37,7 +37,7 @@ def assemble_prompt(
     tail: str,
 ) -> list[ChatMessage]:
     """The messages of one step. ``transcript`` is append-only across steps; ``tail``
-    (the budget line from ``workflows.budgets.remaining_text``) is the only part that
+    (the budget line from ``warmloop.workflows.budgets.remaining_text``) is the only part that
     changes between steps, and it comes last."""
     return [
         ChatMessage(role="system", content=profile.system_prompt),

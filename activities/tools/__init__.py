@@ -10,11 +10,11 @@ import structlog
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.pauses import PauseStats, tool_kind
-from activities.tools.base import EffectLedger, ToolOutcome, Toolset
-from activities.tools.ticket_triage import TicketTriageTools
-from workflows.contracts import ToolRequest, ToolResult
-from workflows.profiles import get_profile
+from warmloop.activities.pauses import PauseStats, tool_kind
+from warmloop.activities.tools.base import EffectLedger, ToolOutcome, Toolset
+from warmloop.activities.tools.ticket_triage import TicketTriageTools
+from warmloop.workflows.contracts import ToolRequest, ToolResult
+from warmloop.workflows.profiles import get_profile
 
 log = structlog.get_logger(__name__)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from workflows.contracts import ToolRequest, ToolResult
+from warmloop.workflows.contracts import ToolRequest, ToolResult
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ from typing import Any
 
 from temporalio.exceptions import ApplicationError
 
-from activities.tools.base import ToolOutcome, Toolset, load_json
-from workflows.contracts import ToolRequest, ToolResult
+from warmloop.activities.tools.base import ToolOutcome, Toolset, load_json
+from warmloop.workflows.contracts import ToolRequest, ToolResult
 
 PRICE_TOLERANCE = 0.005
 """A unit price within half a percent of the ordered price is rounding, not a mismatch."""
@@ -40,7 +40,7 @@ class InvoiceReconciliationTools(Toolset):
 
     @classmethod
     def bundled(cls) -> InvoiceReconciliationTools:
-        pkg = "activities.data.invoice_reconciliation"
+        pkg = "warmloop.activities.data.invoice_reconciliation"
         return cls(load_json(pkg, "vendors.json"), load_json(pkg, "invoices.json"),
                    load_json(pkg, "purchase_orders.json"))
 

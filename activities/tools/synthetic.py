@@ -12,10 +12,10 @@ import asyncio
 import math
 import random
 
-from activities.tools.base import ToolOutcome, Toolset
-from workflows.contracts import ToolRequest, ToolResult
-from workflows.profiles.synthetic import WORDS
-from workflows.synthetic_pauses import SyntheticPauses
+from warmloop.activities.tools.base import ToolOutcome, Toolset
+from warmloop.workflows.contracts import ToolRequest, ToolResult
+from warmloop.workflows.profiles.synthetic import WORDS
+from warmloop.workflows.synthetic_pauses import SyntheticPauses
 
 
 class SyntheticTools(Toolset):

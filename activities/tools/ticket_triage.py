@@ -7,8 +7,8 @@ from typing import Any
 
 from temporalio.exceptions import ApplicationError
 
-from activities.tools.base import ToolOutcome, Toolset, load_json
-from workflows.contracts import ToolRequest, ToolResult
+from warmloop.activities.tools.base import ToolOutcome, Toolset, load_json
+from warmloop.workflows.contracts import ToolRequest, ToolResult
 
 
 class TicketTriageTools(Toolset):
@@ -20,7 +20,7 @@ class TicketTriageTools(Toolset):
 
     @classmethod
     def bundled(cls) -> TicketTriageTools:
-        pkg = "activities.data.ticket_triage"
+        pkg = "warmloop.activities.data.ticket_triage"
         return cls(load_json(pkg, "customers.json"), load_json(pkg, "kb.json"))
 
     def run(self, req: ToolRequest) -> ToolOutcome:

@@ -9,5 +9,6 @@ import sys
 
 def warmloop(*args: str, timeout_s: float = 600) -> subprocess.CompletedProcess[str]:
     """`warmloop ARGS...` with a wide terminal, so tables are not folded."""
-    return subprocess.run([sys.executable, "-m", "workers.cli", *args], capture_output=True,
-                          text=True, timeout=timeout_s, env={**os.environ, "COLUMNS": "200"})
+    return subprocess.run([sys.executable, "-m", "warmloop.workers.cli", *args],
+                          capture_output=True, text=True, timeout=timeout_s,
+                          env={**os.environ, "COLUMNS": "200"})

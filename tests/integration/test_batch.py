@@ -12,13 +12,13 @@ import pytest
 from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
-from bench.demo import bundled_tickets
-from infra.stack import Stack
 from tests.integration.cli import warmloop
 from tests.polling import eventually
-from workers.approvals import decide, list_pending
-from workflows.batch_run import BatchResult, BatchRun
-from workflows.contracts import Decision
+from warmloop.infra.stack import Stack
+from warmloop.workers.approvals import decide, list_pending
+from warmloop.workers.demo import bundled_tickets
+from warmloop.workflows.batch_run import BatchResult, BatchRun
+from warmloop.workflows.contracts import Decision
 
 pytestmark = pytest.mark.integration
 

@@ -12,17 +12,17 @@ import uuid
 import pytest
 from temporalio.client import Client
 
-from activities.tools import EffectLedger
-from bench.demo import bundled_tickets, stand_in_approver
-from infra.stack import Stack
 from tests.integration.cli import warmloop
 from tests.polling import eventually
-from workers.clients import build_redis
-from workers.settings import Settings
-from workflows.agent_job import AgentJob
-from workflows.budgets import JobLimits
-from workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobState
-from workflows.profiles import get_profile
+from warmloop.activities.tools import EffectLedger
+from warmloop.infra.stack import Stack
+from warmloop.workers.clients import build_redis
+from warmloop.workers.demo import bundled_tickets, stand_in_approver
+from warmloop.workers.settings import Settings
+from warmloop.workflows.agent_job import AgentJob
+from warmloop.workflows.budgets import JobLimits
+from warmloop.workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobState
+from warmloop.workflows.profiles import get_profile
 
 pytestmark = pytest.mark.integration
 TRIAGE = get_profile("ticket-triage")

@@ -15,14 +15,14 @@ import pytest
 import redis.asyncio as aioredis
 from temporalio.client import Client
 
-from activities.holds import HOLDS_KEY, hold_stats
-from infra.stack import Stack
 from tests.integration.cli import warmloop
 from tests.polling import eventually
-from workers.approvals import decide
-from workers.settings import Settings
-from workflows.agent_job import AgentJob
-from workflows.contracts import (
+from warmloop.activities.holds import HOLDS_KEY, hold_stats
+from warmloop.infra.stack import Stack
+from warmloop.workers.approvals import decide
+from warmloop.workers.settings import Settings
+from warmloop.workflows.agent_job import AgentJob
+from warmloop.workflows.contracts import (
     AGENT_TASK_QUEUE,
     Decision,
     JobInput,

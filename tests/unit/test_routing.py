@@ -7,10 +7,10 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from activities.directory import KvEventApplier, prompt_chain
-from activities.registry import parse_cache_config
 from bench.routing import oracle_hit_rate, workload
-from workflows.routing import (
+from warmloop.activities.directory import KvEventApplier, prompt_chain
+from warmloop.activities.registry import parse_cache_config
+from warmloop.workflows.routing import (
     EngineCandidate,
     RoutingConfig,
     block_hashes,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.stack import engine_compute_pids, lower_cpu_priority
+from warmloop.infra.stack import engine_compute_pids, lower_cpu_priority
 
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs Linux /proc")
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from activities.tools import EffectLedger, ToolActivities, ToolOutcome, Toolset
-from workflows.contracts import ToolRequest, ToolResult
+from warmloop.activities.tools import EffectLedger, ToolActivities, ToolOutcome, Toolset
+from warmloop.workflows.contracts import ToolRequest, ToolResult
 
 
 class FakeS3:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from workflows.contracts import (
+from warmloop.workflows.contracts import (
     ChatMessage,
     EngineChoice,
     FunctionCall,
@@ -25,9 +25,9 @@ from workflows.contracts import (
     ToolRequest,
     ToolResult,
 )
-from workflows.profiles import get_profile
-from workflows.prompt import assemble_prompt
-from workflows.routing import EngineCandidate, RouteDecision, choose_engine
+from warmloop.workflows.profiles import get_profile
+from warmloop.workflows.prompt import assemble_prompt
+from warmloop.workflows.routing import EngineCandidate, RouteDecision, choose_engine
 
 Script = Callable[[GenerateRequest], GenerateResult]
 

@@ -13,8 +13,8 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from tests.workflow.fakes import FakeActivities, reply
-from workflows.agent_job import AgentJob
-from workflows.contracts import (
+from warmloop.workflows.agent_job import AgentJob
+from warmloop.workflows.contracts import (
     AGENT_TASK_QUEUE,
     GenerateRequest,
     GenerateResult,

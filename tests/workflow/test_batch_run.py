@@ -12,11 +12,11 @@ import pytest
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from activities.batch import BatchActivities
 from tests.workflow.fakes import FakeActivities, reply
-from workflows.agent_job import AgentJob
-from workflows.batch_run import BatchInput, BatchRun, RecordOutcome
-from workflows.contracts import AGENT_TASK_QUEUE, engine_task_queue
+from warmloop.activities.batch import BatchActivities
+from warmloop.workflows.agent_job import AgentJob
+from warmloop.workflows.batch_run import BatchInput, BatchRun, RecordOutcome
+from warmloop.workflows.contracts import AGENT_TASK_QUEUE, engine_task_queue
 
 GOOD = {"ticket_id": "T1001", "customer_id": "C100", "subject": "s", "body": "b"}
 

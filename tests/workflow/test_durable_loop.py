@@ -14,9 +14,9 @@ from temporalio.testing import WorkflowEnvironment
 from tests.polling import eventually
 from tests.workflow.fakes import FakeActivities, reply
 from tests.workflow.test_agent_job import TICKET, always, run_job, workers
-from workflows.agent_job import AgentJob
-from workflows.budgets import JobLimits
-from workflows.contracts import (
+from warmloop.workflows.agent_job import AgentJob
+from warmloop.workflows.budgets import JobLimits
+from warmloop.workflows.contracts import (
     AGENT_TASK_QUEUE,
     Decision,
     GenerateRequest,

@@ -20,9 +20,9 @@ from temporalio.worker import Replayer
 from tests.workflow.fakes import FakeActivities, reply
 from tests.workflow.test_agent_job import TICKET, run_job, workers
 from tests.workflow.test_batch_run import run_batch, write_records
-from workflows.agent_job import AgentJob
-from workflows.batch_run import BatchInput, BatchRun
-from workflows.contracts import (
+from warmloop.workflows.agent_job import AgentJob
+from warmloop.workflows.batch_run import BatchInput, BatchRun
+from warmloop.workflows.contracts import (
     AGENT_TASK_QUEUE,
     ApprovalViewed,
     Decision,

@@ -1,9 +1,9 @@
 """Agent profiles: a stable system prompt, a task schema and a set of strict tools."""
 
-from workflows.profiles.base import Profile, ToolSpec, UnknownProfileError
-from workflows.profiles.invoice_reconciliation import INVOICE_RECONCILIATION
-from workflows.profiles.synthetic import SYNTHETIC_PROFILES
-from workflows.profiles.ticket_triage import TICKET_TRIAGE
+from warmloop.workflows.profiles.base import Profile, ToolSpec, UnknownProfileError
+from warmloop.workflows.profiles.invoice_reconciliation import INVOICE_RECONCILIATION
+from warmloop.workflows.profiles.synthetic import SYNTHETIC_PROFILES
+from warmloop.workflows.profiles.ticket_triage import TICKET_TRIAGE
 
 PROFILES: dict[str, Profile] = {
     p.name: p for p in (TICKET_TRIAGE, INVOICE_RECONCILIATION, *SYNTHETIC_PROFILES)

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
-from workflows.budgets import JobLimits, OutputBudgets
+from warmloop.workflows.budgets import JobLimits, OutputBudgets
 
 
 def first_error(e: ValidationError, *, whole: str) -> str:

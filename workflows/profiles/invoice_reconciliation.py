@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from workflows.budgets import JobLimits
-from workflows.profiles.base import ApprovalRule, Profile, ToolSpec
+from warmloop.workflows.budgets import JobLimits
+from warmloop.workflows.profiles.base import ApprovalRule, Profile, ToolSpec
 
 INVOICE_ID = r"^INV[0-9]{4}$"
 VENDOR_ID = r"^V[0-9]{3}$"

@@ -14,8 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from workflows.budgets import JobLimits, OutputBudgets
-from workflows.profiles.base import ApprovalRule, Profile, ToolSpec
+from warmloop.workflows.budgets import JobLimits, OutputBudgets
+from warmloop.workflows.profiles.base import ApprovalRule, Profile, ToolSpec
 
 SYNTHETIC_DOMAINS = ("support", "billing", "legal", "logistics")
 LOOKUP_KEYS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")

@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from workflows.budgets import JobLimits
-from workflows.profiles.base import ApprovalRule, Profile, ToolSpec
+from warmloop.workflows.budgets import JobLimits
+from warmloop.workflows.profiles.base import ApprovalRule, Profile, ToolSpec
 
 KB_TOPICS = ("account", "billing", "crash", "login", "performance", "refund", "shipping")
 Priority = Literal["low", "normal", "high", "urgent"]

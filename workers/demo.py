@@ -22,18 +22,18 @@ from temporalio.client import (
 )
 from temporalio.service import RPCError
 
-from bench.report import report_table, summarize
-from workers.approvals import decide
-from workers.clients import connect
-from workers.settings import Settings
-from workflows.agent_job import AgentJob
-from workflows.contracts import AGENT_TASK_QUEUE, Decision, JobInput, JobResult
+from warmloop.workers.approvals import decide
+from warmloop.workers.clients import connect
+from warmloop.workers.report import report_table, summarize
+from warmloop.workers.settings import Settings
+from warmloop.workflows.agent_job import AgentJob
+from warmloop.workflows.contracts import AGENT_TASK_QUEUE, Decision, JobInput, JobResult
 
 
 def bundled_tasks(profile: str = "ticket-triage") -> list[dict[str, object]]:
     pkg, name = {"ticket-triage": ("ticket_triage", "tickets.jsonl"),
                  "invoice-reconciliation": ("invoice_reconciliation", "invoices.jsonl")}[profile]
-    text = resources.files(f"activities.data.{pkg}").joinpath(name).read_text()
+    text = resources.files(f"warmloop.activities.data.{pkg}").joinpath(name).read_text()
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 

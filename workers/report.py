@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from rich.table import Table
 
-from workflows.contracts import JobResult, JobState
+from warmloop.workflows.contracts import JobResult, JobState
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -1,0 +1,1 @@
+"""warmloop: durable Temporal agent jobs on warm vLLM prefix caches."""
