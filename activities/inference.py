@@ -19,6 +19,7 @@ from warmloop.activities.cachebust import CacheBustDetector
 from warmloop.activities.directory import PrefixDirectory, PromptChain, prompt_chain
 from warmloop.activities.holds import HoldManager, pause_kind
 from warmloop.activities.registry import EngineHeartbeat, EngineRegistry, step_key
+from warmloop.activities.trace_prompts import TracePromptStore
 from warmloop.activities.transcripts import TranscriptStore
 from warmloop.workflows.contracts import (
     FunctionCall,
@@ -27,8 +28,10 @@ from warmloop.workflows.contracts import (
     Lane,
     ToolCall,
 )
+from warmloop.workflows.pricing import EnginePrice
 from warmloop.workflows.profiles import Profile, get_profile
-from warmloop.workflows.prompt import assemble_prompt, canonical_json
+from warmloop.workflows.prompt import assemble_prompt, canonical_json, prompt_hash
+from warmloop.workflows.trace import is_trace_profile
 
 log = structlog.get_logger(__name__)
 
@@ -42,7 +45,8 @@ class InferenceActivities:
 
     Assembles the step's prompt from the profile (stable prefix), the task, the stored
     transcript and the budget tail; streams the response so TTFT is measured; asks for
-    the usage chunk so the engine's own ``cached_tokens`` comes back with every step.
+    the usage chunk so the engine's own ``cached_tokens`` comes back with every step, and
+    prices the step at the engine's declared ``price`` (``cost_usd``; None without one).
     """
 
     def __init__(self, *, engine_id: str, base_url: str, model: str,
@@ -52,8 +56,12 @@ class InferenceActivities:
                  detector: CacheBustDetector | None = None,
                  engine_info: Callable[[], EngineHeartbeat | None] | None = None,
                  admission: BatchAdmission | None = None,
-                 holds: HoldManager | None = None) -> None:
+                 holds: HoldManager | None = None,
+                 price: EnginePrice | None = None,
+                 trace_prompts: TracePromptStore | None = None) -> None:
         self._engine_id = engine_id
+        self._trace_prompts = trace_prompts  # inline prompts of replayed traces
+        self._price = price  # the engine's declared price: each step's cost_usd
         self._base = base_url.rstrip("/")
         self._url = self._base + "/v1/chat/completions"
         self._model = model
@@ -71,7 +79,9 @@ class InferenceActivities:
 
     async def _body(self, req: GenerateRequest
                     ) -> tuple[dict[str, Any], Profile, asyncio.Future[Any]]:
-        profile = get_profile(req.profile)
+        profile = (await self._trace_prompts.profile(req.profile)
+                   if self._trace_prompts is not None and is_trace_profile(req.profile)
+                   else get_profile(req.profile))
         transcript, stored = await self._transcripts.extend_deferred(
             req.job_id, req.base_len, req.new_messages)
         messages = assemble_prompt(profile, profile.validate_task(req.task), transcript,
@@ -189,6 +199,9 @@ class InferenceActivities:
         done = time.perf_counter()
         await stored  # the step's new messages are in S3 before the step counts as done
         details = usage.get("prompt_tokens_details") or {}
+        prompt_tokens = int(usage.get("prompt_tokens", 0))
+        cached_tokens = int(details.get("cached_tokens") or 0)
+        completion_tokens = int(usage.get("completion_tokens", 0))
         result = GenerateResult(
             engine_id=self._engine_id,
             model=self._model,
@@ -200,12 +213,15 @@ class InferenceActivities:
                 for i, c in sorted(calls.items())
             ],
             finish_reason=finish_reason,
-            prompt_tokens=int(usage.get("prompt_tokens", 0)),
-            cached_tokens=int(details.get("cached_tokens") or 0),
-            completion_tokens=int(usage.get("completion_tokens", 0)),
+            prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+            completion_tokens=completion_tokens,
             ttft_ms=((first_token or done) - started) * 1000,
             latency_ms=(done - started) * 1000,
             dispatch_ms=dispatch_ms,
+            prompt_hash=prompt_hash(body["messages"], body["tools"]),
+            cost_usd=None if self._price is None else self._price.cost(
+                prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+                completion_tokens=completion_tokens),
         )
         log.info("step_generated", prompt_tokens=result.prompt_tokens,
                  cached_tokens=result.cached_tokens, ttft_ms=round(result.ttft_ms, 1),
@@ -230,12 +246,17 @@ class InferenceActivities:
     async def _hold_or_release(self, req: GenerateRequest, profile: Profile,
                                result: GenerateResult, prompt_ids: list[int],
                                chain: PromptChain, body: dict[str, Any]) -> None:
-        if self._holds is None or len(result.tool_calls) != 1:
+        if self._holds is None:
             return
-        call = result.tool_calls[0].function
+        if req.pause_kind is not None:  # replayed: the job waits on the recorded call
+            kind = req.pause_kind or None
+        elif len(result.tool_calls) == 1:
+            call = result.tool_calls[0].function
+            kind = pause_kind(profile, call.name, call.arguments)
+        else:
+            return
         await self._holds.after_step(
-            job_id=req.job_id, profile=profile,
-            kind=pause_kind(profile, call.name, call.arguments),
+            job_id=req.job_id, profile=profile, kind=kind,
             # the reusable full blocks plus one token: a touch then computes that token
             # alone, where a prompt of whole blocks would recompute its last block
             prefix_tokens=prompt_ids[:chain.reusable_blocks * chain.block_size + 1]

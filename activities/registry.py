@@ -12,6 +12,8 @@ import time
 import redis.asyncio as aioredis
 from pydantic import BaseModel
 
+from warmloop.workflows.routing import EngineOffer
+
 ENGINE_KEY = "warmloop:engine:{}"
 ENGINE_SET = "warmloop:engines"
 
@@ -22,8 +24,12 @@ class EngineHeartbeat(BaseModel):
     engine_id: str
     task_queue: str
     model: str
+    """The served model: a job whose profile names a model is routed only to its engines."""
     url: str
     healthy: bool
+    priced: bool = False
+    """Whether the engine declares a price (its worker prices every step); a job with a
+    cost cap is routed only to priced engines. Heartbeats from before prices: False."""
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
@@ -46,6 +52,9 @@ class EngineHeartbeat(BaseModel):
     interactive_ttft_p95_ms: float | None = None
     at: float
     """Unix time of the heartbeat."""
+
+    def offer(self) -> EngineOffer:
+        return EngineOffer(engine_id=self.engine_id, model=self.model, priced=self.priced)
 
 
 INFLIGHT_KEY = "warmloop:inflight:{}"

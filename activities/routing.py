@@ -18,7 +18,9 @@ from warmloop.workflows.routing import (
     EngineCandidate,
     RouteDecision,
     RoutingConfig,
+    UnservableStepError,
     choose_engine,
+    eligible_engines,
     prefix_family,
 )
 
@@ -35,19 +37,31 @@ class RoutingActivities:
         self._dir = directory or PrefixDirectory(redis)
         self._config = config or RoutingConfig()
 
-    async def _live(self, exclude: list[str]) -> list[EngineHeartbeat]:
-        live = [e for e in await self._registry.live() if e.engine_id not in exclude]
+    async def _live(self, exclude: list[str], *, model: str | None = None,
+                    require_price: bool = False) -> list[EngineHeartbeat]:
+        """The live engines that may serve the job's step, less ``exclude``."""
+        every = await self._registry.live()
+        try:
+            fit = set(eligible_engines([e.offer() for e in every], model=model,
+                                       require_price=require_price))
+        except UnservableStepError as e:
+            # Engines are up but none can serve this job: no retry changes that, and the
+            # workflow ends the job with the reason (INVALID_INPUT).
+            raise ApplicationError(str(e), type=e.error_type, non_retryable=True) from None
+        live = [e for e in every if e.engine_id in fit and e.engine_id not in exclude]
         if not live:
             # Retryable: an engine may rejoin before the activity's retries run out.
+            which = (f" serving model {model}" if model else "") + (
+                " with a price" if require_price else "")
             raise ApplicationError(
-                f"no live engine (excluded: {', '.join(exclude) or 'none'})", type="NoLiveEngine"
-            )
+                f"no live engine{which} (excluded: {', '.join(exclude) or 'none'})",
+                type="NoLiveEngine")
         return live
 
     @activity.defn(name="route_step")
     async def route_step(self, req: RouteRequest) -> RouteDecision:
         started = time.perf_counter()
-        live = await self._live(req.exclude)
+        live = await self._live(req.exclude, model=req.model, require_price=req.require_price)
         ids = [e.engine_id for e in live]
         steps = await self._registry.in_flight_steps(ids)
         batch = req.lane == Lane.BATCH
@@ -94,7 +108,7 @@ class RoutingActivities:
     @activity.defn(name="pick_engine")
     async def pick_engine(self, req: PickEngineRequest) -> EngineChoice:
         """Placement for workflows started before per-step routing (replay only)."""
-        live = await self._live(req.exclude)
+        live = await self._live(req.exclude, model=req.model, require_price=req.require_price)
         n = await self._redis.incr(ROUND_ROBIN_KEY)
         chosen = live[n % len(live)]
         return EngineChoice(engine_id=chosen.engine_id,

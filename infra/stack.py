@@ -382,7 +382,8 @@ class Stack:
                 self.stop_part(name, sig=signal.SIGTERM)
         self.log(f"building the tiny local model in {path} ...")
         out = subprocess.run([sys.executable, "-m", "warmloop.infra.tiny_model", str(path)],
-                             capture_output=True, text=True)
+                             capture_output=True, text=True,
+                             env={**os.environ, **settings_env(self.settings)})
         if out.returncode != 0:
             raise StackError(f"building the tiny model failed:\n{out.stderr[-2000:]}")
 

@@ -157,10 +157,13 @@ def _corpus(seed: int = 7) -> list[str]:
     lines += [json.dumps({"name": w, "arguments": {"id": i}}) for i, w in enumerate(_WORDS)]
     lines += ["".join(rng.choice("0123456789abcdef") for _ in range(32)) for _ in range(200)]
     # The profiles' own prompts and tool schemas, so the stable prefix tokenizes like a
-    # real model's would (about 4 characters a token, not 2).
-    from warmloop.workflows.profiles import PROFILES
+    # real model's would (about 4 characters a token, not 2): the bundled ones and
+    # those of the plugins this process loads (WARMLOOP_PLUGINS; the benchmarks' own).
+    from warmloop.workers.plugins import load_plugins
+    from warmloop.workflows.profiles import REGISTRY
 
-    for profile in PROFILES.values():
+    load_plugins()
+    for profile in (r.profile for r in REGISTRY.registered()):
         text = (
             profile.system_prompt + "\n" + "\n".join(json.dumps(t) for t in profile.tool_schemas())
         )

@@ -3,6 +3,7 @@ ask for it (the integration tests), by the same code as `warmloop dev up`."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -15,9 +16,20 @@ from temporalio.testing import WorkflowEnvironment
 
 from warmloop.infra.stack import Stack, register_search_attributes
 from warmloop.workers.clients import connect
+from warmloop.workers.plugins import LoadedPlugins, load_plugins
 from warmloop.workers.settings import Settings
 
 BIN = Path(sys.executable).parent
+
+
+# Profiles and toolsets, loaded as every warmloop process loads them; before the test
+# modules are collected, as some look profiles up at import.
+LOADED = load_plugins()
+
+
+@pytest.fixture(scope="session")
+def plugins() -> LoadedPlugins:
+    return LOADED
 
 
 def _bin(name: str) -> str:
@@ -41,8 +53,21 @@ async def time_skipping_env() -> AsyncIterator[WorkflowEnvironment]:
         await env.shutdown()
 
 
+EXAMPLE = Path(__file__).parent.parent / "examples" / "acme_support"
+EXAMPLE_PLUGIN = "acme_support.profiles"
+
+
 @pytest.fixture(scope="session")
 def settings() -> Settings:
+    """The stack's settings. Its workers load the example project's agents as a plugin
+    (tests/integration/test_bring_your_own_agent.py), the way a user's would: the
+    project's folder on PYTHONPATH and its module in WARMLOOP_PLUGINS."""
+    path = [str(EXAMPLE), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))
+    if str(EXAMPLE) not in sys.path:
+        sys.path.insert(0, str(EXAMPLE))
+    os.environ["WARMLOOP_PLUGINS"] = EXAMPLE_PLUGIN
+    load_plugins(plugins=EXAMPLE_PLUGIN)
     return Settings()
 
 

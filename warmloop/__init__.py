@@ -1,1 +1,36 @@
-"""warmloop: durable Temporal agent jobs on warm vLLM prefix caches."""
+"""warmloop: durable Temporal agent jobs on warm vLLM prefix caches.
+
+The public API. Bring your own agent as a profile (Python or YAML), its tools as
+functions (``@tool``), HTTP endpoints or your own Temporal activities, and submit jobs
+with ``JobClient``. Everything else lives in the subpackages ``warmloop.workflows``
+(pure: contracts and policies), ``warmloop.activities`` (I/O), ``warmloop.workers``
+(processes, CLI) and ``warmloop.infra`` (the embedded stack).
+"""
+
+from warmloop.workers.jobs import InvalidJobError, JobClient
+from warmloop.workers.plugins import LoadedPlugins, PluginError, load_plugins
+from warmloop.workers.settings import EngineEndpoint, Settings
+from warmloop.workers.temporal_plugin import WarmloopPlugin
+from warmloop.workflows.budgets import JobLimits, OutputBudgets
+from warmloop.workflows.contracts import AGENT_TASK_QUEUE, JobResult, JobState, JobStatus, Lane
+from warmloop.workflows.profiles import (
+    REGISTRY,
+    ActivityRunner,
+    ApprovalRule,
+    HttpRunner,
+    Profile,
+    PythonRunner,
+    ToolRetry,
+    ToolSpec,
+    get_profile,
+)
+from warmloop.workflows.profiles.function_tools import FunctionTool, ToolContext, tool
+
+__all__ = [
+    "AGENT_TASK_QUEUE", "REGISTRY", "ActivityRunner", "ApprovalRule", "EngineEndpoint",
+    "FunctionTool", "HttpRunner", "InvalidJobError", "JobClient", "JobLimits", "JobResult",
+    "JobState", "JobStatus", "Lane", "LoadedPlugins", "OutputBudgets", "PluginError",
+    "Profile", "PythonRunner", "Settings", "ToolContext", "ToolRetry", "ToolSpec",
+    "WarmloopPlugin", "get_profile", "load_plugins", "tool",
+]
+__version__ = "0.1.0"

@@ -9,50 +9,23 @@ import socket
 import structlog
 from temporalio.worker import Worker
 
-from warmloop.activities.batch import BatchActivities
-from warmloop.activities.pauses import PauseActivities, PauseStats
-from warmloop.activities.registry import EngineRegistry
-from warmloop.activities.routing import RoutingActivities
-from warmloop.activities.storage import StorageActivities
-from warmloop.activities.tools import EffectLedger, ToolActivities
-from warmloop.activities.tools.invoice_reconciliation import InvoiceReconciliationTools
-from warmloop.activities.tools.synthetic import SyntheticTools
-from warmloop.activities.tools.ticket_triage import TicketTriageTools
-from warmloop.workers.clients import build_redis, build_s3, connect
+from warmloop.workers.clients import build_redis, connect
 from warmloop.workers.logging import configure_logging
+from warmloop.workers.plugins import PluginError
 from warmloop.workers.settings import Settings
-from warmloop.workflows.agent_job import AgentJob
-from warmloop.workflows.batch_run import BatchRun
+from warmloop.workers.temporal_plugin import WarmloopPlugin
 from warmloop.workflows.contracts import AGENT_TASK_QUEUE
-from warmloop.workflows.profiles.synthetic import SYNTHETIC_PROFILES
 
 log = structlog.get_logger(__name__)
 WORKER_KEY = "warmloop:worker:agent:{}"
 
 
 async def run_agent_worker(settings: Settings) -> None:
+    plugin = WarmloopPlugin(settings)
     client = await connect(settings, metrics_port=settings.agent_metrics_port)
     redis = build_redis(settings)
-    s3 = build_s3(settings)
-    registry = EngineRegistry(redis, ttl_s=settings.engine_ttl_s)
-    routing = RoutingActivities(registry, redis, config=settings.routing)
-    tools = ToolActivities(
-        [TicketTriageTools.bundled(), InvoiceReconciliationTools.bundled(),
-         *(SyntheticTools(p.name, settings.synthetic_pauses) for p in SYNTHETIC_PROFILES)],
-        EffectLedger(redis), s3=s3, bucket=settings.s3_bucket, pauses=PauseStats(redis),
-    )
-    pauses = PauseActivities(PauseStats(redis))
-    storage = StorageActivities(s3, settings.s3_bucket)
-    batch = BatchActivities(s3, settings.s3_bucket)
-    worker = Worker(
-        client,
-        task_queue=AGENT_TASK_QUEUE,
-        workflows=[AgentJob, BatchRun],
-        activities=[routing.route_step, routing.pick_engine, tools.run_tool,
-                    storage.store_transcript, batch.read_records, batch.write_batch_results,
-                    pauses.record_pause],
-        max_concurrent_activities=64,
-    )
+    worker = Worker(client, task_queue=AGENT_TASK_QUEUE, plugins=[plugin],
+                    max_concurrent_activities=64)
     me = WORKER_KEY.format(f"{socket.gethostname()}-{os.getpid()}")
 
     async def beat() -> None:
@@ -70,7 +43,10 @@ async def run_agent_worker(settings: Settings) -> None:
 def main() -> None:
     settings = Settings()
     configure_logging(settings.log_format, settings.log_level)
-    asyncio.run(run_agent_worker(settings))
+    try:
+        asyncio.run(run_agent_worker(settings))
+    except PluginError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 if __name__ == "__main__":

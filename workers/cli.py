@@ -23,6 +23,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from warmloop.workers.clients import StackNotRunningError, connect
 from warmloop.workers.settings import Settings
+from warmloop.workflows.budgets import JobLimits
 from warmloop.workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult, JobStatus
 from warmloop.workflows.profiles import UnknownProfileError, get_profile
 
@@ -52,11 +53,25 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
         fail(str(e))
 
 
-def _settings() -> Settings:
+def _settings(*, plugins: bool = True) -> Settings:
+    """The settings; with ``plugins``, the profiles and toolsets they name are loaded too
+    (a broken plugin is one line and exit 1, before anything starts)."""
     try:
-        return Settings()
+        settings = Settings()
     except ValidationError as e:
         fail(f"invalid WARMLOOP_* settings: {e}")
+    if plugins:
+        _load_plugins(settings)
+    return settings
+
+
+def _load_plugins(settings: Settings) -> None:
+    from warmloop.workers.plugins import PluginError, load_plugins
+
+    try:
+        load_plugins(plugins=settings.plugins, profile_paths=settings.profile_paths)
+    except PluginError as e:
+        fail(str(e))
 
 
 # ---- dev stack ---------------------------------------------------------------------
@@ -82,7 +97,7 @@ def dev_down() -> None:
     """Stop what `dev up` started."""
     from warmloop.infra.stack import Stack
 
-    stopped = Stack(_settings()).down()
+    stopped = Stack(_settings(plugins=False)).down()
     console.print(f"stopped: {', '.join(stopped) if stopped else 'nothing was running'}")
 
 
@@ -92,7 +107,7 @@ def dev_status() -> None:
     from warmloop.infra.stack import Stack
 
     table = Table("part", "pid", "healthy", "log")
-    for p in Stack(_settings()).status():
+    for p in Stack(_settings(plugins=False)).status():
         pid = str(p.pid) if p.pid else ("external" if p.external else "-")
         table.add_row(p.name, pid, "yes" if p.healthy else "no", str(p.log))
     console.print(table)
@@ -120,8 +135,10 @@ def worker_inference(engine_id: str = typer.Option(..., "--engine-id")) -> None:
 # ---- jobs --------------------------------------------------------------------------
 
 
-def load_job_input(profile: str, path: Path, *, max_steps: int | None = None) -> JobInput:
+def load_job_input(profile: str, path: Path, *, max_steps: int | None = None,
+                   max_cost_usd: float | None = None) -> JobInput:
     """Read and validate a job's input file; raises ValueError with a clear message."""
+    _settings()
     try:
         prof = get_profile(profile)
     except UnknownProfileError as e:
@@ -136,7 +153,9 @@ def load_job_input(profile: str, path: Path, *, max_steps: int | None = None) ->
         raise ValueError(f"{path} must hold one JSON object")
     try:
         prof.validate_task(task)
-        return JobInput(profile=profile, task=task, max_steps=max_steps)
+        limits = None if max_cost_usd is None else JobLimits.model_validate(
+            {**prof.limits.model_dump(), "max_cost_usd": max_cost_usd})
+        return JobInput(profile=profile, task=task, max_steps=max_steps, limits=limits)
     except ValidationError as e:
         raise ValueError(f"invalid input for {profile}: {e}") from None
 
@@ -147,11 +166,20 @@ def submit(
     input_file: Path = typer.Option(..., "--input", help="JSON file with the task."),
     job_id: str | None = typer.Option(None, "--job-id"),
     max_steps: int | None = typer.Option(None, "--max-steps", min=1, max=200),
+    max_cost_usd: float | None = typer.Option(
+        None, "--max-cost-usd", help="Cost cap in dollars (overrides the profile's); the "
+        "job then runs only on engines that declare a price."),
     wait: bool = typer.Option(False, "--wait", help="Wait for the result."),
 ) -> None:
-    """Start an agent job. The input is validated before anything starts."""
+    """Start an agent job. The input is validated before anything starts, and so is the
+    fleet: an engine must serve the profile's model and, for a cost cap, declare a price."""
+    from warmloop.workers.fleet import check_fleet_serves
+
     try:
-        job = load_job_input(profile, input_file, max_steps=max_steps)
+        job = load_job_input(profile, input_file, max_steps=max_steps,
+                             max_cost_usd=max_cost_usd)
+        prof = get_profile(profile)
+        run(check_fleet_serves(prof.model, job.limits or prof.limits, _settings()))
     except ValueError as e:
         fail(str(e))
     jid = job_id or f"{profile}-{uuid.uuid4().hex[:10]}"
@@ -235,6 +263,10 @@ def _print_result(res: JobResult) -> None:
                       str(s.cached_tokens), str(s.completion_tokens), f"{s.ttft_ms:.0f}",
                       f"{s.latency_ms:.0f}")
     console.print(table)
+    u = res.usage
+    console.print(f"cost: ${u.cost_usd:.6f}" if not u.cost_unknown_steps else
+                  f"cost: unknown ({u.cost_unknown_steps} of {u.steps} steps ran on engines "
+                  f"that declare no price; the priced ones cost ${u.cost_usd:.6f})")
     if res.transcript_key:
         console.print(f"transcript: s3://…/{res.transcript_key}")
 
@@ -369,6 +401,7 @@ def _batch_input(source: str, profile: str, window: int, page_size: int,
                  max_window: int = 64) -> Any:
     from warmloop.workflows.batch_run import BatchInput
 
+    _settings()
     try:
         get_profile(profile)
     except UnknownProfileError as e:
@@ -627,7 +660,8 @@ def engines(as_json: bool = typer.Option(False, "--json", help="One JSON object 
         table = Table("engine", "model", "running", "waiting", "routed", "batch K",
                       "KV use", "KV pool", "held", "directory", "mode")
         for hb in live:
-            table.add_row(hb.engine_id, hb.model, str(hb.running),
+            table.add_row(hb.engine_id, hb.model + ("" if hb.priced else " (no price)"),
+                          str(hb.running),
                           str(hb.waiting), str(in_flight[hb.engine_id]),
                           "-" if hb.batch_limit is None
                           else f"{hb.batch_active}/{hb.batch_limit}",
@@ -641,6 +675,29 @@ def engines(as_json: bool = typer.Option(False, "--json", help="One JSON object 
 
 
 @app.command()
+def profiles() -> None:
+    """List every loaded profile, its tools (and where each runs) and the plugin it came
+    from (entry points, WARMLOOP_PLUGINS, WARMLOOP_PROFILE_PATHS)."""
+    from warmloop.workflows.profiles import REGISTRY, ActivityRunner, HttpRunner, PythonRunner
+
+    _settings()
+    table = Table("profile", "model", "tools", "approvals", "source")
+    for reg in REGISTRY.registered():
+        p = reg.profile
+        tools = []
+        for t in sorted(p.tools, key=lambda t: t.name):
+            r = t.runner
+            where = ("finish" if t.finishes_job else "python" if isinstance(r, PythonRunner)
+                     else "http" if isinstance(r, HttpRunner)
+                     else f"activity@{r.task_queue}" if isinstance(r, ActivityRunner)
+                     else "toolset")
+            tools.append(f"{t.name} ({where})")
+        table.add_row(p.name, p.model or "any", ", ".join(tools),
+                      ", ".join(a.kind for a in p.approvals) or "-", reg.source)
+    console.print(table)
+
+
+@app.command()
 def pauses() -> None:
     """How long each tool and approval kind keeps jobs waiting (the hold/release input)."""
 
@@ -649,12 +706,13 @@ def pauses() -> None:
         from redis.exceptions import RedisError
 
         from warmloop.activities.pauses import PauseStats
-        from warmloop.workflows.profiles import PROFILES
+        from warmloop.workflows.profiles import REGISTRY
 
         s = _settings()
         r = aioredis.Redis.from_url(s.redis_url)
         try:
-            rows = await PauseStats(r).summaries(PROFILES)
+            rows = await PauseStats(r).summaries(
+                {n: REGISTRY.get(n) for n in REGISTRY.names()})
         except RedisError as err:
             fail(f"cannot reach Redis at {s.redis_url} ({err}); is the stack up?")
         if not rows:
@@ -761,6 +819,45 @@ def demo(
     from warmloop.workers.demo import run_demo
 
     run(run_demo(_settings(), n_jobs=jobs, max_steps=max_steps, console=console))
+
+
+@app.command()
+def replay(
+    trace: Path = typer.Argument(..., help="JSONL: one recorded job per line (README: "
+                                 "Replay your traces)."),
+    window: int = typer.Option(8, "--window", min=1, max=1024, help="Jobs running at once."),
+    routing: list[str] = typer.Option(
+        ["cache_aware"], "--routing",
+        help="Routing policy; repeat it to compare side by side: cache_aware (warmloop), "
+        "round_robin, least_loaded."),
+    reset: bool = typer.Option(True, "--reset/--no-reset",
+                               help="Reset the engines' prefix caches before each policy."),
+) -> None:
+    """Replay recorded jobs on the real engines, once per routing policy: every step is
+    generated through the real routing and holds, but the transcript gets the recorded
+    calls and results, so each policy sends the same prompts. Prints hit rate and prefill
+    tokens (the engines' counters), cost, TTFT, makespan and a prompt digest per policy."""
+    from warmloop.workers import replay as rp
+    from warmloop.workflows.trace import TraceError
+
+    settings = _settings()
+    try:
+        policies = [rp.routing_policy(r) for r in routing]
+        prepared = rp.prepare(rp.load_trace(trace), str(trace))
+    except (TraceError, ValueError) as e:
+        fail(f"{trace}: {e}" if isinstance(e, TraceError) else str(e))
+    err = Console(stderr=True)
+
+    async def go() -> None:
+        client = await connect(settings)
+        try:
+            runs = await rp.replay(settings, prepared, policies, client=client, window=window,
+                                   reset=reset, log=err)
+        except RuntimeError as e:
+            fail(str(e))
+        rp.print_report(console, prepared, runs, window)
+
+    run(go())
 
 
 def main() -> None:

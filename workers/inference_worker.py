@@ -27,9 +27,11 @@ from warmloop.activities.registry import (
     parse_cache_config,
     parse_vllm_metrics,
 )
+from warmloop.activities.trace_prompts import TracePromptStore
 from warmloop.activities.transcripts import TranscriptStore
 from warmloop.workers.clients import build_redis, build_s3, connect
 from warmloop.workers.logging import configure_logging
+from warmloop.workers.plugins import PluginError, load_plugins
 from warmloop.workers.settings import KV_EVENTS_TOPIC, EngineEndpoint, Settings
 from warmloop.workflows.contracts import engine_task_queue
 from warmloop.workflows.holding import TtlCacheEndpoint
@@ -57,7 +59,7 @@ async def probe_engine(http: httpx.AsyncClient, engine: EngineEndpoint) -> Engin
         block_size=block_size or 16, kv_capacity_tokens=capacity,
         prefill_computed_total=(metrics.get("vllm:prefix_cache_queries_total", 0.0)
                                 - metrics.get("vllm:prefix_cache_hits_total", 0.0)),
-        precise=engine.kv_events is not None,
+        precise=engine.kv_events is not None, priced=engine.price is not None,
     )
 
 
@@ -143,6 +145,21 @@ async def kv_event_loop(endpoint: str, applier: KvEventApplier) -> None:
         sock.close(linger=0)
 
 
+def _ttl_cache(engine: EngineEndpoint) -> TtlCacheEndpoint | None:
+    """A ttl_cache engine's keep-alive economics, from its declared per-token price."""
+    if engine.kind == "vllm":
+        return None
+    p = engine.price
+    # EngineEndpoint refuses a ttl_cache engine without a per-token price
+    assert p is not None and p.kind == "per_token"
+    assert (p.input_usd_per_mtok is not None and p.cached_input_usd_per_mtok is not None
+            and p.output_usd_per_mtok is not None)
+    return TtlCacheEndpoint(cache_ttl_s=engine.cache_ttl_s,
+                            input_usd_per_mtok=p.input_usd_per_mtok,
+                            cached_input_usd_per_mtok=p.cached_input_usd_per_mtok,
+                            output_usd_per_mtok=p.output_usd_per_mtok)
+
+
 async def run_inference_worker(settings: Settings, engine_id: str) -> None:
     engine = settings.engine(engine_id)
     structlog.contextvars.bind_contextvars(engine=engine.id)
@@ -168,14 +185,12 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
         holds = HoldManager(engine_id=engine.id, base_url=engine.url, model=engine.model,
                             http=http, redis=redis, pauses=PauseStats(redis), engine_info=view,
                             config=settings.holding, directory=directory,
-                            ttl_cache=None if engine.kind == "vllm" else TtlCacheEndpoint(
-                                cache_ttl_s=engine.cache_ttl_s,
-                                input_usd_per_mtok=engine.input_usd_per_mtok,
-                                cached_input_usd_per_mtok=engine.cached_input_usd_per_mtok,
-                                output_usd_per_mtok=engine.output_usd_per_mtok))
+                            ttl_cache=_ttl_cache(engine))
         inference = InferenceActivities(
             engine_id=engine.id, base_url=engine.url, model=engine.model, http=http,
+            price=engine.price,
             transcripts=TranscriptStore(build_s3(settings), settings.s3_bucket),
+            trace_prompts=TracePromptStore(build_s3(settings), settings.s3_bucket),
             directory=directory, registry=registry,
             detector=CacheBustDetector(redis, directory, on_bust=on_bust),
             engine_info=view, admission=admission, holds=holds,
@@ -209,6 +224,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     settings = Settings()
     configure_logging(settings.log_format, settings.log_level)
+    try:
+        # The worker assembles prompts from the profiles: it loads the same plugins.
+        load_plugins(plugins=settings.plugins, profile_paths=settings.profile_paths)
+    except PluginError as e:
+        raise SystemExit(f"error: {e}") from None
     asyncio.run(run_inference_worker(settings, args.engine_id))
 
 

@@ -34,6 +34,10 @@ class JobsSummary:
     later_steps_cached: int
     valid_steps: int
     cost_usd: float
+    """Spend of the jobs whose every step was priced."""
+    cost_unknown_jobs: int
+    """Jobs with a step on an engine that declares no price: their cost is unknown and
+    left out of the cost figures."""
     cost_per_task_p50: float
     cost_per_task_p95: float
     ttft_p50_ms: float
@@ -60,7 +64,10 @@ class JobsSummary:
 
     @property
     def cost_per_accepted(self) -> float:
-        """All spend (failed and capped jobs, retries) over the jobs that finished."""
+        """All spend (failed and capped jobs, retries) over the jobs that finished; NaN
+        when some job's cost is unknown."""
+        if self.cost_unknown_jobs:
+            return math.nan
         return self.cost_usd / self.accepted if self.accepted else math.inf
 
 
@@ -68,7 +75,7 @@ def summarize(results: list[JobResult]) -> JobsSummary:
     steps = [s for r in results for s in r.steps]
     later = [s for r in results for s in r.steps[1:]]
     ttfts = [s.ttft_ms for s in steps]
-    costs = [r.usage.cost_usd for r in results]
+    costs = [r.usage.cost_usd for r in results if not r.usage.cost_unknown_steps]
     task_ttfts = [sum(s.ttft_ms for s in r.steps) for r in results if r.steps]
     return JobsSummary(
         jobs=len(results),
@@ -80,6 +87,7 @@ def summarize(results: list[JobResult]) -> JobsSummary:
         later_steps_cached=sum(1 for s in later if s.cached_tokens > 0),
         valid_steps=sum(1 for s in steps if s.valid),
         cost_usd=sum(costs),
+        cost_unknown_jobs=len(results) - len(costs),
         cost_per_task_p50=percentile(costs, 50),
         cost_per_task_p95=percentile(costs, 95),
         ttft_p50_ms=percentile(ttfts, 50),
@@ -94,6 +102,15 @@ def summarize(results: list[JobResult]) -> JobsSummary:
 
 def _usd(v: float) -> str:
     return "-" if math.isinf(v) or math.isnan(v) else f"${v:.6f}"
+
+
+def _cost_per_task(s: JobsSummary) -> str:
+    """p50 / p95 over the priced jobs; says how many jobs' cost is unknown."""
+    if not s.cost_unknown_jobs:
+        return f"{_usd(s.cost_per_task_p50)} / {_usd(s.cost_per_task_p95)}"
+    known = ("unknown" if s.cost_unknown_jobs == s.jobs
+             else f"{_usd(s.cost_per_task_p50)} / {_usd(s.cost_per_task_p95)}")
+    return f"{known} ({s.cost_unknown_jobs} of {s.jobs} jobs unpriced)"
 
 
 def report_table(results: list[JobResult], *, title: str) -> Table:
@@ -112,9 +129,10 @@ def report_table(results: list[JobResult], *, title: str) -> Table:
              for st in states]
     rows += [
         ("model steps", [str(s.steps) for s in summaries.values()]),
-        ("cost per task p50 / p95", [f"{_usd(s.cost_per_task_p50)} / {_usd(s.cost_per_task_p95)}"
-                                     for s in summaries.values()]),
-        ("cost per accepted outcome", [_usd(s.cost_per_accepted) for s in summaries.values()]),
+        ("cost per task p50 / p95", [_cost_per_task(s) for s in summaries.values()]),
+        ("cost per accepted outcome", ["unknown" if s.cost_unknown_jobs
+                                       else _usd(s.cost_per_accepted)
+                                       for s in summaries.values()]),
         ("prompt tokens from cache", [f"{s.cache_share:.1%}" for s in summaries.values()]),
         ("steps after a job's first with cached tokens",
          [f"{s.later_steps_cached}/{s.later_steps}" for s in summaries.values()]),

@@ -4,17 +4,26 @@ from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from warmloop.workflows.holding import HoldConfig
 from warmloop.workflows.lanes import AdmissionConfig
+from warmloop.workflows.pricing import PER_TOKEN_FIELDS, EnginePrice
 from warmloop.workflows.routing import RoutingConfig
-from warmloop.workflows.synthetic_pauses import SyntheticPauses
 
 KV_EVENTS_TOPIC = "kv-events"
+
+# The embedded engines serve the tiny CPU model, priced as if each were a GPU at $0.80/h
+# (an assumption, an L4-class card) at the throughput seen here: a 2,116-token prefix
+# prefilled cold in ~100 ms (PLATFORM.md: ~20,000 tokens/s) and ~130 generated tokens/s
+# per engine (vLLM's own log line during `make demo`).
+EMBEDDED_ENGINE_PRICE = EnginePrice(gpu_usd_per_hour=0.80, prefill_tokens_per_s=20_000,
+                                    decode_tokens_per_s=130)
+_OLD_TTL_PRICE_DEFAULTS = {"input_usd_per_mtok": 3.0, "cached_input_usd_per_mtok": 0.3,
+                           "output_usd_per_mtok": 15.0}
 
 
 class EngineEndpoint(BaseModel):
@@ -29,17 +38,42 @@ class EngineEndpoint(BaseModel):
         "touches paced by churn). ttl_cache: a managed API whose prompt cache expires "
         "cache_ttl_s after last use (holds are keep-alive pings just before expiry).")
     cache_ttl_s: float = Field(default=300.0, gt=0, description="ttl_cache: prompt-cache TTL.")
-    input_usd_per_mtok: float = Field(default=3.0, ge=0,
-                                      description="ttl_cache: uncached input price.")
-    cached_input_usd_per_mtok: float = Field(default=0.3, ge=0,
-                                             description="ttl_cache: cached input price.")
-    output_usd_per_mtok: float = Field(default=15.0, ge=0,
-                                       description="ttl_cache: output price.")
+    price: EnginePrice | None = Field(
+        default=None, description="What the engine's tokens cost: self-hosted "
+        '({"gpu_usd_per_hour": 2.5, "prefill_tokens_per_s": 15000, "decode_tokens_per_s": '
+        '1500}) or per token ({"input_usd_per_mtok": 3, "cached_input_usd_per_mtok": 0.3, '
+        '"output_usd_per_mtok": 15}). The engine\'s worker prices every step with it. '
+        "None: steps cost an unknown amount, and jobs with a cost cap are not routed here. "
+        "A ttl_cache engine needs a per-token price.")
     kv_events: str | None = Field(
         default=None, pattern=r"^tcp://[^*]+:[0-9]+$",
         description="ZMQ endpoint the engine publishes its KV events to (vLLM "
         "--kv-events-config); the inference worker binds it. None: the prefix directory "
         "estimates evictions from recency and capacity instead.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_price_fields(cls, data: Any) -> Any:
+        """Engines declared before "price" gave a ttl_cache engine's prices as top-level
+        input_usd_per_mtok, cached_input_usd_per_mtok, output_usd_per_mtok (each with a
+        default); they become its per-token price."""
+        if not isinstance(data, dict) or not any(f in data for f in PER_TOKEN_FIELDS):
+            return data
+        if data.get("price") is not None:
+            raise ValueError(f"give the price once, in \"price\" ({', '.join(PER_TOKEN_FIELDS)} "
+                             "at the top level are the old spelling of a per-token price)")
+        rest = {k: v for k, v in data.items() if k not in PER_TOKEN_FIELDS}
+        rest["price"] = {f: data.get(f, _OLD_TTL_PRICE_DEFAULTS[f]) for f in PER_TOKEN_FIELDS}
+        return rest
+
+    @model_validator(mode="after")
+    def _ttl_cache_priced_per_token(self) -> EngineEndpoint:
+        if self.kind == "ttl_cache" and (self.price is None or self.price.kind != "per_token"):
+            raise ValueError(
+                f"engine {self.id}: a ttl_cache engine is billed per token and its holds are "
+                'priced by it; add "price": {"input_usd_per_mtok": ..., '
+                '"cached_input_usd_per_mtok": ..., "output_usd_per_mtok": ...}')
+        return self
 
 
 class Settings(BaseSettings):
@@ -55,6 +89,12 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="WARMLOOP_", extra="ignore",
                                       env_parse_none_str="null")
 
+    plugins: str = ""
+    """Plugin modules to load, ``module[,module]`` (``WARMLOOP_PLUGINS``): each may define
+    ``PROFILES`` and ``TOOLSETS``. Installed distributions' entry points
+    (``warmloop.profiles``, ``warmloop.toolsets``) load without being named here."""
+    profile_paths: str = ""
+    """YAML profile files or folders to load, ``path[,path]``."""
     temporal_address: str = "127.0.0.1:7233"
     """host:port of the Temporal frontend."""
     temporal_namespace: str = "default"
@@ -99,8 +139,6 @@ class Settings(BaseSettings):
     hit rate from it); off in production, it grows without bound."""
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     """Weights of the routing score, e.g. WARMLOOP_ROUTING='{"max_load": 4}'."""
-    synthetic_pauses: SyntheticPauses = Field(default_factory=SyntheticPauses)
-    """Pauses of the synthetic benchmark tools (bench-routing: short; bench-pauses: long)."""
     holding: HoldConfig = Field(default_factory=HoldConfig)
     """Prices and limits of holding paused jobs' prefixes, e.g. WARMLOOP_HOLDING='{...}'."""
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
@@ -128,6 +166,7 @@ class Settings(BaseSettings):
         return [
             EngineEndpoint(
                 id=f"e{i}", url=f"http://127.0.0.1:{self.engine_base_port + i}",
+                price=EMBEDDED_ENGINE_PRICE,
                 kv_events=(None if self.engine_kv_events_base_port is None
                            else f"tcp://127.0.0.1:{self.engine_kv_events_base_port + i}"),
             )

@@ -10,13 +10,14 @@ transcript kept; none is a workflow failure.
 from __future__ import annotations
 
 import asyncio
+import json
 from datetime import datetime, timedelta
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 from temporalio import workflow
 from temporalio.common import Priority, RetryPolicy, SearchAttributeKey
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, TimeoutType
 from temporalio.exceptions import TimeoutError as ActivityTimeoutError
 
 from warmloop.workflows.budgets import (
@@ -45,6 +46,8 @@ from warmloop.workflows.contracts import (
     PendingApproval,
     PickEngineRequest,
     RecordPauseRequest,
+    ReplayScript,
+    ReplayStep,
     RouteRequest,
     StepRecord,
     StoreTranscriptRequest,
@@ -56,8 +59,14 @@ from warmloop.workflows.contracts import (
 from warmloop.workflows.lanes import VLLM_PRIORITY, task_priority
 from warmloop.workflows.pricing import pricing_for
 from warmloop.workflows.profiles import Profile, UnknownProfileError, get_profile
-from warmloop.workflows.profiles.base import ApprovalRule, ToolCallError, ToolSpec
-from warmloop.workflows.routing import RouteDecision
+from warmloop.workflows.profiles.base import (
+    ActivityRunner,
+    ApprovalRule,
+    ToolCallError,
+    ToolSpec,
+)
+from warmloop.workflows.routing import NO_ENGINE_FOR_MODEL, NO_PRICED_ENGINE, RouteDecision
+from warmloop.workflows.trace import is_trace_profile, stand_in_profile
 
 GENERATE_START_TO_CLOSE = timedelta(seconds=90)
 GENERATE_HEARTBEAT = timedelta(seconds=10)
@@ -73,6 +82,11 @@ ROUTE_TIMEOUT = timedelta(seconds=5)
 # Routing runs every step, so it is a local activity: no task-queue round trip.
 PATCH_ROUTE_EVERY_STEP = "route-every-step"
 PATCH_PREWARM = "prewarm-on-approval"
+# Engines price their own steps (GenerateResult.cost_usd); before, the workflow priced
+# them by model name with a silent fallback, which histories recorded then still need.
+PATCH_ENGINE_PRICES = "engine-prices"
+# route_step's non-retryable refusals: the job cannot run on this fleet at all.
+UNSERVABLE = frozenset({NO_ENGINE_FOR_MODEL, NO_PRICED_ENGINE})
 PREWARM_TIMEOUT = timedelta(seconds=60)
 
 # Search attributes (registered by `warmloop dev up`; on a cluster see the README).
@@ -86,6 +100,25 @@ SEARCH_ATTRIBUTES = {SA_PROFILE.name: "Keyword", SA_STATE.name: "Keyword",
 def _error_type(err: ActivityError) -> str | None:
     cause = err.cause
     return cause.type if isinstance(cause, ApplicationError) else None
+
+
+def _profile_of(job: JobInput) -> Profile:
+    """The job's profile. A replayed job with an inline prompt (``trace:<hash>``) gets a
+    stand-in of that name: the prompt stays in its store, for the inference worker."""
+    if job.replay is not None and is_trace_profile(job.profile):
+        return stand_in_profile(job.profile)
+    return get_profile(job.profile)
+
+
+def activity_tool_result(raw: Any) -> ToolResult:
+    """What a user's tool activity returned, as the result the model reads: a string as
+    it is, ``{"ok": bool, "output": str}`` as that, anything else as JSON."""
+    if isinstance(raw, str):
+        return ToolResult(ok=True, output=raw)
+    if isinstance(raw, dict) and set(raw) <= {"ok", "output"} and \
+            isinstance(raw.get("output"), str):
+        return ToolResult(ok=bool(raw.get("ok", True)), output=raw["output"])
+    return ToolResult(ok=True, output=json.dumps(raw, sort_keys=True, default=str))
 
 
 class _JobEnded(Exception):
@@ -166,7 +199,7 @@ class AgentJob:
         self._job_id = workflow.info().workflow_id
         self._profile_name = job.profile
         try:
-            profile = get_profile(job.profile)
+            profile = _profile_of(job)
             task = profile.validate_task(job.task)
             if job.tools:
                 profile.check_tools(job.tools)
@@ -217,6 +250,9 @@ class AgentJob:
             if self._should_continue_as_new(job, steps_this_run):
                 workflow.continue_as_new(job.model_copy(update={"carry": self._carry()}))
             steps_this_run += 1
+            if job.replay is not None:
+                await self._replay_step(job, profile, task, limits, job.replay)
+                continue
             gen, record = await self._model_step(job, profile, task, limits)
             try:
                 spec, args = self._validate(profile, gen, job.tools)
@@ -245,6 +281,35 @@ class AgentJob:
             self._answer(call, result.output)
             self._next_kind = StepKind.EXECUTE if result.ok else StepKind.REFLECT
 
+    async def _replay_step(self, job: JobInput, profile: Profile, task: BaseModel,
+                           limits: JobLimits, script: ReplayScript) -> None:
+        """One recorded step (``warmloop replay``): generated on the real engines exactly
+        as a live step (routing, failover, the hold decided when it ends), at the recorded
+        output length; then the recorded call and result are appended, not the generated
+        ones, so every run sends the same prompts; then the recorded pause, on a timer
+        (holds and touches run during it as during a real tool). Ends FINISHED after the
+        last recorded step."""
+        index = self._usage.steps
+        recorded = script.steps[index]
+        gen, record = await self._model_step(job, profile, task, limits, replay=recorded)
+        call = recorded.call
+        name = call.function.name
+        self._steps.append(record.model_copy(update={"tool": name, "valid": True,
+                                                     "prompt_hash": gen.prompt_hash}))
+        self._usage.tool_calls[name] = self._usage.tool_calls.get(name, 0) + 1
+        self._transcript.append(ChatMessage(role="assistant", tool_calls=[call]))
+        self._answer(call, recorded.result)
+        if index + 1 >= len(script.steps):
+            try:
+                final = json.loads(call.function.arguments)
+            except ValueError:
+                final = None
+            raise _JobEnded(JobState.FINISHED, f"replayed {len(script.steps)} recorded steps",
+                            final if isinstance(final, dict) else None)
+        self._next_kind = StepKind.EXECUTE
+        if recorded.pause_s > 0:
+            await workflow.sleep(recorded.pause_s)
+
     def _should_continue_as_new(self, job: JobInput, steps_this_run: int) -> bool:
         if self._pending:
             return False
@@ -265,7 +330,8 @@ class AgentJob:
         self._transcript.append(ChatMessage(role="tool", tool_call_id=call.id, content=content))
 
     async def _model_step(self, job: JobInput, profile: Profile, task: BaseModel,
-                          limits: JobLimits) -> tuple[GenerateResult, StepRecord]:
+                          limits: JobLimits, replay: ReplayStep | None = None
+                          ) -> tuple[GenerateResult, StepRecord]:
         kind = self._next_kind
         step = self._usage.steps + 1
         request = GenerateRequest(
@@ -277,15 +343,25 @@ class AgentJob:
             tools=job.tools,
             priority=VLLM_PRIORITY[job.lane], lane=job.lane, hold_policy=job.hold_policy,
         )
+        if replay is not None:  # the recorded output length; holds follow the recorded call
+            request = request.model_copy(update={"max_tokens": replay.output_tokens,
+                                                 "pause_kind": replay.pause_kind})
         gen, route_reason, failovers, routed = await self._generate(
             request, job, pickup_timeout=timedelta(seconds=job.step_pickup_timeout_s)
         )
         self._stored_len = len(self._transcript)
-        cost = pricing_for(gen.model).cost(prompt_tokens=gen.prompt_tokens,
-                                           cached_tokens=gen.cached_tokens,
-                                           completion_tokens=gen.completion_tokens)
+        cost = gen.cost_usd
+        if cost is None and not workflow.patched(PATCH_ENGINE_PRICES):
+            # replaying a step recorded before engines priced their own steps
+            cost = pricing_for(gen.model).cost(prompt_tokens=gen.prompt_tokens,
+                                               cached_tokens=gen.cached_tokens,
+                                               completion_tokens=gen.completion_tokens)
         u = self._usage
-        u.steps, u.cost_usd = step, u.cost_usd + cost
+        u.steps = step
+        if cost is None:
+            u.cost_unknown_steps += 1  # the engine declares no price
+        else:
+            u.cost_usd += cost
         u.prompt_tokens += gen.prompt_tokens
         u.cached_tokens += gen.cached_tokens
         u.completion_tokens += gen.completion_tokens
@@ -312,8 +388,9 @@ class AgentJob:
                              ).add(r.cached_tokens)
         meter.create_counter("warmloop_completion_tokens", "completion tokens"
                              ).add(r.completion_tokens)
-        meter.create_counter("warmloop_cost_microusd", "cost in millionths of a dollar"
-                             ).add(round(r.cost_usd * 1e6))
+        if r.cost_usd is not None:
+            meter.create_counter("warmloop_cost_microusd", "cost in millionths of a dollar"
+                                 ).add(round(r.cost_usd * 1e6))
         meter.create_histogram_timedelta("warmloop_step_ttft", "time to first token"
                                          ).record(timedelta(milliseconds=r.ttft_ms))
 
@@ -342,19 +419,32 @@ class AgentJob:
         except ActivityError:
             return None
 
-    async def _route(self, request: GenerateRequest, job: JobInput,
-                     exclude: list[str]) -> RouteDecision | None:
+    async def _route(self, request: GenerateRequest, job: JobInput, exclude: list[str], *,
+                     end_if_unservable: bool = False) -> RouteDecision | None:
+        """The engine for the step; None when no live engine could be found. When no
+        engine can serve the job at all (none serves its profile's model, or it has a cost
+        cap and none of those declares a price) and ``end_if_unservable``, the job ends
+        as INVALID_INPUT with route_step's reason."""
+        profile = _profile_of(job)
         try:
             return await workflow.execute_local_activity(
                 "route_step",
                 RouteRequest(job_id=self._job_id, step=request.step, profile=request.profile,
                              policy=job.routing, exclude=exclude, tools=job.tools,
                              lane=job.lane,
-                             last_engine=self._engine.engine_id if self._engine else None),
+                             last_engine=self._engine.engine_id if self._engine else None,
+                             model=profile.model,
+                             require_price=self._limits(profile, job).max_cost_usd is not None),
                 start_to_close_timeout=ROUTE_TIMEOUT, retry_policy=PICK_RETRY,
                 result_type=RouteDecision,
             )
-        except ActivityError:
+        except (ActivityError, ApplicationError) as e:
+            # A local activity's non-retryable failure arrives bare, not as ActivityError.
+            failure = e.cause if isinstance(e, ActivityError) else e
+            if (end_if_unservable and isinstance(failure, ApplicationError)
+                    and failure.type in UNSERVABLE):
+                raise _JobEnded(JobState.INVALID_INPUT,
+                                f"step {request.step} cannot run: {failure.message}") from None
             return None
 
     async def _generate(
@@ -376,7 +466,7 @@ class AgentJob:
             if pinned:
                 decision = RouteDecision(engine_id=pinned, reason="pinned")
             else:
-                routed = await self._route(request, job, failed)
+                routed = await self._route(request, job, failed, end_if_unservable=True)
                 if routed is None:
                     raise _JobEnded(JobState.ENGINE_UNAVAILABLE,
                                     "no live engine could serve the step")
@@ -495,6 +585,9 @@ class AgentJob:
     async def _run_tool(self, profile: Profile, spec: ToolSpec, job: JobInput, step: int,
                         args: dict[str, Any]) -> ToolResult:
         task_id = str(job.task.get(profile.task_id_field, ""))
+        if isinstance(spec.runner, ActivityRunner):
+            return await self._run_activity_tool(profile, spec, spec.runner, step, task_id,
+                                                 args)
         try:
             return await workflow.execute_activity(
                 "run_tool",
@@ -512,6 +605,41 @@ class AgentJob:
         except ActivityError as e:
             # The model reads the failure and carries on; the job does not crash.
             return ToolResult(ok=False, output=f"tool {spec.name} failed: {e.cause or e}")
+
+    async def _run_activity_tool(self, profile: Profile, spec: ToolSpec,
+                                 runner: ActivityRunner, step: int, task_id: str,
+                                 args: dict[str, Any]) -> ToolResult:
+        """A tool served by the user's own worker on the user's task queue: warmloop's
+        workers need none of its code or credentials. Its answer is cut for the prompt
+        here (it is in history already: such tools should answer briefly)."""
+        asked = workflow.now()
+        call = {"arguments": args, "job_id": self._job_id, "step": step, "task_id": task_id,
+                "idempotency_key": f"{self._job_id}:{step}:{spec.name}"}
+        try:
+            raw = await workflow.execute_activity(
+                runner.activity, call, task_queue=runner.task_queue,
+                schedule_to_start_timeout=timedelta(seconds=runner.pickup_timeout_s),
+                start_to_close_timeout=timedelta(seconds=spec.timeout_s),
+                retry_policy=RetryPolicy(
+                    maximum_attempts=spec.retry.max_attempts,
+                    initial_interval=timedelta(seconds=spec.retry.initial_interval_s),
+                    non_retryable_error_types=list(spec.retry.non_retryable),
+                ),
+            )
+        except ActivityError as e:
+            if isinstance(e.cause, ActivityTimeoutError) and \
+                    e.cause.type == TimeoutType.SCHEDULE_TO_START:
+                return ToolResult(ok=False, output=f"tool {spec.name} is unavailable: no worker "
+                                  f"took it from task queue {runner.task_queue}")
+            return ToolResult(ok=False, output=f"tool {spec.name} failed: {e.cause or e}")
+        await self._record_pause(f"tool:{spec.name}", asked)
+        result = activity_tool_result(raw)
+        limit = profile.max_tool_output_chars
+        if len(result.output) > limit:
+            cut = len(result.output) - limit
+            result = ToolResult(ok=result.ok, output=result.output[:limit]
+                                + f"\n[cut: {cut} more characters]")
+        return result
 
     def _publish_pending(self) -> None:
         workflow.upsert_search_attributes([SA_PENDING.value_set(sorted(self._pending))])
@@ -575,16 +703,20 @@ class AgentJob:
     async def _after_human(self, rule: ApprovalRule, asked_at: datetime) -> None:
         """The decision is in: record how long the human took, and warm the prefix again
         (it may have been evicted during a long wait) before the next step needs it."""
-        waited = (workflow.now() - asked_at).total_seconds()
+        await self._record_pause(f"approval:{rule.kind}", asked_at)
+        await self._prewarm("approval decided")
+
+    async def _record_pause(self, kind: str, since: datetime) -> None:
+        """How long the job waited on ``kind``: the hold/release cost model's input."""
+        waited = (workflow.now() - since).total_seconds()
         try:
             await workflow.execute_local_activity(
                 "record_pause", RecordPauseRequest(profile=self._profile_name,
-                                                   kind=f"approval:{rule.kind}", seconds=waited),
+                                                   kind=kind, seconds=waited),
                 start_to_close_timeout=ROUTE_TIMEOUT,
                 retry_policy=RetryPolicy(maximum_attempts=2))
         except ActivityError:
-            workflow.logger.warning("could not record the approval's pause")
-        await self._prewarm("approval decided")
+            workflow.logger.warning("could not record the pause of %s", kind)
 
     async def _prewarm(self, why: str) -> None:
         """Re-prefill the job's prompt on the engine its next step will be routed to.

@@ -58,6 +58,10 @@ class Usage(BaseModel):
     cached_tokens: int = 0
     completion_tokens: int = 0
     cost_usd: float = 0.0
+    """Dollars of the steps whose engine declares a price (see cost_unknown_steps)."""
+    cost_unknown_steps: int = 0
+    """Steps served by an engine that declares no price: their cost is unknown, so
+    cost_usd is a lower bound whenever this is above 0."""
     tool_calls: dict[str, int] = Field(default_factory=dict)
 
     @property
@@ -83,6 +87,13 @@ def check_before_step(limits: JobLimits, usage: Usage, elapsed_s: float) -> CapH
         return CapHit(state="BUDGET_EXHAUSTED",
                       reason=f"token budget of {limits.max_total_tokens} spent "
                       f"({usage.total_tokens} used)")
+    if limits.max_cost_usd is not None and usage.cost_unknown_steps:
+        # Only a job pinned to an unpriced engine gets here: routing sends a capped job's
+        # steps to priced engines only.
+        return CapHit(state="INVALID_INPUT",
+                      reason=f"cost cap of ${limits.max_cost_usd:g} cannot be enforced: "
+                      f"{usage.cost_unknown_steps} step(s) ran on an engine that declares "
+                      "no price; add \"price\" to WARMLOOP_ENGINES")
     if limits.max_cost_usd is not None and usage.cost_usd >= limits.max_cost_usd:
         return CapHit(state="BUDGET_EXHAUSTED",
                       reason=f"cost cap of ${limits.max_cost_usd:g} spent "

@@ -46,8 +46,9 @@ class JobState(StrEnum):
     ENGINE_UNAVAILABLE = "ENGINE_UNAVAILABLE"
     """No live engine could serve a step, even after failover."""
     INVALID_INPUT = "INVALID_INPUT"
-    """The job's task did not validate against its profile (only reachable by
-    bypassing the client-side check)."""
+    """The job cannot run as given: its task did not validate against its profile, no
+    engine serves the profile's model, or it has a cost cap and no engine serving its
+    model declares a price (only reachable by bypassing the client-side check)."""
     BUDGET_EXHAUSTED = "BUDGET_EXHAUSTED"
     """The job's token or cost cap was spent."""
     TIMED_OUT = "TIMED_OUT"
@@ -108,6 +109,11 @@ class JobInput(BaseModel):
     carry: JobCarry | None = Field(
         default=None, description="Internal: state carried across continue-as-new."
     )
+    replay: ReplayScript | None = Field(
+        default=None, description="Replay these recorded steps (`warmloop replay`): each "
+        "runs on the real engines through routing and holds, but the transcript gets the "
+        "recorded call and result, not the generated ones.",
+    )
 
 
 class FunctionCall(BaseModel):
@@ -120,6 +126,30 @@ class ToolCall(BaseModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
+
+
+class ReplayStep(BaseModel):
+    """One recorded step of a replayed job: the engines are asked for ``output_tokens``
+    tokens, then ``call`` and ``result`` are appended instead of what they generated, and
+    the job waits ``pause_s`` (a workflow timer) before its next step."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    call: ToolCall
+    result: str = ""
+    pause_s: float = Field(default=0.0, ge=0)
+    output_tokens: int = Field(ge=1)
+    pause_kind: str = ""
+    """What the job waits on after this step (``tool:<name>`` or ``approval:<kind>``), for
+    the inference worker's hold decision; "": nothing (the job's last step)."""
+
+
+class ReplayScript(BaseModel):
+    """The recorded steps of one job of a trace (``warmloop.workflows.trace``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    steps: list[ReplayStep] = Field(min_length=1)
 
 
 class ChatMessage(BaseModel):
@@ -148,6 +178,10 @@ class PickEngineRequest(BaseModel):
     job_id: str
     profile: str
     exclude: list[str] = Field(default_factory=list, description="Engines known to be failing.")
+    model: str | None = None
+    """Only engines serving this model; None: any."""
+    require_price: bool = False
+    """Only engines that declare a price (the job has a cost cap)."""
 
 
 class RouteRequest(BaseModel):
@@ -163,6 +197,10 @@ class RouteRequest(BaseModel):
     """The tools the job offers: part of its stable prefix."""
     lane: Lane = Lane.INTERACTIVE
     exclude: list[str] = Field(default_factory=list, description="Engines that failed this step.")
+    model: str | None = None
+    """The model the job's profile needs: only engines serving it; None: any engine."""
+    require_price: bool = False
+    """The job has a cost cap: only engines that declare a price."""
 
 
 class GenerateRequest(BaseModel):
@@ -191,6 +229,9 @@ class GenerateRequest(BaseModel):
     expected_cached_tokens: int | None = None
     """The router's prediction for this step; the worker scores the prefix directory's
     accuracy against the engine's reported cached tokens."""
+    pause_kind: str | None = None
+    """A replayed step: what the job waits on after it (``tool:<name>``, ``approval:<kind>``;
+    "": nothing), decided by the recorded call, not the generated one. None: a live step."""
 
 
 class GenerateResult(BaseModel):
@@ -215,6 +256,12 @@ class GenerateResult(BaseModel):
     dispatch_ms: float = 0.0
     """From Temporal scheduling this attempt to the request leaving for the engine:
     the orchestration overhead the step pays before the engine sees it."""
+    cost_usd: float | None = None
+    """What the step cost at its engine's declared price (priced by the engine's worker);
+    None: the engine declares no price."""
+    prompt_hash: str | None = None
+    """sha256 of the messages and tools the engine was sent
+    (``warmloop.workflows.prompt.prompt_hash``): equal prompts, equal hashes."""
 
 
 class ToolRequest(BaseModel):
@@ -240,7 +287,8 @@ class StepRecord(BaseModel):
 
     step: int
     kind: str = "execute"
-    cost_usd: float = 0.0
+    cost_usd: float | None = 0.0
+    """None: the step's engine declares no price."""
     retries: int = 0
     """Failed attempts of this step's generate (engine errors, failovers)."""
     engine_id: str
@@ -259,6 +307,8 @@ class StepRecord(BaseModel):
     """Temporal scheduling generate -> the request leaving for the engine."""
     route_ms: float = 0.0
     """Time the routing activity took to decide."""
+    prompt_hash: str | None = None
+    """The step's GenerateResult.prompt_hash (recorded for replayed steps)."""
 
 
 class StoreTranscriptRequest(BaseModel):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -45,3 +46,9 @@ def assemble_prompt(
         *transcript,
         ChatMessage(role="user", content=tail),
     ]
+
+
+def prompt_hash(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
+    """sha256 of a request's messages and tools (canonical JSON): the same prompt gives
+    the same hash on any engine, in any run (``warmloop replay`` compares them)."""
+    return hashlib.sha256(canonical_json([messages, tools]).encode()).hexdigest()[:32]

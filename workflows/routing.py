@@ -81,6 +81,55 @@ class RouteDecision(BaseModel):
     """Time the routing activity spent gathering and deciding (set by the activity)."""
 
 
+NO_ENGINE_FOR_MODEL = "NoEngineForModel"
+"""ApplicationError type of route_step: no live engine serves the model a job needs."""
+NO_PRICED_ENGINE = "NoPricedEngine"
+"""ApplicationError type of route_step: a job with a cost cap, and no live engine serving
+its model declares a price."""
+
+
+class EngineOffer(BaseModel):
+    """What an engine offers a job, whatever its load: its model and whether it prices
+    its steps (the heartbeat's ``model`` and ``priced``, or a configured engine)."""
+
+    engine_id: str
+    model: str
+    priced: bool = False
+
+
+class UnservableStepError(ValueError):
+    """No engine can serve the job's steps at all; not an outage that retries would
+    outlast. ``error_type`` is NO_ENGINE_FOR_MODEL or NO_PRICED_ENGINE."""
+
+    def __init__(self, message: str, *, error_type: str) -> None:
+        super().__init__(message)
+        self.error_type = error_type
+
+
+def eligible_engines(offers: list[EngineOffer], *, model: str | None,
+                     require_price: bool) -> list[str]:
+    """Ids of the engines that may serve a job's step: those serving ``model`` (any, when
+    None) and, for a job with a cost cap (``require_price``), declaring a price.
+
+    Raises UnservableStepError when engines exist but none qualifies. No engines at all
+    returns [] (the fleet is away, which may pass; the caller says so)."""
+    if not offers:
+        return []
+    serving = [o for o in offers if model is None or o.model == model]
+    if not serving:
+        models = ", ".join(sorted({o.model for o in offers}))
+        raise UnservableStepError(
+            f"no engine serves model {model} (engines serve: {models}); start an engine "
+            "with that model or change the profile's model", error_type=NO_ENGINE_FOR_MODEL)
+    priced = [o for o in serving if o.priced or not require_price]
+    if not priced:
+        which = f"serving model {model} " if model is not None else ""
+        raise UnservableStepError(
+            f"job has max_cost_usd but no engine {which}declares a price; "
+            'add "price" to WARMLOOP_ENGINES', error_type=NO_PRICED_ENGINE)
+    return [o.engine_id for o in priced]
+
+
 def _spread_key(job_id: str, engine_id: str) -> str:
     # Stable tie-break that spreads jobs over equal engines without shared state.
     return hashlib.blake2b(f"{job_id}/{engine_id}".encode(), digest_size=8).hexdigest()

@@ -1,12 +1,21 @@
-"""Tools the agents call, run as the ``run_tool`` activity on the agent task queue."""
+"""Tools the agents call, run as the ``run_tool`` activity on the agent task queue.
+
+Three ways a tool runs here: the profile's ``Toolset`` (the bundled agents), a Python
+function (``@warmloop.tool``) or an HTTP endpoint. The fourth, a user's own Temporal
+activity, is scheduled by the workflow on the user's task queue and never comes here.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from collections.abc import Callable
 from typing import Any
 
+import httpx
 import structlog
+from pydantic import BaseModel
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
@@ -14,53 +23,163 @@ from warmloop.activities.pauses import PauseStats, tool_kind
 from warmloop.activities.tools.base import EffectLedger, ToolOutcome, Toolset
 from warmloop.activities.tools.ticket_triage import TicketTriageTools
 from warmloop.workflows.contracts import ToolRequest, ToolResult
-from warmloop.workflows.profiles import get_profile
+from warmloop.workflows.profiles import (
+    HttpRunner,
+    Profile,
+    PythonRunner,
+    ToolSpec,
+    UnknownProfileError,
+    get_profile,
+)
+from warmloop.workflows.profiles.function_tools import (
+    FunctionTool,
+    ToolContext,
+    resolve_function_tool,
+)
 
 log = structlog.get_logger(__name__)
 
+RETRY_STATUSES = frozenset({408, 425, 429})
+"""4xx answers that mean "try again", not "your arguments are wrong"."""
+
+
+def idempotency_key(req: ToolRequest) -> str:
+    """The same for every retry of one call; different for every call."""
+    return f"{req.job_id}:{req.step}:{req.name}"
+
+
+def as_model_text(value: Any) -> str:
+    """What a tool returned, as the text the model reads."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, BaseModel):
+        return value.model_dump_json()
+    return json.dumps(value, sort_keys=True, default=str)
+
 
 class ToolActivities:
-    """Runs tools; large outputs go to S3 whole, the transcript keeps a cut preview."""
+    """Runs tools; large outputs go to S3 whole, the transcript keeps a cut preview.
 
-    def __init__(self, toolsets: list[Toolset], ledger: EffectLedger, *, s3: Any,
-                 bucket: str, pauses: PauseStats | None = None) -> None:
+    Side-effect tools apply at most once per (job, step): a toolset's ``effect`` goes
+    through the ledger; a function or HTTP tool's result is recorded there, and a retry
+    of a call that already succeeded returns the recorded result without calling again.
+    """
+
+    def __init__(self, toolsets: list[Toolset] | dict[str, Toolset], ledger: EffectLedger, *,
+                 s3: Any, bucket: str, pauses: PauseStats | None = None,
+                 http: httpx.AsyncClient | None = None,
+                 resolve_function: Callable[[str], FunctionTool] | None = None) -> None:
         self._pauses = pauses
-        self._toolsets = {t.profile: t for t in toolsets}
+        self._toolsets = (dict(toolsets) if isinstance(toolsets, dict)
+                          else {t.profile: t for t in toolsets})
         self._ledger = ledger
         self._s3 = s3
         self._bucket = bucket
+        self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0))
+        self._resolve = resolve_function or resolve_function_tool
+        self._functions: dict[str, FunctionTool] = {}
 
     @activity.defn(name="run_tool")
     async def run_tool(self, req: ToolRequest) -> ToolResult:
+        try:
+            profile = get_profile(req.profile)
+            spec = profile.tool(req.name)
+        except (UnknownProfileError, KeyError) as e:
+            raise ApplicationError(f"no tool {req.name!r} in profile {req.profile!r}: {e}",
+                                   type="UnknownTool", non_retryable=True) from None
+        with structlog.contextvars.bound_contextvars(job_id=req.job_id, step=req.step):
+            started = time.monotonic()
+            result = await self._run_once(profile, spec, req)
+            if self._pauses is not None:
+                await self._pauses.record(req.profile, tool_kind(req.name),
+                                          time.monotonic() - started)
+            result = await self._cut(profile, req, result)
+            log.info("tool_ran", tool=req.name, ok=result.ok)
+        return result
+
+    async def _run_once(self, profile: Profile, spec: ToolSpec, req: ToolRequest) -> ToolResult:
+        if isinstance(spec.runner, PythonRunner | HttpRunner):
+            if spec.side_effect:
+                done = await self._ledger.recorded(req.job_id, req.step)
+                if done is not None and "output" in done:
+                    log.info("effect_deduplicated", tool=req.name)
+                    return ToolResult(ok=bool(done.get("ok", True)), output=done["output"])
+            result = await (self._run_function(spec.runner, req)
+                            if isinstance(spec.runner, PythonRunner)
+                            else self._run_http(spec, spec.runner, req))
+            if spec.side_effect and result.ok:
+                await self._ledger.apply_once(req.job_id, req.step, req.name,
+                                              {"ok": True, "output": result.output})
+            return result
         toolset = self._toolsets.get(req.profile)
         if toolset is None:
             raise ApplicationError(f"no toolset for profile {req.profile!r}",
                                    type="UnknownProfile", non_retryable=True)
-        profile = get_profile(req.profile)
-        with structlog.contextvars.bound_contextvars(job_id=req.job_id, step=req.step):
-            started = time.monotonic()
-            outcome = await toolset.arun(req)
-            if self._pauses is not None:
-                await self._pauses.record(req.profile, tool_kind(req.name),
-                                          time.monotonic() - started)
-            result = outcome.result
-            if outcome.effect is not None and profile.tool(req.name).side_effect:
-                fresh = await self._ledger.apply_once(req.job_id, req.step, req.name,
-                                                      outcome.effect)
-                if not fresh:
-                    log.info("effect_deduplicated", tool=req.name)
-            limit = profile.max_tool_output_chars
-            if len(result.output) > limit:
-                key = f"tool-outputs/{req.job_id}/{req.step}.txt"
-                await asyncio.to_thread(self._s3.put_object, Bucket=self._bucket, Key=key,
-                                        Body=result.output.encode())
-                cut = len(result.output) - limit
-                result = ToolResult(
-                    ok=result.ok, output_key=key,
-                    output=result.output[:limit] + f"\n[cut: {cut} more characters]",
-                )
-            log.info("tool_ran", tool=req.name, ok=result.ok)
-        return result
+        outcome: ToolOutcome = await toolset.arun(req)
+        if outcome.effect is not None and spec.side_effect:
+            fresh = await self._ledger.apply_once(req.job_id, req.step, req.name,
+                                                  outcome.effect)
+            if not fresh:
+                log.info("effect_deduplicated", tool=req.name)
+        return outcome.result
+
+    def _function(self, path: str) -> FunctionTool:
+        fn = self._functions.get(path)
+        if fn is None:
+            try:
+                fn = self._functions[path] = self._resolve(path)
+            except (ImportError, AttributeError, TypeError) as e:
+                raise ApplicationError(f"tool function {path} cannot be loaded: {e}",
+                                       type="ToolNotLoaded", non_retryable=True) from None
+        return fn
+
+    async def _run_function(self, runner: PythonRunner, req: ToolRequest) -> ToolResult:
+        fn = self._function(runner.function)
+        parsed = fn.spec.args.model_validate(req.arguments)
+        kwargs = {name: getattr(parsed, name) for name in type(parsed).model_fields}
+        if fn.context_param is not None:
+            kwargs[fn.context_param] = ToolContext(
+                job_id=req.job_id, step=req.step, task_id=req.task_id,
+                idempotency_key=idempotency_key(req))
+        value = (await fn.fn(**kwargs) if fn.is_async
+                 else await asyncio.to_thread(fn.fn, **kwargs))
+        return ToolResult(ok=True, output=as_model_text(value))
+
+    async def _run_http(self, spec: ToolSpec, runner: HttpRunner, req: ToolRequest
+                        ) -> ToolResult:
+        headers = {**dict(runner.headers), "X-Warmloop-Job": req.job_id,
+                   "X-Warmloop-Step": str(req.step)}
+        if spec.side_effect:
+            headers["Idempotency-Key"] = idempotency_key(req)
+        cap = runner.max_response_bytes
+        async with self._http.stream("POST", runner.url, json=req.arguments, headers=headers,
+                                     timeout=spec.timeout_s) as r:
+            body = bytearray()
+            async for chunk in r.aiter_bytes():
+                body += chunk
+                if len(body) > cap:
+                    return ToolResult(ok=False, output=f"tool {spec.name}: response larger "
+                                      f"than {cap} bytes; ask for less")
+        text = body.decode("utf-8", errors="replace")
+        if r.status_code >= 500 or r.status_code in RETRY_STATUSES:
+            # Temporal retries it per the tool's retry policy; the model reads the last.
+            raise ApplicationError(f"HTTP {r.status_code} from {runner.url}: {text[:300]}",
+                                   type="ToolUnavailable")
+        if r.status_code >= 400:
+            return ToolResult(ok=False, output=f"HTTP {r.status_code}: {text[:2000]}")
+        return ToolResult(ok=True, output=text)
+
+    async def _cut(self, profile: Profile, req: ToolRequest, result: ToolResult) -> ToolResult:
+        limit = profile.max_tool_output_chars
+        if len(result.output) <= limit:
+            return result
+        key = f"tool-outputs/{req.job_id}/{req.step}.txt"
+        await asyncio.to_thread(self._s3.put_object, Bucket=self._bucket, Key=key,
+                                Body=result.output.encode())
+        cut = len(result.output) - limit
+        return ToolResult(ok=result.ok, output_key=key,
+                          output=result.output[:limit] + f"\n[cut: {cut} more characters]")
 
 
-__all__ = ["EffectLedger", "TicketTriageTools", "ToolActivities", "ToolOutcome", "Toolset"]
+__all__ = ["EffectLedger", "TicketTriageTools", "ToolActivities", "ToolOutcome", "Toolset",
+           "as_model_text", "idempotency_key"]

@@ -64,6 +64,11 @@ class EffectLedger:
                                   "applied" if applied else "deduplicated", 1)
         return bool(applied)
 
+    async def recorded(self, job_id: str, step: int) -> dict[str, Any] | None:
+        """The effect recorded for (job, step), or None: a retry checks it first."""
+        raw = await self._redis.get(self.key(job_id, step))
+        return None if raw is None else json.loads(raw)
+
     async def effects(self, job_id: str) -> dict[int, dict[str, Any]]:
         """Every effect applied for ``job_id``, by step."""
         out: dict[int, dict[str, Any]] = {}

@@ -50,7 +50,7 @@ from warmloop.workflows.contracts import (
     StepRecord,
     ToolCall,
 )
-from warmloop.workflows.profiles import PROFILES, get_profile
+from warmloop.workflows.profiles import REGISTRY, get_profile
 
 pytestmark = pytest.mark.integration
 
@@ -159,19 +159,20 @@ def test_profiles() -> Iterator[tuple[str, str]]:
     (re-registered per job), one stays as it is (the control)."""
     tag = uuid.uuid4().hex[:8]
     stamped, control = f"bust-{tag}", f"nobust-{tag}"
-    PROFILES[control] = dataclasses.replace(TRIAGE, name=control)
+    REGISTRY.add(dataclasses.replace(TRIAGE, name=control), source="test")
     try:
         yield stamped, control
     finally:
-        PROFILES.pop(stamped, None)
-        PROFILES.pop(control, None)
+        REGISTRY.remove(stamped)
+        REGISTRY.remove(control)
 
 
 def _stamp(name: str) -> None:
     """What a template rendering ``now()`` into the system prompt does, per job."""
-    PROFILES[name] = dataclasses.replace(
+    REGISTRY.remove(name)
+    REGISTRY.add(dataclasses.replace(
         TRIAGE, name=name, system_prompt=f"Now: {datetime.now().isoformat()}\n"
-        + TRIAGE.system_prompt)
+        + TRIAGE.system_prompt), source="test")
 
 
 def _tool_turn(call_id: str, customer: str, answer: str) -> list[ChatMessage]:

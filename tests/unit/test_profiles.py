@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from warmloop.workflows.profiles import PROFILES, UnknownProfileError, get_profile
+from warmloop.workflows.profiles import REGISTRY, UnknownProfileError, get_profile
 from warmloop.workflows.profiles.base import ToolCallError
 
 TRIAGE = get_profile("ticket-triage")
@@ -13,7 +13,8 @@ def test_unknown_profile_names_the_known_ones() -> None:
         get_profile("nope")
 
 
-@pytest.mark.parametrize("profile", list(PROFILES.values()), ids=list(PROFILES))
+@pytest.mark.parametrize("profile", [REGISTRY.get(n) for n in REGISTRY.names()],
+                         ids=REGISTRY.names())
 def test_tool_schemas_are_strict_bounded_and_canonical(profile) -> None:  # type: ignore[no-untyped-def]
     schemas = profile.tool_schemas()
     names = [s["function"]["name"] for s in schemas]

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from warmloop.workers.settings import EMBEDDED_ENGINE_PRICE
 from warmloop.workflows.contracts import (
     ChatMessage,
     EngineChoice,
@@ -25,9 +26,17 @@ from warmloop.workflows.contracts import (
     ToolRequest,
     ToolResult,
 )
+from warmloop.workflows.pricing import EnginePrice
 from warmloop.workflows.profiles import get_profile
 from warmloop.workflows.prompt import assemble_prompt
-from warmloop.workflows.routing import EngineCandidate, RouteDecision, choose_engine
+from warmloop.workflows.routing import (
+    EngineCandidate,
+    EngineOffer,
+    RouteDecision,
+    UnservableStepError,
+    choose_engine,
+    eligible_engines,
+)
 
 Script = Callable[[GenerateRequest], GenerateResult]
 
@@ -46,9 +55,16 @@ class FakeActivities:
     real inference worker does (append at base_len), so prompts can be rebuilt."""
 
     def __init__(self, script: Script, engines: list[str] | None = None,
-                 tool_output: Callable[[ToolRequest], ToolResult] | None = None) -> None:
+                 tool_output: Callable[[ToolRequest], ToolResult] | None = None, *,
+                 models: dict[str, str] | None = None,
+                 prices: dict[str, EnginePrice | None] | None = None) -> None:
         self.script = script
         self.engines = engines or ["fake0"]
+        self.models = models or {}
+        """Model each engine serves (default "tiny")."""
+        self.prices = prices
+        """Price each engine declares (None: none); default: all at the embedded price.
+        Like the real worker, generate fills a step's cost_usd from it."""
         self.tool_output = tool_output or (lambda r: ToolResult(ok=True, output=f"{r.name} ok"))
         self.generate_requests: list[GenerateRequest] = []
         self.prompts: list[list[ChatMessage]] = []
@@ -61,7 +77,24 @@ class FakeActivities:
         self.stored: list[StoreTranscriptRequest] = []
         self.pauses: list[RecordPauseRequest] = []
         self.prewarms: list[GenerateRequest] = []
+        self.served_by: list[str] = []
+        """The engine whose task queue each generate ran on."""
         self._rr = itertools.count()
+
+    def model_of(self, engine: str) -> str:
+        return self.models.get(engine, "tiny")
+
+    def price_of(self, engine: str) -> EnginePrice | None:
+        return EMBEDDED_ENGINE_PRICE if self.prices is None else self.prices.get(engine)
+
+    def _eligible(self, model: str | None, require_price: bool) -> list[str]:
+        """The engines that may serve the job, refused the way route_step refuses."""
+        offers = [EngineOffer(engine_id=e, model=self.model_of(e),
+                              priced=self.price_of(e) is not None) for e in self.engines]
+        try:
+            return eligible_engines(offers, model=model, require_price=require_price)
+        except UnservableStepError as e:
+            raise ApplicationError(str(e), type=e.error_type, non_retryable=True) from None
 
     @activity.defn(name="record_pause")
     async def record_pause(self, req: RecordPauseRequest) -> None:
@@ -76,7 +109,8 @@ class FakeActivities:
     async def route_step(self, req: RouteRequest) -> RouteDecision:
         """The real scoring function over engines with no load and no cache knowledge."""
         self.routes.append(req)
-        live = [e for e in self.engines if e not in req.exclude]
+        fit = self._eligible(req.model, req.require_price)
+        live = [e for e in fit if e not in req.exclude]
         if not live:
             raise ApplicationError("no live engine", non_retryable=True)
         if self.forced_routes:
@@ -103,7 +137,15 @@ class FakeActivities:
         self.prompts.append(assemble_prompt(profile, profile.validate_task(req.task),
                                             self.transcripts[req.job_id], tail=req.tail))
         self.generate_requests.append(req)
-        return self.script(req)
+        result = self.script(req)
+        engine = activity.info().task_queue.removeprefix("engine.")
+        self.served_by.append(engine)
+        price = self.price_of(engine)
+        if result.cost_usd is None and price is not None:
+            result = result.model_copy(update={"cost_usd": price.cost(
+                prompt_tokens=result.prompt_tokens, cached_tokens=result.cached_tokens,
+                completion_tokens=result.completion_tokens)})
+        return result
 
     @activity.defn(name="run_tool")
     async def run_tool(self, req: ToolRequest) -> ToolResult:

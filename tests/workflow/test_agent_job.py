@@ -13,6 +13,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from tests.workflow.fakes import FakeActivities, reply
+from warmloop.workers.temporal_plugin import sandbox_runner
 from warmloop.workflows.agent_job import AgentJob
 from warmloop.workflows.contracts import (
     AGENT_TASK_QUEUE,
@@ -32,7 +33,8 @@ async def workers(env: WorkflowEnvironment, fakes: FakeActivities,
                   serving: list[str] | None = None) -> AsyncIterator[Client]:
     """An agent worker plus one engine worker per id in ``serving`` (default: all)."""
     client = env.client
-    agent = Worker(client, task_queue=AGENT_TASK_QUEUE, workflows=[AgentJob],
+    agent = Worker(client, task_queue=AGENT_TASK_QUEUE, workflow_runner=sandbox_runner(),
+                   workflows=[AgentJob],
                    activities=[fakes.route_step, fakes.pick_engine, fakes.record_pause,
                                fakes.run_tool,
                                fakes.store_transcript])

@@ -14,6 +14,7 @@ from temporalio.worker import Worker
 
 from tests.workflow.fakes import FakeActivities, reply
 from warmloop.activities.batch import BatchActivities
+from warmloop.workers.temporal_plugin import sandbox_runner
 from warmloop.workflows.agent_job import AgentJob
 from warmloop.workflows.batch_run import BatchInput, BatchRun, RecordOutcome
 from warmloop.workflows.contracts import AGENT_TASK_QUEUE, engine_task_queue
@@ -51,7 +52,8 @@ async def run_batch(env: WorkflowEnvironment, inp: BatchInput,
     batch = BatchActivities(s3, "b")
     client = env.client
     async with (
-        Worker(client, task_queue=AGENT_TASK_QUEUE, workflows=[AgentJob, BatchRun],
+        Worker(client, task_queue=AGENT_TASK_QUEUE, workflow_runner=sandbox_runner(),
+                   workflows=[AgentJob, BatchRun],
                activities=[fakes.route_step, fakes.pick_engine, fakes.record_pause,
                            fakes.run_tool, fakes.store_transcript, batch.read_records,
                            batch.write_batch_results]),

@@ -20,6 +20,7 @@ from temporalio.worker import Replayer
 from tests.workflow.fakes import FakeActivities, reply
 from tests.workflow.test_agent_job import TICKET, run_job, workers
 from tests.workflow.test_batch_run import run_batch, write_records
+from warmloop.workers.temporal_plugin import sandbox_runner
 from warmloop.workflows.agent_job import AgentJob
 from warmloop.workflows.batch_run import BatchInput, BatchRun
 from warmloop.workflows.contracts import (
@@ -46,7 +47,8 @@ def _script(req: GenerateRequest) -> GenerateResult:
 
 
 def _replayer() -> Replayer:
-    return Replayer(workflows=[AgentJob, BatchRun], data_converter=pydantic_data_converter)
+    return Replayer(workflows=[AgentJob, BatchRun], data_converter=pydantic_data_converter,
+                    workflow_runner=sandbox_runner())
 
 
 def _record(name: str, history: WorkflowHistory) -> None:
@@ -103,6 +105,22 @@ async def test_a_fresh_batch_history_replays(time_skipping_env: WorkflowEnvironm
     assert res.records == 5
     await _replayer().replay_workflow(kept[0])
     _record("batch_run_with_bad_line.json", kept[0])
+
+
+async def test_a_fresh_replayed_trace_history_replays(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    from tests.workflow.test_trace_replay import triage_job
+
+    fakes = FakeActivities(lambda req: reply("search_kb", '{"topic": "crash"}'))
+    async with workers(time_skipping_env, fakes) as client:
+        handle = await client.start_workflow(AgentJob.run, triage_job(), id="replay-trace",
+                                             task_queue=AGENT_TASK_QUEUE)
+        res = await handle.result()
+        history = await handle.fetch_history()
+    assert res.state.value == "FINISHED" and len(res.steps) == 3
+    await _replayer().replay_workflow(history)
+    _record("agent_job_replayed_trace.json", history)
 
 
 @pytest.mark.parametrize("path", sorted(HISTORIES.glob("*.json")), ids=lambda p: p.stem)

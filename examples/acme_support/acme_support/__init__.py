@@ -1,0 +1,1 @@
+"""Acme's support agents, built on warmloop's public API only."""

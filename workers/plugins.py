@@ -1,0 +1,248 @@
+"""The plugin seam: every process finds its profiles and toolsets the same way.
+
+Three sources, loaded in this order, each once per process:
+
+1. entry points in the groups ``warmloop.profiles`` and ``warmloop.toolsets`` of any
+   installed distribution (warmloop's own bundled agents come in this way);
+2. modules named in ``WARMLOOP_PLUGINS`` (``module[,module]``), for code that is not
+   packaged: each may define ``PROFILES`` and ``TOOLSETS``;
+3. YAML profile files or folders named in ``WARMLOOP_PROFILE_PATHS`` (``path[,path]``).
+
+A profile source is a ``Profile``, a path to a YAML file or folder of ``*.yaml``, an
+iterable of those, or a callable returning any of them; a toolset source is a
+``Toolset``, an iterable of them, or a callable returning either. A plugin that fails
+to load and a profile name registered twice stop the process with one line naming
+the plugin (``PluginError``); nothing is skipped silently.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from warmloop.activities.tools.base import Toolset
+from warmloop.workflows.profiles.base import Profile, PythonRunner, ToolSpec
+from warmloop.workflows.profiles.document import ProfileDocumentError, profile_from_document
+from warmloop.workflows.profiles.function_tools import resolve_function_tool
+from warmloop.workflows.profiles.registry import REGISTRY, DuplicateProfileError, ProfileRegistry
+
+PROFILE_GROUP = "warmloop.profiles"
+TOOLSET_GROUP = "warmloop.toolsets"
+
+
+class PluginError(RuntimeError):
+    """A plugin could not be loaded; the message is one line naming it."""
+
+
+@dataclass
+class LoadedPlugins:
+    """What a process loaded: its toolsets by profile, and the modules the workflow
+    sandbox must pass through (where the registered profiles' classes live)."""
+
+    toolsets: dict[str, Toolset] = field(default_factory=dict)
+    toolset_sources: dict[str, str] = field(default_factory=dict)
+    modules: list[str] = field(default_factory=list)
+    """Top-level packages of every plugin, for the sandbox's passthrough list."""
+
+
+_loaded: dict[tuple[str, str], LoadedPlugins] = {}
+
+
+def split_list(value: str | None) -> list[str]:
+    return [p.strip() for p in (value or "").split(",") if p.strip()]
+
+
+def load_plugins(*, plugins: str | None = None, profile_paths: str | None = None,
+                 registry: ProfileRegistry = REGISTRY) -> LoadedPlugins:
+    """Load every plugin into ``registry`` (once per process for the same arguments).
+
+    ``plugins`` and ``profile_paths`` default to ``WARMLOOP_PLUGINS`` and
+    ``WARMLOOP_PROFILE_PATHS``. Raises ``PluginError``."""
+    plugins = os.environ.get("WARMLOOP_PLUGINS", "") if plugins is None else plugins
+    if profile_paths is None:
+        profile_paths = os.environ.get("WARMLOOP_PROFILE_PATHS", "")
+    key = (plugins, profile_paths)
+    if registry is REGISTRY and key in _loaded:
+        return _loaded[key]
+    out = LoadedPlugins(modules=["warmloop"])
+    for ep in _entry_points(PROFILE_GROUP):
+        source = f"entry point {PROFILE_GROUP}:{ep.name} ({ep.value})"
+        _add_profiles(registry, _load_entry_point(ep, source), source, out)
+        _note_module(out, ep.value)
+    for ep in _entry_points(TOOLSET_GROUP):
+        source = f"entry point {TOOLSET_GROUP}:{ep.name} ({ep.value})"
+        _add_toolsets(_load_entry_point(ep, source), source, out)
+        _note_module(out, ep.value)
+    for name in split_list(plugins):
+        source = f"plugin module {name} (WARMLOOP_PLUGINS)"
+        try:
+            module = importlib.import_module(name)
+        except Exception as e:
+            raise PluginError(f"{source} failed to import: {type(e).__name__}: {e}") from None
+        _note_module(out, name)
+        if not hasattr(module, "PROFILES") and not hasattr(module, "TOOLSETS"):
+            raise PluginError(f"{source} defines neither PROFILES nor TOOLSETS")
+        if hasattr(module, "PROFILES"):
+            _add_profiles(registry, module.PROFILES, source, out,
+                          base=Path(module.__file__ or ".").parent)
+        if hasattr(module, "TOOLSETS"):
+            _add_toolsets(module.TOOLSETS, source, out)
+    for path in split_list(profile_paths):
+        _add_profiles(registry, Path(path), f"file {path} (WARMLOOP_PROFILE_PATHS)", out)
+    if registry is REGISTRY:
+        _loaded[key] = out
+    return out
+
+
+def _entry_points(group: str) -> list[Any]:
+    """The group's entry points by name; one distribution found twice on sys.path (an
+    editable install beside a built one) counts once."""
+    unique = {(ep.name, ep.value): ep for ep in entry_points(group=group)}
+    return [unique[k] for k in sorted(unique)]
+
+
+def _note_module(out: LoadedPlugins, dotted: str) -> None:
+    top = dotted.split(":")[0].split(".")[0]
+    if top not in out.modules:
+        out.modules.append(top)
+
+
+def _load_entry_point(ep: Any, source: str) -> Any:
+    try:
+        return ep.load()
+    except Exception as e:
+        raise PluginError(f"{source} failed to load: {type(e).__name__}: {e}") from None
+
+
+def _call(obj: Any, source: str) -> Any:
+    if callable(obj) and not isinstance(obj, type):
+        try:
+            return obj()
+        except Exception as e:
+            raise PluginError(f"{source} failed: {type(e).__name__}: {e}") from None
+    return obj
+
+
+def _add_profiles(registry: ProfileRegistry, obj: Any, source: str, out: LoadedPlugins, *,
+                  base: Path | None = None) -> None:
+    obj = _call(obj, source)
+    items: Iterable[Any] = [obj] if isinstance(obj, Profile | str | Path) else obj
+    try:
+        items = list(items)
+    except TypeError:
+        raise PluginError(f"{source}: expected profiles, YAML paths or a callable returning "
+                          f"them, got {type(obj).__name__}") from None
+    for item in items:
+        if isinstance(item, Profile):
+            _register(registry, item, source)
+        elif isinstance(item, str | Path):
+            path = Path(item)
+            if base is not None and not path.is_absolute():
+                path = base / path
+            for file in _yaml_files(path, source):
+                _register(registry, load_profile_file(file), f"file {file} ({source})")
+        else:
+            raise PluginError(f"{source}: {item!r} is not a Profile or a YAML path")
+
+
+def _register(registry: ProfileRegistry, profile: Profile, source: str) -> None:
+    try:
+        registry.add(profile, source=source)
+    except DuplicateProfileError as e:
+        raise PluginError(str(e)) from None
+
+
+def _yaml_files(path: Path, source: str) -> list[Path]:
+    if path.is_dir():
+        files = sorted([*path.glob("*.yaml"), *path.glob("*.yml")])
+        if not files:
+            raise PluginError(f"{source}: folder {path} holds no *.yaml profile")
+        return files
+    if not path.is_file():
+        raise PluginError(f"{source}: no such profile file or folder: {path}")
+    return [path]
+
+
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def _expand_env(value: Any, file: Path) -> Any:
+    """``${VAR}`` in a string becomes the variable (secrets stay out of the file)."""
+    if isinstance(value, str):
+        def sub(m: re.Match[str]) -> str:
+            if m.group(1) not in os.environ:
+                raise PluginError(f"{file}: ${{{m.group(1)}}} is not set in the environment")
+            return os.environ[m.group(1)]
+        return _ENV_REF.sub(sub, value)
+    if isinstance(value, dict):
+        return {k: _expand_env(v, file) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_expand_env(v, file) for v in value]
+    return value
+
+
+def _python_tool_spec(path: str) -> ToolSpec:
+    return resolve_function_tool(path).spec
+
+
+def load_profile_file(file: Path) -> Profile:
+    """A YAML profile file as a ``Profile``; ``PluginError`` names the file and field."""
+    try:
+        data = yaml.safe_load(file.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise PluginError(f"{file}: not readable YAML: {' '.join(str(e).split())}") from None
+    try:
+        return profile_from_document(_expand_env(data, file), python_tool=_python_tool_spec)
+    except ProfileDocumentError as e:
+        raise PluginError(f"{file}: {e}") from None
+
+
+def _add_toolsets(obj: Any, source: str, out: LoadedPlugins) -> None:
+    obj = _call(obj, source)
+    items = [obj] if isinstance(obj, Toolset) else obj
+    try:
+        items = list(items)
+    except TypeError:
+        raise PluginError(f"{source}: expected toolsets or a callable returning them, got "
+                          f"{type(obj).__name__}") from None
+    for ts in items:
+        if not isinstance(ts, Toolset):
+            raise PluginError(f"{source}: {ts!r} is not a warmloop Toolset")
+        if ts.profile in out.toolsets:
+            raise PluginError(f"toolset of profile {ts.profile!r} is registered twice: by "
+                              f"{out.toolset_sources[ts.profile]} and by {source}")
+        out.toolsets[ts.profile] = ts
+        out.toolset_sources[ts.profile] = source
+
+
+def check_tools_implemented(loaded: LoadedPlugins, registry: ProfileRegistry = REGISTRY
+                            ) -> None:
+    """Every tool of every profile can run in this (agent worker) process, or the worker
+    refuses to start: a job must not find out at its fifth step."""
+    for reg in registry.registered():
+        p = reg.profile
+        for t in p.tools:
+            if t.finishes_job or t.runner is not None and not _is_python(t):
+                continue
+            if t.runner is None and p.name not in loaded.toolsets:
+                raise PluginError(f"profile {p.name!r} (from {reg.source}) has tool "
+                                  f"{t.name!r} with no runner and no toolset for the profile")
+            if _is_python(t):
+                fn = t.runner.function  # type: ignore[union-attr]
+                try:
+                    resolve_function_tool(fn)
+                except (ImportError, AttributeError, TypeError) as e:
+                    raise PluginError(f"profile {p.name!r} (from {reg.source}) tool "
+                                      f"{t.name!r}: cannot resolve {fn}: {e}") from None
+
+
+def _is_python(t: ToolSpec) -> bool:
+    return isinstance(t.runner, PythonRunner)

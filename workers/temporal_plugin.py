@@ -1,0 +1,111 @@
+"""``WarmloopPlugin``: warmloop's workflows and activities in any Temporal worker.
+
+Temporal's plugin interface (``temporalio.plugin.SimplePlugin``, as the SDK's own
+``OpenAIAgentsPlugin`` uses) lets a team run ``AgentJob`` and ``BatchRun`` inside the
+worker it already operates, beside its own workflows and activities. warmloop's agent
+worker is built the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.plugin import SimplePlugin
+from temporalio.worker import WorkerConfig, WorkflowRunner
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
+
+from warmloop.workers.plugins import LoadedPlugins, check_tools_implemented, load_plugins
+from warmloop.workers.settings import Settings
+
+
+def passthrough_runner(modules: Sequence[str]) -> Callable[[WorkflowRunner | None],
+                                                            WorkflowRunner]:
+    """Pass warmloop and the plugins' modules through the workflow sandbox.
+
+    The sandbox re-imports workflow code per run; a re-imported profile registry would
+    be empty, and a plugin's profile classes would be copies. Passed through, the
+    workflow reads the registry the process loaded at start. These modules are pure
+    (warmloop's workflow code is deterministic by construction; a plugin's profile
+    modules must be too: no I/O or clocks at import)."""
+
+    def configure(runner: WorkflowRunner | None) -> WorkflowRunner:
+        runner = runner or SandboxedWorkflowRunner()
+        if isinstance(runner, SandboxedWorkflowRunner):
+            return dataclasses.replace(
+                runner, restrictions=runner.restrictions.with_passthrough_modules(*modules))
+        return runner
+
+    return configure
+
+
+def sandbox_runner(modules: Sequence[str] = ("warmloop",)) -> WorkflowRunner:
+    """A sandboxed runner that passes ``modules`` through (see ``passthrough_runner``):
+    for a ``Worker`` or ``Replayer`` built without ``WarmloopPlugin``."""
+    return passthrough_runner(modules)(None)
+
+
+def build_agent_activities(settings: Settings, loaded: LoadedPlugins) -> list[Callable[..., Any]]:
+    """The agent task queue's activities, with their clients built once, here."""
+    from warmloop.activities.batch import BatchActivities
+    from warmloop.activities.pauses import PauseActivities, PauseStats
+    from warmloop.activities.registry import EngineRegistry
+    from warmloop.activities.routing import RoutingActivities
+    from warmloop.activities.storage import StorageActivities
+    from warmloop.activities.tools import EffectLedger, ToolActivities
+    from warmloop.workers.clients import build_redis, build_s3
+
+    redis = build_redis(settings)
+    s3 = build_s3(settings)
+    registry = EngineRegistry(redis, ttl_s=settings.engine_ttl_s)
+    routing = RoutingActivities(registry, redis, config=settings.routing)
+    tools = ToolActivities(loaded.toolsets, EffectLedger(redis), s3=s3,
+                           bucket=settings.s3_bucket, pauses=PauseStats(redis))
+    pauses = PauseActivities(PauseStats(redis))
+    storage = StorageActivities(s3, settings.s3_bucket)
+    batch = BatchActivities(s3, settings.s3_bucket)
+    return [routing.route_step, routing.pick_engine, tools.run_tool, storage.store_transcript,
+            batch.read_records, batch.write_batch_results, pauses.record_pause]
+
+
+class WarmloopPlugin(SimplePlugin):
+    """Adds ``AgentJob`` and ``BatchRun``, the agent activities (routing, tools,
+    storage) and the sandbox passthrough to a worker; sets the pydantic data converter
+    on a client.
+
+    Give it to ``Client.connect(..., plugins=[WarmloopPlugin()])``: warmloop's payloads
+    are pydantic models and need that converter, and every worker of that client gets
+    the rest. The worker must poll ``warmloop.AGENT_TASK_QUEUE``, where the workflows
+    schedule their activities. Plugins (``WARMLOOP_PLUGINS``, entry points) are loaded
+    here, once, and a tool no runner can serve stops the worker at start, not a job at
+    its fifth step.
+    """
+
+    def __init__(self, settings: Settings | None = None, *, activities: bool = True) -> None:
+        """``activities=False``: workflows only (another worker serves the agent
+        activities, or a replayer)."""
+        from warmloop.workflows.agent_job import AgentJob
+        from warmloop.workflows.batch_run import BatchRun
+
+        self.settings = settings or Settings()
+        self.loaded = load_plugins(plugins=self.settings.plugins,
+                                   profile_paths=self.settings.profile_paths)
+        acts = None
+        if activities:
+            check_tools_implemented(self.loaded)
+            acts = build_agent_activities(self.settings, self.loaded)
+        super().__init__(
+            "warmloop.WarmloopPlugin", data_converter=pydantic_data_converter,
+            workflows=[AgentJob, BatchRun], activities=acts,
+            workflow_runner=passthrough_runner(self.loaded.modules))
+
+    def configure_worker(self, config: WorkerConfig) -> WorkerConfig:
+        converter = config["client"].data_converter
+        if converter.payload_converter_class is not pydantic_data_converter.payload_converter_class:
+            raise ValueError("WarmloopPlugin: the worker's client does not use the pydantic "
+                             "data converter; pass the plugin to Client.connect(plugins=[...]) "
+                             "or connect with temporalio.contrib.pydantic."
+                             "pydantic_data_converter")
+        return super().configure_worker(config)

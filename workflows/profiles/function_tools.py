@@ -1,0 +1,124 @@
+"""``@warmloop.tool``: a Python function as a tool, its argument model from its hints.
+
+The decorator does no I/O and registers nothing global: the tool's ``ToolSpec`` names
+the function by import path (``module:qualname``), and the agent worker, which loads
+the same plugin, resolves that path when the model calls the tool.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, get_type_hints
+
+from pydantic import BaseModel, ConfigDict, create_model
+
+from warmloop.workflows.profiles.base import PythonRunner, ToolRetry, ToolSpec
+
+
+@dataclass(frozen=True)
+class ToolContext:
+    """What a tool function may ask for with a parameter annotated ``ToolContext``
+    (never shown to the model): which job and step called it, and the key a side
+    effect should be made idempotent with."""
+
+    job_id: str
+    step: int
+    task_id: str
+    idempotency_key: str
+    """``<job>:<step>:<tool>``: the same for every retry of one call."""
+
+
+class FunctionTool:
+    """A decorated tool function: still callable as before, plus its ``spec``."""
+
+    def __init__(self, fn: Callable[..., Any], spec: ToolSpec, context_param: str | None
+                 ) -> None:
+        self.fn = fn
+        self.spec = spec
+        self.context_param = context_param
+        self.is_async = inspect.iscoroutinefunction(fn)
+        self.__doc__ = fn.__doc__
+        self.__name__ = getattr(fn, "__name__", spec.name)
+        self.__qualname__ = getattr(fn, "__qualname__", spec.name)
+        self.__module__ = fn.__module__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<warmloop tool {self.spec.name} ({self.__module__}:{self.__qualname__})>"
+
+
+def tool(
+    fn: Callable[..., Any] | None = None, *, name: str | None = None,
+    description: str | None = None, side_effect: bool = False, finishes_job: bool = False,
+    max_calls: int | None = None, timeout_s: float = 30.0, max_attempts: int = 3,
+    retry_initial_interval_s: float = 0.5, non_retryable: tuple[str, ...] = (),
+    pause_median_s: float = 1.0, pause_p90_s: float = 5.0,
+) -> Any:
+    """Make a function a tool. Its parameters become the tool's arguments: every one
+    must be annotated, and strings must be bounded (``Literal[...]`` or
+    ``Annotated[str, Field(pattern=...)]``), or the decorator raises at import time.
+    A parameter annotated ``ToolContext`` receives the call's context instead.
+
+    The function may be sync (it runs in a thread) or async. It returns what the model
+    reads: a string, any JSON value, or a pydantic model. An expected failure should be
+    returned as text for the model (``"not found: ..."``); a raised exception is retried
+    (``max_attempts``) and then reported to the model as a failed tool.
+
+    ``side_effect=True``: the worker records the call's result in the effect ledger and a
+    retry of the same call returns it without calling the function again; the function
+    should still pass ``ToolContext.idempotency_key`` to whatever it changes.
+    """
+
+    def wrap(f: Callable[..., Any]) -> FunctionTool:
+        hints = get_type_hints(f, include_extras=True)
+        fields: dict[str, Any] = {}
+        context_param = None
+        for pname, param in inspect.signature(f).parameters.items():
+            if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+                raise TypeError(f"tool {f.__qualname__}: *args/**kwargs cannot be arguments")
+            hint = hints.get(pname)
+            if hint is None:
+                raise TypeError(f"tool {f.__qualname__}: parameter {pname!r} needs a type hint")
+            if hint is ToolContext:
+                context_param = pname
+                continue
+            default = ... if param.default is param.empty else param.default
+            fields[pname] = (hint, default)
+        tool_name = name or f.__name__
+        args: type[BaseModel] = create_model(  # type: ignore[call-overload]
+            f"{tool_name.title().replace('_', '')}Args",
+            __config__=ConfigDict(extra="forbid"), **fields)
+        doc = description or inspect.getdoc(f)
+        if not doc:
+            raise TypeError(f"tool {f.__qualname__}: give it a docstring or a description "
+                            "(the model reads it)")
+        spec = ToolSpec(
+            name=tool_name, description=doc, args=args, finishes_job=finishes_job,
+            max_calls=max_calls, side_effect=side_effect, timeout_s=timeout_s,
+            retry=ToolRetry(max_attempts=max_attempts,
+                            initial_interval_s=retry_initial_interval_s,
+                            non_retryable=non_retryable),
+            pause_median_s=pause_median_s, pause_p90_s=pause_p90_s,
+            runner=None if finishes_job else PythonRunner(f"{f.__module__}:{f.__qualname__}"),
+        )
+        return FunctionTool(f, spec, context_param)
+
+    return wrap if fn is None else wrap(fn)
+
+
+def resolve_function_tool(path: str) -> FunctionTool:
+    """``module:qualname`` to the decorated function; raises ImportError/AttributeError/
+    TypeError saying what is wrong. For workers and the plugin loader: workflow code
+    never imports a tool's module."""
+    module_name, _, qualname = path.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    if not isinstance(obj, FunctionTool):
+        raise TypeError(f"{path} is not decorated with @warmloop.tool")
+    return obj
