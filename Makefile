@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint down status clean bench-routing bench-burst bench-pauses bench-contention
+.PHONY: install demo test test-fast lint down status clean bench-routing bench-burst bench-pauses bench-contention replay-demo
 
 install: $(INSTALLED)
 
@@ -50,6 +50,10 @@ bench-contention: install
 ## Hold or release: always-release vs always-hold vs the cost model under churn (own stack).
 bench-pauses: install
 	$(BIN)/python -m bench.pauses
+
+## warmloop replay on a 40-job trace, twice: warmloop routing vs round-robin (own stack).
+replay-demo: install
+	$(BIN)/python -m bench.replay_demo
 
 $(VENV)/.bench-installed: $(INSTALLED)
 	$(BIN)/python -m pip install -q -e ".[bench]"

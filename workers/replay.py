@@ -262,7 +262,12 @@ async def replay(settings: Settings, trace: PreparedTrace, routings: list[Routin
 
     store = TracePromptStore(build_s3(settings), settings.s3_bucket)
     for p in trace.prompts:
-        await store.put(p)
+        try:
+            await store.put(p)
+        except Exception as e:  # noqa: BLE001 - botocore's errors have no common base here
+            raise RuntimeError(f"cannot store the trace's inline prompts in S3 "
+                               f"({settings.s3_endpoint_url or 'AWS'}, bucket "
+                               f"{settings.s3_bucket}): {e}") from None
     tag = uuid.uuid4().hex[:6]
     redis = aioredis.Redis.from_url(settings.redis_url)
     try:

@@ -27,7 +27,7 @@ _OLD_TTL_PRICE_DEFAULTS = {"input_usd_per_mtok": 3.0, "cached_input_usd_per_mtok
 
 
 class EngineEndpoint(BaseModel):
-    """One OpenAI-compatible vLLM server and the model it serves."""
+    """One OpenAI-compatible vLLM server, the model it serves and what its tokens cost."""
 
     id: str = Field(pattern=r"^[A-Za-z0-9_-]{1,32}$", description="Engine id; its task queue "
                     "is engine.<id>.")
@@ -40,7 +40,7 @@ class EngineEndpoint(BaseModel):
     cache_ttl_s: float = Field(default=300.0, gt=0, description="ttl_cache: prompt-cache TTL.")
     price: EnginePrice | None = Field(
         default=None, description="What the engine's tokens cost: self-hosted "
-        '({"gpu_usd_per_hour": 2.5, "prefill_tokens_per_s": 15000, "decode_tokens_per_s": '
+        '({"gpu_usd_per_hour": 2.0, "prefill_tokens_per_s": 15000, "decode_tokens_per_s": '
         '1500}) or per token ({"input_usd_per_mtok": 3, "cached_input_usd_per_mtok": 0.3, '
         '"output_usd_per_mtok": 15}). The engine\'s worker prices every step with it. '
         "None: steps cost an unknown amount, and jobs with a cost cap are not routed here. "

@@ -114,7 +114,10 @@ async def test_a_fresh_replayed_trace_history_replays(
 
     fakes = FakeActivities(lambda req: reply("search_kb", '{"topic": "crash"}'))
     async with workers(time_skipping_env, fakes) as client:
-        handle = await client.start_workflow(AgentJob.run, triage_job(), id="replay-trace",
+        # short pauses: a skip past a still-waiting workflow's deadline stalls the shared
+        # test server (see test_trace_replay)
+        handle = await client.start_workflow(AgentJob.run, triage_job(pauses=(2, 5)),
+                                             id="replay-trace",
                                              task_queue=AGENT_TASK_QUEUE)
         res = await handle.result()
         history = await handle.fetch_history()

@@ -1,19 +1,30 @@
 """A replayed job (`warmloop replay`) on the time-skipping server: the real AgentJob,
 scripted engines. Whatever the engine generates, the transcript gets the recorded
-calls and results; the recorded pauses are workflow timers; the job ends FINISHED."""
+calls and results; the recorded pauses are workflow timers; the job ends FINISHED.
+
+The module runs on a test server of its own: its hour-long pauses skip a clock that no
+other module's still-waiting workflow shares (such a workflow, woken by the skip, waits
+on its gone worker's sticky queue, and the server stops skipping time until it is
+picked up, which it never is)."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
 
+import pytest
 from temporalio import activity
 from temporalio.client import Client, WorkflowHistory
+from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from tests.workflow.fakes import FakeActivities, Script, reply
 from tests.workflow.test_agent_job import TICKET, workers
+from warmloop.infra.stack import register_search_attributes
 from warmloop.workflows.agent_job import AgentJob
 from warmloop.workflows.contracts import (
     AGENT_TASK_QUEUE,
@@ -55,6 +66,19 @@ INLINE_LINE = {
 }
 
 
+@pytest.fixture(scope="module")
+async def env() -> AsyncIterator[WorkflowEnvironment]:
+    server = shutil.which("temporal-test-server", path=str(Path(sys.executable).parent))
+    assert server, "temporal-test-server not installed (warmloop[dev])"
+    e = await WorkflowEnvironment.start_time_skipping(test_server_existing_path=server,
+                                                      data_converter=pydantic_data_converter)
+    await register_search_attributes(e.client)
+    try:
+        yield e
+    finally:
+        await e.shutdown()
+
+
 class ReplayFakes(FakeActivities):
     """The fake engines, plus inline prompts resolved as the inference worker does, and
     each step's prompt hash as the worker computes it."""
@@ -81,8 +105,13 @@ class ReplayFakes(FakeActivities):
             "prompt_hash": prompt_hash(messages, profile.tool_schemas(req.tools))})
 
 
-def triage_job(line: Mapping[str, object] = TRIAGE_LINE, **kw: object) -> JobInput:
+def triage_job(line: Mapping[str, object] = TRIAGE_LINE, *,
+               pauses: tuple[float, float] | None = None, **kw: object) -> JobInput:
+    """The ticket-triage line as a replayed job (``pauses``: other recorded pauses)."""
     [(_, job)] = parse_trace([json.dumps(line)])
+    if pauses is not None:
+        for recorded, pause in zip(job.steps, pauses, strict=False):
+            recorded.pause_s = pause
     return JobInput(profile="ticket-triage", task=job.task_object,
                     limits={"max_steps": len(job.steps)},  # type: ignore[arg-type]
                     replay=replay_script(job, KINDS), **kw)  # type: ignore[arg-type]
@@ -101,11 +130,11 @@ def timers_s(history: WorkflowHistory) -> list[float]:
 
 
 async def test_a_replayed_job_appends_the_recorded_calls_whatever_the_engine_says(
-    time_skipping_env: WorkflowEnvironment,
+    env: WorkflowEnvironment,
 ) -> None:
     # the engine answers with a different (valid) tool every time, never finish
     fakes = ReplayFakes(lambda req: reply("search_kb", '{"topic": "crash"}'))
-    async with workers(time_skipping_env, fakes) as client:
+    async with workers(env, fakes) as client:
         res, history = await run(client, triage_job())
     assert res.state == JobState.FINISHED and res.final == FINISH
     assert "replayed 3 recorded steps" in res.reason
@@ -131,13 +160,13 @@ async def test_a_replayed_job_appends_the_recorded_calls_whatever_the_engine_say
 
 
 async def test_prompts_are_the_same_whatever_the_engine_generates(
-    time_skipping_env: WorkflowEnvironment,
+    env: WorkflowEnvironment,
 ) -> None:
     runs = []
     for script in (lambda req: reply("finish", json.dumps(FINISH)),
                    lambda req: reply(None, content="rambling prose, no call at all")):
         fakes = ReplayFakes(script)
-        async with workers(time_skipping_env, fakes) as client:
+        async with workers(env, fakes) as client:
             res, _ = await run(client, triage_job())
         assert res.state == JobState.FINISHED
         runs.append((fakes.prompts, [s.prompt_hash for s in res.steps]))
@@ -149,7 +178,7 @@ async def test_prompts_are_the_same_whatever_the_engine_generates(
 
 
 async def test_an_inline_prompt_stays_out_of_history(
-    time_skipping_env: WorkflowEnvironment,
+    env: WorkflowEnvironment,
 ) -> None:
     [(n, line)] = parse_trace([json.dumps(INLINE_LINE)])
     prompt = inline_prompts([(n, line)])[n]
@@ -158,7 +187,7 @@ async def test_an_inline_prompt_stays_out_of_history(
         name: trace_profile(name, prompt)})
     job = JobInput(profile=name, task=line.task_object, limits={"max_steps": 2},  # type: ignore[arg-type]
                    replay=replay_script(line, ["tool:fetch_statement", ""]))
-    async with workers(time_skipping_env, fakes) as client:
+    async with workers(env, fakes) as client:
         res, history = await run(client, job)
     assert res.state == JobState.FINISHED and res.final == {"ok": True}
     assert res.profile == name and name.startswith("trace:")
@@ -169,10 +198,10 @@ async def test_an_inline_prompt_stays_out_of_history(
 
 
 async def test_a_replay_survives_continue_as_new_and_respects_the_step_cap(
-    time_skipping_env: WorkflowEnvironment,
+    env: WorkflowEnvironment,
 ) -> None:
     fakes = ReplayFakes(lambda req: reply("search_kb", '{"topic": "crash"}'))
-    async with workers(time_skipping_env, fakes) as client:
+    async with workers(env, fakes) as client:
         res, _ = await run(client, triage_job(continue_as_new_after_steps=1))
         capped, _ = await run(client, triage_job().model_copy(update={"max_steps": 2}))
     assert res.state == JobState.FINISHED and res.runs == 3

@@ -1,0 +1,57 @@
+"""`warmloop replay` on the real stack: a small trace (ticket-triage jobs and an inline
+prompt) replayed twice sends the same prompts, and every step after a job's first finds
+its prefix in the engine's cache (the engines' own figures)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.make_trace import make_trace
+from tests.integration.cli import warmloop
+from warmloop.infra.stack import Stack
+
+pytestmark = pytest.mark.integration
+
+
+def last_json(out: str) -> dict[str, Any]:
+    return dict(json.loads(out.strip().splitlines()[-1]))
+
+
+async def test_a_replayed_trace_sends_the_same_prompts_every_run(stack: Stack,
+                                                                 tmp_path: Path) -> None:
+    lines = make_trace(jobs=6, seed=3)
+    kinds = {"profile" if "profile" in x else "inline" for x in lines}
+    assert kinds == {"profile", "inline"}  # both kinds of line
+    steps = sum(len(x["steps"]) for x in lines)
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+    first = await asyncio.to_thread(warmloop, "replay", str(trace), "--window", "3",
+                                    "--routing", "cache_aware", "--routing", "round_robin")
+    assert first.returncode == 0, first.stderr
+    second = await asyncio.to_thread(warmloop, "replay", str(trace), "--window", "3")
+    assert second.returncode == 0, second.stderr
+    configs = [c for out in (first, second) for c in last_json(out.stdout)["configs"]]
+
+    assert [c["routing"] for c in configs] == ["cache_aware", "round_robin", "cache_aware"]
+    # the same prompts, step for step, whatever the engines generated and wherever routed
+    assert len({c["prompt_digest"] for c in configs}) == 1
+    assert all(c["hashed_steps"] == c["steps"] == steps for c in configs)
+    assert all(c["states"] == {"FINISHED": len(lines)} for c in configs)
+    # from cold caches (the embedded engines allow the reset) ...
+    assert all(c["caches_reset"] == "yes" for c in configs)
+    # ... every later step of a job found its prefix cached, per the engines' usage
+    for c in configs:
+        if c["routing"] == "cache_aware":
+            assert c["later_steps_cached"] == c["later_steps"] == steps - len(lines), c
+        assert c["cached_tokens"] > 0 and 0 < c["hit_rate"] < 1
+        assert c["prefill_tokens"] > 0 and c["prompt_tokens"] > c["prefill_tokens"]
+    # the side-by-side table, one column per policy, from the engines' counters
+    assert "hit rate (engine counters)" in first.stdout
+    assert "cache_aware" in first.stdout and "round_robin" in first.stdout
+    assert "every configuration sent the same prompts" in first.stdout
