@@ -184,6 +184,9 @@ async def test_an_escalated_approver_may_decide(time_skipping_env: WorkflowEnvir
         bad = Decision(approval_id=aid, approve=True, approver="support-director")
         with pytest.raises(WorkflowUpdateFailedError):
             await handle.execute_update(AgentJob.decide, bad)  # not yet escalated
+        # Leave no job waiting on a deadline: a later test that skips time past it would
+        # wake it with its worker gone, and the test server would stop skipping time.
+        await handle.terminate("test over")
 
 
 async def test_validator_refuses_bad_decisions_before_history(
