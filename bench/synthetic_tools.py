@@ -14,8 +14,7 @@ import random
 
 from bench.synthetic_pauses import SyntheticPauses
 from bench.synthetic_profiles import WORDS
-from warmloop.activities.tools.base import ToolOutcome, Toolset
-from warmloop.workflows.contracts import ToolRequest, ToolResult
+from warmloop import ToolOutcome, ToolRequest, ToolResult, Toolset
 
 
 class SyntheticTools(Toolset):

@@ -54,14 +54,15 @@ async def time_skipping_env() -> AsyncIterator[WorkflowEnvironment]:
 
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "acme_support"
-EXAMPLE_PLUGIN = "acme_support.profiles"
+EXAMPLE_PLUGIN = "acme_support.profiles,bench.plugin"
 
 
 @pytest.fixture(scope="session")
 def settings() -> Settings:
-    """The stack's settings. Its workers load the example project's agents as a plugin
-    (tests/integration/test_bring_your_own_agent.py), the way a user's would: the
-    project's folder on PYTHONPATH and its module in WARMLOOP_PLUGINS."""
+    """The stack's settings. Its workers load two plugins the way a user's would: the
+    example project's agents (tests/integration/test_bring_your_own_agent.py; its
+    folder on PYTHONPATH) and the benchmarks' synthetic agents (the holds tests use
+    synthetic-review), both named in WARMLOOP_PLUGINS."""
     path = [str(EXAMPLE), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))
     if str(EXAMPLE) not in sys.path:

@@ -7,12 +7,22 @@ with ``JobClient``. Everything else lives in the subpackages ``warmloop.workflow
 (processes, CLI) and ``warmloop.infra`` (the embedded stack).
 """
 
+from warmloop.activities.tools.base import ToolOutcome, Toolset
 from warmloop.workers.jobs import InvalidJobError, JobClient
 from warmloop.workers.plugins import LoadedPlugins, PluginError, load_plugins
 from warmloop.workers.settings import EngineEndpoint, Settings
 from warmloop.workers.temporal_plugin import WarmloopPlugin
 from warmloop.workflows.budgets import JobLimits, OutputBudgets
-from warmloop.workflows.contracts import AGENT_TASK_QUEUE, JobResult, JobState, JobStatus, Lane
+from warmloop.workflows.contracts import (
+    AGENT_TASK_QUEUE,
+    JobInput,
+    JobResult,
+    JobState,
+    JobStatus,
+    Lane,
+    ToolRequest,
+    ToolResult,
+)
 from warmloop.workflows.profiles import (
     REGISTRY,
     ActivityRunner,
@@ -28,9 +38,10 @@ from warmloop.workflows.profiles.function_tools import FunctionTool, ToolContext
 
 __all__ = [
     "AGENT_TASK_QUEUE", "REGISTRY", "ActivityRunner", "ApprovalRule", "EngineEndpoint",
-    "FunctionTool", "HttpRunner", "InvalidJobError", "JobClient", "JobLimits", "JobResult",
-    "JobState", "JobStatus", "Lane", "LoadedPlugins", "OutputBudgets", "PluginError",
-    "Profile", "PythonRunner", "Settings", "ToolContext", "ToolRetry", "ToolSpec",
-    "WarmloopPlugin", "get_profile", "load_plugins", "tool",
+    "FunctionTool", "HttpRunner", "InvalidJobError", "JobClient", "JobInput", "JobLimits",
+    "JobResult", "JobState", "JobStatus", "Lane", "LoadedPlugins", "OutputBudgets",
+    "PluginError", "Profile", "PythonRunner", "Settings", "ToolContext", "ToolOutcome",
+    "ToolRequest", "ToolResult", "ToolRetry", "ToolSpec", "Toolset", "WarmloopPlugin",
+    "get_profile", "load_plugins", "tool",
 ]
 __version__ = "0.1.0"

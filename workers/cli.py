@@ -69,7 +69,8 @@ def _load_plugins(settings: Settings) -> None:
     from warmloop.workers.plugins import PluginError, load_plugins
 
     try:
-        load_plugins(plugins=settings.plugins, profile_paths=settings.profile_paths)
+        load_plugins(plugins=settings.plugins, profile_paths=settings.profile_paths,
+                     toolsets=False)
     except PluginError as e:
         fail(str(e))
 

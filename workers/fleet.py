@@ -13,8 +13,8 @@ from warmloop.workflows.routing import EngineOffer, UnservableStepError, eligibl
 
 
 async def fleet_offers(settings: Settings) -> list[EngineOffer]:
-    """The live engines in the registry; the configured ones (``WARMLOOP_ENGINES``, or
-    the embedded engines) when none is live or Redis cannot be reached."""
+    """The live engines in the registry; the configured ones (``WARMLOOP_ENGINES``) when
+    none is live or Redis cannot be reached; nothing when neither is known."""
     r = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=2,
                                 socket_timeout=2)
     try:
@@ -25,6 +25,10 @@ async def fleet_offers(settings: Settings) -> list[EngineOffer]:
         await r.aclose()
     if live:
         return [hb.offer() for hb in live]
+    if settings.engines is None:
+        # No live engine and none configured: the embedded defaults say nothing about
+        # the fleet the job will meet, so there is nothing to check against.
+        return []
     return [EngineOffer(engine_id=e.id, model=e.model, priced=e.price is not None)
             for e in settings.engine_endpoints]
 
@@ -35,8 +39,11 @@ async def check_fleet_serves(model: str | None, limits: JobLimits, settings: Set
     require_price = limits.max_cost_usd is not None
     if model is None and not require_price:
         return
+    offers = await fleet_offers(settings)
+    if not offers:
+        return
     try:
-        eligible_engines(await fleet_offers(settings), model=model,
+        eligible_engines(offers, model=model,
                          require_price=require_price)
     except UnservableStepError as e:
         raise ValueError(str(e)) from None

@@ -226,7 +226,8 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(settings.log_format, settings.log_level)
     try:
         # The worker assembles prompts from the profiles: it loads the same plugins.
-        load_plugins(plugins=settings.plugins, profile_paths=settings.profile_paths)
+        load_plugins(plugins=settings.plugins, profile_paths=settings.profile_paths,
+                     toolsets=False)
     except PluginError as e:
         raise SystemExit(f"error: {e}") from None
     asyncio.run(run_inference_worker(settings, args.engine_id))

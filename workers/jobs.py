@@ -46,7 +46,8 @@ class JobClient:
     @classmethod
     async def connect(cls, settings: Settings | None = None) -> JobClient:
         settings = settings or Settings()
-        load_plugins(plugins=settings.plugins, profile_paths=settings.profile_paths)
+        load_plugins(plugins=settings.plugins, profile_paths=settings.profile_paths,
+                     toolsets=False)
         return cls(await connect(settings))
 
     async def submit(self, profile: str, task: dict[str, Any], *, job_id: str | None = None,

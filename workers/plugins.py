@@ -18,6 +18,7 @@ the plugin (``PluginError``); nothing is skipped silently.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import re
 from collections.abc import Iterable
@@ -29,9 +30,9 @@ from typing import Any
 import yaml
 
 from warmloop.activities.tools.base import Toolset
+from warmloop.activities.tools.functions import resolve_function_tool
 from warmloop.workflows.profiles.base import Profile, PythonRunner, ToolSpec
 from warmloop.workflows.profiles.document import ProfileDocumentError, profile_from_document
-from warmloop.workflows.profiles.function_tools import resolve_function_tool
 from warmloop.workflows.profiles.registry import REGISTRY, DuplicateProfileError, ProfileRegistry
 
 PROFILE_GROUP = "warmloop.profiles"
@@ -61,27 +62,36 @@ def split_list(value: str | None) -> list[str]:
 
 
 def load_plugins(*, plugins: str | None = None, profile_paths: str | None = None,
-                 registry: ProfileRegistry = REGISTRY) -> LoadedPlugins:
+                 toolsets: bool = True, registry: ProfileRegistry = REGISTRY) -> LoadedPlugins:
     """Load every plugin into ``registry`` (once per process for the same arguments).
 
     ``plugins`` and ``profile_paths`` default to ``WARMLOOP_PLUGINS`` and
-    ``WARMLOOP_PROFILE_PATHS``. Raises ``PluginError``."""
+    ``WARMLOOP_PROFILE_PATHS``. ``toolsets=False``: profiles only (the CLI, inference
+    workers and clients never run tools, and a toolset factory may need credentials
+    only the agent worker has). A plugin reached twice (an entry point and
+    ``WARMLOOP_PLUGINS``, say) loads once. Raises ``PluginError``."""
     plugins = os.environ.get("WARMLOOP_PLUGINS", "") if plugins is None else plugins
     if profile_paths is None:
         profile_paths = os.environ.get("WARMLOOP_PROFILE_PATHS", "")
-    key = (plugins, profile_paths)
+    key = (plugins, profile_paths, toolsets)
     if registry is REGISTRY and key in _loaded:
         return _loaded[key]
     out = LoadedPlugins(modules=["warmloop"])
+    seen: set[str] = set()
     for ep in _entry_points(PROFILE_GROUP):
         source = f"entry point {PROFILE_GROUP}:{ep.name} ({ep.value})"
-        _add_profiles(registry, _load_entry_point(ep, source), source, out)
+        _add_profiles(registry, _load_entry_point(ep, source), source, out,
+                      base=_module_folder(ep.value.split(":")[0]))
         _note_module(out, ep.value)
-    for ep in _entry_points(TOOLSET_GROUP):
+        seen.add(ep.value.split(":")[0])
+    for ep in _entry_points(TOOLSET_GROUP) if toolsets else []:
         source = f"entry point {TOOLSET_GROUP}:{ep.name} ({ep.value})"
         _add_toolsets(_load_entry_point(ep, source), source, out)
         _note_module(out, ep.value)
-    for name in split_list(plugins):
+        seen.add(ep.value.split(":")[0])
+    for name in dict.fromkeys(split_list(plugins)):
+        if name in seen:
+            continue  # its entry points loaded it already
         source = f"plugin module {name} (WARMLOOP_PLUGINS)"
         try:
             module = importlib.import_module(name)
@@ -93,7 +103,7 @@ def load_plugins(*, plugins: str | None = None, profile_paths: str | None = None
         if hasattr(module, "PROFILES"):
             _add_profiles(registry, module.PROFILES, source, out,
                           base=Path(module.__file__ or ".").parent)
-        if hasattr(module, "TOOLSETS"):
+        if hasattr(module, "TOOLSETS") and toolsets:
             _add_toolsets(module.TOOLSETS, source, out)
     for path in split_list(profile_paths):
         _add_profiles(registry, Path(path), f"file {path} (WARMLOOP_PROFILE_PATHS)", out)
@@ -107,6 +117,12 @@ def _entry_points(group: str) -> list[Any]:
     editable install beside a built one) counts once."""
     unique = {(ep.name, ep.value): ep for ep in entry_points(group=group)}
     return [unique[k] for k in sorted(unique)]
+
+
+def _module_folder(module: str) -> Path | None:
+    """Where a module lives: an entry point's relative YAML paths resolve from there."""
+    spec = importlib.util.find_spec(module)
+    return Path(spec.origin).parent if spec is not None and spec.origin else None
 
 
 def _note_module(out: LoadedPlugins, dotted: str) -> None:
@@ -148,7 +164,7 @@ def _add_profiles(registry: ProfileRegistry, obj: Any, source: str, out: LoadedP
             if base is not None and not path.is_absolute():
                 path = base / path
             for file in _yaml_files(path, source):
-                _register(registry, load_profile_file(file), f"file {file} ({source})")
+                _register(registry, _cached_profile_file(file), f"file {file} ({source})")
         else:
             raise PluginError(f"{source}: {item!r} is not a Profile or a YAML path")
 
@@ -171,6 +187,18 @@ def _yaml_files(path: Path, source: str) -> list[Path]:
     return [path]
 
 
+_files: dict[Path, Profile] = {}
+
+
+def _cached_profile_file(file: Path) -> Profile:
+    """One Profile per file per process: a file reached by two routes is one profile,
+    not two with one name."""
+    key = file.resolve()
+    if key not in _files:
+        _files[key] = load_profile_file(file)
+    return _files[key]
+
+
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
@@ -180,13 +208,32 @@ def _expand_env(value: Any, file: Path) -> Any:
         def sub(m: re.Match[str]) -> str:
             if m.group(1) not in os.environ:
                 raise PluginError(f"{file}: ${{{m.group(1)}}} is not set in the environment")
-            return os.environ[m.group(1)]
+            got = os.environ[m.group(1)]
+            if "\r" in got or "\n" in got:
+                raise PluginError(f"{file}: ${{{m.group(1)}}} holds a line break")
+            return got
         return _ENV_REF.sub(sub, value)
     if isinstance(value, dict):
         return {k: _expand_env(v, file) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_expand_env(v, file) for v in value]
     return value
+
+
+def _expand_http_env(data: Any, file: Path) -> Any:
+    """``${VAR}`` is read from the environment in an HTTP tool's ``url`` and ``headers``
+    only: secrets stay out of the file, and nothing from the environment reaches a
+    prompt (a system prompt may say ``${...}`` literally)."""
+    if not isinstance(data, dict) or not isinstance(data.get("tools"), list):
+        return data
+    tools = []
+    for t in data["tools"]:
+        if isinstance(t, dict) and isinstance(t.get("http"), dict):
+            http = dict(t["http"])
+            for k in ("url", "headers"):
+                if k in http:
+                    http[k] = _expand_env(http[k], file)
+            t = {**t, "http": http}
+        tools.append(t)
+    return {**data, "tools": tools}
 
 
 def _python_tool_spec(path: str) -> ToolSpec:
@@ -200,7 +247,8 @@ def load_profile_file(file: Path) -> Profile:
     except (OSError, yaml.YAMLError) as e:
         raise PluginError(f"{file}: not readable YAML: {' '.join(str(e).split())}") from None
     try:
-        return profile_from_document(_expand_env(data, file), python_tool=_python_tool_spec)
+        return profile_from_document(_expand_http_env(data, file),
+                                     python_tool=_python_tool_spec)
     except ProfileDocumentError as e:
         raise PluginError(f"{file}: {e}") from None
 

@@ -9,7 +9,9 @@ worker is built the same way.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from temporalio.contrib.pydantic import pydantic_data_converter
@@ -47,7 +49,19 @@ def sandbox_runner(modules: Sequence[str] = ("warmloop",)) -> WorkflowRunner:
     return passthrough_runner(modules)(None)
 
 
-def build_agent_activities(settings: Settings, loaded: LoadedPlugins) -> list[Callable[..., Any]]:
+@dataclass
+class AgentActivities:
+    """The agent task queue's activities and the clients they hold (closed with them)."""
+
+    activities: list[Callable[..., Any]]
+    closers: list[Callable[[], Awaitable[None]]]
+
+    async def aclose(self) -> None:
+        for close in self.closers:
+            await close()
+
+
+def build_agent_activities(settings: Settings, loaded: LoadedPlugins) -> AgentActivities:
     """The agent task queue's activities, with their clients built once, here."""
     from warmloop.activities.batch import BatchActivities
     from warmloop.activities.pauses import PauseActivities, PauseStats
@@ -66,21 +80,29 @@ def build_agent_activities(settings: Settings, loaded: LoadedPlugins) -> list[Ca
     pauses = PauseActivities(PauseStats(redis))
     storage = StorageActivities(s3, settings.s3_bucket)
     batch = BatchActivities(s3, settings.s3_bucket)
-    return [routing.route_step, routing.pick_engine, tools.run_tool, storage.store_transcript,
-            batch.read_records, batch.write_batch_results, pauses.record_pause]
+    async def close_s3() -> None:
+        s3.close()
+
+    return AgentActivities(
+        [routing.route_step, routing.pick_engine, tools.run_tool, storage.store_transcript,
+         batch.read_records, batch.write_batch_results, pauses.record_pause],
+        [tools.aclose, redis.aclose, close_s3])
 
 
 class WarmloopPlugin(SimplePlugin):
     """Adds ``AgentJob`` and ``BatchRun``, the agent activities (routing, tools,
-    storage) and the sandbox passthrough to a worker; sets the pydantic data converter
-    on a client.
+    storage) and the sandbox passthrough to a worker.
 
-    Give it to ``Client.connect(..., plugins=[WarmloopPlugin()])``: warmloop's payloads
-    are pydantic models and need that converter, and every worker of that client gets
-    the rest. The worker must poll ``warmloop.AGENT_TASK_QUEUE``, where the workflows
-    schedule their activities. Plugins (``WARMLOOP_PLUGINS``, entry points) are loaded
-    here, once, and a tool no runner can serve stops the worker at start, not a job at
-    its fifth step.
+    Give it to the worker that polls ``warmloop.AGENT_TASK_QUEUE`` (where the workflows
+    schedule their activities): ``Worker(client, task_queue=AGENT_TASK_QUEUE,
+    plugins=[WarmloopPlugin()])``. Its client must use the pydantic data converter
+    (``temporalio.contrib.pydantic.pydantic_data_converter``): warmloop's payloads are
+    pydantic models, and a worker whose client lacks it is refused at start. Given to
+    ``Client.connect`` instead, it would add warmloop's workflows and activities to
+    every worker of that client, on every task queue. Plugins (``WARMLOOP_PLUGINS``,
+    entry points) are loaded here, once, and a tool no runner can serve stops the
+    worker at start, not a job at its fifth step. The clients the activities hold
+    (Redis, S3, HTTP) are closed when the worker stops.
     """
 
     def __init__(self, settings: Settings | None = None, *, activities: bool = True) -> None:
@@ -92,18 +114,28 @@ class WarmloopPlugin(SimplePlugin):
         self.settings = settings or Settings()
         self.loaded = load_plugins(plugins=self.settings.plugins,
                                    profile_paths=self.settings.profile_paths)
-        acts = None
+        self.agent_activities: AgentActivities | None = None
         if activities:
             check_tools_implemented(self.loaded)
-            acts = build_agent_activities(self.settings, self.loaded)
+            self.agent_activities = build_agent_activities(self.settings, self.loaded)
+
+        @asynccontextmanager
+        async def closing() -> AsyncIterator[None]:
+            try:
+                yield
+            finally:
+                if self.agent_activities is not None:
+                    await self.agent_activities.aclose()
+
         super().__init__(
-            "warmloop.WarmloopPlugin", data_converter=pydantic_data_converter,
-            workflows=[AgentJob, BatchRun], activities=acts,
-            workflow_runner=passthrough_runner(self.loaded.modules))
+            "warmloop.WarmloopPlugin", workflows=[AgentJob, BatchRun],
+            activities=self.agent_activities.activities if self.agent_activities else None,
+            workflow_runner=passthrough_runner(self.loaded.modules), run_context=closing)
 
     def configure_worker(self, config: WorkerConfig) -> WorkerConfig:
         converter = config["client"].data_converter
-        if converter.payload_converter_class is not pydantic_data_converter.payload_converter_class:
+        if not issubclass(converter.payload_converter_class,
+                          pydantic_data_converter.payload_converter_class):
             raise ValueError("WarmloopPlugin: the worker's client does not use the pydantic "
                              "data converter; pass the plugin to Client.connect(plugins=[...]) "
                              "or connect with temporalio.contrib.pydantic."

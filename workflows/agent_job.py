@@ -66,6 +66,7 @@ from warmloop.workflows.profiles.base import (
     ToolSpec,
 )
 from warmloop.workflows.routing import NO_ENGINE_FOR_MODEL, NO_PRICED_ENGINE, RouteDecision
+from warmloop.workflows.tool_results import activity_tool_result, cut_for_prompt, idempotency_key
 from warmloop.workflows.trace import is_trace_profile, stand_in_profile
 
 GENERATE_START_TO_CLOSE = timedelta(seconds=90)
@@ -108,17 +109,6 @@ def _profile_of(job: JobInput) -> Profile:
     if job.replay is not None and is_trace_profile(job.profile):
         return stand_in_profile(job.profile)
     return get_profile(job.profile)
-
-
-def activity_tool_result(raw: Any) -> ToolResult:
-    """What a user's tool activity returned, as the result the model reads: a string as
-    it is, ``{"ok": bool, "output": str}`` as that, anything else as JSON."""
-    if isinstance(raw, str):
-        return ToolResult(ok=True, output=raw)
-    if isinstance(raw, dict) and set(raw) <= {"ok", "output"} and \
-            isinstance(raw.get("output"), str):
-        return ToolResult(ok=bool(raw.get("ok", True)), output=raw["output"])
-    return ToolResult(ok=True, output=json.dumps(raw, sort_keys=True, default=str))
 
 
 class _JobEnded(Exception):
@@ -466,7 +456,10 @@ class AgentJob:
             if pinned:
                 decision = RouteDecision(engine_id=pinned, reason="pinned")
             else:
-                routed = await self._route(request, job, failed, end_if_unservable=True)
+                # Only a job's first step may end it as unservable: later, the engines for its
+                # model may be restarting (heartbeats lapse), so the step fails over instead.
+                routed = await self._route(request, job, failed,
+                                           end_if_unservable=self._usage.steps == 0)
                 if routed is None:
                     raise _JobEnded(JobState.ENGINE_UNAVAILABLE,
                                     "no live engine could serve the step")
@@ -614,7 +607,7 @@ class AgentJob:
         here (it is in history already: such tools should answer briefly)."""
         asked = workflow.now()
         call = {"arguments": args, "job_id": self._job_id, "step": step, "task_id": task_id,
-                "idempotency_key": f"{self._job_id}:{step}:{spec.name}"}
+                "idempotency_key": idempotency_key(self._job_id, step, spec.name)}
         try:
             raw = await workflow.execute_activity(
                 runner.activity, call, task_queue=runner.task_queue,
@@ -634,12 +627,8 @@ class AgentJob:
             return ToolResult(ok=False, output=f"tool {spec.name} failed: {e.cause or e}")
         await self._record_pause(f"tool:{spec.name}", asked)
         result = activity_tool_result(raw)
-        limit = profile.max_tool_output_chars
-        if len(result.output) > limit:
-            cut = len(result.output) - limit
-            result = ToolResult(ok=result.ok, output=result.output[:limit]
-                                + f"\n[cut: {cut} more characters]")
-        return result
+        return result.model_copy(
+            update={"output": cut_for_prompt(result.output, profile.max_tool_output_chars)})
 
     def _publish_pending(self) -> None:
         workflow.upsert_search_attributes([SA_PENDING.value_set(sorted(self._pending))])

@@ -8,19 +8,18 @@ activity, is scheduled by the workflow on the user's task queue and never comes 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 import structlog
-from pydantic import BaseModel
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from warmloop.activities.pauses import PauseStats, tool_kind
 from warmloop.activities.tools.base import EffectLedger, ToolOutcome, Toolset
+from warmloop.activities.tools.functions import resolve_function_tool
 from warmloop.activities.tools.ticket_triage import TicketTriageTools
 from warmloop.workflows.contracts import ToolRequest, ToolResult
 from warmloop.workflows.profiles import (
@@ -31,11 +30,8 @@ from warmloop.workflows.profiles import (
     UnknownProfileError,
     get_profile,
 )
-from warmloop.workflows.profiles.function_tools import (
-    FunctionTool,
-    ToolContext,
-    resolve_function_tool,
-)
+from warmloop.workflows.profiles.function_tools import FunctionTool, ToolContext
+from warmloop.workflows.tool_results import as_model_text, cut_for_prompt, idempotency_key
 
 log = structlog.get_logger(__name__)
 
@@ -43,18 +39,8 @@ RETRY_STATUSES = frozenset({408, 425, 429})
 """4xx answers that mean "try again", not "your arguments are wrong"."""
 
 
-def idempotency_key(req: ToolRequest) -> str:
-    """The same for every retry of one call; different for every call."""
-    return f"{req.job_id}:{req.step}:{req.name}"
-
-
-def as_model_text(value: Any) -> str:
-    """What a tool returned, as the text the model reads."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, BaseModel):
-        return value.model_dump_json()
-    return json.dumps(value, sort_keys=True, default=str)
+def call_key(req: ToolRequest) -> str:
+    return idempotency_key(req.job_id, req.step, req.name)
 
 
 class ToolActivities:
@@ -78,6 +64,10 @@ class ToolActivities:
         self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0))
         self._resolve = resolve_function or resolve_function_tool
         self._functions: dict[str, FunctionTool] = {}
+
+    async def aclose(self) -> None:
+        """Close the HTTP client (the worker's shutdown)."""
+        await self._http.aclose()
 
     @activity.defn(name="run_tool")
     async def run_tool(self, req: ToolRequest) -> ToolResult:
@@ -140,7 +130,7 @@ class ToolActivities:
         if fn.context_param is not None:
             kwargs[fn.context_param] = ToolContext(
                 job_id=req.job_id, step=req.step, task_id=req.task_id,
-                idempotency_key=idempotency_key(req))
+                idempotency_key=call_key(req))
         value = (await fn.fn(**kwargs) if fn.is_async
                  else await asyncio.to_thread(fn.fn, **kwargs))
         return ToolResult(ok=True, output=as_model_text(value))
@@ -150,7 +140,7 @@ class ToolActivities:
         headers = {**dict(runner.headers), "X-Warmloop-Job": req.job_id,
                    "X-Warmloop-Step": str(req.step)}
         if spec.side_effect:
-            headers["Idempotency-Key"] = idempotency_key(req)
+            headers["Idempotency-Key"] = call_key(req)
         cap = runner.max_response_bytes
         async with self._http.stream("POST", runner.url, json=req.arguments, headers=headers,
                                      timeout=spec.timeout_s) as r:
@@ -163,10 +153,14 @@ class ToolActivities:
         text = body.decode("utf-8", errors="replace")
         if r.status_code >= 500 or r.status_code in RETRY_STATUSES:
             # Temporal retries it per the tool's retry policy; the model reads the last.
-            raise ApplicationError(f"HTTP {r.status_code} from {runner.url}: {text[:300]}",
+            # (Not the URL: it may carry a key, and this text reaches the prompt.)
+            raise ApplicationError(f"tool {spec.name}: HTTP {r.status_code}: {text[:300]}",
                                    type="ToolUnavailable")
         if r.status_code >= 400:
             return ToolResult(ok=False, output=f"HTTP {r.status_code}: {text[:2000]}")
+        if r.status_code >= 300:
+            return ToolResult(ok=False, output=f"tool {spec.name}: HTTP {r.status_code} "
+                              "redirect not followed (point the tool at the final URL)")
         return ToolResult(ok=True, output=text)
 
     async def _cut(self, profile: Profile, req: ToolRequest, result: ToolResult) -> ToolResult:
@@ -176,10 +170,9 @@ class ToolActivities:
         key = f"tool-outputs/{req.job_id}/{req.step}.txt"
         await asyncio.to_thread(self._s3.put_object, Bucket=self._bucket, Key=key,
                                 Body=result.output.encode())
-        cut = len(result.output) - limit
         return ToolResult(ok=result.ok, output_key=key,
-                          output=result.output[:limit] + f"\n[cut: {cut} more characters]")
+                          output=cut_for_prompt(result.output, limit))
 
 
 __all__ = ["EffectLedger", "TicketTriageTools", "ToolActivities", "ToolOutcome", "Toolset",
-           "as_model_text", "idempotency_key"]
+           "call_key"]

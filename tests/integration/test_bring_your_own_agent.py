@@ -32,9 +32,12 @@ def returns_service(settings: object) -> Iterator[Any]:
 
 
 def _tool_answers(result: JobResult, tool: str) -> list[str]:
+    """What ``tool`` answered in the job (repairs of invalid calls, which never ran the
+    tool, left out)."""
     ids = {c.id for m in result.transcript if m.tool_calls for c in m.tool_calls
            if c.function.name == tool}
-    return [m.content for m in result.transcript if m.role == "tool" and m.tool_call_id in ids]
+    return [m.content for m in result.transcript if m.role == "tool" and m.tool_call_id in ids
+            and not m.content.startswith("error: ")]
 
 
 async def test_the_examples_three_tool_kinds_run_end_to_end(
@@ -84,7 +87,8 @@ async def test_a_teams_own_workflow_runs_a_warmloop_job_as_its_child(client: Cli
         out = await client.execute_workflow(
             SupportCase.run, SupportCaseInput(order_id="O1002", question="is it late?"),
             id=f"case-{uuid.uuid4().hex[:6]}", task_queue=TASK_QUEUE)
-    assert out.state in {s.value for s in TERMINAL_STATES} and out.steps >= 1
+    # the random model may finish, hit the cap or ramble; the engine must have served it
+    assert out.state in {"FINISHED", "LOOP_CAP", "INVALID_OUTPUT"} and out.steps >= 1, out
 
 
 def test_the_cli_lists_the_examples_profiles_with_their_sources() -> None:

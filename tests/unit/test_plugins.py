@@ -132,6 +132,16 @@ def test_a_yaml_profile_loads_with_its_three_runners(tmp_path: Path) -> None:
         (("minimum: 0, maximum: 1000}", "minimum: 0, maximum: 1000, frobnicate: 1}"),
          "tools.1.arguments.properties.amount.frobnicate: not supported"),
         (("tool: refund,", "tool: refnud,"), "approval rule 'refund' names unknown tool"),
+        # a misspelt field would let every refund through without a human
+        (("field: amount,", "field: amonut,"), "tool 'refund' has no argument 'amonut'"),
+        (("value: 100}", "value: lots}"), "op 'gt' needs a number value"),
+        (("  - name: refund\n", "  - name: lookup_order\n"), "two tools named lookup_order"),
+        (('pattern: "^O[0-9]{4}$"}\n    question', "pattern: 5}\n    question"),
+         "task_schema.properties.order_id.pattern: expected a string, got 5"),
+        (("minimum: 0, maximum: 1000}", "minimum: abc, maximum: 1000}"),
+         "amount.minimum: expected a number"),
+        (("question: {type: string, maxLength: 500}", "question: {type: string, format: email}"),
+         "task_schema.properties.question.format: not supported"),
     ],
 )
 def test_an_invalid_yaml_profile_names_the_file_and_the_field(
@@ -153,6 +163,17 @@ def test_yaml_that_does_not_parse_is_one_line(tmp_path: Path) -> None:
         load_profile_file(f)
 
 
+def test_one_file_reached_by_two_routes_is_one_profile(
+        plugin_dir: Path, registry: ProfileRegistry) -> None:
+    (plugin_dir / "acme.yaml").write_text(GOOD_YAML)
+    name = _module(plugin_dir, "wl_test_twice", """
+        PROFILES = ["acme.yaml"]
+    """)
+    load_plugins(plugins=f"{name},{name}", profile_paths=str(plugin_dir / "acme.yaml"),
+                 registry=registry)
+    assert "acme-orders" in registry
+
+
 def test_header_secrets_come_from_the_environment(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     f = tmp_path / "acme.yaml"
@@ -163,6 +184,15 @@ def test_header_secrets_come_from_the_environment(tmp_path: Path,
     monkeypatch.setenv("ACME_KEY", "s3cret")
     runner_ = load_profile_file(f).tool("lookup_order").runner
     assert isinstance(runner_, HttpRunner) and runner_.headers == (("X-Key", "s3cret"),)
+    assert "s3cret" not in repr(runner_)  # nor in logs that print the profile
+    # nothing from the environment reaches the prompt
+    f.write_text(GOOD_YAML.replace("One tool call per reply.", "Say ${ACME_KEY} never."))
+    assert "${ACME_KEY}" in load_profile_file(f).system_prompt
+    monkeypatch.setenv("ACME_KEY", "bad\r\nX-Injected: 1")
+    f.write_text(GOOD_YAML.replace("max_response_bytes: 4096}",
+                                   "max_response_bytes: 4096, headers: {X-Key: \"${ACME_KEY}\"}}"))
+    with pytest.raises(PluginError, match="holds a line break"):
+        load_profile_file(f)
 
 
 def test_a_plugin_module_registers_profiles_yaml_and_toolsets(

@@ -88,6 +88,8 @@ def _service(request: httpx.Request) -> httpx.Response:
             return httpx.Response(404, text="no such record")
         case "e503":
             return httpx.Response(503, text="overloaded")
+        case "b":
+            return httpx.Response(302, headers={"Location": "http://elsewhere.test/"})
     return httpx.Response(200, json={"record": key})
 
 
@@ -129,9 +131,11 @@ async def test_a_side_effect_function_is_not_called_again_on_retry(acts: ToolAct
     assert len(CALLS) == 2
 
 
-async def test_an_async_function_tool_that_raises_is_retried(acts: ToolActivities) -> None:
+async def test_an_async_function_tool_that_raises_fails_the_attempt(
+        acts: ToolActivities) -> None:
     r = await ActivityEnvironment().run(acts.run_tool, _req("look", key="a"))
     assert r.ok and r.output == "value of a"
+    # a plain exception: Temporal retries the activity per the tool's retry policy
     with pytest.raises(RuntimeError, match="backend flaked"):
         await ActivityEnvironment().run(acts.run_tool, _req("look", key="b"))
 
@@ -146,8 +150,11 @@ async def test_http_tool_2xx_4xx_5xx_and_the_size_cap(acts: ToolActivities) -> N
     with pytest.raises(ApplicationError, match="HTTP 503") as e:
         await env.run(acts.run_tool, _req("fetch", key="e503"))
     assert e.value.type == "ToolUnavailable" and not e.value.non_retryable
+    assert "tools.test" not in str(e.value)  # a URL may carry a key; this reaches the prompt
     big = await env.run(acts.run_tool, _req("fetch", key="big"))
     assert not big.ok and "larger than 100 bytes" in big.output
+    moved = await env.run(acts.run_tool, _req("fetch", key="b"))
+    assert not moved.ok and "HTTP 302 redirect not followed" in moved.output
 
 
 async def test_http_side_effect_tools_send_an_idempotency_key_and_apply_once(
@@ -159,7 +166,7 @@ async def test_http_side_effect_tools_send_an_idempotency_key_and_apply_once(
     assert again == first and len(SEEN) == 1
 
 
-async def test_an_http_tool_that_is_down_is_retried(acts: ToolActivities) -> None:
+async def test_an_http_tool_that_is_down_fails_the_attempt(acts: ToolActivities) -> None:
     def down(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("connection refused", request=request)
 

@@ -18,9 +18,10 @@ from temporalio.worker import Worker
 from tests.workflow.fakes import FakeActivities, reply
 from tests.workflow.test_agent_job import workers
 from warmloop import ActivityRunner, Profile, ToolRetry, ToolSpec
-from warmloop.workflows.agent_job import AgentJob, activity_tool_result
+from warmloop.workflows.agent_job import AgentJob
 from warmloop.workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult, JobState
 from warmloop.workflows.profiles import REGISTRY
+from warmloop.workflows.tool_results import activity_tool_result
 
 USER_QUEUE = "acme-tools"
 
@@ -127,7 +128,10 @@ async def test_an_activity_tool_no_worker_serves_is_read_by_the_model(
 @pytest.mark.parametrize(
     ("raw", "ok", "output"),
     [("plain", True, "plain"), ({"ok": False, "output": "no such order"}, False, "no such order"),
-     ({"b": 1, "a": [2]}, True, '{"a": [2], "b": 1}'), (None, True, "null")],
+     ({"b": 1, "a": [2]}, True, '{"a": [2], "b": 1}'), (None, True, "null"),
+     # a boolean ok always says whether the call worked
+     ({"ok": False}, False, "{}"), ({"ok": False, "reason": "late"}, False, '{"reason": "late"}'),
+     ({"ok": True, "output": {"id": 1}}, True, '{"id": 1}')],
 )
 def test_what_an_activity_tool_returns_becomes_what_the_model_reads(
         raw: Any, ok: bool, output: str) -> None:

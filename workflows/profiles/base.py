@@ -54,7 +54,7 @@ class HttpRunner:
     service can apply the call once however often it is retried."""
 
     url: str
-    headers: tuple[tuple[str, str], ...] = ()
+    headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)
     """Sent with every call (e.g. an API key read from the environment at load time)."""
     max_response_bytes: int = 65_536
     """A longer response is refused as a tool error, never read whole into memory."""
@@ -191,6 +191,22 @@ class ApprovalRule:
     """Prior for how long humans take to decide (until pause statistics exist)."""
     pause_p90_s: float = 3600.0
 
+    def check(self, spec: ToolSpec) -> None:
+        """Refuse a rule that could never apply or would fail while a job runs: a
+        misspelt field would let every call through without a human."""
+        if self.field is None:
+            return
+        if self.field not in spec.args.model_fields:
+            raise ValueError(f"approval rule {self.kind!r}: tool {spec.name!r} has no argument "
+                             f"{self.field!r} (it has {', '.join(spec.args.model_fields)})")
+        if self.op in ("gt", "ge") and (isinstance(self.value, bool)
+                                         or not isinstance(self.value, int | float)):
+            raise ValueError(f"approval rule {self.kind!r}: op {self.op!r} needs a number "
+                             f"value, got {self.value!r}")
+        if self.op == "in" and not isinstance(self.value, list | tuple | frozenset | set):
+            raise ValueError(f"approval rule {self.kind!r}: op 'in' needs a list value, "
+                             f"got {self.value!r}")
+
     def applies(self, tool: str, args: dict[str, Any]) -> bool:
         if tool != self.tool:
             return False
@@ -243,11 +259,16 @@ class Profile:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_name", {t.name: t for t in self.tools})
+        if len(self._by_name) != len(self.tools):
+            twice = sorted({t.name for t in self.tools if
+                            sum(u.name == t.name for u in self.tools) > 1})
+            raise ValueError(f"profile {self.name!r} has two tools named {', '.join(twice)}")
         if not any(t.finishes_job for t in self.tools):
             raise ValueError(f"profile {self.name!r} needs a tool with finishes_job=True")
         for rule in self.approvals:
             if rule.tool not in self._by_name:
                 raise ValueError(f"approval rule {rule.kind!r} names unknown tool {rule.tool!r}")
+            rule.check(self._by_name[rule.tool])
 
     def tool(self, name: str) -> ToolSpec:
         return self._by_name[name]

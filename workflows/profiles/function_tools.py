@@ -7,7 +7,6 @@ the same plugin, resolves that path when the model calls the tool.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -110,15 +109,3 @@ def tool(
 
     return wrap if fn is None else wrap(fn)
 
-
-def resolve_function_tool(path: str) -> FunctionTool:
-    """``module:qualname`` to the decorated function; raises ImportError/AttributeError/
-    TypeError saying what is wrong. For workers and the plugin loader: workflow code
-    never imports a tool's module."""
-    module_name, _, qualname = path.partition(":")
-    obj: Any = importlib.import_module(module_name)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    if not isinstance(obj, FunctionTool):
-        raise TypeError(f"{path} is not decorated with @warmloop.tool")
-    return obj

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 _COMMON = {"type", "description", "title", "default", "examples"}
 _ALLOWED = {
     "object": _COMMON | {"properties", "required", "additionalProperties"},
-    "string": _COMMON | {"enum", "pattern", "minLength", "maxLength", "const", "format"},
+    "string": _COMMON | {"enum", "pattern", "minLength", "maxLength", "const"},
     "integer": _COMMON | {"enum", "minimum", "maximum", "exclusiveMinimum",
                           "exclusiveMaximum", "multipleOf", "const"},
     "number": _COMMON | {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
@@ -81,9 +81,12 @@ def _object_model(name: str, schema: dict[str, Any], where: str, strict: bool
                               "'none' value instead)")
         else:
             fields[prop] = (annotation | None, sub.get("default"))
-    model: type[BaseModel] = create_model(  # type: ignore[call-overload]
-        _model_name(name), __config__=ConfigDict(extra="forbid"),
-        __doc__=schema.get("description"), **fields)
+    try:
+        model: type[BaseModel] = create_model(  # type: ignore[call-overload]
+            _model_name(name), __config__=ConfigDict(extra="forbid"),
+            __doc__=schema.get("description"), **fields)
+    except Exception as e:  # pydantic refuses a combination the checks above let by
+        raise SchemaError(f"{where}: {' '.join(str(e).split())}") from None
     return model
 
 
@@ -108,7 +111,13 @@ def _annotation(name: str, schema: Any, where: str, strict: bool) -> Any:
     field_kw: dict[str, Any] = {"description": schema.get("description")}
     for key, kw in _BOUNDS.items():
         if key in schema:
-            field_kw[kw] = schema[key]
+            value = schema[key]
+            wanted = str if key == "pattern" else (int if "Length" in key or "Items" in key
+                                                   else (int, float))
+            if isinstance(value, bool) or not isinstance(value, wanted):
+                raise SchemaError(f"{where}.{key}: expected a "
+                                  f"{'string' if wanted is str else 'number'}, got {value!r}")
+            field_kw[kw] = value
     if kind == "array":
         if "items" not in schema:
             raise SchemaError(f"{where}.items: an array needs an items schema")
@@ -121,7 +130,7 @@ def _annotation(name: str, schema: Any, where: str, strict: bool) -> Any:
         if not isinstance(values, list) or not values:
             raise SchemaError(f"{where}.enum: expected a non-empty list")
         return Literal[tuple(values)]
-    if strict and kind == "string" and "pattern" not in schema and "format" not in schema:
+    if strict and kind == "string" and "pattern" not in schema:
         raise SchemaError(f"{where}: unbounded string; give it an enum or a pattern, or a "
                           "weak model rambles to max_tokens under guided decoding")
     if kind == "string" and "pattern" in schema:

@@ -13,8 +13,7 @@ from pydantic import BaseModel
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from warmloop import AGENT_TASK_QUEUE, JobResult
-    from warmloop.workflows.contracts import JobInput
+    from warmloop import AGENT_TASK_QUEUE, JobInput, JobResult
 
 
 class SupportCaseInput(BaseModel):
