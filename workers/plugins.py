@@ -54,7 +54,7 @@ class LoadedPlugins:
     """Top-level packages of every plugin, for the sandbox's passthrough list."""
 
 
-_loaded: dict[tuple[str, str], LoadedPlugins] = {}
+_loaded: dict[tuple[str, str, bool], LoadedPlugins] = {}
 
 
 def split_list(value: str | None) -> list[str]:

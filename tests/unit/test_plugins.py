@@ -28,7 +28,7 @@ from warmloop.workflows.profiles.registry import ProfileRegistry
 runner = CliRunner()
 
 GOOD_YAML = """\
-name: acme-orders
+name: yaml-orders
 system_prompt: |
   You answer questions about orders. One tool call per reply.
 task_schema:
@@ -97,7 +97,7 @@ def test_a_yaml_profile_loads_with_its_three_runners(tmp_path: Path) -> None:
     f = tmp_path / "acme.yaml"
     f.write_text(GOOD_YAML)
     p = load_profile_file(f)
-    assert p.name == "acme-orders" and p.model == "tiny" and p.limits.max_steps == 6
+    assert p.name == "yaml-orders" and p.model == "tiny" and p.limits.max_steps == 6
     runners = {t.name: t.runner for t in p.tools}
     assert runners["lookup_order"] == HttpRunner(url="http://127.0.0.1:1/lookup",
                                                  max_response_bytes=4096)
@@ -123,7 +123,7 @@ def test_a_yaml_profile_loads_with_its_three_runners(tmp_path: Path) -> None:
         (("pattern: \"^O[0-9]{4}$\"}\n      required: [order_id]\n    http",
           "maxLength: 9}\n      required: [order_id]\n    http"),
          "tools.0.arguments.properties.order_id: unbounded string"),
-        (("name: acme-orders", "name: Acme Orders!"), "name: String should match pattern"),
+        (("name: yaml-orders", "name: Acme Orders!"), "name: String should match pattern"),
         (("    http: {url: \"http://127.0.0.1:1/lookup\", max_response_bytes: 4096}\n", ""),
          "tools.0: Value error, say where the tool runs"),
         (("op: gt", "op: bigger"), "approvals.0.op"),
@@ -171,7 +171,7 @@ def test_one_file_reached_by_two_routes_is_one_profile(
     """)
     load_plugins(plugins=f"{name},{name}", profile_paths=str(plugin_dir / "acme.yaml"),
                  registry=registry)
-    assert "acme-orders" in registry
+    assert "yaml-orders" in registry
 
 
 def test_header_secrets_come_from_the_environment(tmp_path: Path,
@@ -202,9 +202,9 @@ def test_a_plugin_module_registers_profiles_yaml_and_toolsets(
         PROFILES = ["acme.yaml"]   # relative to the module
     """)
     loaded = load_plugins(plugins=name, profile_paths="", registry=registry)
-    assert registry.names() == ["acme-orders", "invoice-reconciliation", "ticket-triage"]
+    assert registry.names() == ["yaml-orders", "invoice-reconciliation", "ticket-triage"]
     sources = {r.profile.name: r.source for r in registry.registered()}
-    assert "plugin module wl_test_good" in sources["acme-orders"]
+    assert "plugin module wl_test_good" in sources["yaml-orders"]
     assert "entry point warmloop.profiles:bundled" in sources["ticket-triage"]
     assert "wl_test_good" in loaded.modules and "warmloop" in loaded.modules
     assert set(loaded.toolsets) == {"ticket-triage", "invoice-reconciliation"}
@@ -236,7 +236,7 @@ def test_two_profiles_with_one_name_stop_the_process(
         plugin_dir: Path, registry: ProfileRegistry) -> None:
     (plugin_dir / "a.yaml").write_text(GOOD_YAML)
     (plugin_dir / "b.yaml").write_text(GOOD_YAML.replace("You answer", "You reply to"))
-    with pytest.raises(PluginError, match=r"profile 'acme-orders' is registered twice: by "
+    with pytest.raises(PluginError, match=r"profile 'yaml-orders' is registered twice: by "
                        r"file .*a\.yaml.* and by file .*b\.yaml"):
         load_plugins(plugins="", profile_paths=f"{plugin_dir / 'a.yaml'},{plugin_dir / 'b.yaml'}",
                      registry=registry)
@@ -323,8 +323,11 @@ def test_the_tool_decorator_refuses_what_a_weak_model_cannot_fill() -> None:
 
 
 @pytest.fixture(autouse=True)
-def process_registry() -> Iterator[None]:
-    """The CLI loads into the process's registry: give it back as it was."""
+def process_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The CLI loads into the process's registry: give it back as it was. Plugins set for
+    the integration tests' stack are not this module's business."""
+    monkeypatch.delenv("WARMLOOP_PLUGINS", raising=False)
+    monkeypatch.delenv("WARMLOOP_PROFILE_PATHS", raising=False)
     profiles = dict(REGISTRY._by_name)
     loaded = dict(plugins_module._loaded)
     yield
@@ -341,7 +344,7 @@ def test_warmloop_profiles_lists_every_profile_with_its_source(
     monkeypatch.setenv("COLUMNS", "300")
     out = runner.invoke(app, ["profiles"])
     assert out.exit_code == 0, out.output
-    assert "acme-orders" in out.output and "ticket-triage" in out.output
+    assert "yaml-orders" in out.output and "ticket-triage" in out.output
     assert "lookup_order (http)" in out.output and "refund (activity@acme-tools)" in out.output
     assert "entry point warmloop.profiles:bundled" in out.output
 
@@ -354,7 +357,7 @@ def test_a_bad_plugin_is_one_line_and_a_nonzero_exit_at_the_cli(
         monkeypatch.setenv("WARMLOOP_PLUGINS", "wl_test_does_not_exist")
         expect = "plugin module wl_test_does_not_exist (WARMLOOP_PLUGINS) failed to import"
     elif kind == "duplicate":
-        (plugin_dir / "a.yaml").write_text(GOOD_YAML.replace("acme-orders", "ticket-triage"))
+        (plugin_dir / "a.yaml").write_text(GOOD_YAML.replace("yaml-orders", "ticket-triage"))
         monkeypatch.setenv("WARMLOOP_PROFILE_PATHS", str(plugin_dir / "a.yaml"))
         expect = "profile 'ticket-triage' is registered twice"
     else:
