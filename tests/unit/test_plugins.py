@@ -202,7 +202,7 @@ def test_a_plugin_module_registers_profiles_yaml_and_toolsets(
         PROFILES = ["acme.yaml"]   # relative to the module
     """)
     loaded = load_plugins(plugins=name, profile_paths="", registry=registry)
-    assert registry.names() == ["yaml-orders", "invoice-reconciliation", "ticket-triage"]
+    assert registry.names() == ["invoice-reconciliation", "ticket-triage", "yaml-orders"]
     sources = {r.profile.name: r.source for r in registry.registered()}
     assert "plugin module wl_test_good" in sources["yaml-orders"]
     assert "entry point warmloop.profiles:bundled" in sources["ticket-triage"]
