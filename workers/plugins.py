@@ -21,7 +21,6 @@ import importlib
 import importlib.util
 import os
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -147,15 +146,22 @@ def _call(obj: Any, source: str) -> Any:
     return obj
 
 
+def _as_list(obj: Any, single: Any, source: str, *, expected: str) -> list[Any]:
+    """A plugin attribute as a list: called if callable, one ``single`` wrapped, any
+    other iterable listed; anything else is a ``PluginError`` saying what was expected."""
+    obj = _call(obj, source)
+    if isinstance(obj, single):
+        return [obj]
+    try:
+        return list(obj)
+    except TypeError:
+        raise PluginError(f"{source}: expected {expected}, got {type(obj).__name__}") from None
+
+
 def _add_profiles(registry: ProfileRegistry, obj: Any, source: str, out: LoadedPlugins, *,
                   base: Path | None = None) -> None:
-    obj = _call(obj, source)
-    items: Iterable[Any] = [obj] if isinstance(obj, Profile | str | Path) else obj
-    try:
-        items = list(items)
-    except TypeError:
-        raise PluginError(f"{source}: expected profiles, YAML paths or a callable returning "
-                          f"them, got {type(obj).__name__}") from None
+    items = _as_list(obj, Profile | str | Path, source,
+                     expected="profiles, YAML paths or a callable returning them")
     for item in items:
         if isinstance(item, Profile):
             _register(registry, item, source)
@@ -254,14 +260,8 @@ def load_profile_file(file: Path) -> Profile:
 
 
 def _add_toolsets(obj: Any, source: str, out: LoadedPlugins) -> None:
-    obj = _call(obj, source)
-    items = [obj] if isinstance(obj, Toolset) else obj
-    try:
-        items = list(items)
-    except TypeError:
-        raise PluginError(f"{source}: expected toolsets or a callable returning them, got "
-                          f"{type(obj).__name__}") from None
-    for ts in items:
+    for ts in _as_list(obj, Toolset, source,
+                       expected="toolsets or a callable returning them"):
         if not isinstance(ts, Toolset):
             raise PluginError(f"{source}: {ts!r} is not a warmloop Toolset")
         if ts.profile in out.toolsets:
@@ -278,19 +278,15 @@ def check_tools_implemented(loaded: LoadedPlugins, registry: ProfileRegistry = R
     for reg in registry.registered():
         p = reg.profile
         for t in p.tools:
-            if t.finishes_job or t.runner is not None and not _is_python(t):
+            if t.finishes_job:
                 continue
             if t.runner is None and p.name not in loaded.toolsets:
                 raise PluginError(f"profile {p.name!r} (from {reg.source}) has tool "
                                   f"{t.name!r} with no runner and no toolset for the profile")
-            if _is_python(t):
-                fn = t.runner.function  # type: ignore[union-attr]
+            if isinstance(t.runner, PythonRunner):
                 try:
-                    resolve_function_tool(fn)
+                    resolve_function_tool(t.runner.function)
                 except (ImportError, AttributeError, TypeError) as e:
                     raise PluginError(f"profile {p.name!r} (from {reg.source}) tool "
-                                      f"{t.name!r}: cannot resolve {fn}: {e}") from None
-
-
-def _is_python(t: ToolSpec) -> bool:
-    return isinstance(t.runner, PythonRunner)
+                                      f"{t.name!r}: cannot resolve {t.runner.function}: "
+                                      f"{e}") from None

@@ -111,6 +111,15 @@ def _profile_of(job: JobInput) -> Profile:
     return get_profile(job.profile)
 
 
+def _tool_retry(spec: ToolSpec) -> RetryPolicy:
+    """A tool's retry policy, wherever the tool runs (run_tool or the user's activity)."""
+    return RetryPolicy(
+        maximum_attempts=spec.retry.max_attempts,
+        initial_interval=timedelta(seconds=spec.retry.initial_interval_s),
+        non_retryable_error_types=list(spec.retry.non_retryable),
+    )
+
+
 class _JobEnded(Exception):
     """Raised inside the loop to end the job in a named state."""
 
@@ -588,11 +597,7 @@ class AgentJob:
                             task_id=task_id, name=spec.name, arguments=args),
                 task_queue=AGENT_TASK_QUEUE,
                 start_to_close_timeout=timedelta(seconds=spec.timeout_s),
-                retry_policy=RetryPolicy(
-                    maximum_attempts=spec.retry.max_attempts,
-                    initial_interval=timedelta(seconds=spec.retry.initial_interval_s),
-                    non_retryable_error_types=list(spec.retry.non_retryable),
-                ),
+                retry_policy=_tool_retry(spec),
                 result_type=ToolResult,
             )
         except ActivityError as e:
@@ -613,11 +618,7 @@ class AgentJob:
                 runner.activity, call, task_queue=runner.task_queue,
                 schedule_to_start_timeout=timedelta(seconds=runner.pickup_timeout_s),
                 start_to_close_timeout=timedelta(seconds=spec.timeout_s),
-                retry_policy=RetryPolicy(
-                    maximum_attempts=spec.retry.max_attempts,
-                    initial_interval=timedelta(seconds=spec.retry.initial_interval_s),
-                    non_retryable_error_types=list(spec.retry.non_retryable),
-                ),
+                retry_policy=_tool_retry(spec),
             )
         except ActivityError as e:
             if isinstance(e.cause, ActivityTimeoutError) and \
