@@ -114,6 +114,8 @@ class HoldManager:
         self.holds: dict[str, Hold] = {}
         self._last_probe: tuple[float, float] | None = None
         self.churn_tokens_per_s = 0.0
+        self._resumed = 0
+        """Holds ended by their job's next step since the last tick (counted there)."""
 
     @property
     def held_tokens(self) -> int:
@@ -190,11 +192,12 @@ class HoldManager:
     def _hold_for_s(self, choice: HoldChoice, policy: HoldPolicy) -> float:
         return choice.ttl_s * (1.0 if policy == "always_hold" else self.config.ttl_slack)
 
-    async def resume(self, job_id: str) -> None:
-        """The job's next step is here: its hold has done its work."""
+    def resume(self, job_id: str) -> None:
+        """The job's next step is here: its hold has done its work. It ends at once; its
+        Redis bookkeeping (the count, the published table) waits for the next tick, off
+        the step's path."""
         if self.holds.pop(job_id, None) is not None:
-            await self._count(released_on_resume=1)
-            await self._publish()
+            self._resumed += 1
 
     # ---- keeping holds warm ------------------------------------------------------------
 
@@ -234,6 +237,9 @@ class HoldManager:
                     h.next_touch = h.pings[0] if h.pings else h.until
                 else:
                     h.next_touch = self._clock() + interval
+        if self._resumed:
+            resumed, self._resumed = self._resumed, 0
+            await self._count(released_on_resume=resumed)
         await self._publish()
 
     async def run(self, tick_s: float = 0.25) -> None:
@@ -263,9 +269,12 @@ class HoldManager:
         prompt = int(usage.get("prompt_tokens", 0))
         cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         h.touches += 1
-        # what the touch made the engine compute: its uncached prompt and one output token
+        computed = prompt - cached + 1  # its uncached prompt and one output token
+        if computed > 2:
+            log.info("touch_recomputed", job_id=h.job_id, prompt_tokens=prompt,
+                     cached_tokens=cached, blocks=len(h.hashes or []), touches=h.touches)
         await self._count(touches=1, touch_prompt_tokens=prompt,
-                          touch_computed_tokens=prompt - cached + 1)
+                          touch_computed_tokens=computed)
 
     async def record_prewarm(self, prompt_tokens: int, cached_tokens: int) -> None:
         """A pre-warm re-prefilled a paused job's prompt: count what it computed."""

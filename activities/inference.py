@@ -26,6 +26,7 @@ from warmloop.workflows.contracts import (
     GenerateRequest,
     GenerateResult,
     Lane,
+    StepTiming,
     ToolCall,
 )
 from warmloop.workflows.pricing import EnginePrice
@@ -76,6 +77,9 @@ class InferenceActivities:
         self._stable_tokens: dict[str, int] = {}
         self._profile_stable: dict[str, int] = {}
         self._tail_overhead: int | None = None
+        self._tail_lengths: dict[str, int] = {}
+        self._last_token_at: dict[tuple[str, int], float] = {}
+        """(job, step) -> when its last token came: the start of the step's after_ms."""
 
     async def _body(self, req: GenerateRequest
                     ) -> tuple[dict[str, Any], Profile, asyncio.Future[Any]]:
@@ -106,25 +110,33 @@ class InferenceActivities:
 
     @activity.defn(name="generate")
     async def generate(self, req: GenerateRequest) -> GenerateResult:
+        entered = time.time()
         structlog.contextvars.bind_contextvars(
             job_id=req.job_id, step=req.step, engine=self._engine_id
         )
         if self._holds is not None:
-            await self._holds.resume(req.job_id)
+            self._holds.resume(req.job_id)
         try:
+            slot = time.perf_counter()
             async with self._batch_slot(req), _heartbeating():
-                result = await self._generate(req)
+                admission_ms = (time.perf_counter() - slot) * 1000
+                result = await self._generate(req, entered=entered,
+                                              admission_ms=admission_ms)
             if self._admission is not None and req.lane == Lane.INTERACTIVE:
                 await self._admission.observe_interactive(result.ttft_ms)
             elif self._admission is not None:
                 self._admission.observe_batch(result.prompt_tokens,
                                               self._profile_stable.get(req.profile, 0))
-            return result
         finally:
             if self._registry is not None:
                 await self._registry.step_done(self._engine_id,
                                                step_key(req.job_id, req.step, req.profile))
             structlog.contextvars.unbind_contextvars("job_id", "step", "engine")
+            last_token = self._last_token_at.pop((req.job_id, req.step), None)
+        result.returned_at = time.time()
+        if result.timing is not None and last_token is not None:
+            result.timing.after_ms = max(0.0, (result.returned_at - last_token) * 1000)
+        return result
 
     @contextlib.asynccontextmanager
     async def _batch_slot(self, req: GenerateRequest) -> AsyncIterator[None]:
@@ -148,14 +160,19 @@ class InferenceActivities:
             await self._holds.record_prewarm(result.prompt_tokens, result.cached_tokens)
         return result
 
-    async def _generate(self, req: GenerateRequest) -> GenerateResult:
+    async def _generate(self, req: GenerateRequest, *, entered: float | None = None,
+                        admission_ms: float = 0.0) -> GenerateResult:
         picked_up = time.time()
+        entered = picked_up if entered is None else entered
         body, profile, stored = await self._body(req)
         tail_tokens = (asyncio.ensure_future(self._tail_tokens(req.tail))
                        if self._dir is not None else None)
         started = time.perf_counter()
-        scheduled = activity.info().current_attempt_scheduled_time.timestamp()
-        dispatch_ms = max(0.0, (time.time() - scheduled) * 1000)
+        sent_at = time.time()
+        info = activity.info()
+        scheduled = info.current_attempt_scheduled_time.timestamp()
+        handed = info.started_time.timestamp()
+        dispatch_ms = max(0.0, (sent_at - scheduled) * 1000)
         first_token: float | None = None  # the engine's first token: its first chunk
         first_delta: float | None = None  # the first parsed content or call delta
         content: list[str] = []
@@ -197,7 +214,7 @@ class InferenceActivities:
                         slot["arguments"].append(fn.get("arguments") or "")
                     finish_reason = choice.get("finish_reason") or finish_reason
         done = time.perf_counter()
-        await stored  # the step's new messages are in S3 before the step counts as done
+        self._last_token_at[(req.job_id, req.step)] = time.time()
         details = usage.get("prompt_tokens_details") or {}
         prompt_tokens = int(usage.get("prompt_tokens", 0))
         cached_tokens = int(details.get("cached_tokens") or 0)
@@ -222,6 +239,14 @@ class InferenceActivities:
             cost_usd=None if self._price is None else self._price.cost(
                 prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
                 completion_tokens=completion_tokens),
+            scheduled_at=scheduled,
+            timing=StepTiming(
+                schedule_to_start_ms=max(0.0, (handed - scheduled) * 1000),
+                worker_pickup_ms=max(0.0, (entered - handed) * 1000),
+                prompt_ms=max(0.0, (sent_at - entered) * 1000 - admission_ms),
+                admission_ms=admission_ms,
+                ttft_ms=((first_token or done) - started) * 1000,
+                decode_ms=(done - (first_token or done)) * 1000),
         )
         log.info("step_generated", prompt_tokens=result.prompt_tokens,
                  cached_tokens=result.cached_tokens, ttft_ms=round(result.ttft_ms, 1),
@@ -230,16 +255,27 @@ class InferenceActivities:
                  dispatch_ms=round(dispatch_ms, 1),
                  pickup_ms=round((picked_up - scheduled) * 1000, 1))
         if tail_tokens is not None and prompt_ids:
-            try:
-                chain = await self._record_prefix(req, profile, body, prompt_ids,
-                                                  await tail_tokens, result.cached_tokens)
-                await self._hold_or_release(req, profile, result, prompt_ids, chain, body)
-            except (httpx.HTTPError, OSError, ValueError) as e:
-                # The directory and holds are advice: losing one costs a cache hit, not a step.
-                log.warning("prefix_record_failed", error=str(e))
-        elif tail_tokens is not None:
-            tail_tokens.cancel()
+            # the directory and hold writes overlap the transcript's S3 writes
+            await asyncio.gather(stored, self._record_and_hold(
+                req, profile, body, prompt_ids, tail_tokens, result))
+        else:
+            if tail_tokens is not None:
+                tail_tokens.cancel()
+            await stored
+        # (stored: the step's new messages are in S3 before the step counts as done)
         return result
+
+    async def _record_and_hold(self, req: GenerateRequest, profile: Profile,
+                               body: dict[str, Any], prompt_ids: list[int],
+                               tail_tokens: asyncio.Future[int],
+                               result: GenerateResult) -> None:
+        try:
+            chain = await self._record_prefix(req, profile, body, prompt_ids,
+                                              await tail_tokens, result.cached_tokens)
+            await self._hold_or_release(req, profile, result, prompt_ids, chain, body)
+        except (httpx.HTTPError, OSError, ValueError) as e:
+            # The directory and holds are advice: losing one costs a cache hit, not a step.
+            log.warning("prefix_record_failed", error=str(e))
 
     # ---- prefix directory and cache-bust detector ----------------------------------------
 
@@ -308,8 +344,15 @@ class InferenceActivities:
                                          "add_generation_prompt": False})
             bare = await self._tokenize({"prompt": probe, "add_special_tokens": False})
             self._tail_overhead = max(0, len(framed) - len(head) - len(bare))
-        text = await self._tokenize({"prompt": tail, "add_special_tokens": False})
-        return len(text) + self._tail_overhead
+        n = self._tail_lengths.get(tail)
+        if n is None:
+            # Tails repeat across jobs (the same step of the same cap): one tokenize call
+            # per distinct text, not one per step.
+            n = len(await self._tokenize({"prompt": tail, "add_special_tokens": False}))
+            if len(self._tail_lengths) >= 4096:
+                self._tail_lengths.clear()
+            self._tail_lengths[tail] = n
+        return n + self._tail_overhead
 
     async def _stable_prefix_tokens(self, profile: Profile, body: dict[str, Any]) -> int:
         """Length in tokens of what every job of the profile shares (system prompt and

@@ -7,6 +7,7 @@ import contextlib
 import os
 import re
 import socket
+import statistics
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,3 +136,55 @@ async def bench_stack(settings: Settings, console: Console, *,
         await redis.aclose()
     if not keep:
         await asyncio.to_thread(stack.down)
+
+
+# ---- repeats: medians and ranges ---------------------------------------------------------
+
+
+def rotated(policies: list[str], repeat: int) -> list[str]:
+    """The policy order of one repeat: rotated by the repeat's index, so that no policy
+    always runs first (on a cold machine) or last (after the others' leftovers)."""
+    k = repeat % len(policies) if policies else 0
+    return policies[k:] + policies[:k]
+
+
+def medians_and_ranges(runs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Fold the JSON of several repeats into (medians, ranges).
+
+    Numbers become their median and ``[min, max]``; nested objects fold key by key;
+    anything else (end states, route reasons) is kept from the last repeat and has no
+    range. A key missing from some repeats folds over the repeats that have it."""
+    medians: dict[str, Any] = {}
+    ranges: dict[str, Any] = {}
+    keys = list(dict.fromkeys(k for r in runs for k in r))
+    for key in keys:
+        values = [r[key] for r in runs if key in r]
+        numbers = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+        if values and len(numbers) == len(values):
+            med = statistics.median(numbers)
+            medians[key] = round(med, 4) if isinstance(med, float) else med
+            ranges[key] = [min(numbers), max(numbers)]
+        elif values and all(isinstance(v, dict) for v in values) and _numeric_leaves(values):
+            medians[key], ranges[key] = medians_and_ranges(values)
+        else:
+            medians[key] = values[-1] if values else None
+    return medians, ranges
+
+
+def _numeric_leaves(values: list[Any]) -> bool:
+    return any(isinstance(x, int | float) and not isinstance(x, bool)
+               for v in values for x in v.values())
+
+
+def fmt_range(median: float, lo_hi: list[float] | None, spec: str = ".3f") -> str:
+    """``0.887 [0.852-0.901]``: a median and its range, for the benchmarks' tables."""
+    if not lo_hi or len(lo_hi) != 2 or lo_hi[0] == lo_hi[1]:
+        return format(median, spec)
+    return f"{format(median, spec)} [{format(lo_hi[0], spec)}–{format(lo_hi[1], spec)}]"
+
+
+def overlaps(a: list[float] | None, b: list[float] | None) -> bool | None:
+    """Whether two ranges overlap; None when either is missing."""
+    if not a or not b:
+        return None
+    return a[0] <= b[1] and b[0] <= a[1]

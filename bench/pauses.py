@@ -5,7 +5,13 @@ for a (time-compressed) human approval run on engines with small KV pools, while
 background traffic with fresh prompts churns the pools. The same workload runs under
 always-release (vLLM's default LRU), always-hold, and warmloop's cost model. Figures
 come from the engines' own usage (cached tokens per step), the touch requests' usage
-and the background traffic's own TTFT. The last line of output is one JSON object.
+and the background traffic's own TTFT.
+
+The policies run interleaved, ``--repeat`` times (the order rotated each repeat); each
+figure is reported as the median with its range. The background traffic is sized from
+an engine's measured time for one background request (``--bg-utilization``), so a
+slower or faster machine runs the same regime. The last line of output is one JSON
+object: the medians, and ``ranges`` with the same keys.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import random
+import statistics
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -27,7 +34,15 @@ from rich.table import Table
 from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
 
-from bench.common import bench_settings, bench_stack, pct, reset_caches
+from bench.common import (
+    bench_settings,
+    bench_stack,
+    fmt_range,
+    medians_and_ranges,
+    pct,
+    reset_caches,
+    rotated,
+)
 from bench.synthetic_pauses import SyntheticPauses
 from bench.synthetic_profiles import WORDS
 from warmloop.activities.holds import hold_stats
@@ -183,61 +198,78 @@ async def run_policy(name: str, policy: HoldPolicy, client: Client, http: httpx.
     return out
 
 
+async def bg_request_s(http: httpx.AsyncClient, url: str, words: int, n: int = 5) -> float:
+    """An engine's time for one background request (fresh prompt, 4 tokens): median of
+    ``n``. The background rate is sized from it."""
+    rng = random.Random(3)
+    times = []
+    for _ in range(n):
+        text = f"{uuid.uuid4()} " + " ".join(rng.choice(WORDS) for _ in range(words))
+        t = time.perf_counter()
+        (await http.post(f"{url}/v1/chat/completions", json={
+            "model": "tiny", "max_tokens": 4,
+            "messages": [{"role": "user", "content": text}]})).raise_for_status()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 async def main_async(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     settings = bench_settings(
         "pauses", offset=20, engines=2, kv_cache_bytes=args.kv_cache_bytes,
         synthetic_pauses=SyntheticPauses(median_s=args.pause_median_s, sigma=0.5,
                                          long_share=args.long_share, long_min_s=20,
                                          long_max_s=60, max_s=60))
-    runs: dict[str, PolicyRun] = {}
+    repeats: list[dict[str, Any]] = []
     async with (bench_stack(settings, console, keep=args.keep_stack) as fleet,
                 httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=5.0),
                                   limits=httpx.Limits(max_connections=200)) as http):
-        for name in args.policies:
-            console.print(f"policy {name}: {args.jobs} jobs ...")
-            r = runs[name] = await run_policy(name, POLICIES[name], fleet.client, http,
-                                              fleet.urls, fleet.redis, fleet.engine_ids, args)
-            console.print(f"  post-pause prefill recomputed {r.recomputed:,} of "
-                          f"{r.post_pause_prompt:,} (pre-warms {r.prewarm_tokens:,}); "
-                          f"touch tokens {r.touch_tokens:,} "
-                          f"({r.touches} touches); completion p50 "
-                          f"{pct(r.completion, .5):.1f}s; other TTFT p95 "
-                          f"{pct(r.other_ttft_ms, .95):.0f} ms; {r.states}")
-    return summarize(runs, console)
+        if args.bg_rate is None:
+            one = await bg_request_s(http, fleet.urls[0], args.bg_words)
+            args.bg_rate = args.bg_utilization / one
+            console.print(f"a background request takes {one * 1000:.0f} ms: "
+                          f"{args.bg_rate:.2f} requests/s per engine "
+                          f"(utilization {args.bg_utilization})")
+        for rep in range(args.repeat):
+            runs: dict[str, PolicyRun] = {}
+            for name in rotated(list(args.policies), rep):
+                console.print(f"repeat {rep + 1}/{args.repeat}, policy {name}: "
+                              f"{args.jobs} jobs ...")
+                r = runs[name] = await run_policy(name, POLICIES[name], fleet.client, http,
+                                                  fleet.urls, fleet.redis, fleet.engine_ids,
+                                                  args)
+                console.print(f"  post-pause prefill recomputed {r.recomputed:,} of "
+                              f"{r.post_pause_prompt:,} (pre-warms {r.prewarm_tokens:,}); "
+                              f"touch tokens {r.touch_tokens:,} ({r.touches} touches); "
+                              f"completion p50 {pct(r.completion, .5):.1f}s; other TTFT p95 "
+                              f"{pct(r.other_ttft_ms, .95):.0f} ms; {r.states}")
+            repeats.append(figures(runs))
+    medians, ranges = medians_and_ranges(repeats)
+    report(medians, ranges, len(repeats), console)
+    return {**medians, "ranges": ranges, "repeats": len(repeats),
+            "bg_rate_per_engine": round(args.bg_rate, 3)}
 
 
-def summarize(runs: dict[str, PolicyRun], console: Console) -> dict[str, Any]:
-    table = Table(title="bench-pauses: post-pause steps, engines' own usage")
-    for c in ("policy", "prefill recomputed", "of it pre-warms", "cached on resume",
-              "touch tokens",
-              "job p50 s", "job p95 s", "other TTFT p95 ms", "end states"):
-        table.add_column(c, justify="right")
-    for name, r in runs.items():
-        table.add_row(name, f"{r.recomputed:,}", f"{r.prewarm_tokens:,}",
-                      f"{r.post_pause_cached:,}",
-                      f"{r.touch_tokens:,}", f"{pct(r.completion, .5):.1f}",
-                      f"{pct(r.completion, .95):.1f}", f"{pct(r.other_ttft_ms, .95):.0f}",
-                      ", ".join(f"{k} {v}" for k, v in sorted(r.states.items())))
-    console.print(table)
+def figures(runs: dict[str, PolicyRun]) -> dict[str, Any]:
+    """One repeat's figures (the JSON keys; the medians over repeats are reported)."""
     rel, wl = runs.get("release"), runs.get("warmloop")
-    if rel and wl:
-        saved = rel.recomputed - wl.recomputed
-        console.print(
-            f"targets: warmloop recomputes {1 - wl.recomputed / max(1, rel.recomputed):.0%} "
-            f"fewer post-pause prefill tokens than always-release (target >= 50%); touches "
-            f"cost {wl.touch_tokens / max(1, saved):.1%} of the tokens they saved (target < 5%);"
-            f" other traffic's TTFT p95 {pct(wl.other_ttft_ms, .95) / max(1e-9, pct(rel.other_ttft_ms, .95)):.2f}x "  # noqa: E501
-            "always-release's (target <= 1.2)")
 
     def per(f: Any) -> dict[str, Any]:
         return {k: f(v) for k, v in runs.items()}
 
+    saved = (rel.recomputed - wl.recomputed) if rel and wl else None
     return {
         "release_prefill_tokens": rel.recomputed if rel else None,
         "hold_prefill_tokens": runs["hold"].recomputed if "hold" in runs else None,
         "warmloop_prefill_tokens": wl.recomputed if wl else None,
+        "warmloop_vs_release": round(wl.recomputed / max(1, rel.recomputed), 4)
+        if rel and wl else None,
+        "touch_cost_of_saved": round(wl.touch_tokens / saved, 4)
+        if wl and saved and saved > 0 else None,
+        "prefill_tokens": per(lambda r: r.recomputed),
         "touch_tokens": per(lambda r: r.touch_tokens),
         "touches": per(lambda r: r.touches),
+        "tokens_per_touch": per(lambda r: round(r.touch_tokens / r.touches, 3)
+                                if r.touches else 0.0),
         "prewarm_tokens": per(lambda r: r.prewarm_tokens),
         "post_pause_prompt_tokens": per(lambda r: r.post_pause_prompt),
         "completion_p50_s": per(lambda r: round(pct(r.completion, .5), 2)),
@@ -247,6 +279,39 @@ def summarize(runs: dict[str, PolicyRun], console: Console) -> dict[str, Any]:
         "approvals": per(lambda r: r.approvals),
         "states": per(lambda r: r.states),
     }
+
+
+def report(m: dict[str, Any], rg: dict[str, Any], n: int, console: Console) -> None:
+    """The medians-and-ranges table per policy, and the targets' verdicts."""
+    table = Table(title=f"bench-pauses: medians [ranges] of {n} interleaved repeats, "
+                        "engines' own usage")
+    for c in ("policy", "prefill recomputed", "of it pre-warms", "touch tokens (touches)",
+              "tokens / touch", "job p50 s", "job p95 s", "other TTFT p95 ms", "end states"):
+        table.add_column(c, justify="right")
+    for name in m["prefill_tokens"]:
+        def r(key: str, name: str = name) -> list[float] | None:
+            return (rg.get(key) or {}).get(name)
+        table.add_row(
+            name, fmt_range(m["prefill_tokens"][name], r("prefill_tokens"), ",.0f"),
+            fmt_range(m["prewarm_tokens"][name], r("prewarm_tokens"), ",.0f"),
+            f"{fmt_range(m['touch_tokens'][name], r('touch_tokens'), ',.0f')} "
+            f"({m['touches'][name]:.0f})",
+            fmt_range(m["tokens_per_touch"][name], r("tokens_per_touch"), ".2f"),
+            fmt_range(m["completion_p50_s"][name], r("completion_p50_s"), ".1f"),
+            fmt_range(m["completion_p95_s"][name], r("completion_p95_s"), ".1f"),
+            fmt_range(m["other_ttft_p95_ms"][name], r("other_ttft_p95_ms"), ".0f"),
+            ", ".join(f"{k} {v}" for k, v in sorted((m["states"].get(name) or {}).items())))
+    console.print(table)
+    if m.get("warmloop_vs_release") is not None:
+        ratio = m["warmloop_vs_release"]
+        cost = m.get("touch_cost_of_saved")
+        per_touch = m["tokens_per_touch"].get("warmloop", 0.0)
+        console.print(
+            f"targets (medians): post-pause prefill "
+            f"{fmt_range(ratio, rg.get('warmloop_vs_release'), '.2f')}x always-release's "
+            f"(target <= 0.50); touches cost "
+            + (f"{cost:.1%} of the tokens they saved" if cost is not None else "n/a")
+            + f" (target < 5%) at {per_touch:.2f} tokens a touch (target <= 2)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -262,8 +327,12 @@ def main(argv: list[str] | None = None) -> None:
                    help="share of tool pauses of 20-60 s")
     p.add_argument("--approval-min-s", type=float, default=10.0)
     p.add_argument("--approval-max-s", type=float, default=20.0)
-    p.add_argument("--bg-rate", type=float, default=3.0,
-                   help="background requests per second per engine")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="interleaved repeats; figures are medians with ranges")
+    p.add_argument("--bg-utilization", type=float, default=0.35,
+                   help="background traffic as a share of an engine's measured capacity")
+    p.add_argument("--bg-rate", type=float, default=None,
+                   help="fix the background requests per second per engine instead")
     p.add_argument("--bg-words", type=int, default=500)
     p.add_argument("--kv-cache-bytes", type=int, default=16 * 1024 * 1024)
     p.add_argument("--seed", type=int, default=11)

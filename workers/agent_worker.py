@@ -9,7 +9,7 @@ import socket
 import structlog
 from temporalio.worker import Worker
 
-from warmloop.workers.clients import build_redis, connect
+from warmloop.workers.clients import build_redis, connect, use_io_threads
 from warmloop.workers.logging import configure_logging
 from warmloop.workers.plugins import PluginError
 from warmloop.workers.settings import Settings
@@ -22,6 +22,7 @@ WORKER_KEY = "warmloop:worker:agent:{}"
 
 async def run_agent_worker(settings: Settings) -> None:
     plugin = WarmloopPlugin(settings)
+    use_io_threads()
     client = await connect(settings, metrics_port=settings.agent_metrics_port)
     redis = build_redis(settings)
     worker = Worker(client, task_queue=AGENT_TASK_QUEUE, plugins=[plugin],

@@ -366,10 +366,11 @@ def report(
     profile: str | None = typer.Option(None, "--profile"),
 ) -> None:
     """Per profile: jobs by terminal state, cost per task, cache hit share, tool-call
-    success, TTFT per step and per task, from the jobs' recorded engine usage."""
+    success, TTFT per step and per task, from the jobs' recorded engine usage; then
+    where the steps' time went, stage by stage."""
 
     async def go() -> None:
-        from warmloop.workers.report import report_table
+        from warmloop.workers.report import breakdown_table, report_table
         from warmloop.workflows.agent_job import AgentJob
 
         client = await connect(_settings())
@@ -390,6 +391,9 @@ def report(
             return
         console.print(report_table(results, title=f"warmloop report: jobs closed in the last "
                                                   f"{since}"))
+        steps = [s for r in results for s in r.steps]
+        if any(s.timing is not None for s in steps):
+            console.print(breakdown_table(steps, title="where each step's time went"))
 
     run(go())
 

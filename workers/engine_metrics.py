@@ -15,7 +15,10 @@ from warmloop.activities.routing import ROUND_ROBIN_KEY
 
 COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
             "vllm:prompt_tokens_total", "vllm:request_prefill_kv_computed_tokens_sum",
-            "vllm:generation_tokens_total")
+            "vllm:generation_tokens_total",
+            # where the engine's own time went, per request: its queue and its prefill
+            "vllm:request_queue_time_seconds_sum", "vllm:request_queue_time_seconds_count",
+            "vllm:request_prefill_time_seconds_sum")
 
 
 class CacheResetError(RuntimeError):

@@ -29,7 +29,7 @@ from warmloop.activities.registry import (
 )
 from warmloop.activities.trace_prompts import TracePromptStore
 from warmloop.activities.transcripts import TranscriptStore
-from warmloop.workers.clients import build_redis, build_s3, connect
+from warmloop.workers.clients import build_redis, build_s3, connect, use_io_threads
 from warmloop.workers.logging import configure_logging
 from warmloop.workers.plugins import PluginError, load_plugins
 from warmloop.workers.settings import KV_EVENTS_TOPIC, EngineEndpoint, Settings
@@ -162,6 +162,7 @@ def _ttl_cache(engine: EngineEndpoint) -> TtlCacheEndpoint | None:
 
 async def run_inference_worker(settings: Settings, engine_id: str) -> None:
     engine = settings.engine(engine_id)
+    use_io_threads()
     structlog.contextvars.bind_contextvars(engine=engine.id)
     client = await connect(settings, metrics_port=settings.inference_metrics_port(engine.id))
     redis = build_redis(settings)

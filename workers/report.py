@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from rich.table import Table
 
-from warmloop.workflows.contracts import JobResult, JobState
+from warmloop.workflows.contracts import STEP_STAGES, JobResult, JobState, StepRecord
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -147,4 +147,42 @@ def report_table(results: list[JobResult], *, title: str) -> Table:
     ]
     for name, values in rows:
         table.add_row(name, *values)
+    return table
+
+
+STAGE_LABELS = {
+    "routing_ms": "routing (route activity round trip)",
+    "schedule_to_start_ms": "Temporal schedule-to-start",
+    "worker_pickup_ms": "worker pickup (SDK, event loop)",
+    "prompt_ms": "hold resume, transcript, prompt",
+    "admission_ms": "batch admission wait",
+    "ttft_ms": "engine queue + prefill (TTFT)",
+    "decode_ms": "decode",
+    "after_ms": "after the last token (S3, directory, holds)",
+    "return_ms": "result back to the workflow",
+}
+
+
+def step_breakdown(steps: list[StepRecord]) -> dict[str, dict[str, float]]:
+    """p50 / p95 / mean (ms) of each stage of the step path, over the steps that were
+    timed, plus ``overhead_ms``: everything but the engine's queue, prefill and decode."""
+    timed = [s.timing for s in steps if s.timing is not None]
+    out: dict[str, dict[str, float]] = {}
+    for stage in (*STEP_STAGES, "overhead_ms"):
+        values = [float(getattr(t, stage)) for t in timed]
+        out[stage] = {"p50": percentile(values, 50), "p95": percentile(values, 95),
+                      "mean": sum(values) / len(values) if values else math.nan}
+    return out
+
+
+def breakdown_table(steps: list[StepRecord], *, title: str) -> Table:
+    """Where the steps' time went, stage by stage (`warmloop report`, the benchmarks)."""
+    figures = step_breakdown(steps)
+    table = Table(title=f"{title} ({sum(s.timing is not None for s in steps)} timed steps)")
+    for c, justify in (("stage", "left"), ("p50 ms", "right"), ("p95 ms", "right"),
+                       ("mean ms", "right")):
+        table.add_column(c, justify=justify)  # type: ignore[arg-type]
+    for stage, f in figures.items():
+        label = STAGE_LABELS.get(stage, "overhead: all but queue, prefill, decode")
+        table.add_row(label, f"{f['p50']:.1f}", f"{f['p95']:.1f}", f"{f['mean']:.1f}")
     return table

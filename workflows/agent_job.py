@@ -50,6 +50,7 @@ from warmloop.workflows.contracts import (
     ReplayStep,
     RouteRequest,
     StepRecord,
+    StepTiming,
     StoreTranscriptRequest,
     ToolCall,
     ToolRequest,
@@ -345,9 +346,11 @@ class AgentJob:
         if replay is not None:  # the recorded output length; holds follow the recorded call
             request = request.model_copy(update={"max_tokens": replay.output_tokens,
                                                  "pause_kind": replay.pause_kind})
+        step_start = workflow.now().timestamp()
         gen, route_reason, failovers, routed = await self._generate(
             request, job, pickup_timeout=timedelta(seconds=job.step_pickup_timeout_s)
         )
+        timing = _step_timing(gen, step_start, workflow.now().timestamp())
         self._stored_len = len(self._transcript)
         cost = gen.cost_usd
         if cost is None and not workflow.patched(PATCH_ENGINE_PRICES):
@@ -371,7 +374,7 @@ class AgentJob:
             ttft_ms=gen.ttft_ms, latency_ms=gen.latency_ms, cost_usd=cost,
             retries=gen.attempt - 1 + failovers, dispatch_ms=gen.dispatch_ms,
             predicted_cached_tokens=routed.expected_cached_tokens if routed else None,
-            route_ms=routed.took_ms if routed else 0.0,
+            route_ms=routed.took_ms if routed else 0.0, timing=timing,
         )
         self._record_metrics(record)
         return gen, record
@@ -784,3 +787,17 @@ class AgentJob:
             final=final, steps=self._steps, transcript=self._transcript, transcript_key=key,
             usage=self._usage, approvals=self._approvals, runs=self._runs,
         )
+
+
+def _step_timing(gen: GenerateResult, step_start: float, back: float) -> StepTiming | None:
+    """The worker's stages of the step plus the two only the workflow sees: routing (its
+    start to generate scheduled) and the result's return. Timestamps, not commands: a
+    replay recomputes the same figures from the same history."""
+    if gen.timing is None:
+        return None
+    update: dict[str, float] = {}
+    if gen.scheduled_at is not None:
+        update["routing_ms"] = max(0.0, (gen.scheduled_at - step_start) * 1000)
+    if gen.returned_at is not None:
+        update["return_ms"] = max(0.0, (back - gen.returned_at) * 1000)
+    return gen.timing.model_copy(update=update)

@@ -234,6 +234,47 @@ class GenerateRequest(BaseModel):
     "": nothing), decided by the recorded call, not the generated one. None: a live step."""
 
 
+class StepTiming(BaseModel):
+    """Where one step's wall time went, stage by stage along its critical path (ms).
+
+    Exists because everything here but the engine's TTFT and decode is warmloop's own
+    cost, which a client calling the engine directly does not pay: each stage is
+    measured where it happens, so a slower step path shows which stage grew. Stages
+    timed on different hosts (``schedule_to_start_ms``, ``return_ms``) compare their
+    clocks and are clamped at 0; skewed clocks blur them."""
+
+    routing_ms: float = 0.0
+    """The workflow starting the step -> generate scheduled: the route activity's round
+    trip through Temporal and the workflow task that schedules generate."""
+    schedule_to_start_ms: float = 0.0
+    """generate scheduled -> Temporal handing it to the inference worker (matching)."""
+    worker_pickup_ms: float = 0.0
+    """Handed to the worker -> the activity's code running (SDK, the worker's event loop)."""
+    prompt_ms: float = 0.0
+    """The hold resumed, the transcript read and the prompt assembled."""
+    admission_ms: float = 0.0
+    """Waiting for a batch slot (batch lane only)."""
+    ttft_ms: float = 0.0
+    """The request leaving -> the engine's first token: its queue and prefill."""
+    decode_ms: float = 0.0
+    """First token -> last."""
+    after_ms: float = 0.0
+    """Last token -> the activity returning: the step's messages stored, the prefix
+    directory, registry and hold written."""
+    return_ms: float = 0.0
+    """The activity returning -> the workflow running again with its result."""
+
+    @property
+    def overhead_ms(self) -> float:
+        """Everything but the engine's own queue, prefill and decode."""
+        return (self.routing_ms + self.schedule_to_start_ms + self.worker_pickup_ms
+                + self.prompt_ms + self.admission_ms + self.after_ms + self.return_ms)
+
+
+STEP_STAGES = tuple(StepTiming.model_fields)
+"""The stages in path order (for reports)."""
+
+
 class GenerateResult(BaseModel):
     """What the engine returned for one step, with its own usage figures."""
 
@@ -262,6 +303,12 @@ class GenerateResult(BaseModel):
     prompt_hash: str | None = None
     """sha256 of the messages and tools the engine was sent
     (``warmloop.workflows.prompt.prompt_hash``): equal prompts, equal hashes."""
+    timing: StepTiming | None = None
+    """The stages the worker timed; the workflow adds routing and return."""
+    scheduled_at: float | None = None
+    """When Temporal scheduled this attempt (epoch s)."""
+    returned_at: float | None = None
+    """When the activity returned (epoch s)."""
 
 
 class ToolRequest(BaseModel):
@@ -309,6 +356,8 @@ class StepRecord(BaseModel):
     """Time the routing activity took to decide."""
     prompt_hash: str | None = None
     """The step's GenerateResult.prompt_hash (recorded for replayed steps)."""
+    timing: StepTiming | None = None
+    """Where the step's time went; None for steps recorded before it was measured."""
 
 
 class StoreTranscriptRequest(BaseModel):

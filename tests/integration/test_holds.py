@@ -76,7 +76,7 @@ async def test_a_held_prefix_is_touched_while_the_job_waits_and_released_on_resu
     # the first touch comes one churn interval after the step (at most 30 s)
     grew = await eventually(touched, attempts=900)
     # a touch finds the prefix cached and computes its one extra token and one output
-    assert grew["touch_computed_tokens"] <= 2 * grew["touches"] + 128
+    assert grew["touch_computed_tokens"] <= 2 * grew["touches"], grew
     raw = await redis.hget(HOLDS_KEY.format(engine), job_id)
     assert raw is not None, "the hold ended while the job was still waiting"
     hold = json.loads(raw)

@@ -1,0 +1,111 @@
+"""Guards for the properties the headline figures rest on, on the real stack: each
+fails when the property breaks, so a regression shows in `make test`, not first in a
+benchmark run (bench-routing's hit rate, bench-pauses' touch cost).
+
+- a sticky step after a short pause finds its whole previous prompt cached;
+- a new job of a warm profile lands where the profile's prefix is;
+- a step moves engines only for a named reason;
+- every step carries its time breakdown, and the stages add up to the step.
+(A touch computing at most a couple of tokens is guarded in test_holds.py.)"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+from temporalio.client import Client
+
+from warmloop.activities.registry import EngineRegistry
+from warmloop.workers.clients import build_redis
+from warmloop.workers.engine_metrics import reset_caches
+from warmloop.workers.settings import Settings
+from warmloop.workflows.agent_job import AgentJob
+from warmloop.workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult, JobState
+
+pytestmark = pytest.mark.integration
+
+TEXT = "a synthetic case for the step path guards, long enough to fill a block or two"
+
+
+@pytest.fixture
+async def redis(settings: Settings) -> AsyncIterator[aioredis.Redis]:
+    r = build_redis(settings)
+    try:
+        yield r
+    finally:
+        await r.aclose()
+
+
+async def _block_size(redis: aioredis.Redis, settings: Settings) -> int:
+    return max(e.block_size for e in await EngineRegistry(
+        redis, ttl_s=settings.engine_ttl_s).live())
+
+
+async def _job(client: Client, profile: str, n: int, *, steps: int) -> JobResult:
+    return await client.execute_workflow(
+        AgentJob.run,
+        JobInput(profile=profile, task={"case_id": f"G{n:04d}", "text": TEXT},
+                 max_steps=steps, tools=["lookup"], hold_policy="never"),
+        id=f"guard-{profile}-{uuid.uuid4().hex[:6]}", task_queue=AGENT_TASK_QUEUE)
+
+
+async def test_a_sticky_step_after_a_short_pause_finds_its_whole_previous_prompt_cached(
+    client: Client, settings: Settings, redis: aioredis.Redis,
+) -> None:
+    block = await _block_size(redis, settings)
+    res = await _job(client, "synthetic-support", 1, steps=5)
+    assert res.state in (JobState.LOOP_CAP, JobState.INVALID_OUTPUT), res.reason
+    sticky = 0
+    for prev, step in zip(res.steps, res.steps[1:], strict=False):
+        if step.engine_id != prev.engine_id:
+            # moving is allowed only for a named reason: a warmer or a less loaded engine
+            assert step.route_reason in ("prefix", "least_loaded"), step
+            continue
+        assert step.route_reason == "sticky", step
+        sticky += 1
+        # The previous prompt's full blocks, less the one its volatile tail (the budget
+        # line, rewritten each step) may have reached, must all come from the cache:
+        # the lookup's pause (well under a second) gives the idle engine no reason to
+        # evict them.
+        keepable = max(0, (prev.prompt_tokens // block - 1) * block)
+        assert step.cached_tokens >= keepable, (prev, step)
+    assert sticky >= 2, res.steps
+
+
+async def test_a_new_job_of_a_warm_profile_lands_where_its_prefix_is(
+    client: Client, settings: Settings, redis: aioredis.Redis,
+) -> None:
+    urls = [e.url.rstrip("/") for e in settings.engine_endpoints]
+    ids = [e.id for e in settings.engine_endpoints]
+    async with httpx.AsyncClient(timeout=30.0) as http:
+        await reset_caches(http, urls, redis, ids)
+    first = await _job(client, "synthetic-legal", 2, steps=2)
+    warm = first.steps[-1].engine_id
+    second = await _job(client, "synthetic-legal", 3, steps=2)
+    step = second.steps[0]
+    # the only engine holding the profile's system prompt and tools is `warm`
+    assert step.engine_id == warm, (warm, step)
+    assert step.route_reason == "prefix", step
+    assert step.predicted_cached_tokens and step.predicted_cached_tokens >= 1024, step
+    assert step.cached_tokens >= 1024, step
+
+
+async def test_every_step_carries_its_time_breakdown(client: Client) -> None:
+    res = await _job(client, "synthetic-billing", 4, steps=3)
+    for s in res.steps:
+        t = s.timing
+        assert t is not None, s
+        assert t.ttft_ms == pytest.approx(s.ttft_ms)
+        # the worker's stages from pickup to the last token fit inside the step's
+        # latency plus what preceded the request; the workflow-side ones were measured
+        assert t.ttft_ms + t.decode_ms == pytest.approx(s.latency_ms, rel=0.01, abs=1.0)
+        assert t.routing_ms > 0 and t.return_ms >= 0, t
+        assert t.prompt_ms > 0, t
+        assert t.overhead_ms < 60_000, t
+        # what the engine saw as dispatch (scheduled -> request sent) is the sum of the
+        # stages before the request, to within clock rounding
+        before = t.schedule_to_start_ms + t.worker_pickup_ms + t.prompt_ms + t.admission_ms
+        assert before == pytest.approx(s.dispatch_ms, abs=2.0), (t, s.dispatch_ms)
