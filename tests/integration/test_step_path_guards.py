@@ -47,7 +47,7 @@ async def _block_size(redis: aioredis.Redis, settings: Settings) -> int:
 async def _job(client: Client, profile: str, n: int, *, steps: int) -> JobResult:
     return await client.execute_workflow(
         AgentJob.run,
-        JobInput(profile=profile, task={"case_id": f"G{n:04d}", "text": TEXT},
+        JobInput(profile=profile, task={"case_id": f"S9{n:03d}", "text": TEXT},
                  max_steps=steps, tools=["lookup"], hold_policy="never"),
         id=f"guard-{profile}-{uuid.uuid4().hex[:6]}", task_queue=AGENT_TASK_QUEUE)
 
@@ -57,7 +57,8 @@ async def test_a_sticky_step_after_a_short_pause_finds_its_whole_previous_prompt
 ) -> None:
     block = await _block_size(redis, settings)
     res = await _job(client, "synthetic-support", 1, steps=5)
-    assert res.state in (JobState.LOOP_CAP, JobState.INVALID_OUTPUT), res.reason
+    assert res.state in (JobState.LOOP_CAP, JobState.INVALID_OUTPUT, JobState.FINISHED), \
+        res.reason
     sticky = 0
     for prev, step in zip(res.steps, res.steps[1:], strict=False):
         if step.engine_id != prev.engine_id:
