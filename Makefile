@@ -35,7 +35,8 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-## Routing benchmark: warmloop vs round-robin, least-loaded and sglang-router (own stack).
+## Routing benchmark: warmloop vs round-robin, least-loaded and sglang-router; medians
+## and ranges of 3 interleaved repeats (own stack; ~25 min here).
 bench-routing: install $(VENV)/.bench-installed
 	$(BIN)/python -m bench.routing
 
@@ -47,7 +48,8 @@ bench-burst: install
 bench-contention: install
 	$(BIN)/python -m bench.contention
 
-## Hold or release: always-release vs always-hold vs the cost model under churn (own stack).
+## Hold or release: always-release vs always-hold vs the cost model under churn; medians
+## and ranges of 3 interleaved repeats (own stack; ~35 min here).
 bench-pauses: install
 	$(BIN)/python -m bench.pauses
 

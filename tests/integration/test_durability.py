@@ -105,6 +105,9 @@ def test_report_and_metrics_show_real_usage(stack: Stack, settings: Settings) ->
     assert out.returncode == 0, out.stderr
     assert "cost per task p50 / p95" in out.stdout and "prompt tokens from cache" in out.stdout
     assert "ticket-triage" in out.stdout
+    # where the steps' time went, stage by stage, from the steps' own timings
+    assert "where each step's time went" in out.stdout, out.stdout
+    assert "Temporal schedule-to-start" in out.stdout and "decode" in out.stdout
     body = urllib.request.urlopen(
         f"http://127.0.0.1:{settings.agent_metrics_port}/metrics", timeout=5).read().decode()
     samples = {line.split("{")[0]: line for line in body.splitlines()
