@@ -691,7 +691,9 @@ class AgentJob:
                                       or approval_id in self._decisions
                                       or approval_id not in self._pending)
         if approval_id in self._viewed and approval_id not in self._decisions:
-            await self._prewarm(f"approval {approval_id} viewed")
+            pending = self._pending.get(approval_id)
+            await self._prewarm(f"approval {approval_id} viewed",
+                                hold_for=f"approval:{pending.kind}" if pending else None)
 
     async def _after_human(self, rule: ApprovalRule, asked_at: datetime) -> None:
         """The decision is in: record how long the human took, and warm the prefix again
@@ -711,19 +713,25 @@ class AgentJob:
         except ActivityError:
             workflow.logger.warning("could not record the pause of %s", kind)
 
-    async def _prewarm(self, why: str) -> None:
+    async def _prewarm(self, why: str, *, hold_for: str | None = None) -> None:
         """Re-prefill the job's prompt on the engine its next step will be routed to.
 
-        Best effort: a failed prewarm only means the next step prefills itself."""
+        ``hold_for`` (an approval just viewed): the engine also holds the prompt until
+        the decision (always_hold, unless the job never holds): someone reading the
+        approval decides within minutes, and without the hold the churn of those minutes
+        would make the decision's prewarm compute the prompt a second time. Best effort:
+        a failed prewarm only means the next step prefills itself."""
         job, task = self._job, self._task
         if job is None or task is None or job.engine_id is not None:
             return
+        hold = hold_for is not None and job.hold_policy != "never"
         request = GenerateRequest(
             job_id=self._job_id, step=self._usage.steps, profile=self._profile_name,
             task=task.model_dump(mode="json"), base_len=self._stored_len,
             new_messages=self._transcript[self._stored_len:], tail="", max_tokens=1,
             tools=job.tools, priority=VLLM_PRIORITY[job.lane], lane=job.lane,
-            hold_policy="never",
+            hold_policy="always_hold" if hold else "never",
+            pause_kind=hold_for if hold else None,
         )
         routed = await self._route(request, job, [])
         if routed is None:
