@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -32,14 +31,6 @@ from warmloop.workflows.contracts import (
 
 pytestmark = pytest.mark.integration
 
-
-@pytest.fixture
-async def redis(settings: Settings) -> AsyncIterator[aioredis.Redis]:
-    r = aioredis.Redis.from_url(settings.redis_url)
-    try:
-        yield r
-    finally:
-        await r.aclose()
 
 
 def case(n: int) -> dict[str, str]:

@@ -9,7 +9,7 @@ import dataclasses
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from datetime import datetime
 
 import httpx
@@ -32,7 +32,7 @@ from warmloop.activities.inference import InferenceActivities
 from warmloop.activities.registry import EngineRegistry
 from warmloop.activities.transcripts import TranscriptStore
 from warmloop.infra.stack import Stack
-from warmloop.workers.clients import build_redis, build_s3
+from warmloop.workers.clients import build_s3
 from warmloop.workers.demo import bundled_tickets
 from warmloop.workers.inference_worker import probe_engine
 from warmloop.workers.settings import Settings
@@ -61,14 +61,6 @@ NO_FINISH = ["search_kb", "lookup_customer"]
 # ... and no per-tool cap ends it before its step cap either.
 UNCAPPED = {t.name: 10_000 for t in TRIAGE.tools}
 
-
-@pytest.fixture
-async def redis(settings: Settings) -> AsyncIterator[aioredis.Redis]:
-    r = build_redis(settings)
-    try:
-        yield r
-    finally:
-        await r.aclose()
 
 
 async def _live_engines(redis: aioredis.Redis, settings: Settings) -> set[str]:

@@ -11,7 +11,6 @@ benchmark run (bench-routing's hit rate, bench-pauses' touch cost).
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -19,7 +18,6 @@ import redis.asyncio as aioredis
 from temporalio.client import Client
 
 from warmloop.activities.registry import EngineRegistry
-from warmloop.workers.clients import build_redis
 from warmloop.workers.engine_metrics import reset_caches
 from warmloop.workers.settings import Settings
 from warmloop.workflows.agent_job import AgentJob
@@ -29,14 +27,6 @@ pytestmark = pytest.mark.integration
 
 TEXT = "a synthetic case for the step path guards, long enough to fill a block or two"
 
-
-@pytest.fixture
-async def redis(settings: Settings) -> AsyncIterator[aioredis.Redis]:
-    r = build_redis(settings)
-    try:
-        yield r
-    finally:
-        await r.aclose()
 
 
 async def _block_size(redis: aioredis.Redis, settings: Settings) -> int:
