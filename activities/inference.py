@@ -78,8 +78,6 @@ class InferenceActivities:
         self._profile_stable: dict[str, int] = {}
         self._tail_overhead: int | None = None
         self._tail_lengths: dict[str, int] = {}
-        self._last_token_at: dict[tuple[str, int], float] = {}
-        """(job, step) -> when its last token came: the start of the step's after_ms."""
 
     async def _body(self, req: GenerateRequest
                     ) -> tuple[dict[str, Any], Profile, asyncio.Future[Any]]:
@@ -120,8 +118,8 @@ class InferenceActivities:
             slot = time.perf_counter()
             async with self._batch_slot(req), _heartbeating():
                 admission_ms = (time.perf_counter() - slot) * 1000
-                result = await self._generate(req, entered=entered,
-                                              admission_ms=admission_ms)
+                result, last_token = await self._generate(req, entered=entered,
+                                                          admission_ms=admission_ms)
             if self._admission is not None and req.lane == Lane.INTERACTIVE:
                 await self._admission.observe_interactive(result.ttft_ms)
             elif self._admission is not None:
@@ -132,9 +130,8 @@ class InferenceActivities:
                 await self._registry.step_done(self._engine_id,
                                                step_key(req.job_id, req.step, req.profile))
             structlog.contextvars.unbind_contextvars("job_id", "step", "engine")
-            last_token = self._last_token_at.pop((req.job_id, req.step), None)
         result.returned_at = time.time()
-        if result.timing is not None and last_token is not None:
+        if result.timing is not None:
             result.timing.after_ms = max(0.0, (result.returned_at - last_token) * 1000)
         return result
 
@@ -160,10 +157,10 @@ class InferenceActivities:
             await self._holds.record_prewarm(result.prompt_tokens, result.cached_tokens)
         return result
 
-    async def _generate(self, req: GenerateRequest, *, entered: float | None = None,
-                        admission_ms: float = 0.0) -> GenerateResult:
+    async def _generate(self, req: GenerateRequest, *, entered: float,
+                        admission_ms: float) -> tuple[GenerateResult, float]:
+        """The step, and when its last token came (the start of its ``after_ms``)."""
         picked_up = time.time()
-        entered = picked_up if entered is None else entered
         body, profile, stored = await self._body(req)
         tail_tokens = (asyncio.ensure_future(self._tail_tokens(req.tail))
                        if self._dir is not None else None)
@@ -214,7 +211,7 @@ class InferenceActivities:
                         slot["arguments"].append(fn.get("arguments") or "")
                     finish_reason = choice.get("finish_reason") or finish_reason
         done = time.perf_counter()
-        self._last_token_at[(req.job_id, req.step)] = time.time()
+        last_token = time.time()
         details = usage.get("prompt_tokens_details") or {}
         prompt_tokens = int(usage.get("prompt_tokens", 0))
         cached_tokens = int(details.get("cached_tokens") or 0)
@@ -263,7 +260,7 @@ class InferenceActivities:
                 tail_tokens.cancel()
             await stored
         # (stored: the step's new messages are in S3 before the step counts as done)
-        return result
+        return result, last_token
 
     async def _record_and_hold(self, req: GenerateRequest, profile: Profile,
                                body: dict[str, Any], prompt_ids: list[int],

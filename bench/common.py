@@ -183,6 +183,12 @@ def fmt_range(median: float, lo_hi: list[float] | None, spec: str = ".3f") -> st
     return f"{format(median, spec)} [{format(lo_hi[0], spec)}–{format(lo_hi[1], spec)}]"
 
 
+def policy_cell(medians: dict[str, Any], ranges: dict[str, Any], key: str, policy: str,
+                spec: str = ".3f") -> str:
+    """One policy's figure ``key`` as ``median [range]`` (per-policy JSON objects)."""
+    return fmt_range(medians[key][policy], (ranges.get(key) or {}).get(policy), spec)
+
+
 def overlaps(a: list[float] | None, b: list[float] | None) -> bool | None:
     """Whether two ranges overlap; None when either is missing."""
     if not a or not b:

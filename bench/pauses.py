@@ -40,6 +40,7 @@ from bench.common import (
     fmt_range,
     medians_and_ranges,
     pct,
+    policy_cell,
     reset_caches,
     rotated,
 )
@@ -283,23 +284,20 @@ def figures(runs: dict[str, PolicyRun]) -> dict[str, Any]:
 
 def report(m: dict[str, Any], rg: dict[str, Any], n: int, console: Console) -> None:
     """The medians-and-ranges table per policy, and the targets' verdicts."""
-    table = Table(title=f"bench-pauses: medians [ranges] of {n} interleaved repeats, "
+    table = Table(title=f"bench-pauses: medians \\[ranges] of {n} interleaved repeats, "
                         "engines' own usage")
     for c in ("policy", "prefill recomputed", "of it pre-warms", "touch tokens (touches)",
               "tokens / touch", "job p50 s", "job p95 s", "other TTFT p95 ms", "end states"):
         table.add_column(c, justify="right")
     for name in m["prefill_tokens"]:
-        def r(key: str, name: str = name) -> list[float] | None:
-            return (rg.get(key) or {}).get(name)
         table.add_row(
-            name, fmt_range(m["prefill_tokens"][name], r("prefill_tokens"), ",.0f"),
-            fmt_range(m["prewarm_tokens"][name], r("prewarm_tokens"), ",.0f"),
-            f"{fmt_range(m['touch_tokens'][name], r('touch_tokens'), ',.0f')} "
-            f"({m['touches'][name]:.0f})",
-            fmt_range(m["tokens_per_touch"][name], r("tokens_per_touch"), ".2f"),
-            fmt_range(m["completion_p50_s"][name], r("completion_p50_s"), ".1f"),
-            fmt_range(m["completion_p95_s"][name], r("completion_p95_s"), ".1f"),
-            fmt_range(m["other_ttft_p95_ms"][name], r("other_ttft_p95_ms"), ".0f"),
+            name, policy_cell(m, rg, "prefill_tokens", name, ",.0f"),
+            policy_cell(m, rg, "prewarm_tokens", name, ",.0f"),
+            f"{policy_cell(m, rg, 'touch_tokens', name, ',.0f')} ({m['touches'][name]:.0f})",
+            policy_cell(m, rg, "tokens_per_touch", name, ".2f"),
+            policy_cell(m, rg, "completion_p50_s", name, ".1f"),
+            policy_cell(m, rg, "completion_p95_s", name, ".1f"),
+            policy_cell(m, rg, "other_ttft_p95_ms", name, ".0f"),
             ", ".join(f"{k} {v}" for k, v in sorted((m["states"].get(name) or {}).items())))
     console.print(table)
     if m.get("warmloop_vs_release") is not None:

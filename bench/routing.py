@@ -51,6 +51,7 @@ from bench.common import (
     medians_and_ranges,
     overlaps,
     pct,
+    policy_cell,
     reset_caches,
     rotated,
 )
@@ -116,6 +117,14 @@ def scripted(spec: JobSpec, output_tokens: int = 12) -> ReplayScript:
     return ReplayScript(steps=steps)
 
 
+def job_input(spec: JobSpec, *, live: bool, **options: Any) -> JobInput:
+    """The spec's job: scripted unless ``live``, and never holding (holds' touches would
+    show in the engines' counters, and this bench measures routing alone)."""
+    return JobInput(profile=spec.profile, task=spec.task, max_steps=spec.steps,
+                    tools=["lookup"], hold_policy="never",
+                    replay=None if live else scripted(spec), **options)
+
+
 def workload(seed: int, n_jobs: int, mean_gap_s: float) -> list[JobSpec]:
     """Interleaved jobs over the synthetic profiles; the first profile is hot (half of
     the jobs), the rest share the other half."""
@@ -171,14 +180,9 @@ async def run_policy(client: Client, policy: str, specs: list[JobSpec], run_tag:
 
     async def one(spec: JobSpec) -> tuple[JobResult, float]:
         await asyncio.sleep(max(0.0, spec.arrival_s - (time.monotonic() - t0)))
-        job = JobInput(
-            profile=spec.profile, task=spec.task, max_steps=spec.steps, tools=["lookup"],
-            routing="cache_aware" if policy in ("warmloop", "peer") else policy,
-            engine_id=PEER_ENGINE if policy == "peer" else None,
-            # routing alone: no holds (their touches would show in the engines' counters)
-            hold_policy="never",
-            replay=None if live else scripted(spec),
-        )
+        job = job_input(spec, live=live,
+                        routing="cache_aware" if policy in ("warmloop", "peer") else policy,
+                        engine_id=PEER_ENGINE if policy == "peer" else None)
         started = time.monotonic()
         res = await client.execute_workflow(
             AgentJob.run, job, id=f"bench-{run_tag}-{policy}-{spec.index:03d}",
@@ -257,9 +261,8 @@ async def calibrate_step_s(client: Client, spec: JobSpec, tag: str) -> float:
     engine's prefill and decode): the mean over one scripted job run alone. The offered
     load is sized from it, so a slower or faster machine runs the same regime."""
     res = await client.execute_workflow(
-        AgentJob.run, JobInput(profile=spec.profile, task=spec.task, max_steps=spec.steps,
-                               tools=["lookup"], hold_policy="never", replay=scripted(spec)),
-        id=f"bench-{tag}-calibrate", task_queue=AGENT_TASK_QUEUE)
+        AgentJob.run, job_input(spec, live=False), id=f"bench-{tag}-calibrate",
+        task_queue=AGENT_TASK_QUEUE)
     walls = [s.timing.overhead_ms + s.timing.ttft_ms + s.timing.decode_ms
              for s in res.steps if s.timing is not None]
     if not walls:
@@ -348,10 +351,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
                 quiet = []
                 for spec in specs[:3]:
                     quiet.append(await client.execute_workflow(
-                        AgentJob.run, JobInput(profile=spec.profile, task=spec.task,
-                                               max_steps=spec.steps, tools=["lookup"],
-                                               hold_policy="never",
-                                               replay=None if args.live else scripted(spec)),
+                        AgentJob.run, job_input(spec, live=args.live),
                         id=f"bench-{tag}-quiet-{spec.index:03d}",
                         task_queue=AGENT_TASK_QUEUE))
                 direct = await direct_dispatch_ms(http, urls[0])
@@ -428,7 +428,7 @@ def figures(runs: dict[str, PolicyRun], direct: list[float],
 
 def report(m: dict[str, Any], rg: dict[str, Any], n: int, console: Console) -> None:
     """The medians-and-ranges table per policy, and the targets' verdicts."""
-    table = Table(title=f"bench-routing: medians [ranges] of {n} interleaved repeats, "
+    table = Table(title=f"bench-routing: medians \\[ranges] of {n} interleaved repeats, "
                         "engines' own counters")
     table.add_column("policy")
     for c in ("hit rate", "vs oracle", "prefill tokens", "vs round-robin", "job p50 s",
@@ -437,16 +437,14 @@ def report(m: dict[str, Any], rg: dict[str, Any], n: int, console: Console) -> N
     oracle = m.get("oracle_hit_rate")
     rr = m["prefill_tokens"].get("round_robin")
     for name, hit in m["hit_rate"].items():
-        def r(key: str, name: str = name) -> list[float] | None:
-            return (rg.get(key) or {}).get(name)
         table.add_row(
-            name, fmt_range(hit, r("hit_rate")),
+            name, policy_cell(m, rg, "hit_rate", name),
             f"{hit / oracle:.3f}x" if oracle else "-",
-            fmt_range(m["prefill_tokens"][name], r("prefill_tokens"), ",.0f"),
+            policy_cell(m, rg, "prefill_tokens", name, ",.0f"),
             f"{m['prefill_tokens'][name] / rr:.2f}x" if rr else "-",
-            fmt_range(m["job_p50_s"][name], r("job_p50_s"), ".1f"),
-            fmt_range(m["job_p95_s"][name], r("job_p95_s"), ".1f"),
-            fmt_range(m["makespan_s"][name], r("makespan_s"), ".1f"),
+            policy_cell(m, rg, "job_p50_s", name, ".1f"),
+            policy_cell(m, rg, "job_p95_s", name, ".1f"),
+            policy_cell(m, rg, "makespan_s", name, ".1f"),
             f"{m['engine_queue_ms'][name]:.0f} / {m['engine_prefill_ms'][name]:.0f}")
     console.print(table)
     if oracle is not None:
