@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint down status clean bench-routing bench-burst bench-pauses bench-contention replay-demo
+.PHONY: install demo test test-fast lint down status clean bench-routing bench-burst bench-pauses bench-contention bench-faults replay-demo
 
 install: $(INSTALLED)
 
@@ -52,6 +52,12 @@ bench-contention: install
 ## and ranges of 3 interleaved repeats (own stack; ~35 min here).
 bench-pauses: install
 	$(BIN)/python -m bench.pauses
+
+## Faults, one at a time, under a 60-job ticket+invoice batch (workers, engines, Redis, S3,
+## Temporal killed or stalled; cancels): named end states, effects applied twice,
+## transcripts lost, dead workers, recovery time (own stack; ~30 min here).
+bench-faults: install
+	$(BIN)/python -m bench.faults
 
 ## warmloop replay on a 40-job trace, twice: warmloop routing vs round-robin (own stack).
 replay-demo: install

@@ -168,35 +168,65 @@ class KvEventApplier:
     (``block_hashes``) so that the router can hash a prompt without the engine. A
     ``BlockStored`` event carries the token ids and the parent, which is enough to map
     one onto the other; the map lives here, bounded by what the engine holds.
+
+    The map is also the engine's block set as far as the events tell: when Redis
+    missed some updates (it was away), ``publish`` rewrites the engine's entry from it
+    rather than leaving the directory wrong (a missed removal would otherwise stay
+    there for good: the engine never removes that block again).
     """
 
     def __init__(self, directory: PrefixDirectory, engine_id: str) -> None:
         self._dir = directory
         self._engine = engine_id
         self._ours: dict[Any, str] = {}
+        self._stored: list[str] = []
+        self._removed: list[str] = []
+        self._cleared = False
+        self.behind = False
+        """Updates were lost or skipped: the next ``publish`` rewrites the entry whole."""
         self.stored = 0
         self.removed = 0
 
     async def apply(self, events: list[Any], now: float | None = None) -> None:
-        now = time.time() if now is None else now
-        stored: list[str] = []
-        removed: list[str] = []
+        """Follow ``events`` and write them to the directory."""
+        self.follow(events)
+        await self.publish(now)
+
+    def follow(self, events: list[Any]) -> None:
+        """Take ``events`` into the map (no I/O); ``publish`` writes them."""
         for ev in events:
             kind, body = _event_kind(ev)
             if kind == "BlockStored":
-                stored.extend(self._on_stored(body))
+                self._stored.extend(self._on_stored(body))
             elif kind == "BlockRemoved":
                 for vh in body.get("block_hashes") or []:
                     ours = self._ours.pop(_key(vh), None)
                     if ours is not None:
-                        removed.append(ours)
+                        self._removed.append(ours)
             elif kind == "AllBlocksCleared":
                 self._ours.clear()
-                stored, removed = [], []
+                self._stored, self._removed, self._cleared = [], [], True
+
+    async def publish(self, now: float | None = None) -> None:
+        """Write what was followed since the last publish (all of the map when
+        ``behind``). A Redis error leaves the applier ``behind`` and is raised."""
+        now = time.time() if now is None else now
+        stored, removed, cleared = self._stored, self._removed, self._cleared
+        self._stored, self._removed, self._cleared = [], [], False
+        try:
+            if self.behind:
                 await self._dir.clear_engine(self._engine)
-        # Removals of blocks stored in the same batch must win, so store first.
-        await self._dir.store_blocks(self._engine, stored, now)
-        await self._dir.remove_blocks(self._engine, removed)
+                await self._dir.store_blocks(self._engine, list(self._ours.values()), now)
+                self.behind = False
+                return
+            if cleared:
+                await self._dir.clear_engine(self._engine)
+            # Removals of blocks stored in the same batch must win, so store first.
+            await self._dir.store_blocks(self._engine, stored, now)
+            await self._dir.remove_blocks(self._engine, removed)
+        except BaseException:
+            self.behind = True
+            raise
         self.stored += len(stored)
         self.removed += len(removed)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,7 @@ import structlog
 
 from warmloop.activities.directory import PrefixDirectory
 from warmloop.activities.pauses import PauseStats, approval_kind, tool_kind
-from warmloop.activities.registry import EngineHeartbeat
+from warmloop.activities.registry import REDIS_ERRORS, EngineHeartbeat, RedisOutage
 from warmloop.workflows.holding import (
     HoldAction,
     HoldChoice,
@@ -52,6 +53,9 @@ HOLDS_KEY = "warmloop:holds:{}"
 """Hash per engine: job id -> the hold (JSON)."""
 HOLD_STATS = "warmloop:holds:stats:{}"
 """Hash per engine: holds, touches, touch tokens, releases by cause."""
+REDIS_TIMEOUT_S = 1.0
+"""Longest a tick waits on Redis for its bookkeeping: the touches are what keep holds
+warm, and Redis only records them."""
 
 
 @dataclass
@@ -98,8 +102,12 @@ class HoldManager:
                  config: HoldConfig | None = None,
                  ttl_cache: TtlCacheEndpoint | None = None,
                  directory: PrefixDirectory | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 outage: RedisOutage | None = None) -> None:
         self._engine = engine_id
+        self._outage = outage or RedisOutage()
+        self._uncounted: Counter[str] = Counter()
+        """Statistics not yet written (Redis was away): they go with the next count."""
         self._directory = directory
         self._ttl_cache = ttl_cache
         self._url = base_url.rstrip("/") + "/v1/completions"
@@ -243,10 +251,15 @@ class HoldManager:
         await self._publish()
 
     async def run(self, tick_s: float = 0.25) -> None:
+        """Tick for good. Holds live in this process, not in Redis: while Redis is away
+        they are still touched (their bookkeeping waits), and nothing stops the loop,
+        which would leave the worker's task group and stop the worker."""
         while True:
             try:
                 await self.tick()
-            except (httpx.HTTPError, OSError) as e:
+            except REDIS_ERRORS as e:  # the bookkeeping is best effort; should not come here
+                self._outage.failed(e, what="hold tick")
+            except httpx.HTTPError as e:
                 log.warning("hold_tick_failed", error=str(e))
             except Exception:  # noqa: BLE001 - holds are advice; the worker serves steps
                 log.exception("hold_tick_failed")
@@ -285,9 +298,18 @@ class HoldManager:
         """Trim the hold to its blocks the engine still caches (per its KV events);
         False, and the hold dropped, when none are left."""
         info = self._info()
-        if self._directory is None or not h.hashes or info is None or not info.precise:
+        directory = self._directory
+        if directory is None or not h.hashes or info is None or not info.precise:
             return True
-        kept = (await self._directory.matched_blocks(h.hashes, [self._engine]))[self._engine]
+        hashes = h.hashes
+        matched = await self._outage.attempt(
+            "prefix directory", lambda: directory.matched_blocks(hashes, [self._engine]), None,
+            timeout_s=REDIS_TIMEOUT_S)
+        if matched is None:
+            # Redis away: touch as for an engine without KV events (a block lost since
+            # the last touch is computed again, and the hold stays warm).
+            return True
+        kept = matched[self._engine]
         if kept >= len(h.hashes):
             return True
         if kept == 0:
@@ -320,20 +342,36 @@ class HoldManager:
         return True
 
     async def _count(self, **increments: int) -> None:
-        """Add to this engine's hold statistics, in one round trip."""
-        pipe = self._redis.pipeline(transaction=False)
+        """Add to this engine's hold statistics, in one round trip. Best effort: while
+        Redis is away the increments wait in memory and go with the next count."""
+        pending, self._uncounted = self._uncounted, Counter()
+        pending.update(increments)
         key = HOLD_STATS.format(self._engine)
-        for field, n in increments.items():
-            pipe.hincrby(key, field, n)
-        await pipe.execute()
+
+        async def write() -> bool:
+            pipe = self._redis.pipeline(transaction=False)
+            for field, n in pending.items():
+                pipe.hincrby(key, field, n)
+            await pipe.execute()
+            return True
+
+        if not await self._outage.attempt("hold statistics", write, False,
+                                          timeout_s=REDIS_TIMEOUT_S):
+            self._uncounted.update(pending)
 
     async def _publish(self) -> None:
+        """The hold table, for `warmloop` reports. Best effort: each tick writes it
+        whole, so one that Redis missed is made good by the next."""
         key = HOLDS_KEY.format(self._engine)
-        pipe = self._redis.pipeline(transaction=True)
-        pipe.delete(key)
-        if self.holds:
-            pipe.hset(key, mapping={j: h.record() for j, h in self.holds.items()})
-        await pipe.execute()
+
+        async def write() -> None:
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.delete(key)
+            if self.holds:
+                pipe.hset(key, mapping={j: h.record() for j, h in self.holds.items()})
+            await pipe.execute()
+
+        await self._outage.attempt("hold table", write, None, timeout_s=REDIS_TIMEOUT_S)
 
 
 async def hold_stats(redis: aioredis.Redis, engine_id: str) -> dict[str, int]:

@@ -7,7 +7,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 import httpx
 import structlog
@@ -18,7 +18,13 @@ from warmloop.activities.admission import BatchAdmission
 from warmloop.activities.cachebust import CacheBustDetector
 from warmloop.activities.directory import PrefixDirectory, PromptChain, prompt_chain
 from warmloop.activities.holds import HoldManager, pause_kind
-from warmloop.activities.registry import EngineHeartbeat, EngineRegistry, step_key
+from warmloop.activities.registry import (
+    REDIS_ERRORS,
+    EngineHeartbeat,
+    EngineRegistry,
+    RedisOutage,
+    step_key,
+)
 from warmloop.activities.trace_prompts import TracePromptStore
 from warmloop.activities.transcripts import TranscriptStore
 from warmloop.workflows.contracts import (
@@ -36,9 +42,26 @@ from warmloop.workflows.trace import is_trace_profile
 
 log = structlog.get_logger(__name__)
 
-# Error types the workflow acts on; they are never retried by Temporal.
+# Error types the workflow acts on. These two are never retried by Temporal:
 CONTEXT_OVERFLOW = "ContextOverflow"
 ENGINE_REJECTED = "EngineRejected"
+# and this one is:
+ENGINE_ERROR = "EngineError"
+"""The engine failed the step: a 5xx, an error event inside its 200 stream, a stream
+cut before ``[DONE]`` or without its usage, data that is not the chunks it should be,
+a connection lost. Retryable: Temporal retries the step, then the workflow fails it
+over to another engine. Never the model's fault, so never an invalid tool call. Its
+first detail is the usage the engine reported before it failed (zeros if none):
+``{"prompt_tokens", "cached_tokens", "completion_tokens"}``."""
+
+RECORD_TIMEOUT_S = 2.0
+"""Longest a step waits on Redis for its prefix directory and cache-bust records."""
+STEP_DONE_TIMEOUT_S = 1.0
+"""Longest a step waits on Redis to leave the in-flight set."""
+MAX_UNDONE = 10_000
+"""Steps kept to take off the in-flight set once Redis is back (the oldest go first)."""
+HOLD_ERRORS: tuple[type[Exception], ...] = (httpx.HTTPError, ValueError, *REDIS_ERRORS)
+"""What a hold decision may meet (the engine, Redis): it costs the hold, not the step."""
 
 
 class InferenceActivities:
@@ -59,8 +82,12 @@ class InferenceActivities:
                  admission: BatchAdmission | None = None,
                  holds: HoldManager | None = None,
                  price: EnginePrice | None = None,
-                 trace_prompts: TracePromptStore | None = None) -> None:
+                 trace_prompts: TracePromptStore | None = None,
+                 outage: RedisOutage | None = None) -> None:
         self._engine_id = engine_id
+        self._outage = outage or RedisOutage()
+        self._undone: list[str] = []
+        """Step keys still in the engine's in-flight set (Redis was away at their end)."""
         self._trace_prompts = trace_prompts  # inline prompts of replayed traces
         self._price = price  # the engine's declared price: each step's cost_usd
         self._base = base_url.rstrip("/")
@@ -127,13 +154,27 @@ class InferenceActivities:
                                               self._profile_stable.get(req.profile, 0))
         finally:
             if self._registry is not None:
-                await self._registry.step_done(self._engine_id,
-                                               step_key(req.job_id, req.step, req.profile))
+                await self._step_done(self._registry, step_key(req.job_id, req.step, req.profile))
             structlog.contextvars.unbind_contextvars("job_id", "step", "engine")
         result.returned_at = time.time()
         if result.timing is not None:
             result.timing.after_ms = max(0.0, (result.returned_at - last_token) * 1000)
         return result
+
+    async def _step_done(self, registry: EngineRegistry, key: str) -> None:
+        """Take the step off the engine's in-flight set. Best effort: the set is the
+        router's load signal, and Redis away must not fail a step the engine served. A
+        key Redis missed is kept and goes with the next step's, so the router does not
+        count it as load for ``INFLIGHT_MAX_AGE_S``."""
+        keys, self._undone = [*self._undone, key], []
+
+        async def write() -> bool:
+            await registry.steps_done([(self._engine_id, k) for k in keys])
+            return True
+
+        if not await self._outage.attempt("in-flight steps", write, False,
+                                          timeout_s=STEP_DONE_TIMEOUT_S):
+            self._undone = [*keys, *self._undone][-MAX_UNDONE:]
 
     @contextlib.asynccontextmanager
     async def _batch_slot(self, req: GenerateRequest) -> AsyncIterator[None]:
@@ -170,63 +211,37 @@ class InferenceActivities:
         scheduled = info.current_attempt_scheduled_time.timestamp()
         handed = info.started_time.timestamp()
         dispatch_ms = max(0.0, (sent_at - scheduled) * 1000)
-        first_token: float | None = None  # the engine's first token: its first chunk
-        first_delta: float | None = None  # the first parsed content or call delta
-        content: list[str] = []
-        calls: dict[int, dict[str, Any]] = {}
-        usage: dict[str, Any] = {}
-        prompt_ids: list[int] = []
-        finish_reason = None
-        async with self._http.stream("POST", self._url, json=body) as resp:
-            if resp.status_code != 200:
-                await self._raise_for(resp)
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                if chunk.get("prompt_token_ids"):
-                    prompt_ids = chunk["prompt_token_ids"]
-                choices = chunk.get("choices") or []
-                if first_token is None and choices:
-                    # vLLM streams the role chunk when the first token is sampled; a tool
-                    # call's first delta waits for its name, several decode steps later.
-                    first_token = time.perf_counter()
-                for choice in choices:
-                    delta = choice.get("delta") or {}
-                    if first_delta is None and (delta.get("content") or delta.get("tool_calls")):
-                        first_delta = time.perf_counter()
-                    if delta.get("content"):
-                        content.append(delta["content"])
-                    for tc in delta.get("tool_calls") or []:
-                        slot = calls.setdefault(tc.get("index", 0),
-                                                {"id": "", "name": "", "arguments": []})
-                        slot["id"] = tc.get("id") or slot["id"]
-                        fn = tc.get("function") or {}
-                        slot["name"] += fn.get("name") or ""
-                        slot["arguments"].append(fn.get("arguments") or "")
-                    finish_reason = choice.get("finish_reason") or finish_reason
+        stream = StepStream()
+        try:
+            async with self._http.stream("POST", self._url, json=body) as resp:
+                if resp.status_code != 200:
+                    await self._raise_for(resp)
+                async for line in resp.aiter_lines():
+                    if stream.feed(line, time.perf_counter()):
+                        break
+            stream.finish()
+        except (BrokenStreamError, httpx.HTTPError) as e:
+            if tail_tokens is not None:
+                tail_tokens.cancel()
+            raise self._engine_error(e, stream) from None
         done = time.perf_counter()
         last_token = time.time()
-        details = usage.get("prompt_tokens_details") or {}
-        prompt_tokens = int(usage.get("prompt_tokens", 0))
-        cached_tokens = int(details.get("cached_tokens") or 0)
-        completion_tokens = int(usage.get("completion_tokens", 0))
+        first_token, first_delta = stream.first_token, stream.first_delta
+        usage = stream.reported()
+        prompt_tokens, cached_tokens = usage["prompt_tokens"], usage["cached_tokens"]
+        completion_tokens = usage["completion_tokens"]
+        calls, prompt_ids = stream.calls, stream.prompt_ids
         result = GenerateResult(
             engine_id=self._engine_id,
             model=self._model,
             attempt=activity.info().attempt,
-            content="".join(content),
+            content="".join(stream.content),
             tool_calls=[
                 ToolCall(id=c["id"] or f"call-{req.job_id}-{req.step}-{i}",
                          function=FunctionCall(name=c["name"], arguments="".join(c["arguments"])))
                 for i, c in sorted(calls.items())
             ],
-            finish_reason=finish_reason,
+            finish_reason=stream.finish_reason,
             prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
             completion_tokens=completion_tokens,
             ttft_ms=((first_token or done) - started) * 1000,
@@ -266,13 +281,35 @@ class InferenceActivities:
                                body: dict[str, Any], prompt_ids: list[int],
                                tail_tokens: asyncio.Future[int],
                                result: GenerateResult) -> None:
+        """The step's prefix into the directory and the cache-bust detector (Redis),
+        then the hold decision (kept in this process). All advice: losing one costs a
+        cache hit, not the step, so nothing here fails it. While Redis is away the
+        records are skipped (logged once per outage) and the hold is still kept."""
         try:
-            chain = await self._record_prefix(req, profile, body, prompt_ids,
-                                              await tail_tokens, result.cached_tokens)
-            await self._hold_or_release(req, profile, result, prompt_ids, chain, body)
-        except (httpx.HTTPError, OSError, ValueError) as e:
-            # The directory and holds are advice: losing one costs a cache hit, not a step.
+            info = self._engine_info()
+            block_size = info.block_size if info else 16
+            chain = prompt_chain(prompt_ids, block_size, tail_tokens=await tail_tokens)
+            stable = (await self._stable_prefix_tokens(profile, body)
+                      if self._detector is not None else None)
+        except (httpx.HTTPError, OSError, ValueError, KeyError) as e:
             log.warning("prefix_record_failed", error=str(e))
+            return
+        if stable is not None:
+            self._profile_stable[profile.name] = stable
+        if self._outage.should_try():
+            try:
+                async with asyncio.timeout(RECORD_TIMEOUT_S):
+                    await self._record_prefix(req, profile, chain, stable, result.cached_tokens)
+            except REDIS_ERRORS as e:
+                self._outage.failed(e, what="prefix directory")
+            except ValueError as e:
+                log.warning("prefix_record_failed", error=str(e))
+            else:
+                self._outage.ok()
+        try:
+            await self._hold_or_release(req, profile, result, prompt_ids, chain, body)
+        except HOLD_ERRORS as e:
+            log.warning("hold_failed", error=str(e))
 
     # ---- prefix directory and cache-bust detector ----------------------------------------
 
@@ -297,13 +334,13 @@ class InferenceActivities:
             policy=req.hold_policy, interactive=req.lane == Lane.INTERACTIVE, body=body,
             block_hashes=chain.hashes[:chain.reusable_blocks], block_size=chain.block_size)
 
-    async def _record_prefix(self, req: GenerateRequest, profile: Profile,
-                             body: dict[str, Any], prompt_ids: list[int], tail_tokens: int,
-                             cached_tokens: int) -> PromptChain:
+    async def _record_prefix(self, req: GenerateRequest, profile: Profile, chain: PromptChain,
+                             stable_tokens: int | None, cached_tokens: int) -> None:
+        """The Redis half of the step's bookkeeping (its inputs are computed before, so
+        that a bound on it bounds only Redis)."""
         assert self._dir is not None
         info = self._engine_info()
-        block_size = info.block_size if info else 16
-        chain = prompt_chain(prompt_ids, block_size, tail_tokens=tail_tokens)
+        block_size = chain.block_size
         known = await self._dir.job_chain(req.job_id) if req.step > 1 else None
         previous = known[0] if known else None
         capacity = None
@@ -313,14 +350,11 @@ class InferenceActivities:
                                       capacity_blocks=capacity)
         if req.expected_cached_tokens is not None:
             await self._dir.record_accuracy(req.expected_cached_tokens, cached_tokens)
-        if self._detector is not None:
-            stable = await self._stable_prefix_tokens(profile, body)
-            self._profile_stable[profile.name] = stable
+        if self._detector is not None and stable_tokens is not None:
             await self._detector.check(profile=profile.name, job_id=req.job_id, step=req.step,
                                        hashes=chain.hashes, block_size=block_size,
-                                       stable_blocks=stable // block_size,
+                                       stable_blocks=stable_tokens // block_size,
                                        previous=previous, tools=req.tools)
-        return chain
 
     async def _tokenize(self, payload: dict[str, Any]) -> list[int]:
         r = await self._http.post(self._base + "/tokenize",
@@ -368,6 +402,16 @@ class InferenceActivities:
             self._stable_tokens[key] = n
         return self._stable_tokens[key]
 
+    def _engine_error(self, cause: Exception, stream: StepStream) -> ApplicationError:
+        """The step failed on the engine's side of a 200 answer (``ENGINE_ERROR``),
+        with the tokens the engine reported before it failed: they were computed, and
+        the engine's price applies to them."""
+        what = (str(cause) if isinstance(cause, BrokenStreamError)
+                else f"the stream broke: {type(cause).__name__}: {cause}")
+        usage = stream.reported()
+        log.warning("step_stream_failed", error=what, **usage)
+        return ApplicationError(f"engine {self._engine_id}: {what}", usage, type=ENGINE_ERROR)
+
     async def _raise_for(self, resp: httpx.Response) -> None:
         body = (await resp.aread()).decode(errors="replace")[:500]
         if resp.status_code == 400 and "context length" in body:
@@ -379,7 +423,157 @@ class InferenceActivities:
                                    type=ENGINE_REJECTED, non_retryable=True)
         # 5xx: retryable; Temporal's retry policy decides how often.
         raise ApplicationError(f"engine {self._engine_id} error {resp.status_code}: {body}",
-                               type="EngineError")
+                               type=ENGINE_ERROR)
+
+
+class BrokenStreamError(Exception):
+    """The engine's stream is not a whole, well-formed step."""
+
+
+class StepStream:
+    """One step's SSE stream from vLLM's OpenAI-compatible server, read strictly.
+
+    Only a stream of well-formed chunks that carries its usage and ends with
+    ``[DONE]`` is a step. Anything else is the engine's failure (``feed`` and
+    ``finish`` raise ``BrokenStreamError``): read leniently, an error event, a cut or
+    a garbled chunk became an empty or partial tool call, which the workflow then
+    blamed on the model (an invalid call) instead of retrying or failing over."""
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}
+        self.usage: dict[str, int] | None = None
+        self.prompt_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.first_token: float | None = None
+        """When the first chunk with choices came (vLLM streams the role chunk when the
+        first token is sampled; a tool call's first delta waits for its name)."""
+        self.first_delta: float | None = None
+        """When the first content or tool-call delta came."""
+        self.done = False
+        self._event = ""
+
+    def reported(self) -> dict[str, int]:
+        """The usage the engine reported (zeros before it did)."""
+        return dict(self.usage or {"prompt_tokens": 0, "cached_tokens": 0,
+                                   "completion_tokens": 0})
+
+    def feed(self, line: str, now: float) -> bool:
+        """Take one line of the stream; True at ``[DONE]`` (read no further)."""
+        if not line:
+            self._event = ""  # a blank line ends an event
+            return False
+        name, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if name == "event":
+            self._event = value.strip()
+            return False
+        if name != "data":
+            return False  # comments (":..."), id, retry and unknown fields: SSE ignores them
+        if value.strip() == "[DONE]":
+            self.done = True
+            return True
+        try:
+            chunk = json.loads(value)
+        except (ValueError, RecursionError):
+            raise BrokenStreamError(
+                f"the engine sent data that is not JSON: {value[:120]!r}") from None
+        if self._event == "error" or (isinstance(chunk, dict) and (
+                "error" in chunk or chunk.get("object") == "error")):
+            raise BrokenStreamError(f"an error event inside the stream: {_error_text(chunk)}")
+        if not isinstance(chunk, dict):
+            raise BrokenStreamError(f"the engine sent a chunk that is not an object: "
+                                    f"{value[:120]!r}")
+        self._take(chunk, now)
+        return False
+
+    def finish(self) -> None:
+        """The stream ended: it must have said ``[DONE]``, and given its usage."""
+        if not self.done:
+            raise BrokenStreamError("the stream ended before [DONE]")
+        if self.usage is None:
+            raise BrokenStreamError("the stream carried no usage (asked for with "
+                                    "stream_options.include_usage)")
+
+    def _take(self, chunk: dict[str, Any], now: float) -> None:
+        usage = chunk.get("usage")
+        if usage:  # null (or empty) in every chunk but the last
+            self.usage = _usage(usage)
+        ids = chunk.get("prompt_token_ids")
+        if ids:
+            if not isinstance(ids, list) or not all(_is_count(i) for i in ids):
+                raise BrokenStreamError("the prompt's token ids are not token ids")
+            self.prompt_ids = ids
+        choices = _typed(chunk.get("choices"), list, "choices") or []
+        if self.first_token is None and choices:
+            self.first_token = now
+        for choice in choices:
+            if not isinstance(choice, dict):
+                raise BrokenStreamError(f"a choice that is not an object: {choice!r:.80}")
+            delta = _typed(choice.get("delta"), dict, "a delta") or {}
+            content = _typed(delta.get("content"), str, "content")
+            tool_calls = _typed(delta.get("tool_calls"), list, "tool calls") or []
+            if self.first_delta is None and (content or tool_calls):
+                self.first_delta = now
+            if content:
+                self.content.append(content)
+            for tc in tool_calls:
+                self._take_call(tc)
+            self.finish_reason = (_typed(choice.get("finish_reason"), str, "a finish reason")
+                                  or self.finish_reason)
+
+    def _take_call(self, tc: Any) -> None:
+        if not isinstance(tc, dict):
+            raise BrokenStreamError(f"a tool call delta that is not an object: {tc!r:.80}")
+        index = tc.get("index")
+        if index is not None and not _is_count(index):
+            raise BrokenStreamError(f"a tool call index that is not one: {index!r:.80}")
+        slot = self.calls.setdefault(index or 0, {"id": "", "name": "", "arguments": []})
+        slot["id"] = _typed(tc.get("id"), str, "a tool call id") or slot["id"]
+        fn = _typed(tc.get("function"), dict, "a function") or {}
+        slot["name"] += _typed(fn.get("name"), str, "a function name") or ""
+        slot["arguments"].append(_typed(fn.get("arguments"), str, "arguments") or "")
+
+
+def _is_count(v: Any) -> TypeGuard[int]:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _typed(value: Any, kind: type, what: str) -> Any:
+    """``value`` if it is absent (None) or of ``kind``; else the stream is broken."""
+    if value is None or isinstance(value, kind):
+        return value
+    raise BrokenStreamError(f"{what} of the wrong type: {value!r:.80}")
+
+
+def _usage(usage: Any) -> dict[str, int]:
+    if not isinstance(usage, dict):
+        raise BrokenStreamError(f"a usage that is not an object: {usage!r:.80}")
+    details = _typed(usage.get("prompt_tokens_details"), dict, "prompt token details") or {}
+    given = {"prompt_tokens": usage.get("prompt_tokens"),
+             "cached_tokens": (0 if details.get("cached_tokens") is None
+                               else details["cached_tokens"]),
+             "completion_tokens": usage.get("completion_tokens")}
+    counts: dict[str, int] = {}
+    for field, n in given.items():
+        if not _is_count(n):
+            raise BrokenStreamError(f"the usage's {field} is not a token count: {n!r:.80}")
+        counts[field] = n
+    return counts
+
+
+def _error_text(chunk: Any) -> str:
+    """The message of an error event, in vLLM's shapes (``{"error": {...}}``, the older
+    ``{"object": "error", "message": ...}``) or whatever else it is."""
+    if isinstance(chunk, dict):
+        error = chunk.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])[:500]
+        if chunk.get("message"):
+            return str(chunk["message"])[:500]
+        if isinstance(error, str) and error:
+            return error[:500]
+    return json.dumps(chunk)[:500]
 
 
 @contextlib.asynccontextmanager

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from temporalio import activity
 
+from warmloop.activities.registry import RedisOutage
 from warmloop.workflows.contracts import RecordPauseRequest
 from warmloop.workflows.holding import PauseDistribution
 from warmloop.workflows.profiles import Profile
@@ -71,18 +72,33 @@ class PauseSummary:
     from_prior: bool
 
 
+REDIS_TIMEOUT_S = 1.0
+"""Longest a pause is recorded or looked up for a decision before going without."""
+
+
 class PauseStats:
-    def __init__(self, redis: aioredis.Redis, *, min_samples: int = 20) -> None:
+    """The histograms. Recording and reading them for a hold decision are best effort:
+    statistics are advice, and a tool that ran (its effect applied) or a step that
+    finished must not fail because Redis is away; the decision then uses the prior."""
+
+    def __init__(self, redis: aioredis.Redis, *, min_samples: int = 20,
+                 outage: RedisOutage | None = None) -> None:
         self._redis = redis
         self._min = min_samples
+        self._outage = outage or RedisOutage()
 
     async def record(self, profile: str, kind: str, seconds: float) -> None:
+        """Add one pause (lost, and logged once per outage, while Redis is away)."""
         key = PAUSES_KEY.format(profile, kind)
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.hincrby(key, str(bucket_of(seconds)), 1)
-        pipe.hincrby(key, "n", 1)
-        pipe.sadd(PAUSES_INDEX, f"{profile}|{kind}")
-        await pipe.execute()
+
+        async def write() -> None:
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.hincrby(key, str(bucket_of(seconds)), 1)
+            pipe.hincrby(key, "n", 1)
+            pipe.sadd(PAUSES_INDEX, f"{profile}|{kind}")
+            await pipe.execute()
+
+        await self._outage.attempt("pause statistics", write, None, timeout_s=REDIS_TIMEOUT_S)
 
     async def histogram(self, profile: str, kind: str) -> dict[int, int]:
         raw = await self._redis.hgetall(PAUSES_KEY.format(profile, kind))
@@ -94,8 +110,12 @@ class PauseStats:
         return out
 
     async def distribution(self, profile: Profile, kind: str) -> PauseDistribution:
+        """What the cost model weighs a hold with: the samples seen, else the prior."""
         median, p90 = prior_for(profile, kind)
-        return PauseDistribution(samples=points(await self.histogram(profile.name, kind)),
+        hist: dict[int, int] = await self._outage.attempt(
+            "pause statistics", lambda: self.histogram(profile.name, kind), {},
+            timeout_s=REDIS_TIMEOUT_S)
+        return PauseDistribution(samples=points(hist),
                                  prior_median_s=median, prior_p90_s=max(p90, median),
                                  min_samples=self._min)
 

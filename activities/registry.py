@@ -6,13 +6,86 @@ worker that comes back rejoins with its next heartbeat.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import redis.asyncio as aioredis
+import structlog
 from pydantic import BaseModel
+from redis.exceptions import RedisError
 
 from warmloop.workflows.routing import EngineOffer
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+REDIS_ERRORS: tuple[type[Exception], ...] = (RedisError, OSError)
+"""What a Redis call raises when Redis is away: redis-py's own errors, and the socket's
+(``OSError``, which includes ``TimeoutError``, the ``asyncio.timeout`` of a hung one)."""
+
+
+class RedisOutage:
+    """One process's view of whether Redis is away, for the callers to whom it is an
+    optimisation (the registry, the prefix directory, holds, statistics).
+
+    An outage is logged once when it starts and once when it ends, not once per failing
+    call (a worker makes several a second). While it lasts, callers on a step's path
+    ask ``should_try`` first: a hung Redis costs a socket timeout per call, so they skip
+    it and try again only every ``probe_s`` (doubling up to ``max_probe_s``). Loops that
+    run on their own clock (heartbeats) try every time and so notice its return.
+    """
+
+    def __init__(self, *, probe_s: float = 1.0, max_probe_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._probe_s, self._max_probe_s = probe_s, max_probe_s
+        self._since: float | None = None
+        self._next_try = 0.0
+        self._wait = probe_s
+        self.failures = 0
+        """Failed calls in the current outage."""
+
+    @property
+    def away(self) -> bool:
+        return self._since is not None
+
+    def should_try(self) -> bool:
+        """False while Redis is away and its next probe is not due."""
+        return self._since is None or self._clock() >= self._next_try
+
+    def failed(self, error: BaseException, *, what: str) -> None:
+        now = self._clock()
+        self.failures += 1
+        if self._since is None:
+            self._since, self._wait = now, self._probe_s
+            log.warning("redis_unavailable", what=what, error=str(error) or type(error).__name__)
+        else:
+            self._wait = min(self._max_probe_s, self._wait * 2)
+        self._next_try = now + self._wait
+
+    def ok(self) -> None:
+        if self._since is not None:
+            log.info("redis_back", away_s=round(self._clock() - self._since, 1),
+                     failed_calls=self.failures)
+            self._since, self.failures = None, 0
+
+    async def attempt(self, what: str, call: Callable[[], Awaitable[T]], default: T, *,
+                      timeout_s: float | None = None, probe: bool = False) -> T:
+        """``call()``, or ``default`` when Redis is away (skipped while no probe is due,
+        unless ``probe``) or fails; ``timeout_s`` bounds a hung one."""
+        if not probe and not self.should_try():
+            return default
+        try:
+            async with asyncio.timeout(timeout_s):
+                result = await call()
+        except REDIS_ERRORS as e:
+            self.failed(e, what=what)
+            return default
+        self.ok()
+        return result
 
 ENGINE_KEY = "warmloop:engine:{}"
 ENGINE_SET = "warmloop:engines"
@@ -52,6 +125,9 @@ class EngineHeartbeat(BaseModel):
     interactive_ttft_p95_ms: float | None = None
     at: float
     """Unix time of the heartbeat."""
+    worker: str = ""
+    """``host-pid`` of the inference worker that sent it: a key left by a worker killed
+    moments ago (not yet expired) is told apart from a live one."""
 
     def offer(self) -> EngineOffer:
         return EngineOffer(engine_id=self.engine_id, model=self.model, priced=self.priced)
@@ -139,6 +215,13 @@ class EngineRegistry:
 
     async def step_done(self, engine_id: str, step_key: str) -> None:
         await self._redis.zrem(INFLIGHT_KEY.format(engine_id), step_key)
+
+    async def steps_done(self, done: list[tuple[str, str]]) -> None:
+        """``step_done`` for several (engine id, step key) pairs, in one round trip."""
+        pipe = self._redis.pipeline(transaction=False)
+        for engine_id, key in done:
+            pipe.zrem(INFLIGHT_KEY.format(engine_id), key)
+        await pipe.execute()
 
     async def in_flight(self, engine_ids: list[str], now: float | None = None) -> dict[str, int]:
         """Steps routed to each engine and not finished (fresher than its heartbeat)."""

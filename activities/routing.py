@@ -1,10 +1,19 @@
 """The routing activity: gathers what the router needs (live engines and their load
 from the registry, how much of the step's prefix each holds from the prefix directory)
-and asks the pure scoring function in ``warmloop.workflows.routing`` for the engine."""
+and asks the pure scoring function in ``warmloop.workflows.routing`` for the engine.
+
+Redis is advice here too. While it is away (or hung), a step is routed by the last
+registry snapshot this worker saw: sticky to the job's last engine, else the least
+loaded as last known. With no snapshot at all, ``route_step`` fails with the retryable
+``REDIS_UNAVAILABLE``, for the workflow to wait and route again rather than end the job.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections import deque
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
 import structlog
@@ -12,11 +21,25 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from warmloop.activities.directory import PrefixDirectory
-from warmloop.activities.registry import EngineHeartbeat, EngineRegistry, step_key, step_key_profile
-from warmloop.workflows.contracts import EngineChoice, Lane, PickEngineRequest, RouteRequest
+from warmloop.activities.registry import (
+    REDIS_ERRORS,
+    EngineHeartbeat,
+    EngineRegistry,
+    RedisOutage,
+    step_key,
+    step_key_profile,
+)
+from warmloop.workflows.contracts import (
+    EngineAliveRequest,
+    EngineChoice,
+    Lane,
+    PickEngineRequest,
+    RouteRequest,
+)
 from warmloop.workflows.routing import (
     EngineCandidate,
     RouteDecision,
+    RouteReason,
     RoutingConfig,
     UnservableStepError,
     choose_engine,
@@ -26,41 +49,95 @@ from warmloop.workflows.routing import (
 
 log = structlog.get_logger(__name__)
 ROUND_ROBIN_KEY = "warmloop:route:rr"
+NO_LIVE_ENGINE = "NoLiveEngine"
+"""ApplicationError type of route_step (retryable): no engine, of those that could serve
+the job, is live (or, while Redis is away, last known) and not excluded."""
+REDIS_UNAVAILABLE = "RedisUnavailable"
+"""ApplicationError type of route_step (retryable): Redis is away and this worker has
+no registry snapshot to route by (it started during the outage), or none of the last
+known engines serves the job. Redis, not the fleet, is the problem: the job should
+wait for it, not end."""
+REDIS_BUDGET_S = 1.5
+"""route_step's time for Redis. The workflow runs it as a local activity with a 5 s
+timeout; a hung Redis then leaves time to route by the snapshot."""
+AWAY_LOAD_WINDOW_S = 30.0
+"""While routing by the snapshot (its loads frozen), steps sent to an engine in this
+window count as its load, so that new jobs spread instead of all going to one."""
 
 
 class RoutingActivities:
     def __init__(self, registry: EngineRegistry, redis: aioredis.Redis, *,
                  directory: PrefixDirectory | None = None,
-                 config: RoutingConfig | None = None) -> None:
+                 config: RoutingConfig | None = None,
+                 outage: RedisOutage | None = None,
+                 redis_budget_s: float = REDIS_BUDGET_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._registry = registry
         self._redis = redis
         self._dir = directory or PrefixDirectory(redis)
         self._config = config or RoutingConfig()
+        self._outage = outage or RedisOutage()
+        self._budget_s = redis_budget_s
+        self._clock = clock
+        self._snapshot: list[EngineHeartbeat] = []
+        """The last non-empty list of live engines read from the registry."""
+        self._snapshot_at: float | None = None
+        self._routed_away: deque[tuple[float, str]] = deque()
+        """(when, engine) of steps routed by the snapshot, within AWAY_LOAD_WINDOW_S."""
+        self._turn = 0
 
     async def _live(self, exclude: list[str], *, model: str | None = None,
                     require_price: bool = False) -> list[EngineHeartbeat]:
         """The live engines that may serve the job's step, less ``exclude``."""
         every = await self._registry.live()
+        if every:
+            self._snapshot, self._snapshot_at = every, time.time()
+        return _servable(every, exclude, model=model, require_price=require_price)
+
+    @activity.defn(name="engine_alive")
+    async def engine_alive(self, req: EngineAliveRequest) -> bool | None:
+        """Whether the engine's worker heartbeats a healthy engine; None when Redis is
+        away and nobody can tell (the workflow then fails the step over, as before)."""
+        if not self._outage.should_try():
+            return None
         try:
-            fit = set(eligible_engines([e.offer() for e in every], model=model,
-                                       require_price=require_price))
-        except UnservableStepError as e:
-            # Engines are up but none can serve this job: no retry changes that, and the
-            # workflow ends the job with the reason (INVALID_INPUT).
-            raise ApplicationError(str(e), type=e.error_type, non_retryable=True) from None
-        live = [e for e in every if e.engine_id in fit and e.engine_id not in exclude]
-        if not live:
-            # Retryable: an engine may rejoin before the activity's retries run out.
-            which = (f" serving model {model}" if model else "") + (
-                " with a price" if require_price else "")
-            raise ApplicationError(
-                f"no live engine{which} (excluded: {', '.join(exclude) or 'none'})",
-                type="NoLiveEngine")
-        return live
+            async with asyncio.timeout(self._budget_s):
+                live = await self._registry.live()
+        except REDIS_ERRORS as e:
+            self._outage.failed(e, what="engine_alive")
+            return None
+        self._outage.ok()
+        return any(hb.engine_id == req.engine_id for hb in live)
 
     @activity.defn(name="route_step")
     async def route_step(self, req: RouteRequest) -> RouteDecision:
         started = time.perf_counter()
+        decision: RouteDecision | None = None
+        if self._outage.should_try():
+            try:
+                async with asyncio.timeout(self._budget_s):
+                    decision = await self._decide(req)
+            except REDIS_ERRORS as e:
+                self._outage.failed(e, what="route_step")
+            except ApplicationError:
+                self._outage.ok()  # Redis answered: the fleet cannot serve the step
+                raise
+            else:
+                self._outage.ok()
+        if decision is not None:
+            routed, left = decision, max(0.1, self._budget_s - (time.perf_counter() - started))
+            await self._outage.attempt("route_step", lambda: self._record(req, routed),
+                                       None, timeout_s=left)
+        else:
+            decision = self._by_snapshot(req)
+        decision.took_ms = (time.perf_counter() - started) * 1000
+        log.info("step_routed", job_id=req.job_id, step=req.step, engine=decision.engine_id,
+                 reason=decision.reason, expected_cached=decision.expected_cached_tokens,
+                 redis_away=self._outage.away)
+        return decision
+
+    async def _decide(self, req: RouteRequest) -> RouteDecision:
+        """The engine for the step from the registry and the directory (Redis)."""
         live = await self._live(req.exclude, model=req.model, require_price=req.require_price)
         ids = [e.engine_id for e in live]
         steps = await self._registry.in_flight_steps(ids)
@@ -92,24 +169,97 @@ class RoutingActivities:
             for e in live
         ]
         turn = await self._redis.incr(ROUND_ROBIN_KEY) if req.policy == "round_robin" else 0
-        decision = choose_engine(candidates, job_id=req.job_id, last_engine=req.last_engine,
-                                 failover=bool(req.exclude), config=self._config,
-                                 policy=req.policy, turn=turn,
-                                 batch=batch)
+        return choose_engine(candidates, job_id=req.job_id, last_engine=req.last_engine,
+                             failover=bool(req.exclude), config=self._config,
+                             policy=req.policy, turn=turn, batch=batch)
+
+    async def _record(self, req: RouteRequest, decision: RouteDecision) -> None:
+        """The step is in flight on its engine (the router's load signal)."""
         await self._registry.step_routed(decision.engine_id,
                                          step_key(req.job_id, req.step, req.profile))
-        if batch:
+        if req.lane == Lane.BATCH:
             await self._registry.batch_job_routed(decision.engine_id, req.job_id)
-        decision.took_ms = (time.perf_counter() - started) * 1000
-        log.info("step_routed", job_id=req.job_id, step=req.step, engine=decision.engine_id,
-                 reason=decision.reason, expected_cached=decision.expected_cached_tokens)
-        return decision
+
+    def _by_snapshot(self, req: RouteRequest) -> RouteDecision:
+        """Route without Redis: the job's last engine if it is among the last known
+        (its transcript is cached there), else the least loaded as last known plus
+        what this worker sent there since. Nothing is recorded; an engine that is gone
+        fails the step's pickup and the workflow fails it over, as with Redis."""
+        if not self._snapshot:
+            raise ApplicationError(
+                "Redis is away and this worker has not yet seen the engine registry; "
+                "retry when Redis is back", type=REDIS_UNAVAILABLE)
+        try:
+            live = _servable(self._snapshot, req.exclude, model=req.model,
+                             require_price=req.require_price)
+        except ApplicationError as e:
+            if e.type == NO_LIVE_ENGINE:
+                raise
+            # not "no engine serves this job": that verdict waits for a fresh registry
+            raise ApplicationError(f"{e.message} among the last known engines; Redis is "
+                                   "away", type=REDIS_UNAVAILABLE) from None
+        now = self._clock()
+        while self._routed_away and now - self._routed_away[0][0] > AWAY_LOAD_WINDOW_S:
+            self._routed_away.popleft()
+        sent = {e.engine_id: 0 for e in live}
+        for _, engine_id in self._routed_away:
+            if engine_id in sent:
+                sent[engine_id] += 1
+        by_load = sorted(live, key=lambda e: (e.running + e.waiting + sent[e.engine_id],
+                                              e.kv_usage, e.engine_id))
+        ids = [e.engine_id for e in live]
+        reason: RouteReason
+        if req.policy == "round_robin":
+            self._turn += 1
+            chosen, reason = ids[self._turn % len(ids)], "round_robin"
+        elif req.policy == "cache_aware" and req.last_engine in ids:
+            chosen, reason = req.last_engine, "sticky"
+        else:
+            chosen, reason = by_load[0].engine_id, "least_loaded"
+        self._routed_away.append((now, chosen))
+        age = time.time() - self._snapshot_at if self._snapshot_at is not None else None
+        log.info("routed_by_snapshot", job_id=req.job_id, step=req.step, engine=chosen,
+                 snapshot_age_s=None if age is None else round(age, 1))
+        return RouteDecision(engine_id=chosen, reason="failover" if req.exclude else reason)
 
     @activity.defn(name="pick_engine")
     async def pick_engine(self, req: PickEngineRequest) -> EngineChoice:
         """Placement for workflows started before per-step routing (replay only)."""
-        live = await self._live(req.exclude, model=req.model, require_price=req.require_price)
-        n = await self._redis.incr(ROUND_ROBIN_KEY)
-        chosen = live[n % len(live)]
-        return EngineChoice(engine_id=chosen.engine_id,
-                            reason="failover" if req.exclude else "round_robin")
+        if self._outage.should_try():
+            try:
+                async with asyncio.timeout(self._budget_s):
+                    live = await self._live(req.exclude, model=req.model,
+                                            require_price=req.require_price)
+                    n = await self._redis.incr(ROUND_ROBIN_KEY)
+            except REDIS_ERRORS as e:
+                self._outage.failed(e, what="pick_engine")
+            else:
+                self._outage.ok()
+                chosen = live[n % len(live)]
+                return EngineChoice(engine_id=chosen.engine_id,
+                                    reason="failover" if req.exclude else "round_robin")
+        decision = self._by_snapshot(RouteRequest(
+            job_id="", step=0, profile="", policy="round_robin", exclude=req.exclude,
+            model=req.model, require_price=req.require_price))
+        return EngineChoice(engine_id=decision.engine_id, reason=decision.reason)
+
+
+def _servable(every: list[EngineHeartbeat], exclude: list[str], *, model: str | None,
+              require_price: bool) -> list[EngineHeartbeat]:
+    """Of ``every``, the engines that may serve the job's step, less ``exclude``."""
+    try:
+        fit = set(eligible_engines([e.offer() for e in every], model=model,
+                                   require_price=require_price))
+    except UnservableStepError as e:
+        # Engines are up but none can serve this job: no retry changes that, and the
+        # workflow ends the job with the reason (INVALID_INPUT).
+        raise ApplicationError(str(e), type=e.error_type, non_retryable=True) from None
+    live = [e for e in every if e.engine_id in fit and e.engine_id not in exclude]
+    if not live:
+        # Retryable: an engine may rejoin before the activity's retries run out.
+        which = (f" serving model {model}" if model else "") + (
+            " with a price" if require_price else "")
+        raise ApplicationError(
+            f"no live engine{which} (excluded: {', '.join(exclude) or 'none'})",
+            type=NO_LIVE_ENGINE)
+    return live

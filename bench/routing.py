@@ -67,6 +67,7 @@ from warmloop.workers.settings import Settings
 from warmloop.workflows.agent_job import AgentJob
 from warmloop.workflows.contracts import (
     AGENT_TASK_QUEUE,
+    STEP_STAGES,
     FunctionCall,
     JobInput,
     JobResult,
@@ -160,6 +161,8 @@ class PolicyRun:
     engine_prefill_ms: float = 0.0
     """Mean time the engine spent prefilling a request (its own histogram)."""
     results: list[JobResult] = field(default_factory=list)
+    durations: list[float] = field(default_factory=list)
+    """Each job's wall time from its start, in ``results``' order."""
 
 
 def oracle_hit_rate(trace: list[dict[str, Any]], block_size: int) -> float:
@@ -209,7 +212,7 @@ async def run_policy(client: Client, policy: str, specs: list[JobSpec], run_tag:
         job_p50_s=pct(durations, 0.5), job_p95_s=pct(durations, 0.95), makespan_s=makespan,
         states=states, steps=sum(len(r.steps) for r in results),
         oracle_hit_rate=oracle_hit_rate(trace, block_size) if trace else None,
-        results=results,
+        results=results, durations=durations,
     )
 
 
@@ -305,6 +308,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
     repeats: list[dict[str, Any]] = []
     loaded_steps: list[Any] = []
     quiet_steps: list[Any] = []
+    job_rows: list[dict[str, Any]] = []
     async with (bench_stack(settings, console, keep=args.keep_stack) as fleet,
                 httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=5.0)) as http):
         client, urls = fleet.client, fleet.urls
@@ -344,6 +348,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
                     else:
                         runs[policy] = await run(policy, tag)
                     r = runs[policy]
+                    job_rows += [{"repeat": rep, **row} for row in job_rows_of(r)]
                     console.print(f"  hit rate {r.hit_rate:.3f}, prefill {r.prefill_tokens:,} "
                                   f"tokens, job p95 {r.job_p95_s:.1f}s, makespan "
                                   f"{r.makespan_s:.1f}s, {r.states}")
@@ -361,6 +366,8 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
                 quiet_steps += [s for res in quiet for s in res.steps]
         finally:
             peer.stop()
+    if args.jobs_json:
+        args.jobs_json.write_text(json.dumps(job_rows, indent=1))
     medians, ranges = medians_and_ranges(repeats)
     report(medians, ranges, len(repeats), console)
     console.print(breakdown_table(quiet_steps, title="step path on a quiet fleet, all repeats"))
@@ -369,6 +376,19 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
     return {**medians, "ranges": ranges, "repeats": len(repeats),
             "quiet_step_s": round(step_s, 4),
             "mean_gap_s": round(gap, 3), "workload": "live" if args.live else "scripted"}
+
+
+def job_rows_of(run: PolicyRun) -> list[dict[str, Any]]:
+    """One row a job: its wall time, the engines its steps ran on and each stage's sum
+    over its steps (for finding where a slow job's time went)."""
+    rows = []
+    for res, wall in zip(run.results, run.durations, strict=True):
+        stages = {k: round(sum(getattr(s.timing, k) for s in res.steps if s.timing), 1)
+                  for k in STEP_STAGES}
+        rows.append({"policy": run.policy, "job_id": res.job_id, "wall_s": round(wall, 3),
+                     "engines": [s.engine_id for s in res.steps],
+                     "reasons": [s.route_reason for s in res.steps], "stages_ms": stages})
+    return rows
 
 
 def figures(runs: dict[str, PolicyRun], direct: list[float],
@@ -502,6 +522,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     p.add_argument("--peer-port", type=int, default=8290)
     p.add_argument("--keep-stack", action="store_true", help="leave the bench stack running")
+    p.add_argument("--jobs-json", type=Path, default=None,
+                   help="write each policy's jobs (wall time, engines, stage sums) here")
     args = p.parse_args(argv)
     console = Console(stderr=True)
     out = asyncio.run(main_async(args, console))

@@ -290,7 +290,8 @@ class Stack:
             Part(
                 f"inference-worker-{e.id}",
                 [sys.executable, "-m", "warmloop.workers.inference_worker", "--engine-id", e.id],
-                ready=functools.partial(self._redis_has, f"warmloop:engine:{e.id}"),
+                ready=functools.partial(self._inference_worker_ready,
+                                        f"inference-worker-{e.id}", e.id),
                 timeout_s=60,
             )
             for e in self.settings.engine_endpoints
@@ -323,6 +324,27 @@ class Stack:
             return bool(self._redis().exists(key))
         except Exception:
             return False
+
+    def _inference_worker_ready(self, name: str, engine_id: str) -> bool:
+        """The engine's heartbeat comes from our worker; or, when we started none, from
+        a live one. A heartbeat of a worker killed moments ago (its key not yet
+        expired) does not count: `up` would take it for a healthy worker not ours and
+        leave the engine without one."""
+        try:
+            raw = self._redis().get(f"warmloop:engine:{engine_id}")
+        except Exception:
+            return False
+        if raw is None:
+            return False
+        try:
+            worker = str(json.loads(raw).get("worker", ""))
+        except ValueError:
+            return False
+        host, _, pid = worker.rpartition("-")
+        ours = self._pid(name)
+        if ours is not None:
+            return pid == str(ours)
+        return host != socket.gethostname() or not pid.isdigit() or _alive(int(pid))
 
     def _agent_worker_ready(self) -> bool:
         """Our agent worker heartbeats; or, when we started none, some live one does.

@@ -53,6 +53,21 @@ async def time_skipping_env() -> AsyncIterator[WorkflowEnvironment]:
         await env.shutdown()
 
 
+@pytest.fixture(scope="session")
+async def dev_server_env() -> AsyncIterator[WorkflowEnvironment]:
+    """A real Temporal dev server (the `temporal` CLI) on a free port, for workflow tests
+    that need the server's own limits (the 2 MB payload limit): the time-skipping test
+    server does not enforce them."""
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=_bin("temporal"), data_converter=pydantic_data_converter,
+        dev_server_log_level="error")
+    await register_search_attributes(env.client)
+    try:
+        yield env
+    finally:
+        await env.shutdown()
+
+
 EXAMPLE = Path(__file__).parent.parent / "examples" / "acme_support"
 EXAMPLE_PLUGIN = "acme_support.profiles,bench.plugin"
 

@@ -15,6 +15,7 @@ from typing import Any, NoReturn, TypeVar
 import typer
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from temporalio.client import WorkflowExecutionStatus
 from temporalio.common import WorkflowIDReusePolicy
@@ -24,7 +25,13 @@ from temporalio.service import RPCError, RPCStatusCode
 from warmloop.workers.clients import StackNotRunningError, connect
 from warmloop.workers.settings import Settings
 from warmloop.workflows.budgets import JobLimits
-from warmloop.workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult, JobStatus
+from warmloop.workflows.contracts import (
+    AGENT_TASK_QUEUE,
+    JobInput,
+    JobResult,
+    JobStatus,
+    id_problem,
+)
 from warmloop.workflows.profiles import UnknownProfileError, get_profile
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
@@ -183,6 +190,8 @@ def submit(
         run(check_fleet_serves(prof.model, job.limits or prof.limits, _settings()))
     except ValueError as e:
         fail(str(e))
+    if job_id is not None and (bad := id_problem("job", job_id)):
+        fail(bad)
     jid = job_id or f"{profile}-{uuid.uuid4().hex[:10]}"
 
     async def go() -> None:
@@ -300,8 +309,11 @@ def approvals() -> None:
             return
         table = Table("approval", "tool and arguments", "approvers", "deadline (UTC)")
         for p in pending:
-            table.add_row(f"{p.job_id}\n{p.approval_id}" + (" (escalated)" if p.escalated else ""),
-                          f"{p.tool}\n{json.dumps(p.arguments)}", "\n".join(p.approvers),
+            # the model wrote the arguments: printed as text, never read as rich markup
+            table.add_row(escape(f"{p.job_id}\n{p.approval_id}")
+                          + (" (escalated)" if p.escalated else ""),
+                          escape(f"{p.tool}\n{json.dumps(p.arguments)}"),
+                          escape("\n".join(p.approvers)),
                           p.deadline.strftime("%Y-%m-%d %H:%M:%S"))
         console.print(table)
 
@@ -369,6 +381,9 @@ def report(
     success, TTFT per step and per task, from the jobs' recorded engine usage; then
     where the steps' time went, stage by stage."""
 
+    if profile and (bad := id_problem("profile", profile)):  # it goes into a query's text
+        fail(bad)
+
     async def go() -> None:
         from warmloop.workers.report import breakdown_table, report_table
         from warmloop.workflows.agent_job import AgentJob
@@ -427,8 +442,11 @@ def _batch_input(source: str, profile: str, window: int, page_size: int,
                 fail(f"--deadline {deadline!r}: give a duration (30m, 2h) or an ISO time")
             if due.tzinfo is None:
                 due = due.replace(tzinfo=UTC)
-    return BatchInput(profile=profile, source=source, window=window, page_size=page_size,
-                      max_steps=max_steps, deadline=due, max_window=max(window, max_window))
+    try:
+        return BatchInput(profile=profile, source=source, window=window, page_size=page_size,
+                          max_steps=max_steps, deadline=due, max_window=max(window, max_window))
+    except ValidationError as e:
+        fail(f"invalid batch: {e.errors()[0]['msg']}")
 
 
 @batch_app.command("run")
@@ -436,7 +454,7 @@ def batch_run(
     source: str = typer.Argument(..., help="JSONL file, or s3://bucket/key.jsonl"),
     profile: str = typer.Option(..., "--profile"),
     window: int = typer.Option(4, "--window", min=1, max=1024),
-    page_size: int = typer.Option(100, "--page-size", min=1, max=10_000),
+    page_size: int = typer.Option(100, "--page-size", min=1, max=1_000),
     max_steps: int | None = typer.Option(None, "--max-steps", min=1),
     batch_id: str | None = typer.Option(None, "--batch-id"),
     follow: bool = typer.Option(False, "--follow", help="Show progress until it ends."),
@@ -446,6 +464,8 @@ def batch_run(
     max_window: int = typer.Option(64, "--max-window", min=1, max=4096),
 ) -> None:
     """Run every record of SOURCE as a batch-lane job; results go to S3 as JSONL."""
+    if batch_id is not None and (bad := id_problem("batch", batch_id)):
+        fail(bad)
     inp = _batch_input(source, profile, window, page_size, max_steps, deadline, max_window)
     bid = batch_id or f"batch-{profile}-{uuid.uuid4().hex[:8]}"
 
@@ -492,7 +512,8 @@ def _print_batch(res: Any) -> None:
     table.add_column("figure")
     table.add_column("value", justify="right")
     outcomes = ", ".join(f"{k} {v}" for k, v in res.by_state.items()) or "-"
-    for name, value in [("records", res.records), ("jobs ended", res.done),
+    for name, value in [("state", f"{res.state}" + (f": {res.reason}" if res.reason else "")),
+                        ("records", res.records), ("jobs ended", res.done),
                         ("failed", res.failed), ("bad records (skipped)", res.bad),
                         ("by outcome", outcomes),
                         ("cache hit share", f"{res.cache_hit_share:.1%}"),

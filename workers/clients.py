@@ -8,6 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
@@ -65,8 +68,29 @@ def build_s3(settings: Settings) -> Any:
     )
 
 
+REDIS_RETRIES = 3
+"""Retries of a Redis call whose connection failed (dropped, refused), 0.2 s, 0.4 s
+and 0.8 s apart: a restart or failover of Redis (a second or so) is ridden out inside
+the call, and a Redis that stays down fails the call in about 1.5 s."""
+REDIS_SOCKET_TIMEOUT_S = 2.0
+"""A Redis that accepts but does not answer (hung, partitioned) fails a call after
+this long, instead of redis-py's 5 s, and a timeout is not retried: a hung Redis
+rarely answers the next try, and every caller but the effect ledger can go on
+without it."""
+REDIS_HEALTH_CHECK_S = 10.0
+"""A pooled connection idle this long is checked (PING) before it is used: one left
+over from before a Redis restart is replaced, not tried and failed."""
+
+
 def build_redis(settings: Settings) -> aioredis.Redis:
-    # Blocking pool: redis-py's default pool fails fast at its connection cap.
-    pool = aioredis.BlockingConnectionPool.from_url(settings.redis_url, max_connections=64,
-                                                    timeout=10)
+    """The process's Redis client. The blocking pool waits for a connection at its cap
+    where redis-py's default pool fails at once. A pool's connections take their retry
+    policy from the pool's arguments, not the client's, so it is given here: without
+    one, every dropped connection failed its call (and the worker loop that made it)."""
+    pool = aioredis.BlockingConnectionPool.from_url(
+        settings.redis_url, max_connections=64, timeout=10,
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.1), retries=REDIS_RETRIES,
+                    supported_errors=(RedisConnectionError,)),
+        socket_timeout=REDIS_SOCKET_TIMEOUT_S, socket_connect_timeout=REDIS_SOCKET_TIMEOUT_S,
+        socket_keepalive=True, health_check_interval=REDIS_HEALTH_CHECK_S)
     return aioredis.Redis(connection_pool=pool)

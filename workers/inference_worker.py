@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import socket
 import time
+from typing import Any
 
 import httpx
 import msgpack
@@ -22,14 +25,22 @@ from warmloop.activities.holds import HoldManager
 from warmloop.activities.inference import InferenceActivities
 from warmloop.activities.pauses import PauseStats
 from warmloop.activities.registry import (
+    REDIS_ERRORS,
     EngineHeartbeat,
     EngineRegistry,
+    RedisOutage,
     parse_cache_config,
     parse_vllm_metrics,
 )
 from warmloop.activities.trace_prompts import TracePromptStore
 from warmloop.activities.transcripts import TranscriptStore
-from warmloop.workers.clients import build_redis, build_s3, connect, use_io_threads
+from warmloop.workers.clients import (
+    REDIS_SOCKET_TIMEOUT_S,
+    build_redis,
+    build_s3,
+    connect,
+    use_io_threads,
+)
 from warmloop.workers.logging import configure_logging
 from warmloop.workers.plugins import PluginError, load_plugins
 from warmloop.workers.settings import KV_EVENTS_TOPIC, EngineEndpoint, Settings
@@ -60,6 +71,7 @@ async def probe_engine(http: httpx.AsyncClient, engine: EngineEndpoint) -> Engin
         prefill_computed_total=(metrics.get("vllm:prefix_cache_queries_total", 0.0)
                                 - metrics.get("vllm:prefix_cache_hits_total", 0.0)),
         precise=engine.kv_events is not None, priced=engine.price is not None,
+        worker=f"{socket.gethostname()}-{os.getpid()}",
     )
 
 
@@ -78,35 +90,74 @@ async def heartbeat_loop(registry: EngineRegistry, http: httpx.AsyncClient,
                          view: EngineView | None = None,
                          admission: BatchAdmission | None = None,
                          directory: PrefixDirectory | None = None,
-                         holds: HoldManager | None = None) -> None:
+                         holds: HoldManager | None = None,
+                         outage: RedisOutage | None = None) -> None:
+    """Probe the engine and publish what it says, every ``interval_s``.
+
+    The probe and the worker's own view of its engine go on whatever Redis does: the
+    registry is how *others* find the engine, and a Redis that is away (logged once by
+    ``outage``) only means they keep their last snapshot. This loop tries Redis on every
+    beat, so it is what notices Redis is back for the rest of the worker."""
+    outage = outage or RedisOutage()
     was_healthy: bool | None = None
-    while True:
-        hb = await probe_engine(http, engine)
-        if holds is not None:
-            hb.held_tokens = holds.held_tokens
-            if hb.healthy:
-                holds.observe_engine(hb.prefill_computed_total)
-        if admission is not None:
-            hb.batch_limit, hb.batch_active = admission.effective_limit, admission.active
-            hb.batch_waiting = admission.waiting
-            hb.interactive_ttft_p95_ms = admission.recent_interactive_p95_ms()
-        if view is not None:
-            view.last = hb
-        if hb.healthy:
-            await registry.heartbeat(hb)
-            if admission is not None and admission.config.fleet_signal:
-                admission.observe_fleet([
-                    e.interactive_ttft_p95_ms for e in await registry.live()
-                    if e.engine_id != engine.id and e.interactive_ttft_p95_ms is not None])
+    clear_directory = False  # the engine (re)started and the directory still says otherwise
+    publishing: asyncio.Task[None] | None = None
+
+    async def publish(hb: EngineHeartbeat) -> None:
+        nonlocal clear_directory
+        try:
+            async with asyncio.timeout(max(2.0, 2 * interval_s)):
+                await _publish(registry, hb, engine.id, admission)
+                if clear_directory and directory is not None:
+                    await directory.clear_engine(engine.id)
+                    clear_directory = False
+        except REDIS_ERRORS as e:
+            outage.failed(e, what="engine heartbeat")
+        except Exception:  # noqa: BLE001 - the next beat tries again; the worker serves on
+            log.exception("engine_heartbeat_failed")
         else:
-            await registry.leave(engine.id)  # never route to an engine that fails /health
-        if hb.healthy != was_healthy:
-            log.info("engine_health", engine=engine.id, healthy=hb.healthy)
-            if hb.healthy and directory is not None:
+            outage.ok()
+
+    try:
+        while True:
+            hb = await probe_engine(http, engine)
+            if holds is not None:
+                hb.held_tokens = holds.held_tokens
+                if hb.healthy:
+                    holds.observe_engine(hb.prefill_computed_total)
+            if admission is not None:
+                hb.batch_limit, hb.batch_active = admission.effective_limit, admission.active
+                hb.batch_waiting = admission.waiting
+                hb.interactive_ttft_p95_ms = admission.recent_interactive_p95_ms()
+            if view is not None:
+                view.last = hb
+            if hb.healthy != was_healthy:
+                log.info("engine_health", engine=engine.id, healthy=hb.healthy)
                 # A (re)started engine holds nothing: forget what the directory believed.
-                await directory.clear_engine(engine.id)
-            was_healthy = hb.healthy
-        await asyncio.sleep(interval_s)
+                clear_directory = bool(hb.healthy and directory is not None)
+                was_healthy = hb.healthy
+            # Beside the probe, one at a time: a Redis that is slow to fail (retrying,
+            # hung) must not slow the worker's own view of its engine.
+            if publishing is None or publishing.done():
+                publishing = asyncio.ensure_future(publish(hb))
+            await asyncio.sleep(interval_s)
+    finally:
+        if publishing is not None:
+            publishing.cancel()
+
+
+async def _publish(registry: EngineRegistry, hb: EngineHeartbeat, engine_id: str,
+                   admission: BatchAdmission | None) -> None:
+    """One beat's Redis work: the heartbeat (or leaving, for an engine that fails its
+    health check: never route to it) and the neighbours' TTFT for batch admission."""
+    if not hb.healthy:
+        await registry.leave(engine_id)
+        return
+    await registry.heartbeat(hb)
+    if admission is not None and admission.config.fleet_signal:
+        admission.observe_fleet([
+            e.interactive_ttft_p95_ms for e in await registry.live()
+            if e.engine_id != engine_id and e.interactive_ttft_p95_ms is not None])
 
 
 async def loop_lag_monitor(interval_s: float = 0.5, warn_ms: float = 200.0) -> None:
@@ -121,12 +172,17 @@ async def loop_lag_monitor(interval_s: float = 0.5, warn_ms: float = 200.0) -> N
             log.warning("event_loop_lag", lag_ms=round(lag_ms))
 
 
-async def kv_event_loop(endpoint: str, applier: KvEventApplier) -> None:
+async def kv_event_loop(endpoint: str, applier: KvEventApplier,
+                        outage: RedisOutage | None = None, idle_s: float = 1.0) -> None:
     """Follow the engine's KV events into the prefix directory (precise mode).
 
     The engine connects to this endpoint; the worker binds it, so the engine need not
     know whether anyone listens. Events lost while the worker was down only make the
-    directory stale until the blocks are touched again."""
+    directory stale until the blocks are touched again. Events that arrive while Redis
+    is away are still followed in memory (``applier``); when Redis answers again (on
+    the next event, or within ``idle_s``) the engine's directory entry is rebuilt from
+    them, so an outage leaves no block the engine has evicted in the directory."""
+    outage = outage or RedisOutage()
     ctx = zmq.asyncio.Context.instance()
     sock = ctx.socket(zmq.SUB)
     sock.bind(endpoint)
@@ -134,13 +190,28 @@ async def kv_event_loop(endpoint: str, applier: KvEventApplier) -> None:
     log.info("kv_events_listening", endpoint=endpoint)
     try:
         while True:
-            frames = await sock.recv_multipart()
+            events: list[Any] = []
+            if await sock.poll(int(idle_s * 1000)):
+                frames = await sock.recv_multipart()
+                try:
+                    batch = msgpack.unpackb(frames[-1], raw=False, strict_map_key=False)
+                    events = list(batch[1] if isinstance(batch, (list, tuple)) else [])
+                    applier.follow(events)
+                except (ValueError, TypeError, IndexError, KeyError) as e:
+                    log.warning("kv_event_unreadable", error=str(e))
+                    continue
+            elif not applier.behind:
+                continue
+            if not outage.should_try():
+                applier.behind = True
+                continue
             try:
-                batch = msgpack.unpackb(frames[-1], raw=False, strict_map_key=False)
-                events = batch[1] if isinstance(batch, (list, tuple)) else []
-                await applier.apply(list(events))
-            except (ValueError, TypeError, IndexError, KeyError) as e:
-                log.warning("kv_event_unreadable", error=str(e))
+                async with asyncio.timeout(REDIS_SOCKET_TIMEOUT_S):
+                    await applier.publish()
+            except REDIS_ERRORS as e:
+                outage.failed(e, what="kv events")
+            else:
+                outage.ok()
     finally:
         sock.close(linger=0)
 
@@ -166,6 +237,9 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
     structlog.contextvars.bind_contextvars(engine=engine.id)
     client = await connect(settings, metrics_port=settings.inference_metrics_port(engine.id))
     redis = build_redis(settings)
+    # One view of Redis for the whole worker: an outage is logged once, and the step
+    # path skips Redis until the heartbeat (or a due probe) finds it back.
+    outage = RedisOutage()
     registry = EngineRegistry(redis, ttl_s=settings.engine_ttl_s)
     limits = httpx.Limits(max_connections=settings.inference_max_steps,
                           max_keepalive_connections=64)
@@ -184,9 +258,9 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
             settings.admission,
             kv_capacity_tokens=lambda: view.last.kv_capacity_tokens if view.last else 0)
         holds = HoldManager(engine_id=engine.id, base_url=engine.url, model=engine.model,
-                            http=http, redis=redis, pauses=PauseStats(redis), engine_info=view,
-                            config=settings.holding, directory=directory,
-                            ttl_cache=_ttl_cache(engine))
+                            http=http, redis=redis, pauses=PauseStats(redis, outage=outage),
+                            engine_info=view, config=settings.holding, directory=directory,
+                            ttl_cache=_ttl_cache(engine), outage=outage)
         inference = InferenceActivities(
             engine_id=engine.id, base_url=engine.url, model=engine.model, http=http,
             price=engine.price,
@@ -194,7 +268,7 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
             trace_prompts=TracePromptStore(build_s3(settings), settings.s3_bucket),
             directory=directory, registry=registry,
             detector=CacheBustDetector(redis, directory, on_bust=on_bust),
-            engine_info=view, admission=admission, holds=holds,
+            engine_info=view, admission=admission, holds=holds, outage=outage,
         )
         worker = Worker(
             client,
@@ -208,15 +282,17 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(heartbeat_loop(registry, http, engine, settings.engine_heartbeat_s,
-                                              view, admission, directory, holds))
+                                              view, admission, directory, holds, outage))
                 tg.create_task(holds.run())
                 tg.create_task(loop_lag_monitor())
                 if engine.kv_events:
                     tg.create_task(kv_event_loop(engine.kv_events,
-                                                 KvEventApplier(directory, engine.id)))
+                                                 KvEventApplier(directory, engine.id), outage))
                 tg.create_task(worker.run())
         finally:
-            await registry.leave(engine.id)
+            # Best effort: without Redis the engine's key expires by itself.
+            await outage.attempt("leave the registry", lambda: registry.leave(engine.id),
+                                 None, timeout_s=REDIS_SOCKET_TIMEOUT_S, probe=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,6 +23,7 @@ from warmloop.workflows.contracts import (
     JobResult,
     JobStatus,
     Lane,
+    id_problem,
 )
 from warmloop.workflows.profiles import UnknownProfileError, get_profile
 
@@ -60,6 +61,10 @@ class JobClient:
         ``WorkflowAlreadyStartedError`` when ``job_id`` was ever used: a job id names
         one job for good. ``options`` are further ``JobInput`` fields (``tools``,
         ``hold_policy``, ``routing``, ...)."""
+        if job_id is not None and (bad := id_problem("job", job_id)):
+            raise InvalidJobError(bad)
+        if options.get("carry") is not None:
+            raise InvalidJobError("carry is set by continue-as-new only; submit without it")
         try:
             get_profile(profile).validate_task(task)
             job = JobInput(profile=profile, task=task, limits=limits, max_steps=max_steps,

@@ -106,6 +106,11 @@ class Settings(BaseSettings):
     """S3-compatible endpoint; None means AWS S3 itself."""
     s3_bucket: str = "warmloop"
     s3_region: str = "us-east-1"
+    batch_input_dirs: str = ""
+    """Where batch sources may be read: folders and ``s3://bucket[/prefix]``,
+    ``entry[,entry]``. A source anywhere else (``/etc/passwd``, ``/dev/zero``, another
+    bucket) ends its batch as SOURCE_REFUSED. Empty: the agent worker's working folder,
+    the temporary folder and ``s3://<s3_bucket>``."""
     state_dir: Path = Path(".warmloop")
     """Pids, logs, the dev server's database and the built model live here."""
     model_path: Path | None = None

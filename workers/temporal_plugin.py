@@ -79,12 +79,15 @@ def build_agent_activities(settings: Settings, loaded: LoadedPlugins) -> AgentAc
                            bucket=settings.s3_bucket, pauses=PauseStats(redis))
     pauses = PauseActivities(PauseStats(redis))
     storage = StorageActivities(s3, settings.s3_bucket)
-    batch = BatchActivities(s3, settings.s3_bucket)
+    batch = BatchActivities(s3, settings.s3_bucket, inputs=settings.batch_input_dirs)
+
     async def close_s3() -> None:
         s3.close()
 
     return AgentActivities(
-        [routing.route_step, routing.pick_engine, tools.run_tool, storage.store_transcript,
+        [routing.route_step, routing.pick_engine, routing.engine_alive, tools.run_tool,
+         storage.store_transcript,
+         storage.load_transcript_chunk,
          batch.read_records, batch.write_batch_results, pauses.record_pause],
         [tools.aclose, redis.aclose, close_s3])
 

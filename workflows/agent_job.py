@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 from datetime import datetime, timedelta
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 from temporalio import workflow
 from temporalio.common import Priority, RetryPolicy, SearchAttributeKey
-from temporalio.exceptions import ActivityError, ApplicationError, TimeoutType
+from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, TimeoutType
 from temporalio.exceptions import TimeoutError as ActivityTimeoutError
 
 from warmloop.workflows.budgets import (
@@ -31,10 +32,13 @@ from warmloop.workflows.budgets import (
 )
 from warmloop.workflows.contracts import (
     AGENT_TASK_QUEUE,
+    INLINE_TRANSCRIPT_BYTES,
+    TRANSCRIPT_CHUNK_BYTES,
     ApprovalRecord,
     ApprovalViewed,
     ChatMessage,
     Decision,
+    EngineAliveRequest,
     EngineChoice,
     GenerateRequest,
     GenerateResult,
@@ -43,6 +47,8 @@ from warmloop.workflows.contracts import (
     JobResult,
     JobState,
     JobStatus,
+    Lane,
+    LoadTranscriptRequest,
     PendingApproval,
     PickEngineRequest,
     RecordPauseRequest,
@@ -56,6 +62,7 @@ from warmloop.workflows.contracts import (
     ToolRequest,
     ToolResult,
     engine_task_queue,
+    id_problem,
 )
 from warmloop.workflows.lanes import VLLM_PRIORITY, task_priority
 from warmloop.workflows.pricing import pricing_for
@@ -67,10 +74,22 @@ from warmloop.workflows.profiles.base import (
     ToolSpec,
 )
 from warmloop.workflows.routing import NO_ENGINE_FOR_MODEL, NO_PRICED_ENGINE, RouteDecision
-from warmloop.workflows.tool_results import activity_tool_result, cut_for_prompt, idempotency_key
+from warmloop.workflows.tool_results import (
+    activity_tool_result,
+    cut_for_prompt,
+    effect_idempotency_key,
+)
 from warmloop.workflows.trace import is_trace_profile, stand_in_profile
 
 GENERATE_START_TO_CLOSE = timedelta(seconds=90)
+BATCH_GENERATE_START_TO_CLOSE = timedelta(hours=6)
+"""A batch step waits for one of its engine's batch slots inside generate, by design and
+for as long as the burst takes: that queueing must not read as a dead engine. A dead
+worker is still noticed by the heartbeat timeout, a stalled engine by the HTTP timeout."""
+MAX_BUSY_WAITS = 20
+"""Pickup timeouts a step sits out on an engine whose worker still heartbeats (busy, not
+gone) before it fails over anyway: 20 x the 30 s pickup timeout = 10 minutes."""
+PATCH_BUSY_ENGINE = "busy-engine-waits"
 GENERATE_HEARTBEAT = timedelta(seconds=10)
 GENERATE_RETRY = RetryPolicy(
     maximum_attempts=3,
@@ -79,11 +98,19 @@ GENERATE_RETRY = RetryPolicy(
 )
 MAX_FAILOVERS = 2
 SHORT_ACTIVITY = timedelta(seconds=30)
-PICK_RETRY = RetryPolicy(maximum_attempts=5, initial_interval=timedelta(seconds=1))
+PICK_RETRY = RetryPolicy(maximum_attempts=5, initial_interval=timedelta(seconds=1),
+                         # the workflow waits for Redis on a durable timer (see _route)
+                         non_retryable_error_types=["RedisUnavailable"])
 ROUTE_TIMEOUT = timedelta(seconds=5)
 # Routing runs every step, so it is a local activity: no task-queue round trip.
 PATCH_ROUTE_EVERY_STEP = "route-every-step"
 PATCH_PREWARM = "prewarm-on-approval"
+PATCH_OUT_OF_TASK = "refuse-out-of-task-calls"
+REDIS_UNAVAILABLE = "RedisUnavailable"
+"""route_step's error when Redis is away and it knows no engine yet: wait, route again."""
+ENGINE_ERROR = "EngineError"
+"""generate's error for an engine's failure; its details carry the tokens it reported."""
+REDIS_WAIT_MAX = timedelta(seconds=30)
 # Engines price their own steps (GenerateResult.cost_usd); before, the workflow priced
 # them by model name with a silent fallback, which histories recorded then still need.
 PATCH_ENGINE_PRICES = "engine-prices"
@@ -102,6 +129,17 @@ SEARCH_ATTRIBUTES = {SA_PROFILE.name: "Keyword", SA_STATE.name: "Keyword",
 def _error_type(err: ActivityError) -> str | None:
     cause = err.cause
     return cause.type if isinstance(cause, ApplicationError) else None
+
+
+def _if_cancelled(e: BaseException) -> None:
+    """End the job CANCELLED when an activity's failure is the job's own cancellation.
+
+    A cancel that arrives while an activity runs comes back as that activity's failure;
+    read as an engine, tool or routing failure, the job would re-route, tell the model
+    or end ENGINE_UNAVAILABLE, and go on after the cancel."""
+    cause = e.cause if isinstance(e, ActivityError) else e
+    if isinstance(cause, CancelledError) or isinstance(e, CancelledError):
+        raise _JobEnded(JobState.CANCELLED, "cancelled on request") from None
 
 
 def _profile_of(job: JobInput) -> Profile:
@@ -150,6 +188,7 @@ class AgentJob:
         self._viewed: set[str] = set()
         self._job: JobInput | None = None
         self._task: BaseModel | None = None
+        self._restored_for_step = -1
 
     # ---- queries and updates --------------------------------------------------------
 
@@ -205,12 +244,21 @@ class AgentJob:
                 profile.check_tools(job.tools)
         except (UnknownProfileError, ValidationError, ValueError) as e:
             return await self._end(JobState.INVALID_INPUT, f"invalid job input: {e}")
+        bad_id = id_problem("job", self._job_id)
+        if bad_id is not None:
+            return await self._end(JobState.INVALID_INPUT, f"invalid job input: {bad_id}")
+        if job.carry is not None and workflow.info().continued_run_id is None:
+            # A carry holds approvals, spend and a start time: only continue-as-new sets it.
+            return await self._end(JobState.INVALID_INPUT,
+                                   "invalid job input: carry is set by continue-as-new only")
         self._resume(job)
         workflow.upsert_search_attributes([SA_PROFILE.value_set(profile.name),
                                            SA_STATE.value_set(JobState.RUNNING.value)])
         limits = self._limits(profile, job)
         self._job, self._task = job, task
         try:
+            if job.carry is not None and job.carry.transcript_len is not None:
+                await self._load_carried(job.carry.transcript_len)
             await self._loop(job, profile, task, limits)
         except _JobEnded as end:
             return await self._end(end.state, end.reason, end.final)
@@ -248,7 +296,9 @@ class AgentJob:
             if hit:
                 raise _JobEnded(JobState(hit.state), hit.reason)
             if self._should_continue_as_new(job, steps_this_run):
-                workflow.continue_as_new(job.model_copy(update={"carry": self._carry()}))
+                carry = await self._carry()
+                if carry is not None:
+                    workflow.continue_as_new(job.model_copy(update={"carry": carry}))
             steps_this_run += 1
             if job.replay is not None:
                 await self._replay_step(job, profile, task, limits, job.replay)
@@ -271,6 +321,13 @@ class AgentJob:
             if spec.finishes_job:
                 self._answer(call, "done")
                 raise _JobEnded(JobState.FINISHED, f"{spec.name} called", args)
+            task_id = str(job.task.get(profile.task_id_field, ""))
+            refusal = profile.out_of_task(spec, task_id, args)
+            if refusal is not None and workflow.patched(PATCH_OUT_OF_TASK):
+                # before any approval: no human is asked to approve a call on another record
+                self._answer(call, refusal)
+                self._next_kind = StepKind.REFLECT
+                continue
             rule = profile.approval_for(spec.name, args)
             if rule is not None:
                 approved = await self._await_approval(rule, call, args, limits)
@@ -314,16 +371,30 @@ class AgentJob:
         if self._pending:
             return False
         forced = job.continue_as_new_after_steps
-        return workflow.info().is_continue_as_new_suggested() or (
-            forced is not None and steps_this_run >= forced
-        )
+        # At least one step a run: a run that loaded a big transcript may be told to
+        # continue at once, and would then do nothing but reload it, forever.
+        return steps_this_run > 0 and (workflow.info().is_continue_as_new_suggested() or (
+            forced is not None and steps_this_run >= forced))
 
-    def _carry(self) -> JobCarry:
+    async def _carry(self) -> JobCarry | None:
+        """What the next run needs. A transcript too big for the carry goes to the
+        message store first, and the next run loads it in chunks; None when the store
+        cannot take it now (the job goes on in this run and tries again next step)."""
+        transcript, stored_len, carried_len = self._transcript, self._stored_len, None
+        if _messages_bytes(self._transcript) > INLINE_TRANSCRIPT_BYTES:
+            try:
+                await self._store_messages(complete=False)
+            except ActivityError as e:
+                _if_cancelled(e)
+                workflow.logger.warning("transcript not stored for continue-as-new; later")
+                return None
+            transcript, stored_len = [], len(self._transcript)
+            carried_len = stored_len
         return JobCarry(
-            transcript=self._transcript, stored_len=self._stored_len, steps=self._steps,
+            transcript=transcript, stored_len=stored_len, steps=self._steps,
             usage=self._usage, engine=self._engine, invalid_streak=self._invalid_streak,
             next_kind=self._next_kind.value, started_at=self._started_at, runs=self._runs,
-            approvals=self._approvals,
+            approvals=self._approvals, transcript_len=carried_len,
         )
 
     def _answer(self, call: ToolCall, content: str) -> None:
@@ -418,7 +489,8 @@ class AgentJob:
                 task_queue=AGENT_TASK_QUEUE, start_to_close_timeout=SHORT_ACTIVITY,
                 retry_policy=PICK_RETRY, result_type=EngineChoice,
             )
-        except ActivityError:
+        except ActivityError as e:
+            _if_cancelled(e)
             return None
 
     async def _route(self, request: GenerateRequest, job: JobInput, exclude: list[str], *,
@@ -428,26 +500,45 @@ class AgentJob:
         cap and none of those declares a price) and ``end_if_unservable``, the job ends
         as INVALID_INPUT with route_step's reason."""
         profile = _profile_of(job)
-        try:
-            return await workflow.execute_local_activity(
-                "route_step",
-                RouteRequest(job_id=self._job_id, step=request.step, profile=request.profile,
-                             policy=job.routing, exclude=exclude, tools=job.tools,
-                             lane=job.lane,
-                             last_engine=self._engine.engine_id if self._engine else None,
-                             model=profile.model,
-                             require_price=self._limits(profile, job).max_cost_usd is not None),
-                start_to_close_timeout=ROUTE_TIMEOUT, retry_policy=PICK_RETRY,
-                result_type=RouteDecision,
-            )
-        except (ActivityError, ApplicationError) as e:
-            # A local activity's non-retryable failure arrives bare, not as ActivityError.
-            failure = e.cause if isinstance(e, ActivityError) else e
-            if (end_if_unservable and isinstance(failure, ApplicationError)
-                    and failure.type in UNSERVABLE):
-                raise _JobEnded(JobState.INVALID_INPUT,
-                                f"step {request.step} cannot run: {failure.message}") from None
-            return None
+        waited = 0
+        while True:
+            try:
+                return await self._route_once(request, job, exclude, profile)
+            except (ActivityError, ApplicationError, CancelledError) as e:
+                _if_cancelled(e)
+                failure = e.cause if isinstance(e, ActivityError) else e
+                if isinstance(failure, ApplicationError) and failure.type == REDIS_UNAVAILABLE:
+                    # Redis is an optimisation: while it is away the job waits, it does
+                    # not end (its wall cap and a cancel still apply).
+                    hit = check_before_step(self._limits(profile, job), self._usage,
+                                            self._elapsed_s())
+                    if hit:
+                        raise _JobEnded(JobState(hit.state), hit.reason) from None
+                    waited += 1
+                    workflow.logger.warning("routing waits for Redis (%d)", waited)
+                    await workflow.sleep(min(REDIS_WAIT_MAX,
+                                             timedelta(seconds=2 ** min(waited, 5))))
+                    continue
+                if (end_if_unservable and isinstance(failure, ApplicationError)
+                        and failure.type in UNSERVABLE):
+                    raise _JobEnded(JobState.INVALID_INPUT,
+                                    f"step {request.step} cannot run: {failure.message}"
+                                    ) from None
+                return None
+
+    async def _route_once(self, request: GenerateRequest, job: JobInput, exclude: list[str],
+                          profile: Profile) -> RouteDecision:
+        return await workflow.execute_local_activity(
+            "route_step",
+            RouteRequest(job_id=self._job_id, step=request.step, profile=request.profile,
+                         policy=job.routing, exclude=exclude, tools=job.tools,
+                         lane=job.lane,
+                         last_engine=self._engine.engine_id if self._engine else None,
+                         model=profile.model,
+                         require_price=self._limits(profile, job).max_cost_usd is not None),
+            start_to_close_timeout=ROUTE_TIMEOUT, retry_policy=PICK_RETRY,
+            result_type=RouteDecision,
+        )
 
     async def _generate(
         self, request: GenerateRequest, job: JobInput, *, pickup_timeout: timedelta
@@ -462,7 +553,8 @@ class AgentJob:
                                                                  pickup_timeout=pickup_timeout)
             return gen, reason, failovers, None
         failed: list[str] = []
-        for _ in range(MAX_FAILOVERS + 1):
+        busy_waits = 0
+        while len(failed) <= MAX_FAILOVERS:
             pinned = job.engine_id if job.engine_id and job.engine_id not in failed else None
             routed: RouteDecision | None = None
             if pinned:
@@ -482,9 +574,11 @@ class AgentJob:
                 gen = await workflow.execute_activity(
                     "generate", request.model_copy(update={"expected_cached_tokens": predicted}),
                     task_queue=engine_task_queue(decision.engine_id),
-                    start_to_close_timeout=GENERATE_START_TO_CLOSE,
+                    start_to_close_timeout=(BATCH_GENERATE_START_TO_CLOSE
+                                            if job.lane == Lane.BATCH
+                                            else GENERATE_START_TO_CLOSE),
                     heartbeat_timeout=GENERATE_HEARTBEAT,
-                    # not picked up in time: the engine's worker is gone, fail over
+                    # not picked up in time: the engine's worker is gone or busy
                     schedule_to_start_timeout=pickup_timeout,
                     retry_policy=GENERATE_RETRY, result_type=GenerateResult,
                     # batch steps wait behind interactive ones in the task queue too
@@ -492,11 +586,23 @@ class AgentJob:
                 )
                 return gen, decision.reason, len(failed), routed
             except ActivityError as e:
-                resend = self._after_step_error(e, request)
+                _if_cancelled(e)
+                self._count_failed_attempt(e)
+                resend = await self._after_step_error(e, request)
                 if resend is not None:
                     request = resend
                     continue
                 timed_out = isinstance(e.cause, ActivityTimeoutError)
+                if (isinstance(e.cause, ActivityTimeoutError)
+                        and e.cause.type == TimeoutType.SCHEDULE_TO_START
+                        and busy_waits < MAX_BUSY_WAITS and workflow.patched(PATCH_BUSY_ENGINE)
+                        and await self._engine_alive(decision.engine_id)):
+                    # Its worker heartbeats: the engine is busy, not gone. Moving the step
+                    # to a cold engine would re-prefill it there; route it again instead.
+                    busy_waits += 1
+                    workflow.logger.info("step %d: engine %s busy; waiting (%d)",
+                                         request.step, decision.engine_id, busy_waits)
+                    continue
                 workflow.logger.warning("step %d failed on engine %s (timeout: %s); re-routing",
                                         request.step, decision.engine_id, timed_out)
                 failed.append(decision.engine_id)
@@ -531,7 +637,9 @@ class AgentJob:
                 )
                 return gen, route_reason, len(failed)
             except ActivityError as e:
-                resend = self._after_step_error(e, request)
+                _if_cancelled(e)
+                self._count_failed_attempt(e)
+                resend = await self._after_step_error(e, request)
                 if resend is not None:
                     request = resend
                     continue
@@ -544,8 +652,38 @@ class AgentJob:
         raise _JobEnded(JobState.ENGINE_UNAVAILABLE,
                         f"step {request.step} failed on engines {', '.join(failed)}")
 
-    def _after_step_error(self, e: ActivityError, request: GenerateRequest
-                          ) -> GenerateRequest | None:
+    async def _engine_alive(self, engine_id: str) -> bool:
+        """The registry's word on an engine a step could not be handed to; False when
+        it cannot tell (Redis away): the step then fails over, as it always did."""
+        try:
+            alive = await workflow.execute_local_activity(
+                "engine_alive", EngineAliveRequest(engine_id=engine_id),
+                start_to_close_timeout=ROUTE_TIMEOUT,
+                retry_policy=RetryPolicy(maximum_attempts=2))
+        except ActivityError as e:
+            _if_cancelled(e)
+            return False
+        return alive is True
+
+    def _count_failed_attempt(self, e: ActivityError) -> None:
+        """A step the engine failed part-way still used the tokens it reported (in the
+        error's details): they count against the job's token caps."""
+        cause = e.cause
+        if not isinstance(cause, ApplicationError) or cause.type != ENGINE_ERROR:
+            return
+        reported = cause.details[0] if cause.details else None
+        if not isinstance(reported, dict):
+            return
+        counts = {k: reported.get(k) for k in ("prompt_tokens", "cached_tokens",
+                                               "completion_tokens")}
+        if not all(isinstance(v, int) and v >= 0 for v in counts.values()):
+            return
+        self._usage.prompt_tokens += counts["prompt_tokens"] or 0
+        self._usage.cached_tokens += counts["cached_tokens"] or 0
+        self._usage.completion_tokens += counts["completion_tokens"] or 0
+
+    async def _after_step_error(self, e: ActivityError, request: GenerateRequest
+                                ) -> GenerateRequest | None:
         """A step that failed for the job's own reason: end the job, or the request to
         send again on the same engine. None: the engine failed it (the caller fails over).
         """
@@ -556,7 +694,19 @@ class AgentJob:
             # The stored transcript was lost (e.g. an in-memory S3 restarted): the
             # workflow holds it whole, so send it all once and go on.
             workflow.logger.warning("transcript store lost messages; resending")
-            return request.model_copy(update={"base_len": 0, "new_messages": self._transcript})
+            if _messages_bytes(self._transcript) <= INLINE_TRANSCRIPT_BYTES:
+                return request.model_copy(update={"base_len": 0,
+                                                  "new_messages": self._transcript})
+            if self._restored_for_step == request.step:
+                return None  # restored once already: the store is failing, fail over
+            # Too big for one request: restore the store in chunks, then send as before.
+            self._restored_for_step = request.step
+            try:
+                await self._store_messages(complete=False, from_start=True)
+            except ActivityError as e2:
+                _if_cancelled(e2)
+                return None
+            return request
         return None
 
     @staticmethod
@@ -604,6 +754,7 @@ class AgentJob:
                 result_type=ToolResult,
             )
         except ActivityError as e:
+            _if_cancelled(e)
             # The model reads the failure and carries on; the job does not crash.
             return ToolResult(ok=False, output=f"tool {spec.name} failed: {e.cause or e}")
 
@@ -615,7 +766,8 @@ class AgentJob:
         here (it is in history already: such tools should answer briefly)."""
         asked = workflow.now()
         call = {"arguments": args, "job_id": self._job_id, "step": step, "task_id": task_id,
-                "idempotency_key": idempotency_key(self._job_id, step, spec.name)}
+                "idempotency_key": effect_idempotency_key(
+                    self._job_id, step, spec.name, spec.effect_identity(task_id, args))}
         try:
             raw = await workflow.execute_activity(
                 runner.activity, call, task_queue=runner.task_queue,
@@ -624,6 +776,7 @@ class AgentJob:
                 retry_policy=_tool_retry(spec),
             )
         except ActivityError as e:
+            _if_cancelled(e)
             if isinstance(e.cause, ActivityTimeoutError) and \
                     e.cause.type == TimeoutType.SCHEDULE_TO_START:
                 return ToolResult(ok=False, output=f"tool {spec.name} is unavailable: no worker "
@@ -710,7 +863,8 @@ class AgentJob:
                                                    kind=kind, seconds=waited),
                 start_to_close_timeout=ROUTE_TIMEOUT,
                 retry_policy=RetryPolicy(maximum_attempts=2))
-        except ActivityError:
+        except ActivityError as e:
+            _if_cancelled(e)
             workflow.logger.warning("could not record the pause of %s", kind)
 
     async def _prewarm(self, why: str, *, hold_for: str | None = None) -> None:
@@ -745,7 +899,8 @@ class AgentJob:
                 priority=Priority(priority_key=task_priority(job.lane, request.step + 1)),
             )
             workflow.logger.info("prefix prewarmed on %s (%s)", routed.engine_id, why)
-        except ActivityError:
+        except ActivityError as e:
+            _if_cancelled(e)
             workflow.logger.warning("prewarm on %s failed (%s)", routed.engine_id, why)
 
     async def _wait_decision(self, pending: PendingApproval, limits: JobLimits
@@ -774,16 +929,23 @@ class AgentJob:
         self._state = state
         self._pending.clear()
         key = None
+        inline = _messages_bytes(self._transcript) <= INLINE_TRANSCRIPT_BYTES
         if self._transcript:
             try:
-                key = await workflow.execute_activity(
-                    "store_transcript",
-                    StoreTranscriptRequest(job_id=self._job_id, transcript=self._transcript),
-                    task_queue=AGENT_TASK_QUEUE, start_to_close_timeout=SHORT_ACTIVITY,
-                    retry_policy=RetryPolicy(maximum_attempts=5), result_type=str,
-                )
+                if inline:
+                    key = await workflow.execute_activity(
+                        "store_transcript",
+                        StoreTranscriptRequest(job_id=self._job_id,
+                                               transcript=self._transcript),
+                        task_queue=AGENT_TASK_QUEUE, start_to_close_timeout=SHORT_ACTIVITY,
+                        retry_policy=RetryPolicy(maximum_attempts=5), result_type=str,
+                    )
+                else:
+                    key = await self._store_messages(complete=True)
             except ActivityError:
-                workflow.logger.warning("transcript not stored in S3; kept in the result")
+                workflow.logger.warning("transcript not stored in S3; kept in the result"
+                                        if inline else "transcript not stored in S3; it is "
+                                        "in the job's history, too big for its result")
         workflow.upsert_search_attributes([SA_STATE.value_set(state.value),
                                            SA_PENDING.value_set([])])
         workflow.metric_meter().create_counter("warmloop_jobs_ended", "jobs by terminal state"
@@ -792,9 +954,89 @@ class AgentJob:
         workflow.logger.info("job ended: %s (%s)", state.value, reason)
         return JobResult(
             job_id=self._job_id, profile=self._profile_name, state=state, reason=reason,
-            final=final, steps=self._steps, transcript=self._transcript, transcript_key=key,
+            final=final, steps=self._steps,
+            transcript=self._transcript if inline else [], transcript_key=key,
+            transcript_messages=len(self._transcript),
             usage=self._usage, approvals=self._approvals, runs=self._runs,
         )
+
+    # ---- big transcripts -------------------------------------------------------------------
+
+    async def _store_messages(self, *, complete: bool, from_start: bool = False) -> str:
+        """Append the messages the store lacks (from ``stored_len``; all of them when
+        ``from_start`` or when the store turns out to have lost some), in chunks under
+        ``TRANSCRIPT_CHUNK_BYTES``; ``complete`` also writes the whole transcript as one
+        object. Returns its key."""
+        start = 0 if from_start else self._stored_len
+        try:
+            key = await self._store_from(start, complete=complete)
+        except ActivityError as e:
+            if start == 0 or _error_type(e) != "TranscriptGap":
+                raise
+            workflow.logger.warning("transcript store lost messages; storing them all")
+            key = await self._store_from(0, complete=complete)
+        self._stored_len = len(self._transcript)
+        return key
+
+    async def _store_from(self, start: int, *, complete: bool) -> str:
+        chunks = list(_chunks(self._transcript, start, TRANSCRIPT_CHUNK_BYTES)) or [(start, [])]
+        key = ""
+        for i, (base, messages) in enumerate(chunks):
+            key = await workflow.execute_activity(
+                "store_transcript",
+                StoreTranscriptRequest(job_id=self._job_id, transcript=messages, base_len=base,
+                                       complete=complete and i == len(chunks) - 1),
+                task_queue=AGENT_TASK_QUEUE, start_to_close_timeout=SHORT_ACTIVITY,
+                retry_policy=RetryPolicy(maximum_attempts=5,
+                                         non_retryable_error_types=["TranscriptGap"]),
+                result_type=str,
+            )
+        return key
+
+    async def _load_carried(self, n: int) -> None:
+        """The carried transcript's ``n`` messages, read from the store in chunks."""
+        out: list[ChatMessage] = []
+        while len(out) < n:
+            try:
+                chunk = await workflow.execute_activity(
+                "load_transcript",
+                    LoadTranscriptRequest(job_id=self._job_id, start=len(out), end=n),
+                    task_queue=AGENT_TASK_QUEUE, start_to_close_timeout=SHORT_ACTIVITY,
+                    retry_policy=RetryPolicy(maximum_attempts=5,
+                                             non_retryable_error_types=["TranscriptGap"]),
+                    result_type=list[ChatMessage],
+                )
+            except ActivityError as e:
+                _if_cancelled(e)
+                raise _JobEnded(JobState.TRANSCRIPT_LOST, "the carried transcript could not "
+                                f"be read at message {len(out)}: {e.cause}") from None
+            if not chunk:
+                raise _JobEnded(JobState.TRANSCRIPT_LOST,
+                                f"the store returned no message at {len(out)}")
+            out.extend(chunk)
+        self._transcript = out
+
+
+def _messages_bytes(messages: list[ChatMessage]) -> int:
+    """The messages' size as a payload carries them (their JSON)."""
+    return sum(len(m.model_dump_json()) for m in messages)
+
+
+def _chunks(messages: list[ChatMessage], start: int, max_bytes: int
+            ) -> Iterator[tuple[int, list[ChatMessage]]]:
+    """``messages[start:]`` in runs of at most ``max_bytes`` (at least one message
+    each), with the index each run starts at."""
+    chunk: list[ChatMessage] = []
+    size, base = 0, start
+    for i in range(start, len(messages)):
+        n = len(messages[i].model_dump_json())
+        if chunk and size + n > max_bytes:
+            yield base, chunk
+            chunk, size, base = [], 0, i
+        chunk.append(messages[i])
+        size += n
+    if chunk:
+        yield base, chunk
 
 
 def _step_timing(gen: GenerateResult, step_start: float, back: float) -> StepTiming | None:

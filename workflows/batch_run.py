@@ -1,29 +1,89 @@
 """``BatchRun``: a file of task records run as child ``AgentJob``s in the batch lane.
 
-One page of records per workflow run: read the page (bad lines are reported with
-their line numbers and skipped), run its records as child jobs in a sliding window,
-write the page's outcomes as JSONL to S3, then continue-as-new for the next page, so
-a 100,000-record batch keeps a small history. A failing record never fails the
-batch: it is listed with its reason.
+One page of records per workflow run: read the page from the byte offset where the
+last one ended (bad lines are reported with their line numbers and skipped), run its
+records as child jobs in a sliding window, write the page's outcomes as JSONL to S3,
+then continue-as-new for the next page, carrying only counters and the offset, so a
+100,000-record batch keeps a small history. A failing record never fails the batch: it
+is listed with its reason (a bad line, a failed job, a job id already in use). A source
+that cannot be read ends the batch in a named state (``BatchState``), with what was done
+before it kept; a source that is only down for a while is retried, not given up on.
+
+What a run's history holds is bounded: a page of at most ``MAX_PAGE_SIZE`` records and
+``PAGE_BYTES`` (the reader's), the outcomes of its children, never their transcripts
+(``BatchChildResult`` keeps state, reason, usage and the transcript's S3 key), and when
+the children's results still fill it (Temporal suggests continue-as-new, or
+``HISTORY_BYTES_PER_RUN``), the run stops starting children and the next run goes on
+from the first record it did not start.
 """
 
 from __future__ import annotations
 
 import asyncio
 from datetime import datetime, timedelta
+from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ChildWorkflowError
+from temporalio.exceptions import (
+    ActivityError,
+    ApplicationError,
+    ChildWorkflowError,
+    WorkflowAlreadyStartedError,
+)
 from temporalio.workflow import ParentClosePolicy
 
-from warmloop.workflows.agent_job import AgentJob
-from warmloop.workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult, Lane
+from warmloop.workflows.budgets import Usage
+from warmloop.workflows.contracts import AGENT_TASK_QUEUE, JobInput, Lane
 from warmloop.workflows.lanes import adapt_window, estimate_finish_s
 
 READ_TIMEOUT = timedelta(minutes=2)
+IO_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), backoff_coefficient=2.0,
+                       maximum_interval=timedelta(seconds=30),
+                       non_retryable_error_types=["SourceRefused", "SourceMissing"])
+"""S3 or a disk that is down is tried again, every 30 s at most, for ``IO_RETRY_FOR``; a
+refused or missing source is not (the activity marks those non-retryable too)."""
+IO_RETRY_FOR = timedelta(minutes=30)
+RESULTS_RETRY_FOR = timedelta(hours=24)
+"""A page's outcomes exist nowhere else: writing them is tried for longer."""
+AGENT_JOB = "AgentJob"
+"""The child workflow, by name: its result is read as a ``BatchChildResult``."""
+MAX_PAGE_SIZE = 1_000
+"""Records one run may hold. Each record costs its run up to ~10 history events (the
+child's start, started, completed, and the workflow tasks they wake); 1,000 is ~10,000,
+a fifth of Temporal's 51,200-event limit, with the page's bytes bounded by the reader."""
+HISTORY_BYTES_PER_RUN = 8 * 1024 * 1024
+"""Past this (or when Temporal suggests it) a run starts no more children: the
+children's results are what grows a run's history (Temporal ends one at 50 MB)."""
+HISTORY_BUDGET_PATCH = "batch-history-budget"
+
+
+class BatchState(StrEnum):
+    """How a batch ended. Every ending keeps the outcomes of the pages it finished."""
+
+    COMPLETED = "COMPLETED"
+    """Every line of the source has an outcome."""
+    SOURCE_REFUSED = "SOURCE_REFUSED"
+    """The source is not in an allowed input location (``WARMLOOP_BATCH_INPUT_DIRS``),
+    not a regular file, or not ``s3://bucket/key``."""
+    SOURCE_MISSING = "SOURCE_MISSING"
+    """No such file or S3 object."""
+    SOURCE_UNAVAILABLE = "SOURCE_UNAVAILABLE"
+    """The source could not be read for ``IO_RETRY_FOR``."""
+
+
+_SOURCE_ERRORS = {"SourceRefused": BatchState.SOURCE_REFUSED,
+                  "SourceMissing": BatchState.SOURCE_MISSING}
+REASON_CHARS = 300
+
+
+def one_line(text: str, limit: int = REASON_CHARS) -> str:
+    """A reason on one line (any whitespace run is a space: a reason can quote input),
+    cut to ``limit`` characters: outcomes stay small."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[:limit - 1] + "…"
 
 
 class BatchInput(BaseModel):
@@ -43,26 +103,53 @@ class BatchInput(BaseModel):
                             description="The fleet's batch capacity: the widest window.")
     tools: list[str] | None = Field(default=None, min_length=1,
                                     description="Offer only these tools to every job.")
-    page_size: int = Field(default=100, ge=1, le=10_000,
-                           description="Records per workflow run (continue-as-new between).")
+    page_size: int = Field(
+        default=100, ge=1, le=MAX_PAGE_SIZE,
+        description=f"Records per workflow run (continue-as-new between); at most "
+        f"{MAX_PAGE_SIZE}, what one run's history holds.")
     max_steps: int | None = Field(default=None, ge=1, le=10_000)
+    history_bytes_per_run: int | None = Field(
+        default=None, ge=1, description="Start no more children in a run once its history "
+        f"is this large (default {HISTORY_BYTES_PER_RUN}); tests force the boundary with it.")
     carry: BatchCarry | None = None
     """Internal: counters carried across continue-as-new."""
 
 
 class RecordOutcome(BaseModel):
-    """One record's fate: a child job's end state, or why the record was skipped."""
+    """One record's fate: a child job's end state, or why the record was skipped. Small
+    by design: thousands of them travel in one payload."""
 
     line: int
     job_id: str | None
     state: str
-    """A JobState value, BAD_RECORD (invalid JSON or schema) or FAILED (the child failed)."""
+    """A JobState value, BAD_RECORD (not a task: invalid UTF-8 or JSON, too long, too
+    deep, fails the profile's schema, unknown profile), FAILED (the child failed as a
+    workflow) or JOB_ID_IN_USE (a running workflow already has the record's job id)."""
     reason: str
     cost_usd: float = 0.0
+    transcript_key: str | None = None
+    """S3 key of the job's transcript."""
+    steps: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class BatchChildResult(BaseModel):
+    """What a batch keeps of a child job's ``JobResult``: never its transcript or its
+    step records (the rest of the result is dropped as it is read)."""
+
+    job_id: str = ""
+    state: str
+    reason: str = ""
+    transcript_key: str | None = None
+    usage: Usage = Field(default_factory=Usage)
 
 
 class BatchCarry(BaseModel):
     next_line: int = 1
+    next_offset: int = 0
+    """Byte offset of line ``next_line`` in the source."""
     pages: int = 0
     done: int = 0
     failed: int = 0
@@ -81,12 +168,18 @@ class ReadPageRequest(BaseModel):
     source: str
     profile: str
     first_line: int = Field(ge=1)
+    """Line number of the line at ``offset``."""
     limit: int = Field(ge=1)
+    """Lines (blank ones included) the page may take."""
+    offset: int = Field(default=0, ge=0)
+    """Byte offset to read from: the page reads nothing before it."""
 
 
 class TaskRecord(BaseModel):
     line: int
     task: dict[str, Any]
+    offset: int = 0
+    """Byte offset of the record's line: a run that stops before it goes on from there."""
 
 
 class ReadPageResult(BaseModel):
@@ -95,7 +188,9 @@ class ReadPageResult(BaseModel):
     next_line: int
     exhausted: bool
     remaining_lines: int = 0
-    """Non-blank lines after this page: with the page, what the batch has left."""
+    """Non-blank lines after this page, estimated from this page's bytes per line."""
+    next_offset: int = 0
+    """Byte offset of line ``next_line``."""
 
 
 class WritePageRequest(BaseModel):
@@ -126,18 +221,22 @@ class BatchProgress(BaseModel):
 class BatchResult(BaseModel):
     batch_id: str
     profile: str
+    state: BatchState = BatchState.COMPLETED
+    reason: str = ""
+    """Why the batch ended before its source did (one line); empty when COMPLETED."""
     records: int
     done: int
     """Records whose job ended in a named state (FINISHED, LOOP_CAP, ...)."""
     failed: int
-    """Records whose job failed as a workflow (never expected; listed with the reason)."""
+    """Records that ran no job to a named state: it failed as a workflow (never
+    expected), or its job id was in use (JOB_ID_IN_USE); listed with the reason."""
     bad: int
-    """Lines skipped: invalid JSON or a task that fails the profile's schema."""
+    """Lines skipped (BAD_RECORD): not a task for the profile."""
     cost_usd: float
     result_keys: list[str]
     makespan_s: float
     by_state: dict[str, int] = Field(default_factory=dict)
-    """Records by outcome: each JobState, BAD_RECORD and FAILED."""
+    """Records by outcome: each JobState, BAD_RECORD, FAILED and JOB_ID_IN_USE."""
     cache_hit_share: float = 0.0
     """Prompt tokens the engines served from their prefix caches, over all jobs."""
 
@@ -195,50 +294,81 @@ class BatchRun:
         c = self._carry
         self._deadline = inp.deadline
         self._window = c.window or min(inp.window, inp.max_window)
-        page = await workflow.execute_activity(
-            "read_records",
-            ReadPageRequest(source=inp.source, profile=inp.profile, first_line=c.next_line,
-                            limit=inp.page_size),
-            start_to_close_timeout=READ_TIMEOUT, task_queue=AGENT_TASK_QUEUE,
-            retry_policy=RetryPolicy(maximum_attempts=5), result_type=ReadPageResult,
-        )
+        try:
+            page = await workflow.execute_activity(
+                "read_records",
+                ReadPageRequest(source=inp.source, profile=inp.profile, first_line=c.next_line,
+                                limit=inp.page_size, offset=c.next_offset),
+                start_to_close_timeout=READ_TIMEOUT, schedule_to_close_timeout=IO_RETRY_FOR,
+                task_queue=AGENT_TASK_QUEUE, retry_policy=IO_RETRY, result_type=ReadPageResult,
+            )
+        except ActivityError as e:
+            state, reason = _source_error(e, inp.source)
+            workflow.logger.warning("batch ended %s: %s", state.value, reason)
+            return self._result(inp, state, reason)
         self._remaining = len(page.records) + page.remaining_lines
-        outcomes = list(page.bad) + await self._run_window(inp, page.records)
-        outcomes.sort(key=lambda o: o.line)
+        ran, stop = await self._run_window(inp, page.records)
+        # Bad lines after a record this run did not start are the next run's to report.
+        bad = [b for b in page.bad if stop is None or b.line < stop.line]
+        outcomes = sorted(bad + ran, key=lambda o: o.line)
         for o in outcomes:
             c.by_state[o.state] = c.by_state.get(o.state, 0) + 1
         c.pages += 1
         key = await workflow.execute_activity(
             "write_batch_results",
             WritePageRequest(batch_id=self._batch_id, page=c.pages, outcomes=outcomes),
-            start_to_close_timeout=READ_TIMEOUT, task_queue=AGENT_TASK_QUEUE,
-            retry_policy=RetryPolicy(maximum_attempts=5), result_type=str,
+            start_to_close_timeout=READ_TIMEOUT, schedule_to_close_timeout=RESULTS_RETRY_FOR,
+            task_queue=AGENT_TASK_QUEUE, retry_policy=IO_RETRY, result_type=str,
         )
         c.result_keys.append(key)
-        c.bad += len(page.bad)
-        c.next_line = page.next_line
-        if not page.exhausted:
+        c.bad += len(bad)
+        if stop is not None:
+            c.next_line, c.next_offset = stop.line, stop.offset
+        else:
+            c.next_line, c.next_offset = page.next_line, page.next_offset
+        if stop is not None or not page.exhausted:
             workflow.continue_as_new(inp.model_copy(update={"carry": c}))
+        return self._result(inp, BatchState.COMPLETED, "")
+
+    def _result(self, inp: BatchInput, state: BatchState, reason: str) -> BatchResult:
+        c = self._carry
         started = c.started_at or workflow.now()
         return BatchResult(
-            batch_id=self._batch_id, profile=inp.profile, records=c.done + c.failed + c.bad,
-            done=c.done, failed=c.failed, bad=c.bad, cost_usd=c.cost_usd,
-            result_keys=c.result_keys, makespan_s=(workflow.now() - started).total_seconds(),
+            batch_id=self._batch_id, profile=inp.profile, state=state, reason=reason,
+            records=c.done + c.failed + c.bad, done=c.done, failed=c.failed, bad=c.bad,
+            cost_usd=c.cost_usd, result_keys=c.result_keys,
+            makespan_s=(workflow.now() - started).total_seconds(),
             by_state=dict(sorted(c.by_state.items())),
             cache_hit_share=c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
         )
 
+    def _history_full(self, inp: BatchInput) -> bool:
+        """Whether this run's history has room for no more children (both figures come
+        from the history itself, so a replay decides the same)."""
+        info = workflow.info()
+        budget = inp.history_bytes_per_run or HISTORY_BYTES_PER_RUN
+        return info.is_continue_as_new_suggested() or info.get_current_history_size() > budget
+
     async def _run_window(self, inp: BatchInput, records: list[TaskRecord]
-                          ) -> list[RecordOutcome]:
-        """Run ``records`` as child jobs, at most ``self._window`` at a time (in order)."""
+                          ) -> tuple[list[RecordOutcome], TaskRecord | None]:
+        """Run ``records`` as child jobs, at most ``self._window`` at a time (in order);
+        the outcomes, and the first record not started when the history filled up (at
+        least one is started per run, so every run makes progress)."""
         outcomes: list[RecordOutcome] = []
-        tasks = []
+        tasks: list[asyncio.Future[None]] = []
+        stop: TaskRecord | None = None
         for rec in records:
             await workflow.wait_condition(lambda: self._running < self._window)
+            # patched: a run recorded before this check started every record it read
+            if tasks and self._history_full(inp) and workflow.patched(HISTORY_BUDGET_PATCH):
+                stop = rec
+                workflow.logger.info("batch run's history is full: going on from line %d "
+                                     "in a new run", rec.line)
+                break
             self._running += 1
             tasks.append(asyncio.ensure_future(self._one(inp, rec, outcomes)))
         await asyncio.gather(*tasks)
-        return outcomes
+        return outcomes, stop
 
     async def _one(self, inp: BatchInput, rec: TaskRecord,
                    outcomes: list[RecordOutcome]) -> None:
@@ -254,20 +384,41 @@ class BatchRun:
         job = JobInput(profile=inp.profile, task=rec.task, max_steps=inp.max_steps,
                        lane=Lane.BATCH, tools=inp.tools)
         try:
-            res: JobResult = await workflow.execute_child_workflow(
-                AgentJob.run, job, id=job_id, task_queue=AGENT_TASK_QUEUE,
-                parent_close_policy=ParentClosePolicy.TERMINATE,
+            res: BatchChildResult = await workflow.execute_child_workflow(
+                AGENT_JOB, job, id=job_id, task_queue=AGENT_TASK_QUEUE,
+                parent_close_policy=ParentClosePolicy.TERMINATE, result_type=BatchChildResult,
             )
+        except WorkflowAlreadyStartedError:
+            self._carry.failed += 1
+            return RecordOutcome(line=rec.line, job_id=job_id, state="JOB_ID_IN_USE",
+                                 reason=f"job id {job_id} is in use by a running workflow; "
+                                 "the record did not run")
         except ChildWorkflowError as e:
             self._carry.failed += 1
             return RecordOutcome(line=rec.line, job_id=job_id, state="FAILED",
-                                 reason=str(e.cause or e))
+                                 reason=one_line(str(e.cause or e)))
+        u = res.usage
         self._carry.done += 1
-        self._carry.cost_usd += res.usage.cost_usd
-        self._carry.prompt_tokens += res.usage.prompt_tokens
-        self._carry.cached_tokens += res.usage.cached_tokens
-        return RecordOutcome(line=rec.line, job_id=job_id, state=res.state.value,
-                             reason=res.reason, cost_usd=res.usage.cost_usd)
+        self._carry.cost_usd += u.cost_usd
+        self._carry.prompt_tokens += u.prompt_tokens
+        self._carry.cached_tokens += u.cached_tokens
+        return RecordOutcome(line=rec.line, job_id=job_id, state=res.state,
+                             reason=one_line(res.reason), cost_usd=u.cost_usd,
+                             transcript_key=res.transcript_key, steps=u.steps,
+                             prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens,
+                             completion_tokens=u.completion_tokens)
+
+
+def _source_error(e: ActivityError, source: str) -> tuple[BatchState, str]:
+    """The batch's ending for a read that failed for good, and its one-line reason."""
+    cause: BaseException | None = e.cause
+    while cause is not None and not isinstance(cause, ApplicationError):
+        cause = cause.__cause__  # a timeout's cause is the last attempt's failure
+    if isinstance(cause, ApplicationError):
+        state = _SOURCE_ERRORS.get(cause.type or "", BatchState.SOURCE_UNAVAILABLE)
+        return state, one_line(cause.message)
+    return BatchState.SOURCE_UNAVAILABLE, one_line(
+        f"cannot read {source}: {e.cause or e} (retried for {IO_RETRY_FOR})")
 
 
 BatchInput.model_rebuild()

@@ -6,6 +6,7 @@ of I/O and of anything non-deterministic.
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from enum import StrEnum
 from typing import Any, Literal
@@ -17,6 +18,26 @@ from warmloop.workflows.holding import HoldPolicy
 from warmloop.workflows.routing import RouteReason, RoutingPolicy
 
 AGENT_TASK_QUEUE = "warmloop-agent"
+
+MAX_ID_LEN = 200
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]*")
+
+
+def id_problem(kind: str, value: str) -> str | None:
+    """Why ``value`` cannot name a job or batch, in one line; None when it can.
+
+    Ids become S3 keys (1,024 bytes at most, with a prefix and a message index), Redis
+    keys matched by glob patterns (``*?[]`` would match other jobs) and text printed
+    with rich markup (``[...]`` would be read as markup): letters, digits and
+    ``. _ : @ -``, starting with a letter or digit, up to MAX_ID_LEN characters."""
+    if not value:
+        return f"{kind} id is empty"
+    if len(value) > MAX_ID_LEN:
+        return f"{kind} id is {len(value)} characters long; at most {MAX_ID_LEN}"
+    if not _ID.fullmatch(value):
+        return (f"{kind} id {value[:60]!r} may hold only letters, digits and . _ : @ - "
+                "(starting with a letter or digit)")
+    return None
 
 
 def engine_task_queue(engine_id: str) -> str:
@@ -49,6 +70,10 @@ class JobState(StrEnum):
     """The job cannot run as given: its task did not validate against its profile, no
     engine serves the profile's model, or it has a cost cap and no engine serving its
     model declares a price (only reachable by bypassing the client-side check)."""
+    TRANSCRIPT_LOST = "TRANSCRIPT_LOST"
+    """A new run could not read the transcript its previous run moved to S3 (too big to
+    carry): the store lost it. Its steps and spend are kept; its messages are in the
+    previous run's history."""
     BUDGET_EXHAUSTED = "BUDGET_EXHAUSTED"
     """The job's token or cost cap was spent."""
     TIMED_OUT = "TIMED_OUT"
@@ -182,6 +207,13 @@ class PickEngineRequest(BaseModel):
     """Only engines serving this model; None: any."""
     require_price: bool = False
     """Only engines that declare a price (the job has a cost cap)."""
+
+
+class EngineAliveRequest(BaseModel):
+    """Is the engine a step could not be handed to alive (its worker heartbeating a
+    healthy engine into the registry)? Then it is busy, not gone."""
+
+    engine_id: str
 
 
 class RouteRequest(BaseModel):
@@ -360,9 +392,35 @@ class StepRecord(BaseModel):
     """Where the step's time went; None for steps recorded before it was measured."""
 
 
+INLINE_TRANSCRIPT_BYTES = 256 * 1024
+"""A transcript up to this size (its messages' JSON) travels inline: in ``JobResult``,
+the continue-as-new carry and one ``store_transcript`` call. A bigger one moves through
+S3 in chunks, so no payload nears Temporal's 2 MB limit (past it, the workflow task
+fails and retries forever: the job hangs in RUNNING and its wall cap never fires)."""
+TRANSCRIPT_CHUNK_BYTES = 512 * 1024
+"""The most message bytes one transcript activity call carries, either way."""
+
+
 class StoreTranscriptRequest(BaseModel):
+    """Messages ``base_len..`` of a job's transcript, appended to its message store in S3;
+    ``complete``: the whole transcript is then also written as one object, whose key the
+    activity returns. A small transcript is one call (base_len 0, complete)."""
+
     job_id: str
     transcript: list[ChatMessage]
+    base_len: int = Field(default=0, ge=0)
+    complete: bool = True
+
+
+class LoadTranscriptRequest(BaseModel):
+    """Read a job's stored messages from ``start``, at most ``max_bytes`` of them (at
+    least one): a new run after continue-as-new loads a big transcript in chunks."""
+
+    job_id: str
+    start: int = Field(ge=0)
+    end: int = Field(ge=0)
+    """One past the last message wanted."""
+    max_bytes: int = Field(default=TRANSCRIPT_CHUNK_BYTES, gt=0)
 
 
 class PendingApproval(BaseModel):
@@ -432,6 +490,10 @@ class JobCarry(BaseModel):
     started_at: datetime
     runs: int
     approvals: list[ApprovalRecord] = Field(default_factory=list)
+    transcript_len: int | None = None
+    """Set when the transcript was too big to carry (``INLINE_TRANSCRIPT_BYTES``): it is
+    in the job's message store in S3, ``transcript`` is empty, and the next run loads
+    these many messages in chunks."""
 
 
 class JobStatus(BaseModel):
@@ -456,9 +518,13 @@ class JobResult(BaseModel):
     final: dict[str, Any] | None = None
     steps: list[StepRecord] = Field(default_factory=list)
     transcript: list[ChatMessage] = Field(default_factory=list)
+    """The transcript, when it is at most ``INLINE_TRANSCRIPT_BYTES`` or could not be
+    stored; else empty, and the whole is at ``transcript_key``."""
     transcript_key: str | None = Field(
         default=None, description="S3 key of the stored transcript."
     )
+    transcript_messages: int = 0
+    """Messages in the transcript, inline or not."""
     usage: Usage = Field(default_factory=Usage)
     approvals: list[ApprovalRecord] = Field(default_factory=list)
     runs: int = Field(default=1, description="Workflow runs (1 + continue-as-new count).")

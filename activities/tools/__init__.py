@@ -18,7 +18,13 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from warmloop.activities.pauses import PauseStats, tool_kind
-from warmloop.activities.tools.base import EffectLedger, ToolOutcome, Toolset
+from warmloop.activities.tools.base import (
+    EffectLedger,
+    EffectRecord,
+    LedgerUnavailableError,
+    ToolOutcome,
+    Toolset,
+)
 from warmloop.activities.tools.functions import resolve_function_tool
 from warmloop.activities.tools.ticket_triage import TicketTriageTools
 from warmloop.workflows.contracts import ToolRequest, ToolResult
@@ -31,7 +37,12 @@ from warmloop.workflows.profiles import (
     get_profile,
 )
 from warmloop.workflows.profiles.function_tools import FunctionTool, ToolContext
-from warmloop.workflows.tool_results import as_model_text, cut_for_prompt, idempotency_key
+from warmloop.workflows.tool_results import (
+    as_model_text,
+    cut_for_prompt,
+    effect_idempotency_key,
+    idempotency_key,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -40,15 +51,22 @@ RETRY_STATUSES = frozenset({408, 425, 429})
 
 
 def call_key(req: ToolRequest) -> str:
+    """The (job, step) idempotency key of a call: what a tool without an
+    ``effect_key`` is made idempotent with."""
     return idempotency_key(req.job_id, req.step, req.name)
 
 
 class ToolActivities:
     """Runs tools; large outputs go to S3 whole, the transcript keeps a cut preview.
 
-    Side-effect tools apply at most once per (job, step): a toolset's ``effect`` goes
-    through the ledger; a function or HTTP tool's result is recorded there, and a retry
-    of a call that already succeeded returns the recorded result without calling again.
+    Side-effect tools apply at most once per effect: per the identity their spec
+    declares (``ToolSpec.effect_key``: an invoice paid once, whatever the step), else
+    per (job, step). A toolset's ``effect`` goes through the ledger; a function or HTTP
+    tool's result is recorded there; a repeat of a call that already succeeded returns
+    the recorded result without calling again. A call naming another record than the
+    job's task (``ToolSpec.task_args``) is refused before anything runs. Without Redis
+    a side-effect call fails retryably (``EffectLedgerUnavailable``) and applies
+    nothing.
     """
 
     def __init__(self, toolsets: list[Toolset] | dict[str, Toolset], ledger: EffectLedger, *,
@@ -88,30 +106,72 @@ class ToolActivities:
         return result
 
     async def _run_once(self, profile: Profile, spec: ToolSpec, req: ToolRequest) -> ToolResult:
+        refusal = profile.out_of_task(spec, req.task_id, req.arguments)
+        if refusal is not None:
+            log.info("tool_refused_out_of_task", tool=req.name)
+            return ToolResult(ok=False, output=refusal)
+        if not spec.side_effect:
+            return (await self._call(spec, req, call_key(req))).result
+        try:
+            return await self._apply_once(profile, spec, req)
+        except LedgerUnavailableError as e:
+            # Retryable: Temporal runs the call again per the tool's retry policy; an
+            # effect is never applied without its ledger record.
+            log.warning("effect_ledger_unavailable", tool=req.name, error=str(e))
+            raise ApplicationError(f"tool {req.name} not run: {e}",
+                                   type="EffectLedgerUnavailable") from e
+
+    async def _apply_once(self, profile: Profile, spec: ToolSpec, req: ToolRequest
+                          ) -> ToolResult:
+        """A side-effect call, at most once per effect: the ledger is read before the
+        tool runs (a repeat never runs it), and written after; the record that stands
+        (ours, or a concurrent attempt's) is what the model reads."""
+        identity = spec.effect_identity(req.task_id, req.arguments)
+        done = await self._ledger.recorded(req.job_id, req.step, identity)
+        if done is not None and done.output is not None:
+            await self._ledger.note_repeat(req.job_id)
+            return self._repeat(profile, spec, req, done)
+        outcome = await self._call(spec, req, effect_idempotency_key(
+            req.job_id, req.step, req.name, identity))
         if isinstance(spec.runner, PythonRunner | HttpRunner):
-            if spec.side_effect:
-                done = await self._ledger.recorded(req.job_id, req.step)
-                if done is not None and "output" in done:
-                    log.info("effect_deduplicated", tool=req.name)
-                    return ToolResult(ok=bool(done.get("ok", True)), output=done["output"])
-            result = await (self._run_function(spec.runner, req)
-                            if isinstance(spec.runner, PythonRunner)
-                            else self._run_http(spec, spec.runner, req))
-            if spec.side_effect and result.ok:
-                await self._ledger.apply_once(req.job_id, req.step, req.name,
-                                              {"ok": True, "output": result.output})
-            return result
+            if not outcome.result.ok:
+                return outcome.result  # nothing changed: the model may correct and retry
+        elif outcome.effect is None:
+            return outcome.result  # the toolset refused (not found, wrong amount, ...)
+        record = await self._ledger.apply_once(
+            req.job_id, req.step, req.name, ok=outcome.result.ok, output=outcome.result.output,
+            effect=outcome.effect, identity=identity)
+        if record.fresh or record.output is None:
+            return outcome.result
+        return self._repeat(profile, spec, req, record)
+
+    @staticmethod
+    def _repeat(profile: Profile, spec: ToolSpec, req: ToolRequest, done: EffectRecord
+                ) -> ToolResult:
+        """The answer to a call whose effect the ledger holds: a retry of the applying
+        call reads its own result unchanged; a call at another step reads that result
+        marked "already applied", so the model knows nothing changed this time."""
+        output = done.output or ""
+        if done.step == req.step:
+            return ToolResult(ok=done.ok, output=output)
+        log.info("effect_deduplicated", tool=req.name, applied_at=done.step)
+        per = list(dict.fromkeys([profile.task_id_field, *(spec.effect_key or ())]))
+        return ToolResult(ok=done.ok, output=(
+            f"already applied at step {done.step} ({req.name} applies once per "
+            f"{' and '.join(per)}); not applied again. It answered: {output}"))
+
+    async def _call(self, spec: ToolSpec, req: ToolRequest, key: str) -> ToolOutcome:
+        """Run the tool wherever it runs; ``key`` is the idempotency key a function or
+        HTTP tool passes on to what it changes."""
+        if isinstance(spec.runner, PythonRunner):
+            return ToolOutcome(await self._run_function(spec.runner, req, key))
+        if isinstance(spec.runner, HttpRunner):
+            return ToolOutcome(await self._run_http(spec, spec.runner, req, key))
         toolset = self._toolsets.get(req.profile)
         if toolset is None:
             raise ApplicationError(f"no toolset for profile {req.profile!r}",
                                    type="UnknownProfile", non_retryable=True)
-        outcome: ToolOutcome = await toolset.arun(req)
-        if outcome.effect is not None and spec.side_effect:
-            fresh = await self._ledger.apply_once(req.job_id, req.step, req.name,
-                                                  outcome.effect)
-            if not fresh:
-                log.info("effect_deduplicated", tool=req.name)
-        return outcome.result
+        return await toolset.arun(req)
 
     def _function(self, path: str) -> FunctionTool:
         fn = self._functions.get(path)
@@ -123,24 +183,25 @@ class ToolActivities:
                                        type="ToolNotLoaded", non_retryable=True) from None
         return fn
 
-    async def _run_function(self, runner: PythonRunner, req: ToolRequest) -> ToolResult:
+    async def _run_function(self, runner: PythonRunner, req: ToolRequest, key: str
+                            ) -> ToolResult:
         fn = self._function(runner.function)
         parsed = fn.spec.args.model_validate(req.arguments)
         kwargs = {name: getattr(parsed, name) for name in type(parsed).model_fields}
         if fn.context_param is not None:
             kwargs[fn.context_param] = ToolContext(
                 job_id=req.job_id, step=req.step, task_id=req.task_id,
-                idempotency_key=call_key(req))
+                idempotency_key=key)
         value = (await fn.fn(**kwargs) if fn.is_async
                  else await asyncio.to_thread(fn.fn, **kwargs))
         return ToolResult(ok=True, output=as_model_text(value))
 
-    async def _run_http(self, spec: ToolSpec, runner: HttpRunner, req: ToolRequest
-                        ) -> ToolResult:
+    async def _run_http(self, spec: ToolSpec, runner: HttpRunner, req: ToolRequest,
+                        key: str) -> ToolResult:
         headers = {**dict(runner.headers), "X-Warmloop-Job": req.job_id,
                    "X-Warmloop-Step": str(req.step)}
         if spec.side_effect:
-            headers["Idempotency-Key"] = call_key(req)
+            headers["Idempotency-Key"] = key
         cap = runner.max_response_bytes
         async with self._http.stream("POST", runner.url, json=req.arguments, headers=headers,
                                      timeout=spec.timeout_s) as r:
@@ -174,5 +235,5 @@ class ToolActivities:
                           output=cut_for_prompt(result.output, limit))
 
 
-__all__ = ["EffectLedger", "TicketTriageTools", "ToolActivities", "ToolOutcome", "Toolset",
-           "call_key"]
+__all__ = ["EffectLedger", "EffectRecord", "LedgerUnavailableError", "TicketTriageTools",
+           "ToolActivities", "ToolOutcome", "Toolset", "call_key"]

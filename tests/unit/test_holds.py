@@ -266,3 +266,42 @@ async def test_a_job_resumed_while_the_ttl_sweep_awaits_is_not_released_twice() 
     assert not m.holds
     stats = redis.hashes["warmloop:holds:stats:e0"]
     assert stats["released_on_ttl"] == 1 and stats["released_on_resume"] == 1
+
+
+class FlakyRedis(StubRedis):
+    """StubRedis that can be away: its pipelines fail as a dropped connection does."""
+
+    down = False
+
+    async def execute(self) -> list[Any]:
+        if self.down:
+            from redis.exceptions import ConnectionError as RedisConnectionError
+            raise RedisConnectionError("Connection refused")
+        return []
+
+    def hincrby(self, key: str, field: str, n: int) -> Any:
+        if self.down:  # queued on a pipeline that will fail: not applied
+            return _done()
+        return super().hincrby(key, field, n)
+
+
+async def test_statistics_counted_while_redis_was_away_are_written_when_it_is_back() -> None:
+    from warmloop.activities.registry import RedisOutage
+
+    touches: list[dict[str, Any]] = []
+    m, _, clock = manager(StubPauses(2.0, 6.0), touches)
+    redis = FlakyRedis()
+    m._redis = redis  # type: ignore[assignment]
+    m._outage = RedisOutage(clock=clock)
+    triage = get_profile("ticket-triage")
+    redis.down = True
+    await m.after_step(job_id="j1", profile=triage, kind="tool:search_kb",
+                       prefix_tokens=list(range(2048)), policy="always_hold", interactive=True)
+    clock.t = m.holds["j1"].next_touch
+    await m.tick()  # touched while Redis is away: counted in memory
+    assert len(touches) == 1 and "warmloop:holds:stats:e0" not in redis.hashes
+    redis.down = False
+    clock.t += 60  # the next probe is due (and the next touch)
+    await m.tick()
+    stats = redis.hashes["warmloop:holds:stats:e0"]
+    assert stats["holds"] == 1 and stats["touches"] == len(touches) == 2

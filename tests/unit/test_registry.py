@@ -71,3 +71,63 @@ async def test_stale_unhealthy_and_departed_engines_are_not_live() -> None:
     await reg.heartbeat(_hb("d", now))
     await reg.leave("d")
     assert [e.engine_id for e in await reg.live(now=now)] == ["a"]
+
+
+class _Clock:
+    t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_an_outage_is_logged_once_and_probed_ever_less_often(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from tests.unit.engine_fakes import Recorder
+    from warmloop.activities import registry as registry_module
+    from warmloop.activities.registry import RedisOutage
+
+    rec = Recorder()
+    monkeypatch.setattr(registry_module, "log", rec)
+    clock = _Clock()
+    outage = RedisOutage(probe_s=1.0, max_probe_s=4.0, clock=clock)
+    assert outage.should_try() and not outage.away
+    waits = []
+    for _ in range(5):
+        outage.failed(RedisConnectionError("refused"), what="test")
+        start = clock.t
+        while not outage.should_try():
+            clock.t += 0.25
+        waits.append(clock.t - start)
+    assert waits == [1.0, 2.0, 4.0, 4.0, 4.0]  # doubling, capped
+    assert len(rec.named("redis_unavailable")) == 1 and outage.failures == 5
+    outage.ok()
+    outage.ok()
+    assert rec.named("redis_back") == [{"away_s": clock.t, "failed_calls": 5}]
+    assert outage.should_try() and not outage.away
+
+
+async def test_an_attempt_gives_the_default_while_redis_is_away() -> None:
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from warmloop.activities.registry import RedisOutage
+
+    clock = _Clock()
+    outage = RedisOutage(clock=clock)
+    calls = 0
+
+    async def down() -> int:
+        nonlocal calls
+        calls += 1
+        raise RedisConnectionError("refused")
+
+    async def up() -> int:
+        nonlocal calls
+        calls += 1
+        return 7
+
+    assert await outage.attempt("t", down, -1) == -1 and calls == 1
+    assert await outage.attempt("t", up, -1) == -1 and calls == 1  # skipped: no probe due
+    assert await outage.attempt("t", up, -1, probe=True) == 7 and calls == 2
+    assert not outage.away

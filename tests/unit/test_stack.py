@@ -62,3 +62,40 @@ def test_every_thread_of_a_compute_process_is_lowered(tree: tuple[int, int, int]
     assert lower_cpu_priority([named], target) == len(tids)
     assert {_nice_and_policy(t) for t in tids} == {(target, os.SCHED_BATCH)}
     assert _nice_and_policy(plain) == (base, os.SCHED_OTHER)
+
+
+class _Keys:
+    def __init__(self, values: dict[str, str]) -> None:
+        self.values = values
+
+    def get(self, key: str) -> str | None:
+        return self.values.get(key)
+
+
+def _stack_with(tmp_path: Path, heartbeat_worker: str, our_pid: int | None) -> bool:
+    import json
+
+    from warmloop.infra.stack import Stack
+    from warmloop.workers.settings import Settings
+
+    stack = Stack(Settings(state_dir=tmp_path), log=lambda _: None)
+    keys = _Keys({"warmloop:engine:e0": json.dumps({"worker": heartbeat_worker})})
+    stack._redis = lambda: keys  # type: ignore[method-assign]
+    stack._pid = lambda name: our_pid  # type: ignore[method-assign]
+    return stack._inference_worker_ready("inference-worker-e0", "e0")
+
+
+def test_a_killed_inference_workers_heartbeat_does_not_pass_for_a_live_one(
+    tmp_path: Path,
+) -> None:
+    import socket
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    here = socket.gethostname()
+    # killed moments ago, its key not yet expired, no pid file: not ready, so `up`
+    # starts a new worker instead of taking the key for someone else's live one
+    assert not _stack_with(tmp_path, f"{here}-{dead.pid}", None)
+    assert _stack_with(tmp_path, f"{here}-{os.getpid()}", None)  # a live one not ours
+    assert _stack_with(tmp_path, f"{here}-{os.getpid()}", os.getpid())  # ours
+    assert not _stack_with(tmp_path, f"{here}-{os.getpid()}", dead.pid)  # not ours yet

@@ -1,4 +1,4 @@
-"""run_tool: large outputs go to S3 whole, side effects apply once per (job, step)."""
+"""run_tool: large outputs go to S3 whole, side effects apply once per effect."""
 
 from __future__ import annotations
 
@@ -28,6 +28,9 @@ class FakeRedis:
             return False
         self.kv[key] = value
         return True
+
+    async def get(self, key: str) -> str | None:
+        return self.kv.get(key)
 
     async def hincrby(self, key: str, field: str, n: int) -> None:
         h = self.hashes.setdefault(key, {})
@@ -69,8 +72,10 @@ async def test_large_output_is_cut_for_the_prompt_and_kept_whole_in_s3(parts) ->
 
 async def test_side_effect_applies_once_however_often_the_step_runs(parts) -> None:  # type: ignore[no-untyped-def]
     acts, _, redis = parts
-    for _ in range(3):  # a retried or re-run activity
-        await acts.run_tool(_req("set_priority", 2, priority="low"))
-    await acts.run_tool(_req("set_priority", 3, priority="low"))  # another step: applies
-    assert sorted(k for k in redis.kv) == ["warmloop:effect:j1:2", "warmloop:effect:j1:3"]
-    assert redis.hashes["warmloop:effects:j1"] == {"applied": 2, "deduplicated": 2}
+    first = [await acts.run_tool(_req("set_priority", 2, priority="low")) for _ in range(3)]
+    assert first == [ToolResult(ok=True, output="set")] * 3  # a retried or re-run activity
+    # another step: set_priority applies once per ticket (its effect_key), not per step
+    again = await acts.run_tool(_req("set_priority", 3, priority="low"))
+    assert again.ok and again.output.startswith("already applied at step 2")
+    assert len(redis.kv) == 1 and next(iter(redis.kv)).startswith("warmloop:effect:j1:id:")
+    assert redis.hashes["warmloop:effects:j1"] == {"applied": 1, "deduplicated": 3}

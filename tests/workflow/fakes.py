@@ -5,6 +5,7 @@ The tests that prove features against real engines live in tests/integration.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Callable
 
@@ -14,10 +15,12 @@ from temporalio.exceptions import ApplicationError
 from warmloop.workers.settings import EMBEDDED_ENGINE_PRICE
 from warmloop.workflows.contracts import (
     ChatMessage,
+    EngineAliveRequest,
     EngineChoice,
     FunctionCall,
     GenerateRequest,
     GenerateResult,
+    LoadTranscriptRequest,
     PickEngineRequest,
     RecordPauseRequest,
     RouteRequest,
@@ -75,11 +78,29 @@ class FakeActivities:
         self.forced_routes: list[str] = []
         """Engines the next routes go to regardless of the score (e.g. a dead one)."""
         self.stored: list[StoreTranscriptRequest] = []
+        self.chunks_stored: list[StoreTranscriptRequest] = []
+        """Chunked appends (their messages dropped, to keep memory down)."""
+        self.loads: list[LoadTranscriptRequest] = []
         self.pauses: list[RecordPauseRequest] = []
         self.prewarms: list[GenerateRequest] = []
         self.served_by: list[str] = []
         """The engine whose task queue each generate ran on."""
+        self.hang: dict[str, int] = {}
+        """Activity ("generate", "run_tool", "route_step") -> which of its calls (1-based)
+        never answers: that call sets ``hanging`` and waits until it is cancelled."""
+        self.hanging = asyncio.Event()
+        self.alive: set[str] = set(self.engines)
+        """Engines the registry says are alive (a worker heartbeats them)."""
+        self.alive_asked: list[str] = []
+        self.asked_alive = asyncio.Event()
+        self._calls: dict[str, int] = {}
         self._rr = itertools.count()
+
+    async def _maybe_hang(self, name: str) -> None:
+        self._calls[name] = self._calls.get(name, 0) + 1
+        if self.hang.get(name) == self._calls[name]:
+            self.hanging.set()
+            await asyncio.Event().wait()  # until the worker cancels it
 
     def model_of(self, engine: str) -> str:
         return self.models.get(engine, "tiny")
@@ -109,6 +130,7 @@ class FakeActivities:
     async def route_step(self, req: RouteRequest) -> RouteDecision:
         """The real scoring function over engines with no load and no cache knowledge."""
         self.routes.append(req)
+        await self._maybe_hang("route_step")
         fit = self._eligible(req.model, req.require_price)
         live = [e for e in fit if e not in req.exclude]
         if not live:
@@ -118,6 +140,12 @@ class FakeActivities:
         return choose_engine([EngineCandidate(engine_id=e) for e in live], job_id=req.job_id,
                              last_engine=req.last_engine, failover=bool(req.exclude),
                              policy=req.policy)
+
+    @activity.defn(name="engine_alive")
+    async def engine_alive(self, req: EngineAliveRequest) -> bool | None:
+        self.alive_asked.append(req.engine_id)
+        self.asked_alive.set()
+        return req.engine_id in self.alive
 
     @activity.defn(name="pick_engine")
     async def pick_engine(self, req: PickEngineRequest) -> EngineChoice:
@@ -137,6 +165,7 @@ class FakeActivities:
         self.prompts.append(assemble_prompt(profile, profile.validate_task(req.task),
                                             self.transcripts[req.job_id], tail=req.tail))
         self.generate_requests.append(req)
+        await self._maybe_hang("generate")
         result = self.script(req)
         engine = activity.info().task_queue.removeprefix("engine.")
         self.served_by.append(engine)
@@ -150,9 +179,38 @@ class FakeActivities:
     @activity.defn(name="run_tool")
     async def run_tool(self, req: ToolRequest) -> ToolResult:
         self.tool_requests.append(req)
+        await self._maybe_hang("run_tool")
         return self.tool_output(req)
 
     @activity.defn(name="store_transcript")
     async def store_transcript(self, req: StoreTranscriptRequest) -> str:
-        self.stored.append(req)
+        """As the real one: a small transcript in one call; a big one appended to the
+        message store (``transcripts``) in chunks, then recorded whole."""
+        if req.base_len == 0 and req.complete:
+            self.stored.append(req)
+        else:
+            held = self.transcripts.get(req.job_id, [])
+            if len(held) < req.base_len:
+                raise ApplicationError("gap", type="TranscriptGap", non_retryable=True)
+            self.transcripts[req.job_id] = held[: req.base_len] + req.transcript
+            self.chunks_stored.append(req.model_copy(update={"transcript": []}))
+            if req.complete:
+                self.stored.append(StoreTranscriptRequest(
+                    job_id=req.job_id, transcript=self.transcripts[req.job_id]))
         return f"transcripts/{req.job_id}.json"
+
+    @activity.defn(name="load_transcript")
+    async def load_transcript(self, req: LoadTranscriptRequest) -> list[ChatMessage]:
+        held = self.transcripts.get(req.job_id, [])
+        if len(held) < req.end:
+            raise ApplicationError("gap", type="TranscriptGap", non_retryable=True)
+        out: list[ChatMessage] = []
+        size = 0
+        for m in held[req.start:req.end]:
+            n = len(m.model_dump_json())
+            if out and size + n > req.max_bytes:
+                break
+            out.append(m)
+            size += n
+        self.loads.append(req)
+        return out

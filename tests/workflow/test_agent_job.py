@@ -36,13 +36,15 @@ async def workers(env: WorkflowEnvironment, fakes: FakeActivities,
     agent = Worker(client, task_queue=AGENT_TASK_QUEUE, workflow_runner=sandbox_runner(),
                    workflows=[AgentJob],
                    activities=[fakes.route_step, fakes.pick_engine, fakes.record_pause,
+                               fakes.engine_alive,
                                fakes.run_tool,
-                               fakes.store_transcript])
+                               fakes.store_transcript, fakes.load_transcript])
     engine_workers = [
         Worker(client, task_queue=engine_task_queue(e), activities=[fakes.generate,
                                                                    fakes.prewarm])
         for e in (fakes.engines if serving is None else serving)
     ]
+    fakes.alive = set(fakes.engines if serving is None else serving)
     async with agent:
         for w in engine_workers:
             await w.__aenter__()
@@ -54,7 +56,8 @@ async def workers(env: WorkflowEnvironment, fakes: FakeActivities,
 
 
 async def run_job(client: Client, **kw: object) -> JobResult:
-    job = JobInput(profile="ticket-triage", task=kw.pop("task", TICKET), **kw)  # type: ignore[arg-type]
+    job = JobInput(profile=kw.pop("profile", "ticket-triage"), task=kw.pop("task", TICKET),  # type: ignore[arg-type]
+                   **kw)  # type: ignore[arg-type]
     return await client.execute_workflow(AgentJob.run, job, id=f"job-{uuid.uuid4().hex[:8]}",
                                          task_queue=AGENT_TASK_QUEUE)
 

@@ -3,18 +3,22 @@ activities over a local JSONL file and an in-memory S3 stand-in."""
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
+from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import Worker
+from temporalio.worker import Replayer, Worker
 
 from tests.workflow.fakes import FakeActivities, reply
 from warmloop.activities.batch import BatchActivities
 from warmloop.workers.temporal_plugin import sandbox_runner
+from warmloop.workflows import batch_run
 from warmloop.workflows.agent_job import AgentJob
 from warmloop.workflows.batch_run import BatchInput, BatchRun, RecordOutcome
 from warmloop.workflows.contracts import AGENT_TASK_QUEUE, engine_task_queue
@@ -22,12 +26,57 @@ from warmloop.workflows.contracts import AGENT_TASK_QUEUE, engine_task_queue
 GOOD = {"ticket_id": "T1001", "customer_id": "C100", "subject": "s", "body": "b"}
 
 
+class CountingBody:
+    """An S3 object's streaming body that counts what was read from it."""
+
+    def __init__(self, data: bytes, s3: MemoryS3) -> None:
+        self._stream = io.BytesIO(data)
+        self._s3 = s3
+
+    def read(self, n: int = -1) -> bytes:
+        out = self._stream.read(n)
+        self._s3.bytes_read += len(out)
+        return out
+
+    def close(self) -> None:
+        self._stream.close()
+
+
 class MemoryS3:
-    def __init__(self) -> None:
+    """In-memory S3: result pages in ``objects`` (by key), batch sources in ``sources``
+    (by "bucket/key"); ``down_for`` reads fail as if the endpoint were unreachable."""
+
+    def __init__(self, sources: dict[str, bytes] | None = None, *, down_for: int = 0) -> None:
         self.objects: dict[str, bytes] = {}
+        self.sources = dict(sources or {})
+        self.down_for = down_for
+        self.reads = 0
+        self.bytes_read = 0
 
     def put_object(self, *, Bucket: str, Key: str, Body: bytes, **_: Any) -> None:  # noqa: N803
         self.objects[Key] = Body
+
+    def get_object(self, *, Bucket: str, Key: str, Range: str | None = None,  # noqa: N803
+                   **_: Any) -> dict[str, Any]:
+        from botocore.exceptions import ClientError, EndpointConnectionError
+
+        self.reads += 1
+        if self.down_for > 0:
+            self.down_for -= 1
+            raise EndpointConnectionError(endpoint_url="http://s3.invalid")
+        data = self.sources.get(f"{Bucket}/{Key}")
+        if data is None:
+            raise ClientError({"Error": {"Code": "NoSuchKey", "Message": "no such key"}},
+                              "GetObject")
+        start = 0 if Range is None else int(Range.removeprefix("bytes=").split("-")[0])
+        if Range is not None and start >= len(data):
+            raise ClientError({"Error": {"Code": "InvalidRange", "Message": "bad range"}},
+                              "GetObject")
+        part = data[start:]
+        out: dict[str, Any] = {"Body": CountingBody(part, self), "ContentLength": len(part)}
+        if Range is not None:
+            out["ContentRange"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
+        return out
 
 
 def write_records(path: Path, n_good: int, bad_at: dict[int, str]) -> None:
@@ -44,17 +93,18 @@ def write_records(path: Path, n_good: int, bad_at: dict[int, str]) -> None:
 
 
 async def run_batch(env: WorkflowEnvironment, inp: BatchInput,
-                    *, keep_history: list[Any] | None = None, batch_id: str | None = None
-                    ) -> tuple[Any, MemoryS3, FakeActivities]:
+                    *, keep_history: list[Any] | None = None, batch_id: str | None = None,
+                    s3: MemoryS3 | None = None) -> tuple[Any, MemoryS3, FakeActivities]:
     fakes = FakeActivities(lambda req: reply("finish", '{"resolution": "resolved", '
                                                        '"priority": "low"}'))
-    s3 = MemoryS3()
+    s3 = s3 or MemoryS3()
     batch = BatchActivities(s3, "b")
     client = env.client
     async with (
         Worker(client, task_queue=AGENT_TASK_QUEUE, workflow_runner=sandbox_runner(),
                    workflows=[AgentJob, BatchRun],
                activities=[fakes.route_step, fakes.pick_engine, fakes.record_pause,
+                           fakes.engine_alive,
                            fakes.run_tool, fakes.store_transcript, batch.read_records,
                            batch.write_batch_results]),
         Worker(client, task_queue=engine_task_queue("fake0"),
@@ -109,13 +159,115 @@ async def test_a_batch_larger_than_a_page_continues_as_new_and_counts_each_recor
     assert len({r.job_id for r in fakes.generate_requests}) == 23  # each record ran once
 
 
-async def test_a_missing_source_fails_the_batch_with_a_clear_reason(
+async def test_a_missing_source_ends_the_batch_with_a_clear_reason(
     time_skipping_env: WorkflowEnvironment, tmp_path: Path,
 ) -> None:
-    from temporalio.client import WorkflowFailureError
+    res, s3, _ = await run_batch(time_skipping_env, BatchInput(
+        profile="ticket-triage", source=str(tmp_path / "absent.jsonl")))
+    assert res.state == "SOURCE_MISSING" and "cannot read" in res.reason
+    assert "\n" not in res.reason and res.records == 0 and not s3.objects
 
-    with pytest.raises(WorkflowFailureError) as err:
-        await run_batch(time_skipping_env, BatchInput(profile="ticket-triage",
-                                                      source=str(tmp_path / "absent.jsonl")))
-    activity_error = err.value.cause
-    assert activity_error is not None and "cannot read" in str(activity_error.__cause__)
+
+@pytest.mark.parametrize("source", ["/etc/passwd", "/dev/zero", "s3://b", "s3:///k.jsonl"])
+async def test_a_source_outside_the_allowed_locations_ends_the_batch_refused(
+    time_skipping_env: WorkflowEnvironment, source: str,
+) -> None:
+    res, _, _ = await run_batch(time_skipping_env, BatchInput(profile="ticket-triage",
+                                                              source=source))
+    assert res.state == "SOURCE_REFUSED" and res.records == 0
+    assert res.reason and "\n" not in res.reason
+
+
+async def test_a_minute_of_s3_downtime_is_retried_not_fatal(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    lines = [json.dumps({**GOOD, "ticket_id": f"T{3000 + i}"}) for i in range(3)]
+    s3 = MemoryS3({"b/t.jsonl": ("\n".join(lines) + "\n").encode()}, down_for=8)
+    res, _, _ = await run_batch(time_skipping_env, BatchInput(
+        profile="ticket-triage", source="s3://b/t.jsonl"), s3=s3)
+    assert (res.state, res.done, res.bad) == ("COMPLETED", 3, 0)
+    assert s3.reads == 9
+
+
+async def test_an_unknown_profile_reports_every_line_and_ends_the_batch(
+    time_skipping_env: WorkflowEnvironment, tmp_path: Path,
+) -> None:
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 3, {2: "junk"})
+    res, s3, fakes = await run_batch(time_skipping_env, BatchInput(
+        profile="no-such-profile", source=str(src)))
+    assert (res.records, res.bad, res.done) == (4, 4, 0) and not fakes.generate_requests
+    assert {o.state for o in outcomes(s3)} == {"BAD_RECORD"}
+
+
+async def test_a_job_id_already_in_use_is_reported_and_the_batch_goes_on(
+    dev_server_env: WorkflowEnvironment, tmp_path: Path,
+) -> None:
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 3, {})
+    bid = f"batch-{uuid.uuid4().hex[:6]}"
+    # a running workflow already holds line 2's job id (no worker polls its queue). On a
+    # real dev server: the time-skipping one stops skipping time for the rest of the
+    # session once a workflow task nobody polls was outstanding, even after terminate.
+    squatter = await dev_server_env.client.start_workflow(
+        "Squatter", id=f"{bid}-L2", task_queue=f"nobody-{bid}")
+    try:
+        res, s3, _ = await run_batch(dev_server_env, BatchInput(
+            profile="ticket-triage", source=str(src), window=2), batch_id=bid)
+    finally:
+        await squatter.terminate()
+    by_line = {o.line: o for o in outcomes(s3)}
+    assert by_line[2].state == "JOB_ID_IN_USE" and f"{bid}-L2" in by_line[2].reason
+    assert by_line[1].state == by_line[3].state == "FINISHED"
+    assert (res.state, res.records, res.done, res.failed) == ("COMPLETED", 3, 2, 1)
+    assert res.by_state == {"FINISHED": 2, "JOB_ID_IN_USE": 1}
+
+
+async def test_outcomes_keep_counts_and_the_transcript_key_not_the_transcript(
+    time_skipping_env: WorkflowEnvironment, tmp_path: Path,
+) -> None:
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 2, {})
+    res, s3, _ = await run_batch(time_skipping_env, BatchInput(
+        profile="ticket-triage", source=str(src)))
+    for o in outcomes(s3):
+        assert o.transcript_key == f"transcripts/{o.job_id}.json"
+        assert o.steps == 1 and o.prompt_tokens > 0
+    assert all(len(body) < 2_000 for body in s3.objects.values())
+
+
+def test_a_page_size_the_history_cannot_hold_is_refused() -> None:
+    from pydantic import ValidationError
+
+    most = batch_run.MAX_PAGE_SIZE
+    BatchInput(profile="ticket-triage", source="s3://b/k.jsonl", page_size=most)
+    with pytest.raises(ValidationError, match="page_size"):
+        BatchInput(profile="ticket-triage", source="s3://b/k.jsonl", page_size=most + 1)
+
+
+async def test_a_run_whose_history_is_full_goes_on_from_its_first_unstarted_record(
+    time_skipping_env: WorkflowEnvironment, tmp_path: Path,
+) -> None:
+    """Children's results fill a run's history: past the budget the run starts no more
+    children and continues as new at the first record it did not start."""
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 5, {2: "oops", 5: "[]"})
+    # "recorded": the id the replay test gives a recorded history (child ids depend on it)
+    res, s3, fakes = await run_batch(time_skipping_env, BatchInput(
+        profile="ticket-triage", source=str(src), window=2, page_size=100,
+        history_bytes_per_run=1), batch_id="recorded")
+    assert (res.records, res.done, res.bad) == (7, 5, 2)
+    assert len(res.result_keys) == 5  # one child per run
+    lines = sorted(o.line for o in outcomes(s3))
+    assert lines == list(range(1, 8))
+    assert len({r.job_id for r in fakes.generate_requests}) == 5
+    # the first run stopped after its first child: it replays, and is kept for replay
+    client = time_skipping_env.client
+    last = await client.get_workflow_handle("recorded").fetch_history()
+    first_run = last.events[0].workflow_execution_started_event_attributes.first_execution_run_id
+    history = await client.get_workflow_handle("recorded", run_id=first_run).fetch_history()
+    await Replayer(workflows=[BatchRun], data_converter=pydantic_data_converter,
+                   workflow_runner=sandbox_runner()).replay_workflow(history)
+    if os.environ.get("WARMLOOP_RECORD_HISTORIES"):
+        (Path(__file__).parent / "histories" / "batch_run_history_budget.json").write_text(
+            history.to_json())

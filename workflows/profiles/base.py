@@ -124,7 +124,21 @@ class ToolSpec:
     max_calls: int | None = None
     """Calls allowed per job; one more ends the job as LOOP_CAP."""
     side_effect: bool = False
-    """Changes the world: applied at most once per (job, step), however often retried."""
+    """Changes the world: applied at most once per effect (see ``effect_key``), however
+    often the activity is retried or the model asks again."""
+    effect_key: tuple[str, ...] | None = None
+    """The business identity of the effect, so that it applies once per *thing changed*
+    rather than once per step: the names of the arguments that, with the tool's name and
+    the job's task record id (``Profile.task_id_field``), identify it. ``()`` means once
+    per task record (one priority per ticket); ``("invoice_id",)`` once per invoice;
+    ``("invoice_id", "reason")`` once per invoice and discrepancy kind. A repeated call
+    at another step is not applied again: the model reads the first call's result,
+    marked "already applied". None (the default, and what a user's tool gets unless it
+    opts in): once per (job, step), which only makes a retried call idempotent."""
+    task_args: tuple[str, ...] = ()
+    """Arguments that name the job's own task record: a call whose value is not the
+    task's id is refused (a one-line error the model reads) and nothing runs, so a model
+    cannot pay, flag or change a record outside its task."""
     retry: ToolRetry = ToolRetry()
     timeout_s: float = 30.0
     pause_median_s: float = 1.0
@@ -147,6 +161,30 @@ class ToolSpec:
             raise ValueError(
                 f"tool {self.name!r}: argument(s) {', '.join(optional)} have defaults; strict "
                 "tool schemas need every argument required (use an enum with a 'none' value)")
+        # a list (from YAML, or a user's literal) would make the spec unhashable
+        if self.effect_key is not None:
+            object.__setattr__(self, "effect_key", tuple(self.effect_key))
+        object.__setattr__(self, "task_args", tuple(self.task_args))
+        fields = self.args.model_fields
+        for what, names in (("effect_key", self.effect_key or ()),
+                            ("task_args", self.task_args)):
+            unknown = [n for n in names if n not in fields]
+            if unknown:
+                raise ValueError(f"tool {self.name!r}: {what} names {', '.join(unknown)}, not "
+                                 f"argument(s) of the tool ({', '.join(fields) or 'none'})")
+        if self.effect_key is not None and not self.side_effect:
+            raise ValueError(f"tool {self.name!r}: effect_key needs side_effect=True (only a "
+                             "side effect has an identity to apply once by)")
+
+    def effect_identity(self, task_id: str, arguments: dict[str, Any]) -> str | None:
+        """What the effect of this call changes, as a canonical string (the same for
+        every call that changes the same thing); None when the tool declares no
+        ``effect_key`` and its effects are told apart by step. Pure: the workflow may
+        call it too."""
+        if self.effect_key is None:
+            return None
+        return json.dumps([self.name, task_id, {k: arguments.get(k) for k in self.effect_key}],
+                          sort_keys=True, separators=(",", ":"), default=str)
 
     def openai_schema(self) -> dict[str, Any]:
         schema = self.args.model_json_schema()
@@ -282,6 +320,18 @@ class Profile:
         unknown = sorted(set(names) - set(self._by_name))
         if unknown:
             raise ValueError(f"profile {self.name!r} has no tools {', '.join(unknown)}")
+
+    def out_of_task(self, spec: ToolSpec, task_id: str,
+                    arguments: dict[str, Any]) -> str | None:
+        """Why this call may not run, as the one line the model reads, when one of the
+        tool's ``task_args`` names another record than the job's task; None when it may.
+        Pure, so the workflow can refuse before it asks a human to approve the call."""
+        for name in spec.task_args:
+            value = arguments.get(name)
+            if not task_id or str(value) != task_id:
+                return (f"refused: {spec.name} acts only on this job's {self.task_id_field} "
+                        f"{task_id or '(none)'}, not {name} {value}; nothing was applied")
+        return None
 
     def validate_task(self, task: dict[str, Any]) -> BaseModel:
         return self.task_model.model_validate(task)

@@ -63,6 +63,13 @@ class ToolDoc(_Strict):
     http: HttpToolDoc | None = None
     activity: ActivityToolDoc | None = None
     side_effect: bool = False
+    effect_key: list[str] | None = Field(
+        default=None, description="Arguments that, with the tool and the task's record "
+        "id, identify the side effect: it applies once per identity in a job ([] once per "
+        "task record). Unset: once per step.")
+    task_args: list[str] = Field(
+        default_factory=list, description="Arguments that must name the job's own task "
+        "record; a call naming another is refused.")
     max_calls: int | None = Field(default=None, ge=1)
     timeout_s: float = Field(default=30.0, gt=0, le=3600)
     max_attempts: int = Field(default=3, ge=1, le=20)
@@ -188,7 +195,9 @@ def _tool(profile: str, i: int, t: ToolDoc,
     try:
         return ToolSpec(
             name=t.name, description=t.description, args=args, finishes_job=t.finishes_job,
-            max_calls=t.max_calls, side_effect=t.side_effect, timeout_s=t.timeout_s,
+            max_calls=t.max_calls, side_effect=t.side_effect,
+            effect_key=None if t.effect_key is None else tuple(t.effect_key),
+            task_args=tuple(t.task_args), timeout_s=t.timeout_s,
             retry=ToolRetry(max_attempts=t.max_attempts,
                             initial_interval_s=t.retry_initial_interval_s),
             pause_median_s=t.pause_median_s, pause_p90_s=t.pause_p90_s, runner=runner)

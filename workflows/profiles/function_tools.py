@@ -27,7 +27,9 @@ class ToolContext:
     step: int
     task_id: str
     idempotency_key: str
-    """``<job>:<step>:<tool>``: the same for every retry of one call."""
+    """``<job>:<step>:<tool>``: the same for every retry of one call; for a tool with an
+    ``effect_key``, ``<job>:<tool>:<digest of the effect's identity>``, the same for
+    every call that changes the same thing."""
 
 
 class FunctionTool:
@@ -57,6 +59,7 @@ def tool(
     max_calls: int | None = None, timeout_s: float = 30.0, max_attempts: int = 3,
     retry_initial_interval_s: float = 0.5, non_retryable: tuple[str, ...] = (),
     pause_median_s: float = 1.0, pause_p90_s: float = 5.0,
+    effect_key: tuple[str, ...] | None = None, task_args: tuple[str, ...] = (),
 ) -> Any:
     """Make a function a tool. Its parameters become the tool's arguments: every one
     must be annotated, and strings must be bounded (``Literal[...]`` or
@@ -71,6 +74,12 @@ def tool(
     ``side_effect=True``: the worker records the call's result in the effect ledger and a
     retry of the same call returns it without calling the function again; the function
     should still pass ``ToolContext.idempotency_key`` to whatever it changes.
+
+    ``effect_key`` (opt-in, with ``side_effect=True``): the parameters that, with the tool
+    and the task's record id, identify what the call changes; the function then runs
+    once per that identity in a job, not once per step (``ToolSpec.effect_key``).
+    ``task_args``: parameters that must name the job's own task record, or the call is
+    refused before the function runs (``ToolSpec.task_args``).
     """
 
     def wrap(f: Callable[..., Any]) -> FunctionTool:
@@ -98,7 +107,8 @@ def tool(
                             "(the model reads it)")
         spec = ToolSpec(
             name=tool_name, description=doc, args=args, finishes_job=finishes_job,
-            max_calls=max_calls, side_effect=side_effect, timeout_s=timeout_s,
+            max_calls=max_calls, side_effect=side_effect, effect_key=effect_key,
+            task_args=task_args, timeout_s=timeout_s,
             retry=ToolRetry(max_attempts=max_attempts,
                             initial_interval_s=retry_initial_interval_s,
                             non_retryable=non_retryable),

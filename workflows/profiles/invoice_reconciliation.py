@@ -178,10 +178,13 @@ INVOICE_RECONCILIATION = Profile(
                  FetchPurchaseOrderArgs, max_calls=3),
         ToolSpec("compare_lines", "Compare an invoice's lines with a purchase order's lines.",
                  CompareLinesArgs, max_calls=3),
+        # only the task's invoice; each discrepancy kind flagged once, and one payment
+        # per invoice however many steps ask for it
         ToolSpec("flag_discrepancy", "Flag a discrepancy on an invoice; it is not paid.",
-                 FlagDiscrepancyArgs, side_effect=True),
+                 FlagDiscrepancyArgs, side_effect=True, effect_key=("invoice_id", "reason"),
+                 task_args=("invoice_id",)),
         ToolSpec("approve_payment", "Pay an invoice its exact total.", ApprovePaymentArgs,
-                 side_effect=True),
+                 side_effect=True, effect_key=("invoice_id",), task_args=("invoice_id",)),
         ToolSpec("finish", "End the job with an outcome.", FinishArgs, finishes_job=True),
     ),
     approvals=(

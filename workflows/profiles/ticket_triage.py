@@ -142,10 +142,12 @@ TICKET_TRIAGE = Profile(
                  LookupCustomerArgs, max_calls=4),
         ToolSpec("search_kb", "List knowledge base articles on a topic.", SearchKbArgs,
                  max_calls=5),
+        # one priority and one reply per ticket: a second call at a later step reads
+        # the first one's result instead of changing the ticket again
         ToolSpec("set_priority", "Set the ticket's priority.", SetPriorityArgs,
-                 side_effect=True),
+                 side_effect=True, effect_key=()),
         ToolSpec("draft_reply", "Draft a reply to the customer citing one article.",
-                 DraftReplyArgs, side_effect=True),
+                 DraftReplyArgs, side_effect=True, effect_key=()),
         ToolSpec("finish", "End the job with a resolution and a priority.", FinishArgs,
                  finishes_job=True),
     ),

@@ -1,0 +1,156 @@
+"""The engine's SSE stream, read by ``generate``: whatever goes wrong inside a 200
+stream is the engine's failure (an ``EngineError``, retried then failed over), never
+the model's (an invalid tool call), and tokens the engine reported come with it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from temporalio.exceptions import ApplicationError
+
+from tests.unit.engine_fakes import (
+    GOOD_STREAM,
+    USAGE,
+    CutStream,
+    call_chunks,
+    engine,
+    generate,
+    inference,
+    role_chunk,
+    sse,
+    usage_chunk,
+)
+
+ENGINE_ERROR = "EngineError"  # the type generate has always given a failing engine (5xx)
+
+
+async def engine_error(stream: bytes | Any) -> ApplicationError:
+    with pytest.raises(ApplicationError) as err:
+        await generate(inference(engine(stream)))
+    assert err.value.type == ENGINE_ERROR, err.value
+    assert not err.value.non_retryable  # retried, then failed over by the workflow
+    return err.value
+
+
+def reported(err: ApplicationError) -> dict[str, Any]:
+    """The usage the engine reported before it failed (the error's first detail)."""
+    assert err.details, "the error carries the step's usage"
+    detail = err.details[0]
+    assert isinstance(detail, dict)
+    return detail
+
+
+async def test_a_whole_stream_is_a_step() -> None:
+    result = await generate(inference(engine(GOOD_STREAM)))
+    assert [c.function.name for c in result.tool_calls] == ["search_kb"]
+    assert result.tool_calls[0].function.arguments == '{"topic": "crash"}'
+    assert (result.prompt_tokens, result.cached_tokens, result.completion_tokens) == (300, 256,
+                                                                                      12)
+
+
+async def test_an_error_event_inside_a_200_stream_is_an_engine_error() -> None:
+    # vLLM writes an error it meets mid-stream as a data event, then [DONE]
+    err = await engine_error(sse(role_chunk(), call_chunks()[0],
+                                 {"error": {"message": "engine core died", "type":
+                                            "InternalServerError", "code": 500}}, "[DONE]"))
+    assert "engine core died" in err.message
+    # older vLLM: the error object itself, and the SSE `event: error` form
+    await engine_error(sse(role_chunk(), {"object": "error", "message": "boom",
+                                          "type": "InternalServerError", "code": 500}))
+    await engine_error(sse(role_chunk()) + b"event: error\n" + sse({"message": "overloaded"}))
+
+
+async def test_usage_reported_before_an_error_event_is_counted() -> None:
+    err = await engine_error(sse(role_chunk(), *call_chunks(), usage_chunk(),
+                                 {"error": {"message": "detokenizer failed"}}, "[DONE]"))
+    assert reported(err) == {"prompt_tokens": 300, "cached_tokens": 256,
+                             "completion_tokens": 12}
+
+
+async def test_a_stream_cut_before_done_is_an_engine_error() -> None:
+    # the body ends cleanly, but without [DONE]
+    err = await engine_error(sse(role_chunk(), *call_chunks(), usage_chunk()))
+    assert reported(err)["prompt_tokens"] == USAGE["prompt_tokens"]
+    # the connection drops mid-body
+    err = await engine_error(lambda: CutStream(sse(role_chunk(), call_chunks()[0])))
+    assert reported(err) == {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0}
+
+
+async def test_a_stream_without_usage_is_an_engine_error() -> None:
+    err = await engine_error(sse(role_chunk(), *call_chunks(), "[DONE]"))
+    assert "usage" in err.message
+
+
+async def test_non_json_data_is_an_engine_error() -> None:
+    err = await engine_error(sse(role_chunk(), "{not json", *call_chunks(), usage_chunk(),
+                                 "[DONE]"))
+    assert "JSON" in err.message or "json" in err.message
+
+
+@pytest.mark.parametrize("chunk", [
+    5, "text", None, [1, 2], {"choices": 5}, {"choices": [5]}, {"choices": [{"delta": "x"}]},
+    {"choices": [{"delta": {"content": 7}}]},
+    {"choices": [{"delta": {"tool_calls": [{"index": "zero", "function": {"name": 1}}]}}]},
+    {"choices": [{"delta": {"tool_calls": 3}}]},
+    {"usage": {"prompt_tokens": "many"}}, {"usage": {"prompt_tokens": -1}},
+    {"usage": {"prompt_tokens": 1, "prompt_tokens_details": {"cached_tokens": [1]}}},
+    {"prompt_token_ids": "abc"},
+])
+async def test_malformed_chunks_are_engine_errors(chunk: Any) -> None:
+    await engine_error(sse(role_chunk(), json.dumps(chunk), *call_chunks(), usage_chunk(),
+                           "[DONE]"))
+
+
+async def outcome(stream: bytes) -> str:
+    """'ok', or the engine error's type; any other exception escapes (the test fails)."""
+    try:
+        await generate(inference(engine(stream)), timeout_s=5.0)
+    except ApplicationError as e:
+        assert e.type == ENGINE_ERROR and not e.non_retryable, e
+        return e.type
+    return "ok"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=2048))
+def test_random_bytes_as_the_stream_are_a_clean_engine_error(stream: bytes) -> None:
+    assert asyncio.run(outcome(stream)) == ENGINE_ERROR
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 10**6) | st.floats(allow_nan=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+        st.sampled_from(["choices", "delta", "content", "tool_calls", "index", "function",
+                         "name", "arguments", "usage", "prompt_tokens", "completion_tokens",
+                         "prompt_tokens_details", "cached_tokens", "finish_reason",
+                         "prompt_token_ids", "error", "object", "id"]), inner, max_size=4),
+    max_leaves=12)
+lines = st.one_of(json_values.map(lambda v: "data: " + json.dumps(v)),
+                  st.just("data: [DONE]"), st.text(max_size=20), st.just(""),
+                  st.just("event: error"))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(lines, max_size=12))
+def test_random_chunks_are_a_step_or_a_clean_engine_error(stream: list[str]) -> None:
+    body = "\n".join(stream).encode()
+    assert asyncio.run(outcome(body)) in ("ok", ENGINE_ERROR)
+
+
+async def test_a_non_200_answer_is_still_sorted_by_status() -> None:
+    def answer(status: int, text: str) -> httpx.MockTransport:
+        return httpx.MockTransport(lambda r: httpx.Response(status, text=text))
+
+    with pytest.raises(ApplicationError) as err:
+        await generate(inference(answer(400, "maximum context length is 2048")))
+    assert err.value.type == "ContextOverflow" and err.value.non_retryable
+    with pytest.raises(ApplicationError) as err:
+        await generate(inference(answer(503, "busy")))
+    assert err.value.type == ENGINE_ERROR and not err.value.non_retryable

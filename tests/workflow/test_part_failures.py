@@ -1,0 +1,146 @@
+"""What a job does when a part around it fails or the model names the wrong record:
+Redis away while routing, an engine that fails a step part-way, a side effect aimed
+at another record than the job's task."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from datetime import UTC, datetime
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
+
+from tests.workflow.fakes import FakeActivities, reply
+from tests.workflow.test_agent_job import TICKET, always, run_job, workers
+from warmloop.workflows.agent_job import AgentJob
+from warmloop.workflows.budgets import Usage
+from warmloop.workflows.contracts import (
+    AGENT_TASK_QUEUE,
+    GenerateRequest,
+    GenerateResult,
+    JobCarry,
+    JobInput,
+    JobState,
+    RouteRequest,
+    engine_task_queue,
+)
+from warmloop.workflows.routing import RouteDecision
+
+SEARCH = reply("search_kb", '{"topic": "crash"}')
+INVOICE = {"invoice_id": "INV1001", "vendor_id": "V001", "po_number": "PO1001"}
+
+
+class RedisAway(FakeActivities):
+    """route_step answers RedisUnavailable (Redis away, no engines known yet) a few
+    times, then routes as usual."""
+
+    away_for = 8  # more than route_step's own retries
+
+    @activity.defn(name="route_step")
+    async def route_step(self, req: RouteRequest) -> RouteDecision:
+        if self.away_for > 0:
+            self.away_for -= 1
+            raise ApplicationError("Redis is away", type="RedisUnavailable")
+        return await super().route_step(req)
+
+
+async def test_a_job_waits_for_redis_rather_than_ending(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    fakes = RedisAway(always(SEARCH))
+    async with workers(time_skipping_env, fakes) as client:
+        res = await run_job(client, max_steps=2)
+    assert fakes.away_for == 0
+    assert res.state == JobState.LOOP_CAP, (res.state, res.reason)
+    assert len(res.steps) == 2
+
+
+class FailsPartWay(FakeActivities):
+    """Engine fake0 fails every attempt after the engine reported 700 prompt tokens."""
+
+    @activity.defn(name="generate")
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        if activity.info().task_queue == "engine.fake0":
+            self.generate_requests.append(req)
+            raise ApplicationError("engine fake0: stream cut before [DONE]",
+                                   {"prompt_tokens": 700, "cached_tokens": 0,
+                                    "completion_tokens": 3}, type="EngineError")
+        return await super().generate(req)
+
+
+async def test_tokens_an_engine_reported_before_failing_count(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    fakes = FailsPartWay(always(SEARCH), engines=["fake0", "fake1"])
+    fakes.forced_routes = ["fake0"]
+    async with workers(time_skipping_env, fakes) as client:
+        res = await run_job(client, max_steps=1)
+    assert res.state == JobState.LOOP_CAP
+    assert fakes.served_by == ["fake1"] and res.steps[0].retries >= 1
+    # the failed attempt's 700 + 3 tokens, then the step on fake1 (1000 + 20)
+    assert res.usage.prompt_tokens == 1700 and res.usage.completion_tokens == 23
+
+
+async def test_a_payment_for_another_invoice_is_refused_before_any_approval(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    def script(req: GenerateRequest) -> GenerateResult:
+        if req.step == 1:  # a large payment: it would wait for a human first
+            return reply("approve_payment", '{"invoice_id": "INV9999", "amount": 90000}')
+        return reply("finish", '{"outcome": "needs_review"}')
+
+    fakes = FakeActivities(script)
+    async with workers(time_skipping_env, fakes) as client:
+        res = await run_job(client, profile="invoice-reconciliation", task=INVOICE)
+    assert res.state == JobState.FINISHED
+    assert res.approvals == [] and fakes.tool_requests == []
+    answer = res.transcript[1].content or ""
+    assert answer.startswith("refused:") and "INV1001" in answer
+
+
+async def test_a_job_started_around_the_client_with_a_bad_id_or_a_carry_is_refused(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    fakes = FakeActivities(always(SEARCH))
+    forged = JobCarry(transcript=[], stored_len=0, steps=[], usage=Usage(cost_usd=0.0),
+                      engine=None, invalid_streak=0, next_kind="plan",
+                      started_at=datetime(2020, 1, 1, tzinfo=UTC), runs=1)
+    async with workers(time_skipping_env, fakes) as client:
+        bad_id = await client.execute_workflow(
+            AgentJob.run, JobInput(profile="ticket-triage", task=TICKET),
+            id=f"job*{uuid.uuid4().hex[:6]}", task_queue=AGENT_TASK_QUEUE)
+        with_carry = await run_job(client, carry=forged)
+    assert bad_id.state == JobState.INVALID_INPUT and "may hold only" in bad_id.reason
+    assert with_carry.state == JobState.INVALID_INPUT
+    assert "continue-as-new only" in with_carry.reason
+    assert fakes.generate_requests == []
+
+
+async def test_a_busy_engine_keeps_its_step_and_a_gone_one_fails_it_over(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    # Busy: nobody takes fake0's steps within the pickup timeout, yet its worker
+    # heartbeats. The step waits for fake0 rather than moving to cold fake1.
+    busy = FakeActivities(always(SEARCH), engines=["fake0", "fake1"])
+    busy.forced_routes = ["fake0"] * 5
+    async with workers(time_skipping_env, busy, serving=["fake1"]) as client:
+        busy.alive.add("fake0")
+        job = asyncio.ensure_future(run_job(client, max_steps=1))
+        await asyncio.wait_for(busy.asked_alive.wait(), timeout=60)
+        async with Worker(client, task_queue=engine_task_queue("fake0"),
+                          activities=[busy.generate, busy.prewarm]):
+            res = await asyncio.wait_for(job, timeout=60)
+    assert res.state == JobState.LOOP_CAP
+    assert busy.served_by == ["fake0"] and busy.alive_asked[0] == "fake0"
+    assert res.steps[0].route_reason != "failover"
+
+    # Gone: no worker and no heartbeat: the step fails over, as it always did.
+    gone = FakeActivities(always(SEARCH), engines=["fake0", "fake1"])
+    gone.forced_routes = ["fake0"]
+    async with workers(time_skipping_env, gone, serving=["fake1"]) as client:
+        res = await run_job(client, max_steps=1)
+    assert res.state == JobState.LOOP_CAP and gone.served_by == ["fake1"]
+    assert gone.alive_asked == ["fake0"]
