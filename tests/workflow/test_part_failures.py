@@ -128,7 +128,8 @@ async def test_a_busy_engine_keeps_its_step_and_a_gone_one_fails_it_over(
     busy.forced_routes = ["fake0"] * 5
     async with workers(time_skipping_env, busy, serving=["fake1"]) as client:
         busy.alive.add("fake0")
-        job = asyncio.ensure_future(run_job(client, max_steps=1))
+        # a short pickup timeout: this part waits in real time (the test drives it)
+        job = asyncio.ensure_future(run_job(client, max_steps=1, step_pickup_timeout_s=2))
         await asyncio.wait_for(busy.asked_alive.wait(), timeout=60)
         async with Worker(client, task_queue=engine_task_queue("fake0"),
                           activities=[busy.generate, busy.prewarm]):
@@ -141,6 +142,6 @@ async def test_a_busy_engine_keeps_its_step_and_a_gone_one_fails_it_over(
     gone = FakeActivities(always(SEARCH), engines=["fake0", "fake1"])
     gone.forced_routes = ["fake0"]
     async with workers(time_skipping_env, gone, serving=["fake1"]) as client:
-        res = await run_job(client, max_steps=1)
+        res = await run_job(client, max_steps=1, step_pickup_timeout_s=2)
     assert res.state == JobState.LOOP_CAP and gone.served_by == ["fake1"]
     assert gone.alive_asked == ["fake0"]

@@ -167,7 +167,7 @@ async def test_fresh_fault_path_histories_replay(time_skipping_env: WorkflowEnvi
     fakes = FakeActivities(lambda req: search, engines=["fake0", "fake1"])
     fakes.forced_routes = ["fake0"]
     async with workers(time_skipping_env, fakes, serving=["fake1"]) as client:
-        res = await run_job(client, max_steps=2)
+        res = await run_job(client, max_steps=2, step_pickup_timeout_s=2)
         recorded["agent_job_failover.json"] = await client.get_workflow_handle(
             res.job_id).fetch_history()
     assert fakes.served_by == ["fake1", "fake1"] and fakes.alive_asked == ["fake0"]
