@@ -230,7 +230,12 @@ class Stack:
             Part(
                 "redis",
                 [find_redis_server(), "--bind", r.hostname or "127.0.0.1",
-                 "--port", str(r.port or 6379), "--save", "", "--appendonly", "no",
+                 "--port", str(r.port or 6379), "--save", "",
+                 # The side-effect ledger must outlive a Redis restart (a lost key would
+                 # let a retried side effect apply again): an append-only file, fsynced
+                 # every second. The rest is rebuilt (a worker clears its engine's
+                 # directory when it starts; heartbeats expire).
+                 "--appendonly", "yes", "--appendfsync", "everysec",
                  "--dir", str(s.state_dir)],
                 ready=self._redis_ready,
                 timeout_s=15,

@@ -99,3 +99,42 @@ def test_a_killed_inference_workers_heartbeat_does_not_pass_for_a_live_one(
     assert _stack_with(tmp_path, f"{here}-{os.getpid()}", None)  # a live one not ours
     assert _stack_with(tmp_path, f"{here}-{os.getpid()}", os.getpid())  # ours
     assert not _stack_with(tmp_path, f"{here}-{os.getpid()}", dead.pid)  # not ours yet
+
+
+def test_the_embedded_redis_keeps_the_effect_ledger_across_a_kill(tmp_path: Path) -> None:
+    import signal
+    import socket
+    import time
+
+    import redis
+
+    from warmloop.infra.stack import Stack
+    from warmloop.workers.settings import Settings
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    settings = Settings(state_dir=tmp_path, redis_url=f"redis://127.0.0.1:{port}/0")
+    [part] = [p for p in Stack(settings, log=lambda _: None).infra_parts() if p.name == "redis"]
+
+    def start() -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(part.argv, stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while not part.ready():
+            assert proc.poll() is None and time.monotonic() < deadline, "redis did not start"
+            time.sleep(0.05)
+        return proc
+
+    proc = start()
+    try:
+        r = redis.Redis(port=port)
+        assert r.set("warmloop:effect:job-1:id:abc", "applied", nx=True)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc = start()
+        # a retried side effect finds its record: it is not applied again
+        assert r.get("warmloop:effect:job-1:id:abc") == b"applied"
+        assert not r.set("warmloop:effect:job-1:id:abc", "again", nx=True)
+    finally:
+        proc.kill()
+        proc.wait()
