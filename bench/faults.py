@@ -126,14 +126,17 @@ class EffectWatch:
     subscribing to ``__keyspace@0__:warmloop:effect:*`` observes each application as it
     happens, from outside the product.
 
-    Redis here keeps no data across a restart: when its ``run_id`` changes the watch
-    starts a new epoch (and sets the notification option again, which is lost too).
-    Notifications are also cross-checked with scans: ``snapshot`` (right before Redis
-    is killed, and at the scenario's end) marks every key of the scenario's jobs present
-    in the current epoch as applied at least once. A key's applications are the sum
-    over epochs of max(notifications, 1 if scanned); more than one is "applied twice".
-    An application in the instant between a restarted Redis accepting writes and the
-    watch resubscribing is still caught by the end-of-epoch scan, though only once.
+    When Redis restarts (its ``run_id`` changes) the watch starts a new epoch and sets
+    the notification option again (a restart loses it). The embedded Redis keeps its
+    keys across a restart (an append-only file fsynced every second), so a key may be
+    one application seen in two epochs. Notifications are cross-checked with scans:
+    ``snapshot`` (right before Redis is killed, and at the scenario's end) marks every
+    key of the scenario's jobs present in the current epoch. A key's applications are
+    its notifications over all epochs, plus one for each epoch where it was scanned
+    without a notification and had not been seen in an earlier epoch (an application in
+    the instant between a restarted Redis accepting writes and the watch resubscribing;
+    a key the append-only file brought back is not one). More than one is "applied
+    twice".
     """
 
     def __init__(self, url: str, prefix: str) -> None:
@@ -196,8 +199,14 @@ class EffectWatch:
         keys = {k for _, k in self._sets} | {k for _, k in self._scanned}
         out: dict[str, int] = {}
         for key in keys:
-            out[key] = sum(max(self._sets[(e, key)], 1 if (e, key) in self._scanned else 0)
-                           for e in range(self._epoch + 1))
+            n, seen = 0, False
+            for e in range(self._epoch + 1):
+                sets = self._sets[(e, key)]
+                n += sets
+                if not sets and (e, key) in self._scanned and not seen:
+                    n += 1  # applied unobserved (a resubscribe gap), seen only by the scan
+                seen = seen or sets > 0 or (e, key) in self._scanned
+            out[key] = n
         return out
 
 
