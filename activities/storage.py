@@ -12,9 +12,8 @@ from typing import Any
 
 from pydantic import TypeAdapter
 from temporalio import activity
-from temporalio.exceptions import ApplicationError
 
-from warmloop.activities.transcripts import TRANSCRIPT_GAP, TranscriptStore
+from warmloop.activities.transcripts import TranscriptStore, read_message
 from warmloop.workflows.contracts import (
     ChatMessage,
     LoadTranscriptRequest,
@@ -50,8 +49,9 @@ class StorageActivities:
             if not req.complete:
                 return key
             n = req.base_len + len(req.transcript)
-            raw = await asyncio.gather(*(asyncio.to_thread(self._message, req.job_id, i)
-                                         for i in range(n)))
+            raw = await asyncio.gather(*(
+                asyncio.to_thread(read_message, self._s3, self._bucket, req.job_id, i)
+                for i in range(n)))
             body = b"[" + b",".join(raw) + b"]"
         await asyncio.to_thread(self._s3.put_object, Bucket=self._bucket, Key=key, Body=body,
                                 ContentType="application/json")
@@ -65,22 +65,13 @@ class StorageActivities:
         out: list[ChatMessage] = []
         size = 0
         for i in range(req.start, req.end):
-            raw = await asyncio.to_thread(self._message, req.job_id, i)
+            raw = await asyncio.to_thread(read_message, self._s3, self._bucket,
+                                          req.job_id, i)
             if out and size + len(raw) > req.max_bytes:
                 break
             out.append(ChatMessage.model_validate_json(raw))
             size += len(raw)
         return out
-
-    def _message(self, job_id: str, index: int) -> bytes:
-        try:
-            obj = self._s3.get_object(Bucket=self._bucket, Key=TranscriptStore.key(job_id, index))
-        except self._s3.exceptions.NoSuchKey:
-            raise ApplicationError(
-                f"transcript of {job_id} has no message {index} in S3",
-                type=TRANSCRIPT_GAP, non_retryable=True) from None
-        body: bytes = obj["Body"].read()
-        return body
 
     def load_transcript(self, key: str) -> list[ChatMessage]:
         obj = self._s3.get_object(Bucket=self._bucket, Key=key)

@@ -18,6 +18,18 @@ from warmloop.workflows.contracts import ChatMessage
 TRANSCRIPT_GAP = "TranscriptGap"
 
 
+def read_message(s3: Any, bucket: str, job_id: str, index: int) -> bytes:
+    """Message ``index`` of a job's stored transcript, as stored. A missing one is a
+    TranscriptGap: the store lost it (an in-memory S3 restarted)."""
+    try:
+        obj = s3.get_object(Bucket=bucket, Key=TranscriptStore.key(job_id, index))
+    except s3.exceptions.NoSuchKey:
+        raise ApplicationError(f"transcript of {job_id} has no message {index} in S3",
+                               type=TRANSCRIPT_GAP, non_retryable=True) from None
+    body: bytes = obj["Body"].read()
+    return body
+
+
 class TranscriptStore:
     def __init__(self, s3: Any, bucket: str, *, cached_jobs: int = 1024) -> None:
         self._s3 = s3
@@ -64,12 +76,7 @@ class TranscriptStore:
             return []
 
         def get(i: int) -> ChatMessage:
-            try:
-                obj = self._s3.get_object(Bucket=self._bucket, Key=self.key(job_id, i))
-            except self._s3.exceptions.NoSuchKey:
-                raise ApplicationError(
-                    f"transcript of {job_id} has no message {i} in S3; cannot rebuild its prompt",
-                    type=TRANSCRIPT_GAP, non_retryable=True) from None
-            return ChatMessage.model_validate_json(obj["Body"].read())
+            return ChatMessage.model_validate_json(
+                read_message(self._s3, self._bucket, job_id, i))
 
         return list(await asyncio.gather(*(asyncio.to_thread(get, i) for i in range(n))))
