@@ -140,12 +140,40 @@ def _depth_exceeds(value: Any, limit: int) -> bool:
     return False
 
 
+def _text_nests_deeper(text: str, limit: int) -> bool:
+    """Whether JSON ``text`` opens more than ``limit`` containers at once, brackets inside
+    strings not counted. Checked before parsing: json's recursion past its limit raises
+    a RecursionError whose deep traceback can itself fail to be formatted later."""
+    if text.count("[") + text.count("{") <= limit:
+        return False  # the common line: not enough brackets to nest that deep
+    depth, in_string, escaped = 0, False, False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif ch in "]}":
+            depth -= 1
+    return False
+
+
 def parse_task(text: bytes, profile: Profile) -> dict[str, Any]:
     """One line's task, validated by ``profile``; BadRecord says why it is not one."""
     try:
         decoded = text.decode("utf-8")
     except UnicodeDecodeError as e:
         raise BadRecord(f"invalid UTF-8 at byte {e.start + 1} of the line") from None
+    if _text_nests_deeper(decoded, MAX_DEPTH):
+        raise BadRecord(f"invalid JSON: nested deeper than {MAX_DEPTH} levels")
     try:
         task = json.loads(decoded, parse_float=_finite, parse_constant=_no_constant)
     except BadRecord:
