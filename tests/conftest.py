@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -89,13 +90,21 @@ def settings() -> Settings:
 
 @pytest.fixture(scope="session")
 def stack(settings: Settings) -> Iterator[Stack]:
-    """The real embedded stack: Temporal, Redis, S3, vLLM engines and workers."""
+    """The real embedded stack: Temporal, Redis, S3, vLLM engines and workers.
+
+    A stack already up (`make demo`, `warmloop dev up`) is used, but its workers are
+    restarted with this session's settings: they must load the test plugins. They are
+    left running afterwards (the same workers plus two plugins); a stack this session
+    started whole is stopped."""
     s = Stack(settings, log=lambda m: print(m, file=sys.stderr))
+    workers = {p.name for p in s.worker_parts()}
+    for name in workers:
+        s.stop_part(name, signal.SIGTERM)
     started = s.up()
     try:
         yield s
     finally:
-        if started:  # leave a stack someone else started running
+        if set(started) - workers:  # we started the infrastructure: stop it all
             s.down()
 
 
