@@ -28,6 +28,7 @@ from warmloop.activities.registry import (
 from warmloop.activities.trace_prompts import TracePromptStore
 from warmloop.activities.transcripts import TranscriptStore
 from warmloop.workflows.contracts import (
+    ENGINE_ERROR,
     FunctionCall,
     GenerateRequest,
     GenerateResult,
@@ -45,14 +46,7 @@ log = structlog.get_logger(__name__)
 # Error types the workflow acts on. These two are never retried by Temporal:
 CONTEXT_OVERFLOW = "ContextOverflow"
 ENGINE_REJECTED = "EngineRejected"
-# and this one is:
-ENGINE_ERROR = "EngineError"
-"""The engine failed the step: a 5xx, an error event inside its 200 stream, a stream
-cut before ``[DONE]`` or without its usage, data that is not the chunks it should be,
-a connection lost. Retryable: Temporal retries the step, then the workflow fails it
-over to another engine. Never the model's fault, so never an invalid tool call. Its
-first detail is the usage the engine reported before it failed (zeros if none):
-``{"prompt_tokens", "cached_tokens", "completion_tokens"}``."""
+# and this one is: ENGINE_ERROR (workflows/contracts.py)
 
 RECORD_TIMEOUT_S = 2.0
 """Longest a step waits on Redis for its prefix directory and cache-bust records."""

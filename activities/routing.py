@@ -37,6 +37,7 @@ from warmloop.workflows.contracts import (
     RouteRequest,
 )
 from warmloop.workflows.routing import (
+    REDIS_UNAVAILABLE,
     EngineCandidate,
     RouteDecision,
     RouteReason,
@@ -52,11 +53,6 @@ ROUND_ROBIN_KEY = "warmloop:route:rr"
 NO_LIVE_ENGINE = "NoLiveEngine"
 """ApplicationError type of route_step (retryable): no engine, of those that could serve
 the job, is live (or, while Redis is away, last known) and not excluded."""
-REDIS_UNAVAILABLE = "RedisUnavailable"
-"""ApplicationError type of route_step (retryable): Redis is away and this worker has
-no registry snapshot to route by (it started during the outage), or none of the last
-known engines serves the job. Redis, not the fleet, is the problem: the job should
-wait for it, not end."""
 REDIS_BUDGET_S = 1.5
 """route_step's time for Redis. The workflow runs it as a local activity with a 5 s
 timeout; a hung Redis then leaves time to route by the snapshot."""

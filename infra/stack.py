@@ -324,12 +324,6 @@ class Stack:
         except Exception:
             return False
 
-    def _redis_has(self, key: str) -> bool:
-        try:
-            return bool(self._redis().exists(key))
-        except Exception:
-            return False
-
     def _inference_worker_ready(self, name: str, engine_id: str) -> bool:
         """The engine's heartbeat comes from our worker; or, when we started none, from
         a live one. A heartbeat of a worker killed moments ago (its key not yet

@@ -32,6 +32,7 @@ from warmloop.workflows.budgets import (
 )
 from warmloop.workflows.contracts import (
     AGENT_TASK_QUEUE,
+    ENGINE_ERROR,
     INLINE_TRANSCRIPT_BYTES,
     TRANSCRIPT_CHUNK_BYTES,
     ApprovalRecord,
@@ -73,7 +74,12 @@ from warmloop.workflows.profiles.base import (
     ToolCallError,
     ToolSpec,
 )
-from warmloop.workflows.routing import NO_ENGINE_FOR_MODEL, NO_PRICED_ENGINE, RouteDecision
+from warmloop.workflows.routing import (
+    NO_ENGINE_FOR_MODEL,
+    NO_PRICED_ENGINE,
+    REDIS_UNAVAILABLE,
+    RouteDecision,
+)
 from warmloop.workflows.tool_results import (
     activity_tool_result,
     cut_for_prompt,
@@ -100,16 +106,12 @@ MAX_FAILOVERS = 2
 SHORT_ACTIVITY = timedelta(seconds=30)
 PICK_RETRY = RetryPolicy(maximum_attempts=5, initial_interval=timedelta(seconds=1),
                          # the workflow waits for Redis on a durable timer (see _route)
-                         non_retryable_error_types=["RedisUnavailable"])
+                         non_retryable_error_types=[REDIS_UNAVAILABLE])
 ROUTE_TIMEOUT = timedelta(seconds=5)
 # Routing runs every step, so it is a local activity: no task-queue round trip.
 PATCH_ROUTE_EVERY_STEP = "route-every-step"
 PATCH_PREWARM = "prewarm-on-approval"
 PATCH_OUT_OF_TASK = "refuse-out-of-task-calls"
-REDIS_UNAVAILABLE = "RedisUnavailable"
-"""route_step's error when Redis is away and it knows no engine yet: wait, route again."""
-ENGINE_ERROR = "EngineError"
-"""generate's error for an engine's failure; its details carry the tokens it reported."""
 REDIS_WAIT_MAX = timedelta(seconds=30)
 # Engines price their own steps (GenerateResult.cost_usd); before, the workflow priced
 # them by model name with a silent fallback, which histories recorded then still need.

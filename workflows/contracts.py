@@ -392,6 +392,14 @@ class StepRecord(BaseModel):
     """Where the step's time went; None for steps recorded before it was measured."""
 
 
+ENGINE_ERROR = "EngineError"
+"""The engine failed the step: a 5xx, an error event inside its 200 stream, a stream
+cut before ``[DONE]`` or without its usage, data that is not the chunks it should be,
+a connection lost. Retryable: Temporal retries the step, then the workflow fails it
+over to another engine. Never the model's fault, so never an invalid tool call. Its
+first detail is the usage the engine reported before it failed (zeros if none):
+``{"prompt_tokens", "cached_tokens", "completion_tokens"}``."""
+
 INLINE_TRANSCRIPT_BYTES = 256 * 1024
 """A transcript up to this size (its messages' JSON) travels inline: in ``JobResult``,
 the continue-as-new carry and one ``store_transcript`` call. A bigger one moves through

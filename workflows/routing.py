@@ -86,6 +86,11 @@ NO_ENGINE_FOR_MODEL = "NoEngineForModel"
 NO_PRICED_ENGINE = "NoPricedEngine"
 """ApplicationError type of route_step: a job with a cost cap, and no live engine serving
 its model declares a price."""
+REDIS_UNAVAILABLE = "RedisUnavailable"
+"""ApplicationError type of route_step (retryable): Redis is away and this worker has
+no registry snapshot to route by (it started during the outage), or none of the last
+known engines serves the job. Redis, not the fleet, is the problem: the job should
+wait for it, not end."""
 
 
 class EngineOffer(BaseModel):
