@@ -4,8 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
+CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: install demo test test-fast lint down status clean bench-routing bench-burst bench-pauses bench-contention bench-faults replay-demo
+.PHONY: install demo test test-fast test-browser browser lint down status clean bench-routing bench-burst bench-pauses bench-contention bench-faults replay-demo
 
 install: $(INSTALLED)
 
@@ -30,6 +31,18 @@ test: install lint
 ## Unit and time-skipping workflow tests only (no stack).
 test-fast: install
 	$(BIN)/pytest tests/unit tests/workflow
+
+## The web inbox in a real browser (Playwright driving Debian's Chromium) on the real
+## stack: sign in, approve a payment, reject one, a refusal; screenshots land in
+## .warmloop/screenshots/.
+test-browser: install browser
+	$(BIN)/pytest -m browser tests/browser
+
+## Debian's Chromium for the browser test (a fresh CI machine has none; needs root).
+browser:
+	@test -x $(CHROMIUM) || { apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
+	@test -x $(CHROMIUM) || { echo "no Chromium at $(CHROMIUM)"; exit 1; }
 
 lint: install
 	$(BIN)/ruff check .

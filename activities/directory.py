@@ -10,6 +10,13 @@ Kept in Redis, one sorted set per engine of block hashes
 
 Each job's latest prompt chain and each profile's stable-prefix chain are kept too, so
 the router can ask "how much of this step's prompt does engine E hold?" with one walk.
+
+Tenants: a tenant's prompts carry its ``cache_salt``, which vLLM mixes into the first
+block's hash, so the chain here starts from the salt too (``prompt_chain(salt=...)``,
+and ``KvEventApplier`` reads the salt from the event's ``extra_keys``). The same
+tokens of two tenants are then different blocks here, as they are in the engine. Job
+chains are per tenant by the job's namespaced id; a profile's stable prefix is kept
+under the tenant's ``scoped`` family name.
 """
 
 from __future__ import annotations
@@ -154,8 +161,9 @@ class PrefixDirectory:
 
 
 def prompt_chain(prompt_token_ids: list[int], block_size: int, *,
-                 tail_tokens: int) -> PromptChain:
-    hashes = block_hashes(prompt_token_ids, block_size)
+                 tail_tokens: int, salt: str | None = None) -> PromptChain:
+    """The chain of a prompt sent with ``cache_salt`` ``salt`` (None: none)."""
+    hashes = block_hashes(prompt_token_ids, block_size, salt=salt or "")
     reusable = max(0, len(prompt_token_ids) - tail_tokens) // block_size
     return PromptChain(hashes=hashes, block_size=block_size,
                        reusable_blocks=min(reusable, len(hashes)), tokens=len(prompt_token_ids))
@@ -236,24 +244,44 @@ class KvEventApplier:
         bs = int(body["block_size"])
         tokens = list(body.get("token_ids") or [])
         parent_vh = body.get("parent_block_hash")
-        parent = "" if parent_vh is None else self._ours.get(_key(parent_vh))
-        if parent is None:
-            return []  # parent unknown (stored before we subscribed): cannot chain
+        seed: bytes | None
+        if parent_vh is None:
+            seed = _first_block_seed(body.get("extra_keys"))
+        else:
+            parent = self._ours.get(_key(parent_vh))
+            seed = None if parent is None else bytes.fromhex(parent)
+        if seed is None:
+            # parent unknown (stored before we subscribed), or a first block keyed by
+            # more than a salt (a LoRA, images): cannot chain
+            return []
         out = []
         for i, vh in enumerate(body.get("block_hashes") or []):
             chunk = tokens[i * bs:(i + 1) * bs]
             if len(chunk) < bs:
                 break
-            ours = _chain_step(parent, chunk)
+            ours = _chain_step(seed, chunk)
             self._ours[_key(vh)] = ours
             out.append(ours)
-            parent = ours
+            seed = bytes.fromhex(ours)
         return out
 
 
-def _chain_step(parent_hex: str, tokens: list[int]) -> str:
-    # Same construction as warmloop.workflows.routing.block_hashes, one block at a time.
-    h = hashlib.blake2b(bytes.fromhex(parent_hex) if parent_hex else b"", digest_size=8)
+def _first_block_seed(extra_keys: Any) -> bytes | None:
+    """What a prompt's chain starts from, by its first block's ``extra_keys`` (vLLM
+    publishes them untagged): nothing, or the request's ``cache_salt`` alone (a
+    tenant's prompt, see ``block_hashes(salt=...)``); None for anything else."""
+    first = extra_keys[0] if isinstance(extra_keys, (list, tuple)) and extra_keys else None
+    if not first:
+        return b""
+    if isinstance(first, (list, tuple)) and len(first) == 1 and isinstance(first[0], str):
+        return first[0].encode()
+    return None
+
+
+def _chain_step(parent: bytes, tokens: list[int]) -> str:
+    # Same construction as warmloop.workflows.routing.block_hashes, one block at a time:
+    # ``parent`` is the previous block's digest, or the salt (b"" for none) at block 0.
+    h = hashlib.blake2b(parent, digest_size=8)
     h.update(b"".join(t.to_bytes(4, "little", signed=False) for t in tokens))
     return h.hexdigest()
 
@@ -270,7 +298,8 @@ def _event_kind(ev: Any) -> tuple[str, dict[str, Any]]:
     if isinstance(ev, (list, tuple)) and ev:
         tag = ev[0]
         names = {"BlockStored": ["block_hashes", "parent_block_hash", "token_ids",
-                                 "block_size", "lora_id", "medium"],
+                                 "block_size", "lora_id", "medium", "lora_name",
+                                 "extra_keys"],
                  "BlockRemoved": ["block_hashes", "medium"]}
         fields = names.get(str(tag), [])
         return str(tag), dict(zip(fields, ev[1:], strict=False))

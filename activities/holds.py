@@ -75,6 +75,9 @@ class Hold:
     hashes: list[str] | None = None
     """The held blocks' chain in the prefix directory (checked before each touch)."""
     block_size: int = 16
+    salt: str | None = None
+    """The ``cache_salt`` of the job's tenant: a touch without it would keep another
+    chain warm (the unsalted one) and let the job's own blocks go."""
 
     def record(self) -> str:
         return json.dumps({"kind": self.kind, "tokens": len(self.tokens),
@@ -160,9 +163,10 @@ class HoldManager:
     async def after_step(self, *, job_id: str, profile: Profile, kind: str | None,
                          prefix_tokens: list[int], policy: HoldPolicy,
                          interactive: bool, body: dict[str, Any] | None = None,
-                         block_hashes: list[str] | None = None, block_size: int = 16
-                         ) -> HoldChoice | None:
-        """The step's call pauses the job on ``kind``: hold its prefix or let it go."""
+                         block_hashes: list[str] | None = None, block_size: int = 16,
+                         salt: str | None = None) -> HoldChoice | None:
+        """The step's call pauses the job on ``kind``: hold its prefix or let it go.
+        ``salt``: the step's ``cache_salt`` (its tenant's), which every touch carries."""
         if kind is None or not prefix_tokens or policy == "never":
             return None
         if policy == "always_hold":
@@ -181,7 +185,7 @@ class HoldManager:
                         until=now + self._hold_for_s(choice, policy),
                         next_touch=now + self.touch_interval_s(),
                         created=now, hashes=list(block_hashes) if block_hashes else None,
-                        block_size=block_size)
+                        block_size=block_size, salt=salt)
             if self._ttl_cache is not None:
                 # the step itself just refreshed the TTL: ping only before each expiry
                 hold.body = body
@@ -274,6 +278,8 @@ class HoldManager:
                 return
             url, body = self._url, {"model": self._model, "prompt": h.tokens, "max_tokens": 1,
                                     "temperature": 0, "priority": self.config.touch_priority}
+            if h.salt is not None:
+                body["cache_salt"] = h.salt
         r = await self._http.post(url, json=body, timeout=30.0)
         if r.status_code != 200:
             log.warning("touch_failed", job_id=h.job_id, status=r.status_code)

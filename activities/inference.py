@@ -23,6 +23,7 @@ from warmloop.activities.registry import (
     EngineHeartbeat,
     EngineRegistry,
     RedisOutage,
+    TenantUsage,
     step_key,
 )
 from warmloop.activities.trace_prompts import TracePromptStore
@@ -39,6 +40,7 @@ from warmloop.workflows.contracts import (
 from warmloop.workflows.pricing import EnginePrice
 from warmloop.workflows.profiles import Profile, get_profile
 from warmloop.workflows.prompt import assemble_prompt, canonical_json, prompt_hash
+from warmloop.workflows.tenants import cache_salt, scoped
 from warmloop.workflows.trace import is_trace_profile
 
 log = structlog.get_logger(__name__)
@@ -65,6 +67,10 @@ class InferenceActivities:
     transcript and the budget tail; streams the response so TTFT is measured; asks for
     the usage chunk so the engine's own ``cached_tokens`` comes back with every step, and
     prices the step at the engine's declared ``price`` (``cost_usd``; None without one).
+
+    A step of a tenant's job carries the tenant's ``cache_salt`` (none for the default
+    tenant): its prefix is cached for that tenant alone. ``usage``: each step's tokens
+    are counted against the tenant's hourly quota.
     """
 
     def __init__(self, *, engine_id: str, base_url: str, model: str,
@@ -77,8 +83,10 @@ class InferenceActivities:
                  holds: HoldManager | None = None,
                  price: EnginePrice | None = None,
                  trace_prompts: TracePromptStore | None = None,
-                 outage: RedisOutage | None = None) -> None:
+                 outage: RedisOutage | None = None,
+                 usage: TenantUsage | None = None) -> None:
         self._engine_id = engine_id
+        self._usage = usage  # tenants' tokens per hour (their quota)
         self._outage = outage or RedisOutage()
         self._undone: list[str] = []
         """Step keys still in the engine's in-flight set (Redis was away at their end)."""
@@ -109,6 +117,7 @@ class InferenceActivities:
             req.job_id, req.base_len, req.new_messages)
         messages = assemble_prompt(profile, profile.validate_task(req.task), transcript,
                                    tail=req.tail)
+        salt = cache_salt(req.tenant)
         return {
             "model": self._model,
             "messages": [m.to_openai() for m in messages],
@@ -125,6 +134,8 @@ class InferenceActivities:
             # The prompt's token ids come back in the first chunk: the prefix directory
             # hashes them in the engine's own blocks.
             "return_token_ids": self._dir is not None,
+            # vLLM mixes the salt into the prompt's first block: the tenant's own cache
+            **({} if salt is None else {"cache_salt": salt}),
         }, profile, stored
 
     @activity.defn(name="generate")
@@ -148,7 +159,8 @@ class InferenceActivities:
                                               self._profile_stable.get(req.profile, 0))
         finally:
             if self._registry is not None:
-                await self._step_done(self._registry, step_key(req.job_id, req.step, req.profile))
+                await self._step_done(self._registry, step_key(
+                    req.job_id, req.step, scoped(req.tenant, req.profile)))
             structlog.contextvars.unbind_contextvars("job_id", "step", "engine")
         result.returned_at = time.time()
         if result.timing is not None:
@@ -260,16 +272,26 @@ class InferenceActivities:
                  latency_ms=round(result.latency_ms, 1),
                  dispatch_ms=round(dispatch_ms, 1),
                  pickup_ms=round((picked_up - scheduled) * 1000, 1))
+        counted = self._count_tokens(req.tenant, prompt_tokens + completion_tokens)
         if tail_tokens is not None and prompt_ids:
             # the directory and hold writes overlap the transcript's S3 writes
-            await asyncio.gather(stored, self._record_and_hold(
+            await asyncio.gather(stored, counted, self._record_and_hold(
                 req, profile, body, prompt_ids, tail_tokens, result))
         else:
             if tail_tokens is not None:
                 tail_tokens.cancel()
-            await stored
+            await asyncio.gather(stored, counted)
         # (stored: the step's new messages are in S3 before the step counts as done)
         return result, last_token
+
+    async def _count_tokens(self, tenant: str, tokens: int) -> None:
+        """The step's tokens onto its tenant's hour (its quota). Best effort: while Redis
+        is away they go uncounted, and the quota lets the tenant's jobs on."""
+        usage = self._usage
+        if usage is None:
+            return
+        await self._outage.attempt("tenant usage", lambda: usage.add(tenant, tokens), None,
+                                   timeout_s=RECORD_TIMEOUT_S)
 
     async def _record_and_hold(self, req: GenerateRequest, profile: Profile,
                                body: dict[str, Any], prompt_ids: list[int],
@@ -282,7 +304,8 @@ class InferenceActivities:
         try:
             info = self._engine_info()
             block_size = info.block_size if info else 16
-            chain = prompt_chain(prompt_ids, block_size, tail_tokens=await tail_tokens)
+            chain = prompt_chain(prompt_ids, block_size, tail_tokens=await tail_tokens,
+                                 salt=cache_salt(req.tenant))
             stable = (await self._stable_prefix_tokens(profile, body)
                       if self._detector is not None else None)
         except (httpx.HTTPError, OSError, ValueError, KeyError) as e:
@@ -326,7 +349,8 @@ class InferenceActivities:
             prefix_tokens=prompt_ids[:chain.reusable_blocks * chain.block_size + 1]
             if chain.reusable_blocks else [],
             policy=req.hold_policy, interactive=req.lane == Lane.INTERACTIVE, body=body,
-            block_hashes=chain.hashes[:chain.reusable_blocks], block_size=chain.block_size)
+            block_hashes=chain.hashes[:chain.reusable_blocks], block_size=chain.block_size,
+            salt=cache_salt(req.tenant))
 
     async def _record_prefix(self, req: GenerateRequest, profile: Profile, chain: PromptChain,
                              stable_tokens: int | None, cached_tokens: int) -> None:
@@ -345,7 +369,9 @@ class InferenceActivities:
         if req.expected_cached_tokens is not None:
             await self._dir.record_accuracy(req.expected_cached_tokens, cached_tokens)
         if self._detector is not None and stable_tokens is not None:
-            await self._detector.check(profile=profile.name, job_id=req.job_id, step=req.step,
+            # a tenant's stable prefix is its own (salted) chain, kept under its own name
+            await self._detector.check(profile=scoped(req.tenant, profile.name),
+                                       job_id=req.job_id, step=req.step,
                                        hashes=chain.hashes, block_size=block_size,
                                        stable_blocks=stable_tokens // block_size,
                                        previous=previous, tools=req.tools)

@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from redis.exceptions import RedisError
 
 from warmloop.workflows.routing import EngineOffer
+from warmloop.workflows.tenants import HOUR_S, hour_window
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -161,6 +162,38 @@ def step_key(job_id: str, step: int, profile: str) -> str:
 
 def step_key_profile(key: str) -> str:
     return key.rpartition("|")[2]
+
+
+TENANT_TOKENS = "warmloop:tenant:{}:tokens:{}"
+"""Tokens (prompt plus completion) a tenant's steps used in one clock hour: tenant,
+hour window (``warmloop.workflows.tenants.hour_window``). Expires after the next hour."""
+
+
+class TenantUsage:
+    """Each tenant's tokens per clock hour, counted by the inference workers as steps
+    end and read by the router (and a submit) against the tenant's ``tokens_per_hour``.
+
+    Fixed windows, one key each, that expire by themselves: a counter is one INCRBY per
+    step, and a quota check one GET. Callers treat a Redis error as "unknown" and let
+    the job go on (the quota fails open, logged by their RedisOutage)."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self._redis = redis
+
+    async def add(self, tenant: str, tokens: int, now: float | None = None) -> None:
+        if tokens <= 0:
+            return
+        key = TENANT_TOKENS.format(tenant, hour_window(time.time() if now is None else now))
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.incrby(key, tokens)
+        pipe.expire(key, 2 * HOUR_S)
+        await pipe.execute()
+
+    async def used(self, tenant: str, now: float | None = None) -> int:
+        """The tenant's tokens in the window ``now`` falls in."""
+        raw = await self._redis.get(
+            TENANT_TOKENS.format(tenant, hour_window(time.time() if now is None else now)))
+        return int(raw) if raw is not None else 0
 
 
 _LABEL = re.compile(r'(\w+)="([^"]*)"')

@@ -6,6 +6,13 @@ Redis is advice here too. While it is away (or hung), a step is routed by the la
 registry snapshot this worker saw: sticky to the job's last engine, else the least
 loaded as last known. With no snapshot at all, ``route_step`` fails with the retryable
 ``REDIS_UNAVAILABLE``, for the workflow to wait and route again rather than end the job.
+
+Tenants: a step sees only its own tenant's cached prefixes (the directory's chains are
+salted per tenant, and a profile's stable prefix is kept under the tenant's name), and
+a step of a tenant whose tokens for the hour are spent (``tokens_per_hour``) is refused
+here, before it costs an engine anything: ``TENANT_QUOTA_EXCEEDED``, with the seconds
+until the window resets, for the workflow to wait on a timer. The quota fails open:
+with Redis away the step is routed (by the snapshot) unchecked.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import redis.asyncio as aioredis
 import structlog
@@ -26,6 +33,7 @@ from warmloop.activities.registry import (
     EngineHeartbeat,
     EngineRegistry,
     RedisOutage,
+    TenantUsage,
     step_key,
     step_key_profile,
 )
@@ -47,6 +55,7 @@ from warmloop.workflows.routing import (
     eligible_engines,
     prefix_family,
 )
+from warmloop.workflows.tenants import TENANT_QUOTA_EXCEEDED, TenantQuota, over_tokens, scoped
 
 log = structlog.get_logger(__name__)
 ROUND_ROBIN_KEY = "warmloop:route:rr"
@@ -67,8 +76,13 @@ class RoutingActivities:
                  config: RoutingConfig | None = None,
                  outage: RedisOutage | None = None,
                  redis_budget_s: float = REDIS_BUDGET_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 quotas: Mapping[str, TenantQuota] | None = None,
+                 usage: TenantUsage | None = None) -> None:
         self._registry = registry
+        self._quotas = dict(quotas or {})
+        """Tenants' quotas (``WARMLOOP_TENANTS``); a tenant not here has none."""
+        self._usage = usage or (TenantUsage(redis) if self._quotas else None)
         self._redis = redis
         self._dir = directory or PrefixDirectory(redis)
         self._config = config or RoutingConfig()
@@ -112,6 +126,7 @@ class RoutingActivities:
         if self._outage.should_try():
             try:
                 async with asyncio.timeout(self._budget_s):
+                    await self._check_quota(req)
                     decision = await self._decide(req)
             except REDIS_ERRORS as e:
                 self._outage.failed(e, what="route_step")
@@ -132,6 +147,21 @@ class RoutingActivities:
                  redis_away=self._outage.away)
         return decision
 
+    async def _check_quota(self, req: RouteRequest) -> None:
+        """Refuse the step when its tenant's tokens for this hour are spent (one GET, for
+        tenants with a ``tokens_per_hour`` quota only)."""
+        quota = self._quotas.get(req.tenant)
+        if quota is None or quota.tokens_per_hour is None or self._usage is None:
+            return
+        now = time.time()
+        refused = over_tokens(req.tenant, quota, await self._usage.used(req.tenant, now), now)
+        if refused is not None:
+            why, wait = refused
+            log.info("step_refused_for_quota", job_id=req.job_id, step=req.step,
+                     tenant=req.tenant, retry_after_s=wait)
+            raise ApplicationError(why, {"retry_after_s": wait}, type=TENANT_QUOTA_EXCEEDED,
+                                   non_retryable=True)
+
     async def _decide(self, req: RouteRequest) -> RouteDecision:
         """The engine for the step from the registry and the directory (Redis)."""
         live = await self._live(req.exclude, model=req.model, require_price=req.require_price)
@@ -149,12 +179,13 @@ class RoutingActivities:
                 expected = {e.engine_id: matched[e.engine_id] * e.block_size for e in live}
             else:
                 # A new job: its profile's stable prefix is warm where it is cached, or
-                # where a step of the same profile is being served right now.
-                family = prefix_family(req.profile, req.tools)
+                # where a step of the same profile (and tenant) is being served right now.
+                family = scoped(req.tenant, prefix_family(req.profile, req.tools))
                 stable = await self._dir.profile_chain(family) or []
                 matched = await self._dir.matched_blocks(stable, ids)
+                mine = scoped(req.tenant, req.profile)
                 for e in live:
-                    warming = any(step_key_profile(k) == req.profile for k in steps[e.engine_id])
+                    warming = any(step_key_profile(k) == mine for k in steps[e.engine_id])
                     blocks = len(stable) if warming else matched[e.engine_id]
                     expected[e.engine_id] = blocks * e.block_size
         candidates = [
@@ -171,8 +202,8 @@ class RoutingActivities:
 
     async def _record(self, req: RouteRequest, decision: RouteDecision) -> None:
         """The step is in flight on its engine (the router's load signal)."""
-        await self._registry.step_routed(decision.engine_id,
-                                         step_key(req.job_id, req.step, req.profile))
+        await self._registry.step_routed(
+            decision.engine_id, step_key(req.job_id, req.step, scoped(req.tenant, req.profile)))
         if req.lane == Lane.BATCH:
             await self._registry.batch_job_routed(decision.engine_id, req.job_id)
 

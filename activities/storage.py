@@ -19,12 +19,16 @@ from warmloop.workflows.contracts import (
     LoadTranscriptRequest,
     StoreTranscriptRequest,
 )
+from warmloop.workflows.tenants import s3_prefix, split_job_id
 
 _transcript = TypeAdapter(list[ChatMessage])
 
 
 def transcript_key(job_id: str) -> str:
-    return f"transcripts/{job_id}.json"
+    """Where a finished job's transcript is: ``transcripts/<job id>.json``, under
+    ``tenants/<tenant>/`` for a tenant's job (its workflow id is ``<tenant>/<job id>``)."""
+    tenant, bare = split_job_id(job_id)
+    return f"{s3_prefix(tenant)}transcripts/{bare}.json"
 
 
 class StorageActivities:

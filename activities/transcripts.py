@@ -14,6 +14,7 @@ from typing import Any
 from temporalio.exceptions import ApplicationError
 
 from warmloop.workflows.contracts import ChatMessage
+from warmloop.workflows.tenants import s3_prefix, split_job_id
 
 TRANSCRIPT_GAP = "TranscriptGap"
 
@@ -39,7 +40,10 @@ class TranscriptStore:
 
     @staticmethod
     def key(job_id: str, index: int) -> str:
-        return f"transcript-messages/{job_id}/{index:06d}.json"
+        """Message ``index`` of the job's store; a tenant's jobs (``<tenant>/<job id>``)
+        keep theirs under ``tenants/<tenant>/``."""
+        tenant, bare = split_job_id(job_id)
+        return f"{s3_prefix(tenant)}transcript-messages/{bare}/{index:06d}.json"
 
     async def extend(self, job_id: str, base_len: int,
                      new: list[ChatMessage]) -> list[ChatMessage]:

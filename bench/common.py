@@ -51,6 +51,7 @@ def bench_settings(name: str, *, offset: int, engines: int, kv_cache_bytes: int,
         engine_base_port=8200 + offset * 10, engine_kv_events_base_port=5600 + offset * 10,
         engine_kv_cache_bytes=kv_cache_bytes, engine_max_model_len=6144,
         agent_metrics_port=None, inference_metrics_base_port=None,
+        inbox_port=8400 + offset, approvals_url=f"http://127.0.0.1:{8400 + offset}",
         trace_prompt_chains=True, log_format="json", **extra,
     )
 

@@ -57,7 +57,7 @@ from temporalio.service import RPCError
 
 from bench.common import bench_settings, bench_stack
 from warmloop.infra.stack import Stack
-from warmloop.workers.approvals import PENDING_QUERY, decide
+from warmloop.workers.approvals import PENDING_QUERY, ApprovalRefused, dev_approver
 from warmloop.workers.clients import build_s3
 from warmloop.workers.demo import bundled_tasks
 from warmloop.workers.settings import Settings
@@ -66,7 +66,6 @@ from warmloop.workflows.batch_run import BatchInput, BatchResult, BatchRun
 from warmloop.workflows.contracts import (
     AGENT_TASK_QUEUE,
     TERMINAL_STATES,
-    Decision,
     JobInput,
     JobResult,
 )
@@ -267,6 +266,7 @@ async def approver(run: Run, stop: asyncio.Event) -> None:
     approvals`` does; details by the ``pending_approvals`` query)."""
     first_seen: dict[str, float] = {}
     decided = 0
+    bot = dev_approver(run.settings)
     query = f"{PENDING_QUERY} AND WorkflowId STARTS_WITH '{run.prefix}'"
     while not stop.is_set():
         with contextlib.suppress(RPCError, WorkflowQueryFailedError, WorkflowUpdateFailedError,
@@ -281,10 +281,10 @@ async def approver(run: Run, stop: asyncio.Event) -> None:
                             time.monotonic() - first_seen[p.approval_id] < run.args.approve_after_s:
                         continue
                     decided += 1
-                    with contextlib.suppress(WorkflowUpdateFailedError):
-                        await asyncio.wait_for(decide(run.client, wf.id, Decision(
-                            approval_id=p.approval_id, approve=decided % 4 != 0,
-                            approver=p.approvers[0], comment="bench-faults approver")), 30)
+                    with contextlib.suppress(WorkflowUpdateFailedError, ApprovalRefused):
+                        await asyncio.wait_for(bot.decide(
+                            run.client, wf.id, p.approval_id, approve=decided % 4 != 0,
+                            comment="bench-faults approver"), 30)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=1.0)
 

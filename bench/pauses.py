@@ -47,12 +47,11 @@ from bench.common import (
 from bench.synthetic_pauses import SyntheticPauses
 from bench.synthetic_profiles import WORDS
 from warmloop.activities.holds import hold_stats
-from warmloop.workers.approvals import decide
+from warmloop.workers.approvals import Approver, dev_approver
 from warmloop.workflows.agent_job import AgentJob
 from warmloop.workflows.contracts import (
     AGENT_TASK_QUEUE,
     ApprovalViewed,
-    Decision,
     JobInput,
     JobResult,
 )
@@ -113,7 +112,7 @@ async def background(http: httpx.AsyncClient, urls: list[str], stop: asyncio.Eve
 
 
 async def approver(client: Client, handles: list[WorkflowHandle[Any, Any]], done: asyncio.Event,
-                   delay_s: tuple[float, float], seed: int) -> int:
+                   delay_s: tuple[float, float], seed: int, bot: Approver) -> int:
     """A time-compressed human: opens each pending approval half-way, decides at the end."""
     rng = random.Random(seed)
     seen: dict[str, float] = {}
@@ -136,8 +135,7 @@ async def approver(client: Client, handles: list[WorkflowHandle[Any, Any]], done
                             approval_id=p.approval_id, viewer="reviewer"))
                 if now >= due:
                     with contextlib.suppress(Exception):
-                        await decide(client, h.id, Decision(approval_id=p.approval_id,
-                                                            approve=True, approver="reviewer"))
+                        await bot.decide(client, h.id, p.approval_id, approve=True)
                         decided += 1
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(done.wait(), timeout=0.5)
@@ -146,7 +144,7 @@ async def approver(client: Client, handles: list[WorkflowHandle[Any, Any]], done
 
 async def run_policy(name: str, policy: HoldPolicy, client: Client, http: httpx.AsyncClient,
                      urls: list[str], redis: aioredis.Redis, engine_ids: list[str],
-                     args: argparse.Namespace) -> PolicyRun:
+                     args: argparse.Namespace, bot: Approver) -> PolicyRun:
     await reset_caches(http, urls, redis, engine_ids)
     before = {e: await hold_stats(redis, e) for e in engine_ids}
     out = PolicyRun(policy=name)
@@ -168,7 +166,7 @@ async def run_policy(name: str, policy: HoldPolicy, client: Client, http: httpx.
         await asyncio.sleep(args.gap_s)
     human = asyncio.ensure_future(approver(client, handles, done,
                                            (args.approval_min_s, args.approval_max_s),
-                                           args.seed))
+                                           args.seed, bot))
     results = []
     for h in handles:
         results.append(await h.result())
@@ -237,7 +235,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
                               f"{args.jobs} jobs ...")
                 r = runs[name] = await run_policy(name, POLICIES[name], fleet.client, http,
                                                   fleet.urls, fleet.redis, fleet.engine_ids,
-                                                  args)
+                                                  args, dev_approver(settings))
                 console.print(f"  post-pause prefill recomputed {r.recomputed:,} of "
                               f"{r.post_pause_prompt:,} (pre-warms {r.prewarm_tokens:,}); "
                               f"touch tokens {r.touch_tokens:,} ({r.touches} touches); "

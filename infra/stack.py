@@ -28,6 +28,7 @@ from urllib.parse import urlparse
 
 import httpx
 
+from warmloop.workers.identity import ensure_dev_identities
 from warmloop.workers.settings import KV_EVENTS_TOPIC, Settings
 
 BIN = Path(sys.executable).parent
@@ -305,6 +306,12 @@ class Stack:
             "agent-worker", [sys.executable, "-m", "warmloop.workers.agent_worker"],
             ready=lambda: self._agent_worker_ready(), timeout_s=60,
         ))
+        # The web inbox and the approvals API the CLI's approval commands call.
+        parts.append(Part(
+            "inbox", [sys.executable, "-m", "warmloop.workers.inbox"],
+            ready=lambda: _http_ok(f"http://127.0.0.1:{self.settings.inbox_port}/healthz"),
+            timeout_s=30,
+        ))
         return parts
 
     def all_parts(self) -> list[Part]:
@@ -409,7 +416,8 @@ class Stack:
             return
         # Engines still serving the old build would tokenize differently from new ones:
         # restart every engine (and its worker) on the new model, never a mix.
-        running = [p.name for p in self.engine_parts() + self.worker_parts()[:-1]
+        inference = [p for p in self.worker_parts() if p.name.startswith("inference-worker-")]
+        running = [p.name for p in self.engine_parts() + inference
                    if self._pid(p.name) is not None]
         if running:
             self.log("the model recipe changed: stopping the engines to restart them on the "
@@ -493,6 +501,9 @@ class Stack:
         """Bring every part up, in dependency order; returns the names started now."""
         self.settings.state_dir.mkdir(parents=True, exist_ok=True)
         started: list[str] = []
+        if not self.settings.oidc_issuer:
+            # approvers' tokens and the assertion key pair, before any worker starts
+            ensure_dev_identities(self.settings.state_dir / "auth")
         self.build_model()
         for group in (self.infra_parts(), self.engine_parts(), self.worker_parts()):
             started += [p.name for p in group if self._start(p)]

@@ -15,6 +15,7 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
+from tests.approvers import Approvers
 from warmloop.infra.stack import Stack, register_search_attributes
 from warmloop.workers.clients import connect
 from warmloop.workers.plugins import LoadedPlugins, load_plugins
@@ -111,3 +112,9 @@ def stack(settings: Settings) -> Iterator[Stack]:
 @pytest.fixture(scope="session")
 async def client(stack: Stack, settings: Settings) -> Client:
     return await connect(settings)
+
+
+@pytest.fixture
+def approvers() -> Approvers:
+    """Signed decisions, with this test's key installed as the workers' verify key."""
+    return Approvers()

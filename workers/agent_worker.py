@@ -13,6 +13,7 @@ from temporalio.worker import Worker
 
 from warmloop.activities.registry import RedisOutage
 from warmloop.workers.clients import REDIS_SOCKET_TIMEOUT_S, build_redis, connect, use_io_threads
+from warmloop.workers.identity import install_verify_keys_from_settings
 from warmloop.workers.logging import configure_logging
 from warmloop.workers.plugins import PluginError
 from warmloop.workers.settings import Settings
@@ -95,12 +96,18 @@ async def run_agent_worker(settings: Settings) -> None:
     use_io_threads()
     client = await connect(settings, metrics_port=settings.agent_metrics_port)
     await check_search_attributes(client)
+    # The decide validator accepts assertions signed by these keys only; none: every
+    # decision is refused (and says which setting is missing).
+    key_ids = install_verify_keys_from_settings(settings)
+    if not key_ids:
+        log.warning("no_approval_verify_keys", hint="set WARMLOOP_APPROVAL_VERIFY_KEYS; "
+                    "every approval decision will be refused")
     redis = build_redis(settings)
     worker = Worker(client, task_queue=AGENT_TASK_QUEUE, plugins=[plugin],
                     max_concurrent_activities=64)
     me = WORKER_KEY.format(f"{socket.gethostname()}-{os.getpid()}")
     log.info("agent_worker_started", task_queue=AGENT_TASK_QUEUE,
-             metrics_port=settings.agent_metrics_port)
+             metrics_port=settings.agent_metrics_port, approval_key_ids=key_ids)
     async with asyncio.TaskGroup() as tg:
         tg.create_task(beat(redis, me, ttl_s=settings.engine_ttl_s,
                             interval_s=settings.engine_heartbeat_s))

@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 from temporalio.client import WorkflowExecutionStatus
 from temporalio.common import WorkflowIDReusePolicy
-from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
+from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from warmloop.workers.clients import StackNotRunningError, connect
@@ -193,6 +193,12 @@ def submit(
     if job_id is not None and (bad := id_problem("job", job_id)):
         fail(bad)
     jid = job_id or f"{profile}-{uuid.uuid4().hex[:10]}"
+    # Signed in: the job records who submitted it, and its approval rules refuse that
+    # person deciding its approvals.
+    settings = _settings()
+    if settings.token or (settings.state_dir / CLI_TOKEN_FILE).exists():
+        job = job.model_copy(update={
+            "submitted_by": _api(settings, "GET", "/api/whoami")["subject"]})
 
     async def go() -> None:
         from warmloop.workflows.agent_job import AgentJob
@@ -296,70 +302,123 @@ def cancel(job_id: str) -> None:
     run(go())
 
 
+# ---- approvals: through the approvals service, as a verified person ----------------------
+
+CLI_TOKEN_FILE = "cli-token"
+
+
+def _token(settings: Settings) -> str:
+    """The user's bearer token: WARMLOOP_TOKEN, else the one `warmloop login` saved."""
+    if settings.token:
+        return settings.token
+    path = settings.state_dir / CLI_TOKEN_FILE
+    if path.exists():
+        return path.read_text().strip()
+    fail("no token: set WARMLOOP_TOKEN or run `warmloop login --token ...` (the embedded "
+         f"stack's dev tokens are in {settings.state_dir / 'auth' / 'dev-tokens.json'})")
+
+
+def _api(settings: Settings, method: str, path: str, *, body: dict[str, Any] | None = None,
+         token: str | None = None) -> Any:
+    """Call the approvals service with the user's token; a refusal is one line, exit 1."""
+    import httpx
+
+    url = settings.approvals_url.rstrip("/") + path
+    headers = {"Authorization": f"Bearer {token or _token(settings)}"}
+    try:
+        r = httpx.request(method, url, headers=headers, json=body, timeout=60)
+    except httpx.HTTPError as e:
+        fail(f"cannot reach the approvals service at {settings.approvals_url} ({e}); start it "
+             "with `warmloop dev up` or `warmloop ui`, or set WARMLOOP_APPROVALS_URL")
+    try:
+        data = r.json()
+    except ValueError:
+        data = {"error": r.text[:200]}
+    if r.status_code == 401:
+        fail(f"not signed in: {data.get('error', 'bad token')}")
+    if r.status_code >= 400:
+        fail(f"refused: {data.get('error', r.reason_phrase) if isinstance(data, dict) else r.text}")
+    return data
+
+
+def _approval_path(job_id: str, approval_id: str, action: str) -> str:
+    from urllib.parse import quote
+
+    return f"/api/approvals/{quote(job_id, safe='')}/{quote(approval_id, safe='')}/{action}"
+
+
+@app.command()
+def login(token: str = typer.Option(..., "--token", prompt=True, hide_input=True,
+                                    help="Your bearer token (OIDC access token or a dev token).")
+          ) -> None:
+    """Check a token with the approvals service and keep it for the approval commands."""
+    settings = _settings(plugins=False)
+    who = _api(settings, "GET", "/api/whoami", token=token)
+    path = settings.state_dir / CLI_TOKEN_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(token)
+    path.chmod(0o600)
+    console.print(f"signed in as {escape(who['subject'])} "
+                  f"(roles: {escape(', '.join(who['roles']) or 'none')})")
+
+
 @app.command()
 def approvals() -> None:
-    """List pending approvals across all jobs."""
+    """List the pending approvals you may decide (needs your token)."""
+    from warmloop.workflows.contracts import PendingApproval
 
-    async def go() -> None:
-        from warmloop.workers.approvals import list_pending
-
-        pending = await list_pending(await connect(_settings()))
-        if not pending:
-            console.print("no pending approvals")
-            return
-        table = Table("approval", "tool and arguments", "approvers", "deadline (UTC)")
-        for p in pending:
-            # the model wrote the arguments: printed as text, never read as rich markup
-            table.add_row(escape(f"{p.job_id}\n{p.approval_id}")
-                          + (" (escalated)" if p.escalated else ""),
-                          escape(f"{p.tool}\n{json.dumps(p.arguments)}"),
-                          escape("\n".join(p.approvers)),
-                          p.deadline.strftime("%Y-%m-%d %H:%M:%S"))
-        console.print(table)
-
-    run(go())
+    pending = [PendingApproval.model_validate(p)
+               for p in _api(_settings(plugins=False), "GET", "/api/approvals")]
+    if not pending:
+        console.print("no pending approvals for you")
+        return
+    table = Table("approval", "tool and arguments", "approvers", "deadline (UTC)")
+    for p in pending:
+        # the model wrote the arguments: printed as text, never read as rich markup
+        needed = (f" ({len(p.approved_by)}/{p.approvals_needed} approvals)"
+                  if p.approvals_needed > 1 else "")
+        table.add_row(escape(f"{p.job_id}\n{p.approval_id}")
+                      + (" (escalated)" if p.escalated else "") + escape(needed),
+                      escape(f"{p.tool}\n{json.dumps(p.arguments)}"),
+                      escape("\n".join(p.approvers)),
+                      p.deadline.strftime("%Y-%m-%d %H:%M:%S"))
+    console.print(table)
 
 
-def _decide(job_id: str, approval_id: str, approve: bool, approver: str, comment: str) -> None:
-    async def go() -> None:
-        from temporalio.client import WorkflowUpdateFailedError
+def _decide(job_id: str, approval_id: str, approve: bool, comment: str) -> None:
+    from warmloop.workflows.contracts import PendingApproval
 
-        from warmloop.workers.approvals import decide
-        from warmloop.workflows.contracts import Decision
-
-        client = await connect(_settings())
-        await _handle(job_id)
-        try:
-            p = await decide(client, job_id, Decision(approval_id=approval_id, approve=approve,
-                                                      approver=approver, comment=comment))
-        except WorkflowUpdateFailedError as e:
-            cause = e.cause
-            fail(f"refused: {cause.message if isinstance(cause, ApplicationError) else e}")
-        verb = "approved" if approve else "rejected"
-        console.print(f"{verb} {p.approval_id} ({p.tool} {json.dumps(p.arguments)}) "
-                      f"of job {job_id} as {approver}")
-
-    run(go())
+    p = PendingApproval.model_validate(_api(
+        _settings(plugins=False), "POST", _approval_path(job_id, approval_id, "decide"),
+        body={"approve": approve, "comment": comment}))
+    verb = "approved" if approve else "rejected"
+    waiting = (f"; {p.approvals_needed - len(p.approved_by)} more approval needed"
+               if approve and len(p.approved_by) < p.approvals_needed else "")
+    console.print(escape(f"{verb} {p.approval_id} ({p.tool} {json.dumps(p.arguments)}) of job "
+                         f"{job_id}{waiting}"))
 
 
 @app.command()
-def approve(
-    job_id: str, approval_id: str,
-    approver: str = typer.Option(..., "--as", help="Your approver name."),
-    comment: str = typer.Option("", "--comment"),
-) -> None:
-    """Approve a pending tool call."""
-    _decide(job_id, approval_id, True, approver, comment)
+def approve(job_id: str, approval_id: str,
+            comment: str = typer.Option("", "--comment")) -> None:
+    """Approve a pending tool call as the person your token names."""
+    _decide(job_id, approval_id, True, comment)
 
 
 @app.command()
-def reject(
-    job_id: str, approval_id: str,
-    approver: str = typer.Option(..., "--as", help="Your approver name."),
-    comment: str = typer.Option("", "--comment"),
-) -> None:
+def reject(job_id: str, approval_id: str,
+           comment: str = typer.Option("", "--comment")) -> None:
     """Reject a pending tool call; the model is told and goes on (or the job ends)."""
-    _decide(job_id, approval_id, False, approver, comment)
+    _decide(job_id, approval_id, False, comment)
+
+
+@app.command()
+def ui(port: int = typer.Option(None, "--port", help="Default: WARMLOOP_INBOX_PORT (8300)."),
+       host: str = typer.Option("127.0.0.1", "--host")) -> None:
+    """Serve the web approval inbox (and the approvals API) in the foreground."""
+    from warmloop.workers.inbox.__main__ import main as serve_inbox
+
+    serve_inbox(host=host, port=port)
 
 
 def parse_since(text: str) -> timedelta:
@@ -763,30 +822,25 @@ def _duration(seconds: float) -> str:
 
 
 @app.command()
-def view(job_id: str, approval_id: str = typer.Argument(None),
-         viewer: str = typer.Option("", "--as", help="Who is looking.")) -> None:
-    """Open a job's pending approvals: prints them and tells the job, which warms its
-    prefix again so the step after your decision starts from a warm cache."""
+def view(job_id: str, approval_id: str = typer.Argument(None)) -> None:
+    """Open a job's pending approvals (as the person your token names): prints them and
+    tells the job, which warms its prefix again so the step after your decision starts
+    from a warm cache."""
+    from warmloop.workflows.contracts import PendingApproval
 
-    async def go() -> None:
-        from warmloop.workflows.agent_job import AgentJob
-        from warmloop.workflows.contracts import ApprovalViewed
-
-        handle, _ = await _handle(job_id)
-        pending = await handle.query(AgentJob.pending_approvals)
-        if not pending:
-            console.print(f"{job_id} has no pending approvals")
-            return
-        for p in pending:
-            if approval_id and p.approval_id != approval_id:
-                continue
-            console.print(f"{p.approval_id}: {p.tool} {json.dumps(p.arguments)} "
-                          f"(approvers: {', '.join(p.approvers)}; deadline "
-                          f"{p.deadline:%Y-%m-%d %H:%M:%S} UTC)")
-            await handle.signal(AgentJob.viewed, ApprovalViewed(approval_id=p.approval_id,
-                                                                viewer=viewer))
-
-    run(go())
+    settings = _settings(plugins=False)
+    pending = [PendingApproval.model_validate(p)
+               for p in _api(settings, "GET", "/api/approvals")]
+    mine = [p for p in pending if p.job_id == job_id
+            and (not approval_id or p.approval_id == approval_id)]
+    if not mine:
+        console.print(f"{escape(job_id)} has no pending approvals you may decide")
+        return
+    for p in mine:
+        console.print(escape(f"{p.approval_id}: {p.tool} {json.dumps(p.arguments)} "
+                             f"(approvers: {', '.join(p.approvers)}; deadline "
+                             f"{p.deadline:%Y-%m-%d %H:%M:%S} UTC)"))
+        _api(settings, "POST", _approval_path(job_id, p.approval_id, "viewed"))
 
 
 @app.command()

@@ -22,12 +22,12 @@ from temporalio.client import (
 )
 from temporalio.service import RPCError
 
-from warmloop.workers.approvals import decide
+from warmloop.workers.approvals import ApprovalRefused, Approver, dev_approver
 from warmloop.workers.clients import connect
 from warmloop.workers.report import report_table, summarize
 from warmloop.workers.settings import Settings
 from warmloop.workflows.agent_job import AgentJob
-from warmloop.workflows.contracts import AGENT_TASK_QUEUE, Decision, JobInput, JobResult
+from warmloop.workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult
 
 
 def bundled_tasks(profile: str = "ticket-triage") -> list[dict[str, object]]:
@@ -41,20 +41,22 @@ def bundled_tickets() -> list[dict[str, object]]:
     return bundled_tasks("ticket-triage")
 
 
-async def stand_in_approver(client: Client, handles: list[WorkflowHandle[AgentJob, JobResult]],
+async def stand_in_approver(client: Client, approver: Approver,
+                            handles: list[WorkflowHandle[AgentJob, JobResult]],
                             done: asyncio.Event) -> int:
-    """Approve every pending approval of the demo's jobs as it appears."""
+    """Approve every pending approval of the demo's jobs as it appears, as the embedded
+    stack's ``demo-bot`` (a verified dev identity, through signed assertions)."""
     decided = 0
     while not done.is_set():
         for h in handles:
             try:
                 pending = await h.query(AgentJob.pending_approvals)
                 for p in pending:
-                    await decide(client, h.id, Decision(approval_id=p.approval_id,
-                                                        approve=True, approver=p.approvers[0],
-                                                        comment="approved by the demo"))
+                    await approver.decide(client, h.id, p.approval_id, approve=True,
+                                          comment="approved by the demo")
                     decided += 1
-            except (RPCError, WorkflowQueryFailedError, WorkflowUpdateFailedError):
+            except (RPCError, WorkflowQueryFailedError, WorkflowUpdateFailedError,
+                    ApprovalRefused):
                 continue  # a restarting worker, or a job that just ended: ask again later
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(done.wait(), timeout=0.5)
@@ -77,7 +79,7 @@ async def run_demo(settings: Settings, *, n_jobs: int, max_steps: int, console: 
         for i in range(n_jobs)
     ]
     done = asyncio.Event()
-    approver = asyncio.create_task(stand_in_approver(client, handles, done))
+    approver = asyncio.create_task(stand_in_approver(client, dev_approver(settings), handles, done))
     results: list[JobResult] = list(await asyncio.gather(*(h.result() for h in handles)))
     done.set()
     approved = await approver

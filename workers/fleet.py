@@ -7,6 +7,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from warmloop.activities.registry import EngineRegistry
+from warmloop.workers.clients import redis_options
 from warmloop.workers.settings import Settings
 from warmloop.workflows.budgets import JobLimits
 from warmloop.workflows.routing import EngineOffer, UnservableStepError, eligible_engines
@@ -16,7 +17,7 @@ async def fleet_offers(settings: Settings) -> list[EngineOffer]:
     """The live engines in the registry; the configured ones (``WARMLOOP_ENGINES``) when
     none is live or Redis cannot be reached; nothing when neither is known."""
     r = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=2,
-                                socket_timeout=2)
+                                socket_timeout=2, **redis_options(settings))
     try:
         live = await EngineRegistry(r, ttl_s=settings.engine_ttl_s).live()
     except (RedisError, OSError):

@@ -29,6 +29,7 @@ from warmloop.activities.registry import (
     EngineHeartbeat,
     EngineRegistry,
     RedisOutage,
+    TenantUsage,
     parse_cache_config,
     parse_vllm_metrics,
 )
@@ -269,6 +270,7 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
             directory=directory, registry=registry,
             detector=CacheBustDetector(redis, directory, on_bust=on_bust),
             engine_info=view, admission=admission, holds=holds, outage=outage,
+            usage=TenantUsage(redis),  # each step's tokens onto its tenant's hour
         )
         worker = Worker(
             client,

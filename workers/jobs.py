@@ -2,18 +2,27 @@
 
 The CLI's ``submit``/``status``/``result``/``cancel`` as a typed API, for a team's own
 services and scripts. Input is validated against the profile before anything starts.
+
+A job belongs to a tenant (``warmloop.workflows.tenants``; "default" unless given): a
+tenant's job runs as workflow ``<tenant>/<job id>``, tagged with the ``WarmloopTenant``
+search attribute, and is refused at submit when the tenant is at its quota
+(``WARMLOOP_TENANTS``: jobs in flight, tokens this hour).
 """
 
 from __future__ import annotations
 
+import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
+import structlog
 from pydantic import ValidationError
 from temporalio.client import Client, WorkflowHandle
-from temporalio.common import WorkflowIDReusePolicy
+from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
 
-from warmloop.workers.clients import connect
+from warmloop.activities.registry import REDIS_ERRORS, TenantUsage
+from warmloop.workers.clients import build_redis, connect
 from warmloop.workers.plugins import load_plugins
 from warmloop.workers.settings import Settings
 from warmloop.workflows.budgets import JobLimits
@@ -26,10 +35,86 @@ from warmloop.workflows.contracts import (
     id_problem,
 )
 from warmloop.workflows.profiles import UnknownProfileError, get_profile
+from warmloop.workflows.tenants import (
+    DEFAULT_TENANT,
+    TenantQuota,
+    job_workflow_id,
+    over_jobs,
+    over_tokens,
+    tenant_problem,
+)
+
+log = structlog.get_logger(__name__)
 
 
 class InvalidJobError(ValueError):
     """The job's input does not validate; nothing was started."""
+
+
+class QuotaExceededError(RuntimeError):
+    """The job's tenant is at its quota (the message names it); nothing was started."""
+
+
+def running_jobs_query(tenant: str) -> str:
+    """Temporal visibility query of the tenant's jobs in flight (tenants are checked
+    names: nothing to escape)."""
+    return (f"WorkflowType = 'AgentJob' AND ExecutionStatus = 'Running' "
+            f"AND WarmloopTenant = '{tenant}'")
+
+
+async def check_tenant_quota(client: Client, tenant: str, quota: TenantQuota | None, *,
+                             usage: TenantUsage | None = None) -> None:
+    """Raise QuotaExceededError when ``tenant`` may start no job now: its running jobs
+    (the WarmloopTenant search attribute) are at ``max_jobs_in_flight``, or its tokens
+    this hour at ``tokens_per_hour`` (read from Redis through ``usage``; Redis away:
+    not refused, logged). Visibility lags the starts a little, so two submits racing
+    for a tenant's last slot may both pass."""
+    if quota is None:
+        return
+    if quota.max_jobs_in_flight is not None:
+        running = (await client.count_workflows(running_jobs_query(tenant))).count
+        why = over_jobs(tenant, quota, running)
+        if why is not None:
+            raise QuotaExceededError(why)
+    if quota.tokens_per_hour is not None and usage is not None:
+        now = time.time()
+        try:
+            used = await usage.used(tenant, now)
+        except REDIS_ERRORS as e:
+            log.warning("tenant_usage_unknown", tenant=tenant, error=str(e) or type(e).__name__)
+            return
+        refused = over_tokens(tenant, quota, used, now)
+        if refused is not None:
+            raise QuotaExceededError(refused[0])
+
+
+async def start_job(client: Client, job: JobInput, job_id: str, *,
+                    quota: TenantQuota | None = None,
+                    usage: TenantUsage | None = None) -> WorkflowHandle[Any, JobResult]:
+    """Start ``job`` as ``job_id`` of its tenant (workflow ``<tenant>/<job id>``; the
+    bare id for the default tenant) after its tenant's quota check, tagged with its
+    tenant. A job id names one job for good (Temporal's WorkflowAlreadyStartedError)."""
+    from warmloop.workflows.agent_job import SA_TENANT, AgentJob
+
+    await check_tenant_quota(client, job.tenant, quota, usage=usage)
+    return await client.start_workflow(
+        AgentJob.run, job, id=job_workflow_id(job.tenant, job_id),
+        task_queue=AGENT_TASK_QUEUE, id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+        search_attributes=TypedSearchAttributes([SearchAttributePair(SA_TENANT, job.tenant)]))
+
+
+async def submit_job(client: Client, job: JobInput, job_id: str,
+                     settings: Settings) -> WorkflowHandle[Any, JobResult]:
+    """``start_job`` with the tenant's quota from ``settings`` (the CLI's submit): a
+    Redis client for the token count only when the tenant has a tokens quota."""
+    quota = settings.tenants.get(job.tenant)
+    if quota is None or quota.tokens_per_hour is None:
+        return await start_job(client, job, job_id, quota=quota)
+    redis = build_redis(settings)
+    try:
+        return await start_job(client, job, job_id, quota=quota, usage=TenantUsage(redis))
+    finally:
+        await redis.aclose()
 
 
 class JobClient:
@@ -41,43 +126,62 @@ class JobClient:
     pydantic models, and the default converter cannot read them back.
     """
 
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: Client, *, tenants: Mapping[str, TenantQuota] | None = None,
+                 usage: TenantUsage | None = None) -> None:
+        """``tenants``: their quotas, checked at submit (none: no quota); ``usage``: where
+        their tokens per hour are counted (without it, only jobs in flight are checked)."""
         self.temporal = client
+        self.tenants = dict(tenants or {})
+        self._usage = usage
+        self._redis: Any = None
 
     @classmethod
     async def connect(cls, settings: Settings | None = None) -> JobClient:
         settings = settings or Settings()
         load_plugins(plugins=settings.plugins, profile_paths=settings.profile_paths,
                      toolsets=False)
-        return cls(await connect(settings))
+        jobs = cls(await connect(settings), tenants=settings.tenants)
+        if any(q.tokens_per_hour is not None for q in settings.tenants.values()):
+            jobs._redis = build_redis(settings)
+            jobs._usage = TenantUsage(jobs._redis)
+        return jobs
+
+    async def aclose(self) -> None:
+        """Close the Redis client ``connect`` made for tenants' token quotas, if any."""
+        if self._redis is not None:
+            await self._redis.aclose()
+            self._redis = None
 
     async def submit(self, profile: str, task: dict[str, Any], *, job_id: str | None = None,
                      limits: JobLimits | None = None, max_steps: int | None = None,
-                     lane: Lane | str = Lane.INTERACTIVE, **options: Any) -> str:
-        """Start a job and return its id (``<profile>-<random>`` unless given).
+                     lane: Lane | str = Lane.INTERACTIVE, tenant: str = DEFAULT_TENANT,
+                     **options: Any) -> str:
+        """Start a job and return its id (``<profile>-<random>`` unless given; for a
+        tenant other than the default, ``<tenant>/<that>``: the id ``status``,
+        ``result`` and ``cancel`` take).
 
         Raises ``InvalidJobError`` when the profile is unknown (in this process's
-        plugins) or the task does not validate, and Temporal's
+        plugins), the task does not validate or the tenant is no tenant name,
+        ``QuotaExceededError`` when the tenant is at its quota, and Temporal's
         ``WorkflowAlreadyStartedError`` when ``job_id`` was ever used: a job id names
         one job for good. ``options`` are further ``JobInput`` fields (``tools``,
         ``hold_policy``, ``routing``, ...)."""
         if job_id is not None and (bad := id_problem("job", job_id)):
+            raise InvalidJobError(bad)
+        if (bad := tenant_problem(tenant)) is not None:
             raise InvalidJobError(bad)
         if options.get("carry") is not None:
             raise InvalidJobError("carry is set by continue-as-new only; submit without it")
         try:
             get_profile(profile).validate_task(task)
             job = JobInput(profile=profile, task=task, limits=limits, max_steps=max_steps,
-                           lane=Lane(lane), **options)
+                           lane=Lane(lane), tenant=tenant, **options)
         except (UnknownProfileError, ValidationError, ValueError) as e:
             raise InvalidJobError(f"invalid job for {profile}: {e}") from None
-        from warmloop.workflows.agent_job import AgentJob
-
         jid = job_id or f"{profile}-{uuid.uuid4().hex[:10]}"
-        await self.temporal.start_workflow(
-            AgentJob.run, job, id=jid, task_queue=AGENT_TASK_QUEUE,
-            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE)
-        return jid
+        await start_job(self.temporal, job, jid, quota=self.tenants.get(tenant),
+                        usage=self._usage)
+        return job_workflow_id(tenant, jid)
 
     def handle(self, job_id: str) -> WorkflowHandle[Any, JobResult]:
         return self.temporal.get_workflow_handle(job_id, result_type=JobResult)

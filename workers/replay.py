@@ -258,7 +258,7 @@ async def run_config(fleet: Fleet, trace: PreparedTrace, routing: RoutingPolicy,
 async def replay(settings: Settings, trace: PreparedTrace, routings: list[RoutingPolicy], *,
                  client: Client, window: int, reset: bool, log: Console) -> list[ConfigRun]:
     """Store the trace's inline prompts, then run every configuration in turn."""
-    from warmloop.workers.clients import build_s3
+    from warmloop.workers.clients import build_redis, build_s3
 
     store = TracePromptStore(build_s3(settings), settings.s3_bucket)
     for p in trace.prompts:
@@ -269,7 +269,7 @@ async def replay(settings: Settings, trace: PreparedTrace, routings: list[Routin
                                f"({settings.s3_endpoint_url or 'AWS'}, bucket "
                                f"{settings.s3_bucket}): {e}") from None
     tag = uuid.uuid4().hex[:6]
-    redis = aioredis.Redis.from_url(settings.redis_url)
+    redis = build_redis(settings)
     try:
         async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0)) as http:
             fleet = await live_fleet(client, redis, http, settings)

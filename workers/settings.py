@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
+import ipaddress
+import re
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    SecretStr,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from warmloop.workflows.holding import HoldConfig
 from warmloop.workflows.lanes import AdmissionConfig
 from warmloop.workflows.pricing import PER_TOKEN_FIELDS, EnginePrice
 from warmloop.workflows.routing import RoutingConfig
+from warmloop.workflows.tenants import TenantName, TenantQuota
 
 KV_EVENTS_TOPIC = "kv-events"
 
@@ -24,6 +37,53 @@ EMBEDDED_ENGINE_PRICE = EnginePrice(gpu_usd_per_hour=0.80, prefill_tokens_per_s=
                                     decode_tokens_per_s=130)
 _OLD_TTL_PRICE_DEFAULTS = {"input_usd_per_mtok": 3.0, "cached_input_usd_per_mtok": 0.3,
                            "output_usd_per_mtok": 15.0}
+
+
+_KV_EVENTS_ENDPOINT = re.compile(r"^tcp://(?P<host>[^:/\[\]]+):(?P<port>[0-9]{1,5})$")
+
+
+def check_kv_events_endpoint(endpoint: str) -> str:
+    """``endpoint`` if the inference worker may bind it for an engine's KV events, else
+    ValueError saying why.
+
+    The hazard: the worker's SUB socket takes whatever reaches it, and what reaches it
+    goes into the prefix directory that routes every job. Bound to ``*`` or 0.0.0.0 it
+    listens on every interface of the host, so anyone on the network who can reach
+    the port can publish forged KV events (poisoning routing) or fill the worker's
+    queue. So the address must name one interface: loopback for an engine on the same
+    host, else the interface the engine reaches the worker on. Refused:
+
+    - ``*`` and unspecified addresses (0.0.0.0, ``0``): every interface;
+    - IPv6 (``[...]``): vLLM's publisher binds, rather than connects to, any endpoint
+      containing ``::`` (both sides would bind and no event would flow), and the
+      worker's socket is IPv4 only;
+    - any scheme but tcp (``ipc://``, ``inproc://``: vLLM binds those too).
+
+    A host name or an interface name (``eth0``) is accepted; ZMQ binds the address it
+    names, and the engine must reach the same address."""
+    m = _KV_EVENTS_ENDPOINT.match(endpoint)
+    if m is None:
+        raise ValueError(
+            f"kv_events {endpoint!r}: give tcp://<address>:<port> with an IPv4 address, "
+            "a host name or an interface name (IPv6 and ipc:// endpoints make vLLM bind "
+            "instead of connecting to the worker)")
+    host, port = m["host"], int(m["port"])
+    if not 1 <= port <= 65535:
+        raise ValueError(f"kv_events {endpoint!r}: port {port} is not in 1-65535")
+    if "*" in host:
+        raise ValueError(f"kv_events {endpoint!r}: a wildcard would bind every interface; "
+                         "give loopback (127.0.0.1) or one interface of the worker's host")
+    if re.fullmatch(r"[0-9.]+", host):
+        try:
+            address = ipaddress.IPv4Address(host)
+        except ValueError:
+            raise ValueError(f"kv_events {endpoint!r}: {host} is not a dotted IPv4 "
+                             "address") from None
+        if address.is_unspecified or address.is_multicast:
+            raise ValueError(
+                f"kv_events {endpoint!r}: {host} would bind every interface (or none); give "
+                "loopback (127.0.0.1) or one interface of the worker's host")
+    return endpoint
 
 
 class EngineEndpoint(BaseModel):
@@ -46,10 +106,18 @@ class EngineEndpoint(BaseModel):
         "None: steps cost an unknown amount, and jobs with a cost cap are not routed here. "
         "A ttl_cache engine needs a per-token price.")
     kv_events: str | None = Field(
-        default=None, pattern=r"^tcp://[^*]+:[0-9]+$",
+        default=None,
         description="ZMQ endpoint the engine publishes its KV events to (vLLM "
-        "--kv-events-config); the inference worker binds it. None: the prefix directory "
-        "estimates evictions from recency and capacity instead.")
+        "--kv-events-config), tcp://<address>:<port>; the inference worker binds it, the "
+        "engine connects to it. The address is loopback (the engine on the worker's host) "
+        "or one interface of the worker's host (an IPv4 address, a host name or an "
+        "interface name), never a wildcard: see check_kv_events_endpoint. None: the prefix "
+        "directory estimates evictions from recency and capacity instead.")
+
+    @field_validator("kv_events")
+    @classmethod
+    def _kv_events_not_wildcard(cls, v: str | None) -> str | None:
+        return None if v is None else check_kv_events_endpoint(v)
 
     @model_validator(mode="before")
     @classmethod
@@ -86,8 +154,11 @@ class Settings(BaseSettings):
 
     # "null" in a variable means None, so that a child process started with these
     # settings (warmloop.infra.stack.settings_env) sees an unset option as unset.
+    # Errors leave the input out: a model-level check's error would otherwise quote every
+    # setting given, secrets included (API key, passwords, payload key), and the CLI
+    # prints it.
     model_config = SettingsConfigDict(env_prefix="WARMLOOP_", extra="ignore",
-                                      env_parse_none_str="null")
+                                      env_parse_none_str="null", hide_input_in_errors=True)
 
     plugins: str = ""
     """Plugin modules to load, ``module[,module]`` (``WARMLOOP_PLUGINS``): each may define
@@ -155,10 +226,172 @@ class Settings(BaseSettings):
     log_format: Literal["auto", "console", "json"] = "auto"
     log_level: str = "INFO"
 
+    tenants: dict[TenantName, TenantQuota] = Field(default_factory=dict)
+    """Tenants' quotas, e.g. WARMLOOP_TENANTS='{"acme": {"max_jobs_in_flight": 20,
+    "tokens_per_hour": 2000000}}': jobs in flight checked at submit, tokens per clock hour
+    at submit and before each step (warmloop.workflows.tenants). A tenant not named here
+    has no quota; every tenant's requests carry its own cache_salt either way."""
+
+    # ---- approvers' identity (issue 15) ------------------------------------------------
+    auth_token_file: Path | None = None
+    """Local tokens (subject and roles per token, stored as SHA-256) for the embedded
+    stack; default <state_dir>/auth/tokens.json when it exists (``warmloop dev up``
+    writes it). Ignored when ``oidc_issuer`` is set."""
+    oidc_issuer: str | None = None
+    """Verify approvers' bearer tokens as JWTs from this issuer (``iss``)."""
+    oidc_audience: str | None = None
+    """The ``aud`` the JWTs must carry; required with ``oidc_issuer``."""
+    oidc_jwks_url: str | None = None
+    """Where the issuer's signing keys are; default <issuer>/.well-known/jwks.json."""
+    oidc_roles_claim: str = "roles"
+    """The JWT claim that lists the approver's roles."""
+    approval_signing_key: Path | None = None
+    """Ed25519 private key (PEM) the approvals service signs decision assertions with;
+    default <state_dir>/auth/approval-signing.pem. Only the approvals service (inbox,
+    ``warmloop ui``) needs it; workers hold the public half."""
+    approval_verify_keys: str = ""
+    """Public keys (PEM files, comma separated) the agent worker accepts assertions
+    from; default <state_dir>/auth/approval-verify.pem. Several allow key rotation."""
+    approval_assertion_ttl_s: float = Field(default=120.0, gt=0, le=3600)
+    """How long a signed decision stays valid: a captured one cannot be replayed later."""
+    approvals_url: str = "http://127.0.0.1:8300"
+    """The approvals service (web inbox and its API) that the CLI's approval commands call."""
+    inbox_port: int = Field(default=8300, ge=1024, le=65535)
+    """Port of the web inbox the embedded stack runs (``warmloop ui`` serves it)."""
+    token: str | None = None
+    """The CLI user's bearer token (``WARMLOOP_TOKEN`` or ``warmloop login``)."""
+
+    # ---- secured connections (issue 15) ------------------------------------------------
+    # Secrets are SecretStr: masked in repr, logs and tracebacks. settings_env hands them
+    # to child processes in clear (see _secrets_in_clear_for_children).
+    temporal_tls: bool | None = None
+    """TLS to the Temporal frontend. None: on when an API key (Temporal Cloud's
+    convention), a client certificate, a server CA or a server name is set, else off.
+    True: on, verifying the server against the system roots unless
+    ``temporal_tls_server_ca`` is set. False: off, even with an API key (the key then
+    crosses the network in clear: only for a TLS-terminating proxy on loopback);
+    refused with certificate settings."""
+    temporal_tls_client_cert: Path | None = None
+    """mTLS client certificate (PEM); give ``temporal_tls_client_key`` with it."""
+    temporal_tls_client_key: Path | None = None
+    """mTLS client private key (PEM) of ``temporal_tls_client_cert``."""
+    temporal_tls_server_ca: Path | None = None
+    """CA (PEM) the Temporal server's certificate must chain to; None: system roots."""
+    temporal_tls_server_name: str | None = None
+    """Name sent as SNI and checked against the server's certificate, when it differs
+    from the host in ``temporal_address``."""
+    temporal_api_key: SecretStr | None = None
+    """Temporal Cloud API key, sent as ``Authorization: Bearer``; turns TLS on unless
+    ``temporal_tls`` is false."""
+    redis_password: SecretStr | None = None
+    """Redis AUTH password (with the user in the URL, ``redis://user@host``, for an ACL
+    user). Give it here or in ``redis_url``, not both."""
+    redis_tls_ca: Path | None = None
+    """CA (PEM) the Redis server's certificate must chain to; None: system roots. Needs a
+    ``rediss://`` URL (the scheme is what turns TLS on)."""
+    redis_tls_client_cert: Path | None = None
+    """Client certificate (PEM) for Redis mutual TLS; with ``redis_tls_client_key``."""
+    redis_tls_client_key: Path | None = None
+    """Private key (PEM) of ``redis_tls_client_cert``."""
+    s3_access_key_id: str | None = None
+    """Explicit S3 credentials, with ``s3_secret_access_key``. None: boto3's standard chain
+    (AWS_* variables, ~/.aws, container and instance roles); placeholder keys only for a
+    loopback endpoint (the embedded S3 server) when the chain finds nothing."""
+    s3_secret_access_key: SecretStr | None = None
+    """Secret of ``s3_access_key_id``."""
+    payload_key: SecretStr | None = None
+    """AES-256 key (base64 of 32 random bytes) that encrypts workflow payloads (inputs,
+    results, signals, activity arguments) before they reach Temporal. Every worker and
+    client of the namespace needs it; a process without it cannot read the jobs. None:
+    payloads are stored in clear. Make one with ``python -c "import base64, os;
+    print(base64.b64encode(os.urandom(32)).decode())"``."""
+    payload_key_id: str = Field(default="k1", pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    """Id of ``payload_key``, stored beside each payload so the key can be rotated."""
+    payload_old_keys: SecretStr | None = None
+    """Retired payload keys still needed to read older histories, ``id:base64[,id:base64]``.
+    Rotate by moving the current key here and setting a new ``payload_key`` and
+    ``payload_key_id``; drop an old key only when no open history uses it."""
+
     @field_validator("state_dir")
     @classmethod
     def _absolute(cls, v: Path) -> Path:
         return v.expanduser().resolve()
+
+    @field_validator("temporal_tls_client_cert", "temporal_tls_client_key",
+                     "temporal_tls_server_ca", "redis_tls_ca", "redis_tls_client_cert",
+                     "redis_tls_client_key")
+    @classmethod
+    def _absolute_file(cls, v: Path | None) -> Path | None:
+        # Absolute, so that a child process started elsewhere reads the same file.
+        return None if v is None else v.expanduser().resolve()
+
+    @field_serializer("temporal_api_key", "redis_password", "s3_secret_access_key",
+                      "payload_key", "payload_old_keys", when_used="json")
+    def _secrets_in_clear_for_children(self, v: SecretStr | None) -> str | None:
+        """JSON dumps carry secrets in clear: ``settings_env`` (infra/stack.py) passes a
+        child process its settings as ``model_dump(mode="json")``, and a masked
+        ``**********`` there would be every child's password. Hazard: never log a JSON
+        dump of the settings; ``repr`` and ``model_dump()`` stay masked."""
+        return None if v is None else v.get_secret_value()
+
+    @model_validator(mode="after")
+    def _secured_connections(self) -> Settings:
+        """Half-given or contradictory connection security is refused at start, with
+        the setting to change, rather than found as a failed handshake later."""
+        _both_or_neither("temporal_tls_client_cert", self.temporal_tls_client_cert,
+                         "temporal_tls_client_key", self.temporal_tls_client_key,
+                         "an mTLS client certificate needs its private key and the reverse")
+        if self.temporal_tls is False:
+            given = [n for n in ("temporal_tls_client_cert", "temporal_tls_client_key",
+                                 "temporal_tls_server_ca", "temporal_tls_server_name")
+                     if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"temporal_tls is false but {', '.join(given)} "
+                                 "configure TLS; unset them or temporal_tls")
+        _both_or_neither("redis_tls_client_cert", self.redis_tls_client_cert,
+                         "redis_tls_client_key", self.redis_tls_client_key,
+                         "a Redis client certificate needs its private key and the reverse")
+        url = urlsplit(self.redis_url)
+        if self.redis_password is not None and url.password:
+            raise ValueError("the Redis password is given twice, in redis_url and in "
+                             "redis_password (the URL's would win); keep one")
+        tls_files = [n for n in ("redis_tls_ca", "redis_tls_client_cert",
+                                 "redis_tls_client_key") if getattr(self, n) is not None]
+        if tls_files and url.scheme != "rediss":
+            raise ValueError(f"{', '.join(tls_files)} need TLS: use a rediss:// redis_url "
+                             f"(it is {url.scheme}://)")
+        _both_or_neither("s3_access_key_id", self.s3_access_key_id,
+                         "s3_secret_access_key", self.s3_secret_access_key,
+                         "explicit S3 credentials are a pair; set neither to use the "
+                         "standard AWS chain")
+        if self.payload_key is not None:
+            decode_payload_key("payload_key", self.payload_key.get_secret_value())
+        old = self.payload_old_key_ring()
+        if old and self.payload_key is None:
+            raise ValueError("payload_old_keys without payload_key: set the current key too "
+                             "(old keys only decrypt; new payloads are encrypted with "
+                             "payload_key)")
+        if self.payload_key_id in old:
+            raise ValueError(f"payload key id {self.payload_key_id!r} is both the current "
+                             "key and an old one; give the new key a new id")
+        return self
+
+    def payload_old_key_ring(self) -> dict[str, bytes]:
+        """``payload_old_keys`` as {key id: key}."""
+        if self.payload_old_keys is None:
+            return {}
+        ring: dict[str, bytes] = {}
+        for entry in self.payload_old_keys.get_secret_value().split(","):
+            if not entry.strip():
+                continue
+            key_id, sep, b64 = entry.strip().partition(":")
+            if not sep or not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", key_id):
+                raise ValueError("payload_old_keys: each entry is id:base64 with an id of "
+                                 "letters, digits, '.', '_' or '-'")
+            if key_id in ring:
+                raise ValueError(f"payload_old_keys: key id {key_id!r} is given twice")
+            ring[key_id] = decode_payload_key(f"payload_old_keys[{key_id}]", b64)
+        return ring
 
     @property
     def manages_engines(self) -> bool:
@@ -194,3 +427,25 @@ class Settings(BaseSettings):
     @property
     def resolved_model_path(self) -> Path:
         return self.model_path or self.state_dir / "models" / "tiny-llama"
+
+
+def _both_or_neither(a: str, va: object, b: str, vb: object, why: str) -> None:
+    if (va is None) != (vb is None):
+        given, missing = (a, b) if vb is None else (b, a)
+        raise ValueError(f"{given} is set but {missing} is not: {why}")
+
+
+PAYLOAD_KEY_BYTES = 32
+
+
+def decode_payload_key(name: str, b64: str) -> bytes:
+    """The key that ``b64`` encodes; ValueError naming ``name`` (never the value)."""
+    try:
+        key = base64.b64decode(b64.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"{name} is not base64; make a key with python -c \"import base64, "
+                         "os; print(base64.b64encode(os.urandom(32)).decode())\"") from None
+    if len(key) != PAYLOAD_KEY_BYTES:
+        raise ValueError(f"{name} decodes to {len(key)} bytes; an AES-256 key is "
+                         f"{PAYLOAD_KEY_BYTES}")
+    return key

@@ -36,8 +36,12 @@ def passthrough_runner(modules: Sequence[str]) -> Callable[[WorkflowRunner | Non
     def configure(runner: WorkflowRunner | None) -> WorkflowRunner:
         runner = runner or SandboxedWorkflowRunner()
         if isinstance(runner, SandboxedWorkflowRunner):
+            # cryptography too: the decide validator verifies signatures, and its Rust
+            # core imports its exception types when it raises; re-imported in the
+            # sandbox, that import aborts the process instead of raising.
             return dataclasses.replace(
-                runner, restrictions=runner.restrictions.with_passthrough_modules(*modules))
+                runner, restrictions=runner.restrictions.with_passthrough_modules(
+                    *modules, "cryptography"))
         return runner
 
     return configure

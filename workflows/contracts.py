@@ -40,6 +40,13 @@ def id_problem(kind: str, value: str) -> str | None:
     return None
 
 
+def _is_default_tenant(tenant: str) -> bool:
+    """The default tenant is left out of payloads: a default-tenant job's input and
+    requests are byte for byte what they were before tenants (and workers from before
+    tenants read them)."""
+    return tenant == "default"
+
+
 def engine_task_queue(engine_id: str) -> str:
     """Task queue served by the inference worker that sits beside engine ``engine_id``."""
     return f"engine.{engine_id}"
@@ -78,6 +85,9 @@ class JobState(StrEnum):
     """The job's token or cost cap was spent."""
     TIMED_OUT = "TIMED_OUT"
     """The job's wall-time cap passed."""
+    QUOTA_EXHAUSTED = "QUOTA_EXHAUSTED"
+    """The job's tenant spent its tokens for the hour, and waiting for the next hour
+    would pass the job's wall-time cap (``warmloop.workflows.tenants``)."""
     REJECTED = "REJECTED"
     """A human rejected a call whose approval rule ends the job on rejection."""
     CANCELLED = "CANCELLED"
@@ -102,9 +112,18 @@ class JobInput(BaseModel):
         default=None, description="Caps for this job; the profile's defaults when None."
     )
     lane: Lane = Lane.INTERACTIVE
+    tenant: str = Field(
+        default="default", exclude_if=_is_default_tenant,
+        description="Whose job it is (warmloop.workflows.tenants): its engine requests carry "
+        "the tenant's cache_salt, its keys are the tenant's, its quota applies. A job of "
+        "another tenant than the default one runs as workflow <tenant>/<job id>.")
     engine_id: str | None = Field(
         default=None, description="Pin the job to this engine instead of routing it."
     )
+    submitted_by: str | None = Field(
+        default=None, max_length=200,
+        description="The verified subject who submitted the job (the CLI sets it from the "
+        "user's token); approval rules refuse this person deciding the job's approvals.")
     hold_policy: HoldPolicy = Field(
         default="cost_model",
         description="While the job waits on a tool or a human: keep its prefix warm when "
@@ -175,6 +194,10 @@ class ReplayScript(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     steps: list[ReplayStep] = Field(min_length=1)
+    ask_approvals: bool = False
+    """Ask real approvers for the recorded calls the profile's rules cover, as a live
+    step does (a rehearsal or demo with real people); a rejection replaces the recorded
+    result. Off: approvals are part of the recorded pauses (benchmarks)."""
 
 
 class ChatMessage(BaseModel):
@@ -233,6 +256,8 @@ class RouteRequest(BaseModel):
     """The model the job's profile needs: only engines serving it; None: any engine."""
     require_price: bool = False
     """The job has a cost cap: only engines that declare a price."""
+    tenant: str = Field(default="default", exclude_if=_is_default_tenant)
+    """The job's tenant: only its own cached prefixes count, and its quota applies."""
 
 
 class GenerateRequest(BaseModel):
@@ -264,6 +289,8 @@ class GenerateRequest(BaseModel):
     pause_kind: str | None = None
     """A replayed step: what the job waits on after it (``tool:<name>``, ``approval:<kind>``;
     "": nothing), decided by the recorded call, not the generated one. None: a live step."""
+    tenant: str = Field(default="default", exclude_if=_is_default_tenant)
+    """The job's tenant: the request carries its ``cache_salt`` (none for the default)."""
 
 
 class StepTiming(BaseModel):
@@ -444,6 +471,13 @@ class PendingApproval(BaseModel):
     requested_at: datetime
     deadline: datetime
     escalated: bool = False
+    profile: str = ""
+    amount: float | None = None
+    """The value of the rule's field when it is a number (a payment's amount)."""
+    approvals_needed: int = 1
+    """2 under a two-person rule (the rule's ``two_approvers_over``): two different people."""
+    approved_by: list[str] = Field(default_factory=list)
+    """Verified subjects who approved so far (the first of a two-person rule waits here)."""
 
 
 class Decision(BaseModel):
@@ -453,7 +487,13 @@ class Decision(BaseModel):
 
     approval_id: str
     approve: bool
-    approver: str = Field(min_length=1)
+    assertion: str = Field(default="", max_length=4096)
+    """The approvals service's signed assertion for exactly this decision (who, which
+    job and approval, approve or reject, the comment's digest, expiry). Required: the
+    validator refuses a decision without a valid one, before anything reaches history."""
+    approver: str = ""
+    """Deprecated and ignored: the decider is the assertion's verified subject. Kept so
+    histories recorded before assertions still replay."""
     comment: str = Field(default="", max_length=2000)
 
 
@@ -514,6 +554,9 @@ class JobStatus(BaseModel):
     engine_id: str | None
     usage: Usage = Field(default_factory=Usage)
     pending_approvals: list[PendingApproval] = Field(default_factory=list)
+    approvals: list[ApprovalRecord] = Field(default_factory=list)
+    """Decisions made so far (the inbox's history)."""
+    submitted_by: str | None = None
 
 
 class JobResult(BaseModel):

@@ -15,26 +15,26 @@ from temporalio.service import RPCError
 from tests.integration.cli import warmloop
 from tests.polling import eventually
 from warmloop.infra.stack import Stack
-from warmloop.workers.approvals import decide, list_pending
+from warmloop.workers.approvals import ApprovalRefused, dev_approver, list_pending
 from warmloop.workers.demo import bundled_tickets
+from warmloop.workers.settings import Settings
 from warmloop.workflows.batch_run import BatchResult, BatchRun
-from warmloop.workflows.contracts import Decision
 
 pytestmark = pytest.mark.integration
 
 
 @contextlib.asynccontextmanager
-async def any_approver(client: Client):  # type: ignore[no-untyped-def]
+async def any_approver(client: Client, settings: Settings):  # type: ignore[no-untyped-def]
     """Approve whatever any job asks, found through the search attribute (the batch's
     child jobs are not known to the test by handle)."""
     done = asyncio.Event()
+    bot = dev_approver(settings)
 
     async def loop() -> None:
         while not done.is_set():
             for p in await list_pending(client):
-                with contextlib.suppress(WorkflowUpdateFailedError, RPCError):
-                    await decide(client, p.job_id, Decision(
-                        approval_id=p.approval_id, approve=True, approver=p.approvers[0]))
+                with contextlib.suppress(WorkflowUpdateFailedError, RPCError, ApprovalRefused):
+                    await bot.decide(client, p.job_id, p.approval_id, approve=True)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(done.wait(), timeout=0.5)
 
@@ -49,14 +49,14 @@ async def any_approver(client: Client):  # type: ignore[no-untyped-def]
 
 
 async def test_batch_run_reports_bad_lines_and_finishes_the_rest(
-    client: Client, stack: Stack, tmp_path: Path,
+    client: Client, stack: Stack, tmp_path: Path, settings: Settings,
 ) -> None:
     src = tmp_path / "tickets.jsonl"
     lines = [json.dumps(t) for t in bundled_tickets()[:4]]
     lines.insert(2, '{"ticket_id": "T9", "oops"')
     src.write_text("\n".join(lines) + "\n")
     bid = f"batch-it-{uuid.uuid4().hex[:6]}"
-    async with any_approver(client):
+    async with any_approver(client, settings):
         out = await asyncio.to_thread(warmloop, "batch", "run", str(src), "--profile",
                                       "ticket-triage", "--window", "2", "--max-steps", "4",
                                       "--batch-id", bid, "--follow")
@@ -68,7 +68,7 @@ async def test_batch_run_reports_bad_lines_and_finishes_the_rest(
 
 
 async def test_a_schedule_triggers_a_batch(client: Client, stack: Stack, tmp_path: Path,
-                                           ) -> None:
+                                           settings: Settings) -> None:
     src = tmp_path / "tickets.jsonl"
     src.write_text(json.dumps(bundled_tickets()[5]) + "\n")
     name = f"nightly-{uuid.uuid4().hex[:6]}"
@@ -78,7 +78,7 @@ async def test_a_schedule_triggers_a_batch(client: Client, stack: Stack, tmp_pat
     try:
         listed = await asyncio.to_thread(warmloop, "schedule", "list")
         assert name in listed.stdout
-        async with any_approver(client):
+        async with any_approver(client, settings):
             trig = await asyncio.to_thread(warmloop, "schedule", "trigger", name)
             assert trig.returncode == 0, trig.stderr
 

@@ -16,6 +16,7 @@ from tests.integration.cli import warmloop
 from tests.polling import eventually
 from warmloop.activities.tools import EffectLedger
 from warmloop.infra.stack import Stack
+from warmloop.workers.approvals import dev_approver
 from warmloop.workers.clients import build_redis
 from warmloop.workers.demo import bundled_tickets, stand_in_approver
 from warmloop.workers.settings import Settings
@@ -45,7 +46,8 @@ async def test_killed_agent_worker_job_finishes_with_no_side_effect_applied_twic
     # urgent priorities wait for a human: play the approver from the start, as the demo
     # does (it rides out the worker's restart)
     done = asyncio.Event()
-    approver = asyncio.create_task(stand_in_approver(client, [handle], done))
+    bot = dev_approver(settings)
+    approver = asyncio.create_task(stand_in_approver(client, bot, [handle], done))
     try:
         async def progressed() -> bool:
             return (await handle.query(AgentJob.status)).step >= 3

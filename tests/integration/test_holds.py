@@ -18,12 +18,12 @@ from tests.integration.cli import warmloop
 from tests.polling import eventually
 from warmloop.activities.holds import HOLDS_KEY, hold_stats
 from warmloop.infra.stack import Stack
-from warmloop.workers.approvals import decide
+from warmloop.workers.approvals import dev_approver
+from warmloop.workers.identity import dev_token
 from warmloop.workers.settings import Settings
 from warmloop.workflows.agent_job import AgentJob
 from warmloop.workflows.contracts import (
     AGENT_TASK_QUEUE,
-    Decision,
     JobInput,
     JobState,
     PendingApproval,
@@ -77,8 +77,7 @@ async def test_a_held_prefix_is_touched_while_the_job_waits_and_released_on_resu
         return await handle.query(AgentJob.pending_approvals) or None
 
     p = (await eventually(pending, attempts=1200))[0]
-    await decide(client, job_id, Decision(approval_id=p.approval_id, approve=True,
-                                          approver="reviewer"))
+    await dev_approver(settings, "erin").decide(client, job_id, p.approval_id, approve=True)
     # The second step asks again only if the random model's call is valid (an invalid
     # one is repaired, and the step cap ends the job): approve whatever it asks.
     finished = asyncio.ensure_future(handle.result())
@@ -87,8 +86,7 @@ async def test_a_held_prefix_is_touched_while_the_job_waits_and_released_on_resu
         if finished.done():
             return True
         for q in await handle.query(AgentJob.pending_approvals):
-            await decide(client, job_id, Decision(approval_id=q.approval_id, approve=True,
-                                                  approver="reviewer"))
+            await dev_approver(settings, "erin").decide(client, job_id, q.approval_id, approve=True)
         return False
 
     await eventually(approve_until_done, attempts=2400)
@@ -127,7 +125,7 @@ async def test_opening_a_pending_approval_prewarms_the_prompt_on_an_engine(
     async with httpx.AsyncClient() as http:
         for e in settings.engine_endpoints:
             (await http.post(f"{e.url}/reset_prefix_cache")).raise_for_status()
-    out = warmloop("view", job_id, "--as", "reviewer")
+    out = warmloop("view", job_id, token=dev_token(settings, "erin"))
     assert out.returncode == 0, out.stderr
     assert approval.approval_id in out.stdout
 
@@ -138,8 +136,7 @@ async def test_opening_a_pending_approval_prewarms_the_prompt_on_an_engine(
                    and _scheduled_type(h, e) == "prewarm")
 
     await eventually(prewarmed, attempts=600)
-    await decide(client, job_id, Decision(approval_id=approval.approval_id,
-                                          approve=True, approver="reviewer"))
+    await dev_approver(settings, "erin").decide(client, job_id, approval.approval_id, approve=True)
     # later steps escalate again: approve whatever the job asks until its step cap
     finished = asyncio.ensure_future(handle.result())
 
@@ -147,8 +144,7 @@ async def test_opening_a_pending_approval_prewarms_the_prompt_on_an_engine(
         if finished.done():
             return True
         for p in await handle.query(AgentJob.pending_approvals):
-            await decide(client, job_id, Decision(approval_id=p.approval_id, approve=True,
-                                                  approver="reviewer"))
+            await dev_approver(settings, "erin").decide(client, job_id, p.approval_id, approve=True)
         return False
 
     await eventually(approve_until_done, attempts=2400)

@@ -15,6 +15,7 @@ from temporalio.client import Client
 from tests.integration.cli import warmloop
 from warmloop.activities.storage import StorageActivities
 from warmloop.infra.stack import Stack
+from warmloop.workers.approvals import dev_approver
 from warmloop.workers.clients import build_s3
 from warmloop.workers.demo import bundled_tasks, bundled_tickets, stand_in_approver
 from warmloop.workers.settings import Settings
@@ -43,7 +44,8 @@ async def results_with_approver(client: Client, handles: list[Any]) -> list[JobR
     """Wait for the jobs while a stand-in team lead approves what they ask (the tiny
     model sometimes sets an urgent priority, which waits for a human)."""
     done = asyncio.Event()
-    approver = asyncio.create_task(stand_in_approver(client, handles, done))
+    bot = dev_approver(Settings())  # the test session's settings, from its environment
+    approver = asyncio.create_task(stand_in_approver(client, bot, handles, done))
     try:
         return list(await asyncio.gather(*(h.result() for h in handles)))
     finally:

@@ -20,7 +20,7 @@ from warmloop.workflows.agent_job import SEARCH_ATTRIBUTES
 KEYWORD = IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD
 KEYWORD_LIST = IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD_LIST
 ALL = {"WarmloopProfile": KEYWORD, "WarmloopState": KEYWORD,
-       "WarmloopPendingApprovals": KEYWORD_LIST}
+       "WarmloopPendingApprovals": KEYWORD_LIST, "WarmloopTenant": KEYWORD}
 
 
 class FakeOperator:

@@ -11,6 +11,7 @@ import asyncio
 import os
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from temporalio import activity
@@ -20,16 +21,18 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer
 
+from tests.approvers import Approvers
+from tests.polling import eventually
 from tests.workflow.fakes import FakeActivities, reply
 from tests.workflow.test_agent_job import TICKET, run_job, workers
 from tests.workflow.test_batch_run import run_batch, write_records
+from warmloop.workers.identity import install_verify_keys
 from warmloop.workers.temporal_plugin import sandbox_runner
 from warmloop.workflows.agent_job import AgentJob
 from warmloop.workflows.batch_run import BatchInput, BatchRun
 from warmloop.workflows.contracts import (
     AGENT_TASK_QUEUE,
     ApprovalViewed,
-    Decision,
     GenerateRequest,
     GenerateResult,
     JobInput,
@@ -38,6 +41,9 @@ from warmloop.workflows.contracts import (
 HISTORIES = Path(__file__).parent / "histories"
 RECORDED_IDS = {"batch_run_with_bad_line": "replay-batch"}
 """Workflow ids of recorded histories whose commands depend on the id (child job ids)."""
+
+
+INVOICE = {"invoice_id": "INV1001", "vendor_id": "V001", "po_number": "PO1001"}
 
 
 def _script(req: GenerateRequest) -> GenerateResult:
@@ -71,7 +77,7 @@ async def test_a_fresh_history_replays(time_skipping_env: WorkflowEnvironment) -
 
 
 async def test_a_fresh_history_with_an_approval_and_prewarm_replays(
-    time_skipping_env: WorkflowEnvironment,
+    time_skipping_env: WorkflowEnvironment, approvers: Approvers,
 ) -> None:
     script = iter([reply("set_priority", '{"priority": "urgent"}'),
                    reply("finish", '{"resolution": "escalated", "priority": "urgent"}')])
@@ -85,8 +91,9 @@ async def test_a_fresh_history_with_an_approval_and_prewarm_replays(
                 break
             await asyncio.sleep(0.05)
         await handle.signal(AgentJob.viewed, ApprovalViewed(approval_id="urgent_priority-1"))
-        await handle.execute_update(AgentJob.decide, Decision(
-            approval_id="urgent_priority-1", approve=True, approver="team-lead"))
+        approvers.now = await time_skipping_env.get_current_time()
+        await handle.execute_update(AgentJob.decide, approvers.decision(
+            "alice", ("team-lead",), job_id=handle.id, approval_id="urgent_priority-1"))
         await handle.result()
         history = await handle.fetch_history()
     # viewed, then decided: a prewarm for each (one if both land in one workflow task),
@@ -95,6 +102,45 @@ async def test_a_fresh_history_with_an_approval_and_prewarm_replays(
         "approval:urgent_priority"]
     await _replayer().replay_workflow(history)
     _record("agent_job_approval_prewarm.json", history)
+
+
+async def test_a_fresh_two_person_approval_history_replays(
+    time_skipping_env: WorkflowEnvironment, approvers: Approvers,
+) -> None:
+    """Two signed approvals of one payment (the first leaves it waiting), then a
+    signed rejection of the next: the history replays without the validator (which
+    Temporal does not run on replay) and without the worker's keys."""
+    script = iter([reply("approve_payment", '{"invoice_id": "INV1001", "amount": 60000}'),
+                   reply("approve_payment", '{"invoice_id": "INV1001", "amount": 7000}'),
+                   reply("finish", '{"outcome": "needs_review", "summary": "split"}')])
+    fakes = FakeActivities(lambda req: next(script))
+    async with workers(time_skipping_env, fakes) as client:
+        handle = await client.start_workflow(
+            AgentJob.run, JobInput(profile="invoice-reconciliation", task=INVOICE,
+                                   submitted_by="erin"),
+            id="replay-two-person", task_queue=AGENT_TASK_QUEUE)
+        for person in ["bob", "carol"]:
+            await eventually(lambda: _pending(handle, "large_payment-1"))
+            approvers.now = await time_skipping_env.get_current_time()
+            await handle.execute_update(AgentJob.decide, approvers.decision(
+                person, ("finance-lead",), job_id=handle.id, approval_id="large_payment-1"))
+        await eventually(lambda: _pending(handle, "large_payment-2"))
+        approvers.now = await time_skipping_env.get_current_time()
+        await handle.execute_update(AgentJob.decide, approvers.decision(
+            "bob", ("finance-lead",), job_id=handle.id, approval_id="large_payment-2",
+            approve=False, comment="split it <please>"))
+        res = await handle.result()
+        history = await handle.fetch_history()
+    assert [(a.outcome, a.decided_by) for a in res.approvals] == [
+        ("approved", "bob, carol"), ("rejected", "bob")]
+    install_verify_keys([])  # replay must not need them
+    await _replayer().replay_workflow(history)
+    _record("agent_job_two_person_approval.json", history)
+
+
+async def _pending(handle: Any, approval_id: str) -> bool | None:
+    ids = [p.approval_id for p in await handle.query(AgentJob.pending_approvals)]
+    return True if approval_id in ids else None
 
 
 async def test_a_fresh_batch_history_replays(time_skipping_env: WorkflowEnvironment,

@@ -228,10 +228,25 @@ class ApprovalRule:
     pause_median_s: float = 1200.0
     """Prior for how long humans take to decide (until pause statistics exist)."""
     pause_p90_s: float = 3600.0
+    two_approvers_over: float | None = None
+    """Two different people must approve when ``field``'s value is above this (a
+    payment over 50,000, say); one rejection still decides."""
+    submitter_may_approve: bool = False
+    """False: the person who submitted the job may not decide its approvals."""
+
+    def approvals_needed(self, args: dict[str, Any]) -> int:
+        v = args.get(self.field) if self.field else None
+        over = self.two_approvers_over
+        if over is None or isinstance(v, bool) or not isinstance(v, int | float):
+            return 1
+        return 2 if v > over else 1
 
     def check(self, spec: ToolSpec) -> None:
         """Refuse a rule that could never apply or would fail while a job runs: a
         misspelt field would let every call through without a human."""
+        if self.two_approvers_over is not None and self.field is None:
+            raise ValueError(f"approval rule {self.kind!r}: two_approvers_over needs a field "
+                             "(the argument whose value it compares)")
         if self.field is None:
             return
         if self.field not in spec.args.model_fields:

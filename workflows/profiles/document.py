@@ -116,6 +116,8 @@ class ApprovalDoc(_Strict):
     on_reject: Literal["continue", "end"] = "continue"
     pause_median_s: float = Field(default=1200.0, gt=0)
     pause_p90_s: float = Field(default=3600.0, gt=0)
+    two_approvers_over: float | None = Field(default=None, ge=0)
+    submitter_may_approve: bool = False
 
 
 class ProfileDocument(_Strict):
@@ -163,7 +165,9 @@ def profile_from_document(
                      deadline_s=a.deadline_s, field=a.field, op=a.op, value=a.value,
                      on_timeout=a.on_timeout, escalate_to=tuple(a.escalate_to),
                      escalation_deadline_s=a.escalation_deadline_s, on_reject=a.on_reject,
-                     pause_median_s=a.pause_median_s, pause_p90_s=a.pause_p90_s)
+                     pause_median_s=a.pause_median_s, pause_p90_s=a.pause_p90_s,
+                     two_approvers_over=a.two_approvers_over,
+                     submitter_may_approve=a.submitter_may_approve)
         for a in doc.approvals)
     try:
         return Profile(name=doc.name, system_prompt=doc.system_prompt, task_model=task_model,

@@ -13,6 +13,8 @@ INVOICE_ID = r"^INV[0-9]{4}$"
 VENDOR_ID = r"^V[0-9]{3}$"
 PO_NUMBER = r"^PO[0-9]{4}$"
 LARGE_PAYMENT = 5000
+TWO_PERSON_PAYMENT = 50_000
+"""Payments above this need two different approvers."""
 """Payments above this amount wait for a finance lead or the CFO."""
 DiscrepancyReason = Literal["price_mismatch", "quantity_mismatch", "missing_line", "extra_line",
                             "duplicate_invoice", "other"]
@@ -191,7 +193,8 @@ INVOICE_RECONCILIATION = Profile(
         ApprovalRule(kind="large_payment", tool="approve_payment", field="amount", op="gt",
                      value=LARGE_PAYMENT, approvers=("finance-lead", "cfo"),
                      deadline_s=4 * 3600, on_timeout="escalate", escalate_to=("cfo-office",),
-                     escalation_deadline_s=3600, on_reject="continue"),
+                     escalation_deadline_s=3600, on_reject="continue",
+                     two_approvers_over=TWO_PERSON_PAYMENT),
     ),
     limits=JobLimits(
         max_steps=10,

@@ -1,0 +1,1 @@
+"""The web inbox driven in a real browser (Playwright + Chromium) on the real stack."""

@@ -1,0 +1,281 @@
+"""Who an approver is: bearer tokens verified into an identity, and the signed
+decision assertions the approvals service issues for a verified identity.
+
+Two token sources:
+
+- ``JwtVerifier``: OIDC access or ID tokens (JWT) checked against the configured
+  issuer's JWKS, audience and expiry; roles come from a claim (``roles`` by default).
+- ``TokenFileVerifier``: the embedded stack's local token file, written by
+  ``warmloop dev up``: each token's SHA-256 with a subject and roles (the file never
+  holds a usable token).
+
+``AssertionSigner`` (the approvals service, holding the Ed25519 private key) turns a
+verified identity into a short-lived assertion for one decision; the agent worker
+installs the public keys with ``install_verify_keys`` and the ``decide`` validator
+calls ``verify_assertion``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from warmloop.workflows.approval_auth import (
+    AssertionRefused,
+    DecisionClaims,
+    comment_digest,
+    encode_assertion,
+    parse_assertion,
+    signing_input,
+)
+
+if TYPE_CHECKING:
+    from warmloop.workers.settings import Settings
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A person verified from a token."""
+
+    subject: str
+    roles: frozenset[str]
+
+
+class AuthError(Exception):
+    """A token that does not verify; the message is safe to show the person."""
+
+
+class TokenVerifier(ABC):
+    """Turns a bearer token into a verified identity."""
+
+    @abstractmethod
+    def verify(self, token: str) -> Identity:
+        """The token's identity; raises AuthError for a bad, unknown or expired token."""
+
+
+def token_digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class TokenFileVerifier(TokenVerifier):
+    """Local tokens for the embedded stack (``<state_dir>/auth/tokens.json``):
+    ``{"users": [{"subject": ..., "roles": [...], "token_sha256": ...}]}``. The file
+    is read on every verify, so revoking a token is editing the file."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+
+    def verify(self, token: str) -> Identity:
+        if not token:
+            raise AuthError("no token")
+        try:
+            users = json.loads(self._path.read_text())["users"]
+        except (OSError, ValueError, KeyError) as e:
+            raise AuthError(f"the token file {self._path} cannot be read ({e})") from None
+        digest = token_digest(token)
+        for u in users:
+            if hmac.compare_digest(str(u.get("token_sha256", "")), digest):
+                return Identity(subject=str(u["subject"]), roles=frozenset(u.get("roles", [])))
+        raise AuthError("unknown token")
+
+
+class JwtVerifier(TokenVerifier):
+    """OIDC bearer tokens: signature against the issuer's JWKS (cached, refetched for
+    an unknown key id), ``iss``, ``aud`` and ``exp``; asymmetric algorithms only, so
+    a token signed with the public key as an HMAC secret is refused."""
+
+    ALGORITHMS = ["RS256", "RS384", "RS512", "ES256", "ES384", "PS256", "EdDSA"]
+
+    def __init__(self, *, issuer: str, audience: str, jwks_url: str | None = None,
+                 roles_claim: str = "roles") -> None:
+        import jwt
+
+        self._issuer, self._audience, self._roles_claim = issuer, audience, roles_claim
+        url = jwks_url or issuer.rstrip("/") + "/.well-known/jwks.json"
+        self._jwks = jwt.PyJWKClient(url, cache_keys=True, lifespan=300)
+
+    def verify(self, token: str) -> Identity:
+        import jwt
+
+        if not token:
+            raise AuthError("no token")
+        try:
+            key = self._jwks.get_signing_key_from_jwt(token)
+            claims: dict[str, Any] = jwt.decode(
+                token, key.key, algorithms=self.ALGORITHMS, audience=self._audience,
+                issuer=self._issuer, options={"require": ["exp", "iss", "aud", "sub"]})
+        except jwt.ExpiredSignatureError:
+            raise AuthError("the token has expired; sign in again") from None
+        except jwt.PyJWKClientError as e:
+            raise AuthError(f"the token's signing key is unknown ({e})") from None
+        except jwt.InvalidTokenError as e:
+            raise AuthError(f"the token is not valid ({e})") from None
+        roles = claims.get(self._roles_claim, [])
+        if isinstance(roles, str):
+            roles = roles.split()
+        return Identity(subject=str(claims["sub"]), roles=frozenset(map(str, roles)))
+
+
+def verifier_from_settings(settings: Settings) -> TokenVerifier:
+    if settings.oidc_issuer:
+        if not settings.oidc_audience:
+            raise ValueError("WARMLOOP_OIDC_ISSUER is set without WARMLOOP_OIDC_AUDIENCE; "
+                             "set the audience your tokens are issued for")
+        return JwtVerifier(issuer=settings.oidc_issuer, audience=settings.oidc_audience,
+                           jwks_url=settings.oidc_jwks_url,
+                           roles_claim=settings.oidc_roles_claim)
+    path = settings.auth_token_file or settings.state_dir / "auth" / "tokens.json"
+    if not path.exists():
+        raise ValueError(f"no approver tokens: {path} does not exist; run `warmloop dev up` "
+                         "or set WARMLOOP_OIDC_ISSUER / WARMLOOP_AUTH_TOKEN_FILE")
+    return TokenFileVerifier(path)
+
+
+# ---- assertions -------------------------------------------------------------------------
+
+def key_id(public: Ed25519PublicKey) -> str:
+    raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
+class AssertionSigner:
+    """Signs one decision of a verified person; held only by the approvals service."""
+
+    def __init__(self, private_key: Ed25519PrivateKey, *, ttl_s: float = 120.0) -> None:
+        self._key, self._ttl = private_key, timedelta(seconds=ttl_s)
+        self.kid = key_id(private_key.public_key())
+
+    def sign_decision(self, who: Identity, *, job_id: str, approval_id: str, approve: bool,
+                      comment: str, now: datetime | None = None) -> str:
+        now = now or datetime.now(UTC)
+        claims = DecisionClaims(sub=who.subject, roles=tuple(sorted(who.roles)), job=job_id,
+                                approval=approval_id, approve=approve,
+                                comment_sha256=comment_digest(comment), iat=now,
+                                exp=now + self._ttl, jti=secrets.token_hex(16))
+        return encode_assertion(self.kid, claims, self._key.sign(signing_input(claims)))
+
+
+def load_private_key(path: Path) -> Ed25519PrivateKey:
+    key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    if not isinstance(key, Ed25519PrivateKey):
+        raise ValueError(f"{path} is not an Ed25519 private key")
+    return key
+
+
+def load_public_key(path: Path) -> Ed25519PublicKey:
+    key = serialization.load_pem_public_key(path.read_bytes())
+    if not isinstance(key, Ed25519PublicKey):
+        raise ValueError(f"{path} is not an Ed25519 public key")
+    return key
+
+
+def signer_from_settings(settings: Settings) -> AssertionSigner:
+    path = settings.approval_signing_key or settings.state_dir / "auth" / "approval-signing.pem"
+    if not path.exists():
+        raise ValueError(f"no approval signing key at {path}; run `warmloop dev up` or set "
+                         "WARMLOOP_APPROVAL_SIGNING_KEY")
+    return AssertionSigner(load_private_key(path), ttl_s=settings.approval_assertion_ttl_s)
+
+
+def verify_key_paths(settings: Settings) -> list[Path]:
+    if settings.approval_verify_keys.strip():
+        return [Path(p.strip()) for p in settings.approval_verify_keys.split(",") if p.strip()]
+    return [settings.state_dir / "auth" / "approval-verify.pem"]
+
+
+_VERIFY_KEYS: dict[str, Ed25519PublicKey] = {}
+"""The keys this process accepts assertions from, by key id; set at worker start.
+The workflow imports this module passed through the sandbox, so it sees these."""
+
+
+def install_verify_keys(keys: list[Ed25519PublicKey]) -> list[str]:
+    """Replace the accepted keys (at worker start); returns their key ids."""
+    _VERIFY_KEYS.clear()
+    _VERIFY_KEYS.update({key_id(k): k for k in keys})
+    return list(_VERIFY_KEYS)
+
+
+def install_verify_keys_from_settings(settings: Settings) -> list[str]:
+    """The agent worker's start: without keys, every decision is refused (safe, and the
+    refusal says which setting to fix)."""
+    return install_verify_keys([load_public_key(p) for p in verify_key_paths(settings)
+                                if p.exists()])
+
+
+def verify_assertion(token: str) -> DecisionClaims:
+    """The claims of an assertion whose signature holds under an installed key.
+    Raises AssertionRefused; called by the ``decide`` validator (not on replay)."""
+    parsed = parse_assertion(token)
+    if not _VERIFY_KEYS:
+        raise AssertionRefused("this worker accepts no approval assertions: no verify key "
+                               "installed (set WARMLOOP_APPROVAL_VERIFY_KEYS)")
+    key = _VERIFY_KEYS.get(parsed.kid)
+    if key is None:
+        raise AssertionRefused(f"the assertion is signed with an unknown key {parsed.kid}")
+    try:
+        key.verify(parsed.signature, parsed.signed)
+    except InvalidSignature:
+        raise AssertionRefused("the assertion's signature does not verify") from None
+    return parsed.claims
+
+
+# ---- the embedded stack's dev identities ------------------------------------------------
+
+DEV_USERS: dict[str, tuple[str, ...]] = {
+    "alice": ("team-lead", "support-manager"),
+    "bob": ("finance-lead",),
+    "carol": ("cfo", "finance-lead"),
+    "dave": ("support-director", "cfo-office"),
+    "erin": ("reviewer",),
+    "mallory": (),
+    "demo-bot": ("team-lead", "support-manager", "support-director", "finance-lead", "cfo",
+                 "cfo-office", "reviewer"),
+}
+"""Who ``warmloop dev up`` creates tokens for: one person per approver role of the
+bundled profiles, a person with no role, and the demo's approving bot."""
+
+
+def ensure_dev_identities(auth_dir: Path) -> dict[str, dict[str, Any]]:
+    """Create (once) the embedded stack's signing key pair, its token file and the
+    plain tokens of the dev users (``dev-tokens.json``, mode 0600, for tests and the
+    demo). Existing files are kept, so tokens survive ``dev down``/``dev up``."""
+    auth_dir.mkdir(parents=True, exist_ok=True)
+    signing, verify = auth_dir / "approval-signing.pem", auth_dir / "approval-verify.pem"
+    if not signing.exists():
+        key = Ed25519PrivateKey.generate()
+        signing.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                              serialization.PrivateFormat.PKCS8,
+                                              serialization.NoEncryption()))
+        signing.chmod(0o600)
+        verify.write_bytes(key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    plain_path, tokens_path = auth_dir / "dev-tokens.json", auth_dir / "tokens.json"
+    plain: dict[str, dict[str, Any]] = (json.loads(plain_path.read_text())
+                                        if plain_path.exists() else {})
+    for subject, roles in DEV_USERS.items():
+        if subject not in plain:
+            plain[subject] = {"token": f"wl_dev_{subject}_{secrets.token_urlsafe(18)}",
+                              "roles": list(roles)}
+    plain_path.write_text(json.dumps(plain, indent=2))
+    plain_path.chmod(0o600)
+    users = [{"subject": s, "roles": u["roles"], "token_sha256": token_digest(u["token"])}
+             for s, u in plain.items()]
+    tokens_path.write_text(json.dumps({"users": users}, indent=2))
+    return plain
+
+
+def dev_token(settings: Settings, subject: str) -> str:
+    """A dev user's plain token (tests, the demo's approving bot)."""
+    plain = json.loads((settings.state_dir / "auth" / "dev-tokens.json").read_text())
+    return str(plain[subject]["token"])

@@ -1,0 +1,87 @@
+"""The inbox's browser session: one sealed cookie, and the CSRF token inside it.
+
+The cookie is sealed with AES-GCM (integrity and secrecy): it carries the person's
+bearer token, which the inbox verifies again on every request, so a token revoked
+or expired at its issuer ends the session at the next click, not at the cookie's
+expiry. Nothing here is kept server-side: any replica holding the same key can read
+the cookie, and a key made at start (the default) signs everyone out on a restart.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import json
+import os
+import secrets
+import time
+from dataclasses import asdict, dataclass, replace
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+COOKIE_NAME = "warmloop_inbox"
+SIGNED_IN_TTL_S = 8 * 3600
+"""A signed-in session lasts a working day at most, whatever the token's own expiry."""
+ANONYMOUS_TTL_S = 3600
+"""A signed-out session (only its CSRF token, for the sign-in form) lasts an hour."""
+_AAD = b"warmloop-inbox-session-v1"
+_NONCE_BYTES = 12
+
+
+@dataclass(frozen=True)
+class Session:
+    """What the cookie holds. ``token`` is None until the person signs in."""
+
+    csrf: str
+    expires: float
+    token: str | None = None
+    flash: str | None = None
+    """A one-line notice shown once on the next page (after a decision's redirect)."""
+
+    @classmethod
+    def anonymous(cls, now: float | None = None) -> Session:
+        return cls(csrf=secrets.token_urlsafe(32),
+                   expires=(now or time.time()) + ANONYMOUS_TTL_S)
+
+    @classmethod
+    def signed_in(cls, token: str, now: float | None = None) -> Session:
+        """A fresh CSRF token at sign-in: one planted before it (session fixation)
+        is worth nothing after it."""
+        return cls(csrf=secrets.token_urlsafe(32), token=token,
+                   expires=(now or time.time()) + SIGNED_IN_TTL_S)
+
+    def with_flash(self, flash: str | None) -> Session:
+        return replace(self, flash=flash)
+
+    def csrf_ok(self, presented: str | None) -> bool:
+        """Constant-time comparison with the form's hidden field."""
+        return bool(presented) and hmac.compare_digest(self.csrf, str(presented))
+
+
+class SessionSealer:
+    """Seals a Session into a cookie value and opens it again.
+
+    ``key``: 32 bytes; None makes a random one (sessions then end when the process
+    does). A cookie that was tampered with, sealed under another key or has expired
+    opens as None: the person is simply signed out."""
+
+    def __init__(self, key: bytes | None = None) -> None:
+        self._aead = AESGCM(key if key is not None else AESGCM.generate_key(bit_length=256))
+
+    def seal(self, session: Session) -> str:
+        nonce = os.urandom(_NONCE_BYTES)
+        data = json.dumps(asdict(session), separators=(",", ":")).encode()
+        return base64.urlsafe_b64encode(nonce + self._aead.encrypt(nonce, data, _AAD)).decode()
+
+    def open(self, value: str | None, now: float | None = None) -> Session | None:
+        if not value:
+            return None
+        try:
+            raw = base64.urlsafe_b64decode(value.encode())
+            data = self._aead.decrypt(raw[:_NONCE_BYTES], raw[_NONCE_BYTES:], _AAD)
+            session = Session(**json.loads(data))
+        except (InvalidTag, ValueError, TypeError, binascii.Error):
+            return None
+        return session if session.expires > (now or time.time()) else None
