@@ -25,7 +25,7 @@ demo: install
 	$(BIN)/warmloop demo --jobs 20
 
 ## Lint, type-check, then the whole suite (it starts the real stack it needs).
-test: install lint
+test: install lint browser
 	$(BIN)/pytest
 
 ## Unit and time-skipping workflow tests only (no stack).

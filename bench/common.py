@@ -20,7 +20,7 @@ from temporalio.client import Client
 from bench.plugin import PAUSES_ENV
 from bench.synthetic_pauses import SyntheticPauses
 from warmloop.infra.stack import Stack
-from warmloop.workers.clients import connect
+from warmloop.workers.clients import connect, redis_options
 from warmloop.workers.engine_metrics import (  # noqa: F401 - the benchmarks import them from here
     COUNTERS,
     counters_of,
@@ -128,7 +128,7 @@ async def bench_stack(settings: Settings, console: Console, *,
                   f"{kv // 2048:,} tokens each) ...")
     fresh_state(settings)
     await asyncio.to_thread(stack.up)
-    redis = aioredis.Redis.from_url(settings.redis_url)
+    redis = aioredis.Redis.from_url(settings.redis_url, **redis_options(settings))
     try:
         yield BenchFleet(client=await connect(settings), redis=redis,
                          urls=[e.url.rstrip("/") for e in settings.engine_endpoints],

@@ -123,7 +123,8 @@ def _alive(pid: int) -> bool:
 def settings_env(settings: Settings) -> dict[str, str]:
     """The settings as WARMLOOP_* variables, so child processes see exactly these."""
     env: dict[str, str] = {}
-    for name, value in settings.model_dump(mode="json").items():
+    # The CLI user's own token is theirs: the stack's processes never act with it.
+    for name, value in settings.model_dump(mode="json", exclude={"token"}).items():
         if value is None:
             env[f"WARMLOOP_{name.upper()}"] = "null"
             continue
@@ -322,8 +323,11 @@ class Stack:
     def _redis(self):  # type: ignore[no-untyped-def]
         import redis
 
+        from warmloop.workers.clients import redis_options
+
         return redis.Redis.from_url(self.settings.redis_url, socket_timeout=1.0,
-                                    socket_connect_timeout=1.0)
+                                    socket_connect_timeout=1.0,
+                                    **redis_options(self.settings))
 
     def _redis_ready(self) -> bool:
         try:

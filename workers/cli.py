@@ -22,7 +22,7 @@ from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
-from warmloop.workers.clients import StackNotRunningError, connect
+from warmloop.workers.clients import StackNotRunningError, connect, redis_options
 from warmloop.workers.settings import Settings
 from warmloop.workflows.budgets import JobLimits
 from warmloop.workflows.contracts import (
@@ -196,7 +196,8 @@ def submit(
     # Signed in: the job records who submitted it, and its approval rules refuse that
     # person deciding its approvals.
     settings = _settings()
-    if settings.token or (settings.state_dir / CLI_TOKEN_FILE).exists():
+    if (settings.token is not None and settings.token.get_secret_value()) \
+            or (settings.state_dir / CLI_TOKEN_FILE).exists():
         job = job.model_copy(update={
             "submitted_by": _api(settings, "GET", "/api/whoami")["subject"]})
 
@@ -309,8 +310,8 @@ CLI_TOKEN_FILE = "cli-token"
 
 def _token(settings: Settings) -> str:
     """The user's bearer token: WARMLOOP_TOKEN, else the one `warmloop login` saved."""
-    if settings.token:
-        return settings.token
+    if settings.token is not None and settings.token.get_secret_value():
+        return settings.token.get_secret_value()
     path = settings.state_dir / CLI_TOKEN_FILE
     if path.exists():
         return path.read_text().strip()
@@ -725,7 +726,7 @@ def engines(as_json: bool = typer.Option(False, "--json", help="One JSON object 
         from warmloop.activities.registry import EngineRegistry
 
         s = _settings()
-        r = aioredis.Redis.from_url(s.redis_url)
+        r = aioredis.Redis.from_url(s.redis_url, **redis_options(s))
         try:
             registry = EngineRegistry(r, ttl_s=s.engine_ttl_s)
             live = await registry.live()
@@ -794,7 +795,7 @@ def pauses() -> None:
         from warmloop.workflows.profiles import REGISTRY
 
         s = _settings()
-        r = aioredis.Redis.from_url(s.redis_url)
+        r = aioredis.Redis.from_url(s.redis_url, **redis_options(s))
         try:
             rows = await PauseStats(r).summaries(
                 {n: REGISTRY.get(n) for n in REGISTRY.names()})
@@ -856,7 +857,7 @@ def doctor() -> None:
         from warmloop.activities.directory import PrefixDirectory
 
         s = _settings()
-        r = aioredis.Redis.from_url(s.redis_url)
+        r = aioredis.Redis.from_url(s.redis_url, **redis_options(s))
         try:
             counts, recent = await bust_report(r)
             acc = await PrefixDirectory(r).accuracy()

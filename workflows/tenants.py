@@ -29,6 +29,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
+from warmloop.workflows.contracts import id_problem
+
 DEFAULT_TENANT = "default"
 """The tenant of every job submitted without one: no salt, no key prefixes."""
 MAX_TENANT_LEN = 63
@@ -87,8 +89,6 @@ def tenant_of(workflow_id: str) -> str:
 def namespaced_id_problem(workflow_id: str) -> str | None:
     """Why ``workflow_id`` (``<tenant>/<job id>``) cannot name a tenant's job; None
     when it can. A bare id is checked by ``contracts.id_problem``."""
-    from warmloop.workflows.contracts import id_problem
-
     tenant, job_id = split_job_id(workflow_id)
     if tenant == DEFAULT_TENANT:
         return (f"job id {workflow_id[:60]!r}: the default tenant's job ids carry no "
@@ -113,9 +113,12 @@ def cache_salt(tenant: str) -> str | None:
 
     A digest of the tenant's name, not the name: it is fixed length, within vLLM's
     limits (at most 128 characters, none of ``@ / \\``), and names no tenant in the
-    engines' logs and KV events. It need not be secret: only warmloop's inference
-    workers set it, from the tenant of the job, and no tenant can send an engine a
-    request of its own (see the README's tenants section)."""
+    engines' logs and KV events. It is not secret, and need not be: the salt never
+    leaves warmloop's side (the inference worker computes it from the request's tenant;
+    it is in no history, result or log), only warmloop's workers send the engines
+    requests, and a job's tenant is fixed by its id. A keyed digest (HMAC with a
+    server secret) would add something only against a party that can send the engines
+    requests of its own, which no tenant can: the engines are warmloop's, not theirs."""
     if tenant == DEFAULT_TENANT:
         return None
     return hashlib.sha256(_SALT_CONTEXT + tenant.encode()).hexdigest()

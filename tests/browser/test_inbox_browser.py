@@ -4,10 +4,10 @@ approves one payment and rejects another with a comment (written as markup, show
 as text); the jobs' histories and results say who decided what. Screenshots of each
 page go to the test's tmp dir and <state_dir>/screenshots/ (with run.json: timings).
 
-Jobs reach their approvals on the real engines: the payments by replaying a recorded
-``approve_payment`` call (the tiny model's own invoice ids would never match the
-task's, and a call on another invoice is refused before any human is asked), the
-ticket by offering only ``set_priority`` until the model asks for ``urgent``.
+Jobs reach their approvals on the real engines by replaying recorded calls with
+``ask_approvals`` (every step is still generated on the engines; the recorded call
+then waits for real approvers): the tiny random model's own invoice ids would never
+match the task's, and its priorities are chance.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from warmloop.infra.stack import Stack
 from warmloop.workers.approvals import list_pending
 from warmloop.workers.settings import Settings
 from warmloop.workflows.agent_job import AgentJob
-from warmloop.workflows.budgets import JobLimits
 from warmloop.workflows.contracts import (
     AGENT_TASK_QUEUE,
     FunctionCall,
@@ -55,9 +54,6 @@ FINANCE = "bob"
 SUPPORT = "alice"
 """team-lead and support-manager: may decide urgent_priority, not payments."""
 REJECT_COMMENT = "<script>alert('pwned')</script> amount differs from PO7102"
-TICKET_TRIES = 3
-"""Ticket jobs started at most, each offered only set_priority for TICKET_STEPS steps."""
-TICKET_STEPS = 24
 
 
 @dataclass
@@ -93,7 +89,7 @@ async def start_payment(client: Client, started: list[WorkflowHandle[AgentJob, J
     threshold) waits for a finance approver, then finishes."""
     task = {"invoice_id": f"INV{invoice:04d}", "vendor_id": "V101",
             "po_number": f"PO{invoice:04d}", "note": "browser test"}
-    script = ReplayScript(steps=[
+    script = ReplayScript(ask_approvals=True, steps=[
         ReplayStep(call=_call("approve_payment", {"invoice_id": task["invoice_id"],
                                                   "amount": amount}, 1),
                    result=f"payment of {amount:.2f} scheduled", output_tokens=12,
@@ -115,24 +111,25 @@ async def start_payment(client: Client, started: list[WorkflowHandle[AgentJob, J
 
 async def start_urgent_ticket(client: Client,
                               started: list[WorkflowHandle[AgentJob, JobResult]]) -> Waiting:
-    """A ticket job offered only set_priority: the random model picks a priority at each
-    step, and an urgent one waits for a team lead. A job that ends without asking is
-    replaced, up to TICKET_TRIES jobs."""
+    """A ticket job whose recorded set_priority(urgent) waits for a team lead."""
     task = {"ticket_id": "T7001", "customer_id": "C101", "subject": "charged twice",
             "body": "I was charged twice for order 7001. Please fix this today."}
-    for _ in range(TICKET_TRIES):
-        handle = await client.start_workflow(
-            AgentJob.run, JobInput(profile="ticket-triage", task=task, tools=["set_priority"],
-                                   limits=JobLimits(max_steps=TICKET_STEPS,
-                                                    max_wall_time_s=1800),
-                                   hold_policy="never"),
-            id=f"inbox-ticket-{uuid.uuid4().hex[:8]}", task_queue=AGENT_TASK_QUEUE)
-        started.append(handle)
-        p = await _pending_of(handle, "urgent_priority", timeout_s=600)
-        if p is not None:
-            return Waiting(handle, p)
-    pytest.fail(f"{TICKET_TRIES} ticket jobs of {TICKET_STEPS} set_priority steps never asked "
-                "for urgent")
+    script = ReplayScript(ask_approvals=True, steps=[
+        ReplayStep(call=_call("set_priority", {"priority": "urgent"}, 1),
+                   result="priority set to urgent", output_tokens=10,
+                   pause_kind="approval:urgent_priority"),
+        ReplayStep(call=_call("finish", {"resolution": "escalated", "priority": "urgent"}, 2),
+                   result="done", output_tokens=8),
+    ])
+    handle = await client.start_workflow(
+        AgentJob.run, JobInput(profile="ticket-triage", task=task, replay=script,
+                               hold_policy="never"),
+        id=f"inbox-ticket-{uuid.uuid4().hex[:8]}", task_queue=AGENT_TASK_QUEUE)
+    started.append(handle)
+    p = await _pending_of(handle, "urgent_priority", timeout_s=300)
+    if p is None:
+        pytest.fail(f"the recorded urgent set_priority did not wait for approval ({handle.id})")
+    return Waiting(handle, p)
 
 
 # ---- the browser side ---------------------------------------------------------------------

@@ -150,10 +150,14 @@ def test_settings_read_the_tenants_quotas(monkeypatch: pytest.MonkeyPatch) -> No
     s = Settings()
     assert s.tenants == {"acme": TenantQuota(max_jobs_in_flight=3),
                          "globex": TenantQuota(tokens_per_hour=50_000)}
-    assert Settings.model_fields["tenants"].default_factory is not None  # {} by default
-    monkeypatch.setenv("WARMLOOP_TENANTS", json.dumps({"Not A Tenant": {}}))
-    with pytest.raises(ValueError):
-        Settings()
+    monkeypatch.delenv("WARMLOOP_TENANTS")
+    assert Settings().tenants == {}  # no tenant has a quota unless named
+    bads: list[dict[str, dict[str, int]]] = [
+        {"Not A Tenant": {}}, {"acme": {"tokens_per_hour": 0}}, {"acme": {"max_jobs": 1}}]
+    for bad in bads:
+        monkeypatch.setenv("WARMLOOP_TENANTS", json.dumps(bad))
+        with pytest.raises(ValueError):
+            Settings()
 
 
 def test_the_tenant_search_attribute_is_registered_with_the_others() -> None:
