@@ -23,6 +23,7 @@ from warmloop.workers.identity import (
 )
 from warmloop.workflows.agent_job import SA_PENDING, AgentJob
 from warmloop.workflows.contracts import ApprovalViewed, Decision, JobStatus, PendingApproval
+from warmloop.workflows.tenants import split_job_id
 
 if TYPE_CHECKING:
     from warmloop.workers.settings import Settings
@@ -49,8 +50,11 @@ async def list_pending(client: Client) -> list[PendingApproval]:
 
 
 def may_decide(who: Identity, p: PendingApproval) -> bool:
-    """Whether the person's roles let them decide this approval (the job re-checks,
-    with the rules only it knows: submitter, two-person)."""
+    """Whether the person's tenants and roles let them decide this approval (the job
+    re-checks, with the rules only it knows: submitter, two-person)."""
+    tenant, _ = split_job_id(p.job_id)
+    if who.tenants is not None and tenant not in who.tenants:
+        return False
     return bool(who.roles & set(p.approvers)) and who.subject not in p.approved_by
 
 

@@ -23,6 +23,7 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from warmloop.workers.clients import StackNotRunningError, connect, redis_options
+from warmloop.workers.jobs import QuotaExceededError, submit_job
 from warmloop.workers.settings import Settings
 from warmloop.workflows.budgets import JobLimits
 from warmloop.workflows.contracts import (
@@ -33,6 +34,7 @@ from warmloop.workflows.contracts import (
     id_problem,
 )
 from warmloop.workflows.profiles import UnknownProfileError, get_profile
+from warmloop.workflows.tenants import job_workflow_id, tenant_problem
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Durable LLM agent jobs on warm vLLM prefix caches.")
@@ -178,6 +180,10 @@ def submit(
         None, "--max-cost-usd", help="Cost cap in dollars (overrides the profile's); the "
         "job then runs only on engines that declare a price."),
     wait: bool = typer.Option(False, "--wait", help="Wait for the result."),
+    tenant: str = typer.Option(
+        "default", "--tenant", help="Whose job it is: its engine requests carry the "
+        "tenant's cache_salt, its keys are the tenant's, its quota (WARMLOOP_TENANTS) "
+        "applies. Its id is then <tenant>/<job id>."),
 ) -> None:
     """Start an agent job. The input is validated before anything starts, and so is the
     fleet: an engine must serve the profile's model and, for a cost cap, declare a price."""
@@ -192,7 +198,11 @@ def submit(
         fail(str(e))
     if job_id is not None and (bad := id_problem("job", job_id)):
         fail(bad)
+    if (bad := tenant_problem(tenant)) is not None:
+        fail(bad)
+    job = job.model_copy(update={"tenant": tenant})
     jid = job_id or f"{profile}-{uuid.uuid4().hex[:10]}"
+    wid = job_workflow_id(tenant, jid)
     # Signed in: the job records who submitted it, and its approval rules refuse that
     # person deciding its approvals.
     settings = _settings()
@@ -202,18 +212,16 @@ def submit(
             "submitted_by": _api(settings, "GET", "/api/whoami")["subject"]})
 
     async def go() -> None:
-        from warmloop.workflows.agent_job import AgentJob
 
         client = await connect(_settings())
         try:
             # A job id names one job for good: never a second run, even after it ended.
-            handle = await client.start_workflow(
-                AgentJob.run, job, id=jid, task_queue=AGENT_TASK_QUEUE,
-                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-            )
+            handle = await submit_job(client, job, jid, _settings())
+        except QuotaExceededError as e:
+            fail(str(e))
         except WorkflowAlreadyStartedError:
-            fail(f"job {jid} already exists; see `warmloop status {jid}`")
-        console.print(f"started job {jid}")
+            fail(f"job {wid} already exists; see `warmloop status {wid}`")
+        console.print(f"started job {wid}")
         if wait:
             _print_result(await handle.result())
 

@@ -50,6 +50,8 @@ class Identity:
 
     subject: str
     roles: frozenset[str]
+    tenants: frozenset[str] | None = None
+    """The tenants whose approvals the person may see and decide; None: every tenant."""
 
 
 class AuthError(Exception):
@@ -86,7 +88,9 @@ class TokenFileVerifier(TokenVerifier):
         digest = token_digest(token)
         for u in users:
             if hmac.compare_digest(str(u.get("token_sha256", "")), digest):
-                return Identity(subject=str(u["subject"]), roles=frozenset(u.get("roles", [])))
+                tenants = u.get("tenants")
+                return Identity(subject=str(u["subject"]), roles=frozenset(u.get("roles", [])),
+                                tenants=None if tenants is None else frozenset(tenants))
         raise AuthError("unknown token")
 
 
@@ -124,7 +128,11 @@ class JwtVerifier(TokenVerifier):
         roles = claims.get(self._roles_claim, [])
         if isinstance(roles, str):
             roles = roles.split()
-        return Identity(subject=str(claims["sub"]), roles=frozenset(map(str, roles)))
+        tenants = claims.get("tenants")
+        if isinstance(tenants, str):
+            tenants = tenants.split()
+        return Identity(subject=str(claims["sub"]), roles=frozenset(map(str, roles)),
+                        tenants=None if tenants is None else frozenset(map(str, tenants)))
 
 
 def verifier_from_settings(settings: Settings) -> TokenVerifier:
@@ -162,7 +170,9 @@ class AssertionSigner:
         claims = DecisionClaims(sub=who.subject, roles=tuple(sorted(who.roles)), job=job_id,
                                 approval=approval_id, approve=approve,
                                 comment_sha256=comment_digest(comment), iat=now,
-                                exp=now + self._ttl, jti=secrets.token_hex(16))
+                                exp=now + self._ttl, jti=secrets.token_hex(16),
+                                tenants=(None if who.tenants is None
+                                         else tuple(sorted(who.tenants))))
         return encode_assertion(self.kid, claims, self._key.sign(signing_input(claims)))
 
 

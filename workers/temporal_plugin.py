@@ -78,7 +78,8 @@ def build_agent_activities(settings: Settings, loaded: LoadedPlugins) -> AgentAc
     redis = build_redis(settings)
     s3 = build_s3(settings)
     registry = EngineRegistry(redis, ttl_s=settings.engine_ttl_s)
-    routing = RoutingActivities(registry, redis, config=settings.routing)
+    routing = RoutingActivities(registry, redis, config=settings.routing,
+                                quotas=settings.tenants)
     tools = ToolActivities(loaded.toolsets, EffectLedger(redis), s3=s3,
                            bucket=settings.s3_bucket, pauses=PauseStats(redis))
     pauses = PauseActivities(PauseStats(redis))

@@ -275,7 +275,8 @@ class AgentJob:
         check_rules(claims, kind=pending.kind, allowed_roles=pending.approvers,
                     submitted_by=self._job.submitted_by if self._job else None,
                     already_approved_by=pending.approved_by,
-                    submitter_may_approve=rule.submitter_may_approve if rule else False)
+                    submitter_may_approve=rule.submitter_may_approve if rule else False,
+                    tenant=self._job.tenant if self._job else "default")
 
     # ---- the loop ----------------------------------------------------------------------
 

@@ -51,6 +51,8 @@ class DecisionClaims(BaseModel):
     exp: datetime
     jti: str = Field(min_length=8, max_length=64)
     """Unique per assertion: the job refuses one it has already seen."""
+    tenants: tuple[str, ...] | None = None
+    """The tenants whose jobs the person may decide; None: every tenant (an operator)."""
 
 
 def comment_digest(comment: str) -> str:
@@ -117,9 +119,12 @@ def check_claims(claims: DecisionClaims, *, job_id: str, approval_id: str, appro
 
 def check_rules(claims: DecisionClaims, *, kind: str, allowed_roles: Iterable[str],
                 submitted_by: str | None, already_approved_by: Iterable[str],
-                submitter_may_approve: bool) -> None:
-    """The approval kind's rules: a role allowed for the kind, not the job's own
-    submitter, and not the same person twice under a two-person rule."""
+                submitter_may_approve: bool, tenant: str = "default") -> None:
+    """The approval kind's rules: the job's tenant is the person's, a role allowed for
+    the kind, not the job's own submitter, and not the same person twice under a
+    two-person rule."""
+    if claims.tenants is not None and tenant not in claims.tenants:
+        raise AssertionRefused(f"{claims.sub} may not decide approvals of tenant {tenant}")
     allowed = list(allowed_roles)
     if not set(claims.roles) & set(allowed):
         raise AssertionRefused(f"{claims.sub} (roles: {', '.join(claims.roles) or 'none'}) "

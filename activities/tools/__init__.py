@@ -37,6 +37,7 @@ from warmloop.workflows.profiles import (
     get_profile,
 )
 from warmloop.workflows.profiles.function_tools import FunctionTool, ToolContext
+from warmloop.workflows.tenants import s3_prefix, split_job_id
 from warmloop.workflows.tool_results import (
     as_model_text,
     cut_for_prompt,
@@ -228,7 +229,8 @@ class ToolActivities:
         limit = profile.max_tool_output_chars
         if len(result.output) <= limit:
             return result
-        key = f"tool-outputs/{req.job_id}/{req.step}.txt"
+        tenant, bare = split_job_id(req.job_id)
+        key = f"{s3_prefix(tenant)}tool-outputs/{bare}/{req.step}.txt"
         await asyncio.to_thread(self._s3.put_object, Bucket=self._bucket, Key=key,
                                 Body=result.output.encode())
         return ToolResult(ok=result.ok, output_key=key,

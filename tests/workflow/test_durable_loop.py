@@ -323,6 +323,31 @@ async def test_a_used_assertion_is_refused_when_replayed(
         await handle.terminate("test over")
 
 
+async def test_an_approver_of_one_tenant_may_not_decide_another_tenants_job(
+    time_skipping_env: WorkflowEnvironment, approvers: Approvers,
+) -> None:
+    fakes = FakeActivities(urgent_then_finish)
+    async with workers(time_skipping_env, fakes) as client:
+        handle = await client.start_workflow(
+            AgentJob.run, JobInput(profile="ticket-triage", task=TICKET, tenant="acme"),
+            id=f"acme/job-{uuid.uuid4().hex[:8]}", task_queue=AGENT_TASK_QUEUE)
+        aid = await pending_id(handle)
+        approvers.now = await time_skipping_env.get_current_time()
+
+        def lead_of(tenants: frozenset[str] | None) -> Decision:
+            who = Identity("alice", frozenset({"team-lead"}), tenants=tenants)
+            assertion = approvers.signer.sign_decision(
+                who, job_id=handle.id, approval_id=aid, approve=True, comment="",
+                now=approvers.now)
+            return Decision(approval_id=aid, approve=True, assertion=assertion)
+
+        await _refused_before_history(handle, [
+            (lead_of(frozenset({"globex"})), "may not decide approvals of tenant acme")])
+        await handle.execute_update(AgentJob.decide, lead_of(frozenset({"acme"})))
+        res = await handle.result()
+    assert [(a.outcome, a.decided_by) for a in res.approvals] == [("approved", "alice")]
+
+
 async def test_pending_approvals_are_searchable(time_skipping_env: WorkflowEnvironment) -> None:
     fakes = FakeActivities(urgent_then_finish)
     async with workers(time_skipping_env, fakes) as client:

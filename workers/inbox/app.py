@@ -46,6 +46,7 @@ from warmloop.workflows.contracts import (
     PendingApproval,
     id_problem,
 )
+from warmloop.workflows.tenants import split_job_id
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +176,11 @@ def _safe_next(target: str) -> str:
 
 
 def _visible(who: Identity, record: ApprovalRecord) -> bool:
-    """A decision is shown to whoever made it and to anyone who could have."""
+    """A decision is shown to whoever made it and to anyone who could have (within the
+    person's tenants)."""
+    tenant, _ = split_job_id(record.approval.job_id)
+    if who.tenants is not None and tenant not in who.tenants:
+        return False
     return (who.subject in record.approval.approved_by or record.decided_by == who.subject
             or bool(who.roles & set(record.approval.approvers)))
 
@@ -473,8 +478,9 @@ def create_app(settings: Settings, *, backend: InboxBackend | None = None,
 
         verifier = verifier_from_settings(settings)
     inbox = _Inbox(backend, verifier, SessionSealer(session_key))
-    approval = "/approvals/{job_id}/{approval_id}"
-    api = "/api/approvals/{job_id}/{approval_id}"
+    # a tenant's job ids hold a slash (<tenant>/<job id>)
+    approval = "/approvals/{job_id:path}/{approval_id}"
+    api = "/api/approvals/{job_id:path}/{approval_id}"
     routes: list[BaseRoute] = [
         Route("/healthz", inbox.healthz),
         Route("/static/inbox.css", inbox.stylesheet),
