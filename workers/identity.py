@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import secrets
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -107,7 +108,9 @@ class JwtVerifier(TokenVerifier):
 
         self._issuer, self._audience, self._roles_claim = issuer, audience, roles_claim
         url = jwks_url or issuer.rstrip("/") + "/.well-known/jwks.json"
-        self._jwks = jwt.PyJWKClient(url, cache_keys=True, lifespan=300)
+        # The JWKS is cached (300 s) but single keys are not: a key the issuer removed
+        # stops verifying when the cache expires, not at the next restart.
+        self._jwks = jwt.PyJWKClient(url, cache_keys=False, lifespan=300)
 
     def verify(self, token: str) -> Identity:
         import jwt
@@ -125,14 +128,27 @@ class JwtVerifier(TokenVerifier):
             raise AuthError(f"the token's signing key is unknown ({e})") from None
         except jwt.InvalidTokenError as e:
             raise AuthError(f"the token is not valid ({e})") from None
-        roles = claims.get(self._roles_claim, [])
-        if isinstance(roles, str):
-            roles = roles.split()
+        roles = _names(claims.get(self._roles_claim, []), self._roles_claim)
         tenants = claims.get("tenants")
-        if isinstance(tenants, str):
-            tenants = tenants.split()
-        return Identity(subject=str(claims["sub"]), roles=frozenset(map(str, roles)),
-                        tenants=None if tenants is None else frozenset(map(str, tenants)))
+        return Identity(subject=str(claims["sub"]), roles=roles,
+                        tenants=None if tenants is None else _names(tenants, "tenants"))
+
+
+def _names(value: Any, claim: str) -> frozenset[str]:
+    """A claim listing names: a list of strings, or one space-separated string."""
+    if isinstance(value, str):
+        return frozenset(value.split())
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return frozenset(value)
+    raise AuthError(f"the token's {claim!r} claim is not a list of names")
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Create or replace ``path`` readable by its owner only, never briefly wider."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    path.chmod(0o600)
 
 
 def verifier_from_settings(settings: Settings) -> TokenVerifier:
@@ -264,10 +280,9 @@ def ensure_dev_identities(auth_dir: Path) -> dict[str, dict[str, Any]]:
     signing, verify = auth_dir / "approval-signing.pem", auth_dir / "approval-verify.pem"
     if not signing.exists():
         key = Ed25519PrivateKey.generate()
-        signing.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                              serialization.PrivateFormat.PKCS8,
-                                              serialization.NoEncryption()))
-        signing.chmod(0o600)
+        _write_private(signing, key.private_bytes(serialization.Encoding.PEM,
+                                                  serialization.PrivateFormat.PKCS8,
+                                                  serialization.NoEncryption()))
         verify.write_bytes(key.public_key().public_bytes(
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
     plain_path, tokens_path = auth_dir / "dev-tokens.json", auth_dir / "tokens.json"
@@ -277,8 +292,7 @@ def ensure_dev_identities(auth_dir: Path) -> dict[str, dict[str, Any]]:
         if subject not in plain:
             plain[subject] = {"token": f"wl_dev_{subject}_{secrets.token_urlsafe(18)}",
                               "roles": list(roles)}
-    plain_path.write_text(json.dumps(plain, indent=2))
-    plain_path.chmod(0o600)
+    _write_private(plain_path, json.dumps(plain, indent=2).encode())
     users = [{"subject": s, "roles": u["roles"], "token_sha256": token_digest(u["token"])}
              for s, u in plain.items()]
     tokens_path.write_text(json.dumps({"users": users}, indent=2))

@@ -258,6 +258,9 @@ class Settings(BaseSettings):
     """The approvals service (web inbox and its API) that the CLI's approval commands call."""
     inbox_port: int = Field(default=8300, ge=1024, le=65535)
     """Port of the web inbox the embedded stack runs (``warmloop ui`` serves it)."""
+    gateway_port: int = Field(default=8500, ge=1024, le=65535)
+    """Port of the OpenAI-compatible gateway (``warmloop gateway``; the embedded stack's
+    ``gateway`` part)."""
     token: SecretStr | None = None
     """The CLI user's bearer token (``WARMLOOP_TOKEN`` or ``warmloop login``)."""
 

@@ -226,6 +226,7 @@ class AgentJob:
             usage=self._usage, pending_approvals=list(self._pending.values()),
             approvals=self._approvals,
             submitted_by=self._job.submitted_by if self._job else None,
+            task=self._job.task if self._job else None,
         )
 
     @workflow.query

@@ -557,6 +557,8 @@ class JobStatus(BaseModel):
     approvals: list[ApprovalRecord] = Field(default_factory=list)
     """Decisions made so far (the inbox's history)."""
     submitted_by: str | None = None
+    task: dict[str, Any] | None = None
+    """The job's task record (what an approver reads before the transcript)."""
 
 
 class JobResult(BaseModel):

@@ -39,7 +39,8 @@ from warmloop.workflows.contracts import (
 )
 
 HISTORIES = Path(__file__).parent / "histories"
-RECORDED_IDS = {"batch_run_with_bad_line": "replay-batch"}
+RECORDED_IDS = {"batch_run_with_bad_line": "replay-batch",
+                "agent_job_tenant_quota_wait": "acme/quota-replay"}
 """Workflow ids of recorded histories whose commands depend on the id (child job ids)."""
 
 

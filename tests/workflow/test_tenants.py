@@ -5,16 +5,21 @@ that would pass its wall cap). A default-tenant job's history is as before."""
 
 from __future__ import annotations
 
+import os
 import uuid
+from pathlib import Path
 
 from temporalio import activity
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Replayer
 
 from tests.workflow.fakes import FakeActivities, reply
 from tests.workflow.test_agent_job import TICKET, workers
+from warmloop.workers.temporal_plugin import sandbox_runner
 from warmloop.workflows.agent_job import AgentJob
 from warmloop.workflows.budgets import JobLimits
 from warmloop.workflows.contracts import (
@@ -28,6 +33,8 @@ from warmloop.workflows.contracts import (
 )
 from warmloop.workflows.routing import RouteDecision
 from warmloop.workflows.tenants import TENANT_QUOTA_EXCEEDED
+
+HISTORIES = Path(__file__).parent / "histories"
 
 
 def _script(req: GenerateRequest) -> GenerateResult:
@@ -120,7 +127,7 @@ async def test_a_spent_hour_makes_the_next_step_wait_on_a_timer_then_go_on(
     time_skipping_env: WorkflowEnvironment,
 ) -> None:
     fakes = QuotaFakes(refuse_at=2, times=1, retry_after_s=1800)
-    wid = f"acme/q-{_tag()}"
+    wid = "acme/quota-replay"  # recorded: the tenant's patch depends on the id
     async with workers(time_skipping_env, fakes) as client:
         res = await _run(client, wid, tenant="acme",
                          limits=JobLimits(max_steps=8, max_wall_time_s=7200))
@@ -130,6 +137,11 @@ async def test_a_spent_hour_makes_the_next_step_wait_on_a_timer_then_go_on(
     timers = [e.timer_started_event_attributes.start_to_fire_timeout.ToSeconds()
               for e in history.events if e.event_type == EventType.EVENT_TYPE_TIMER_STARTED]
     assert timers == [1800]
+    # a tenant's history (the "tenants" patch marker and the quota timer) replays
+    await Replayer(workflows=[AgentJob], data_converter=pydantic_data_converter,
+                   workflow_runner=sandbox_runner()).replay_workflow(history)
+    if os.environ.get("WARMLOOP_RECORD_HISTORIES"):
+        (HISTORIES / "agent_job_tenant_quota_wait.json").write_text(history.to_json())
 
 
 async def test_a_spent_hour_past_the_wall_cap_ends_the_job_quota_exhausted(
