@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: install demo test test-fast test-browser browser lint down status clean bench-routing bench-burst bench-pauses bench-contention bench-faults replay-demo
+.PHONY: install demo test test-fast test-browser browser lint down status clean bench-routing bench-burst bench-pauses bench-contention bench-faults bench-gateway replay-demo
 
 install: $(INSTALLED)
 
@@ -71,6 +71,13 @@ bench-pauses: install
 ## transcripts lost, dead workers, recovery time (own stack; ~30 min here).
 bench-faults: install
 	$(BIN)/python -m bench.faults
+
+## The OpenAI-compatible gateway vs sglang-router and vllm-router (cache_aware) and
+## round-robin: one seeded multi-turn agent workload through one client, 30 sessions live,
+## tool pauses, small KV pools; the block-level oracle; the gateway's added latency
+## (own stack; ~10 min here). Options: make bench-gateway ARGS="--sessions 8 --time-scale 0.1".
+bench-gateway: install $(VENV)/.bench-installed
+	$(BIN)/python -m bench.gateway $(ARGS)
 
 ## warmloop replay on a 40-job trace, twice: warmloop routing vs round-robin (own stack).
 replay-demo: install

@@ -52,6 +52,7 @@ def bench_settings(name: str, *, offset: int, engines: int, kv_cache_bytes: int,
         engine_kv_cache_bytes=kv_cache_bytes, engine_max_model_len=6144,
         agent_metrics_port=None, inference_metrics_base_port=None,
         inbox_port=8400 + offset, approvals_url=f"http://127.0.0.1:{8400 + offset}",
+        gateway_port=8600 + offset,
         trace_prompt_chains=True, log_format="json", **extra,
     )
 

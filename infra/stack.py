@@ -313,6 +313,12 @@ class Stack:
             ready=lambda: _http_ok(f"http://127.0.0.1:{self.settings.inbox_port}/healthz"),
             timeout_s=30,
         ))
+        # The OpenAI-compatible gateway for agents that run their own loop.
+        parts.append(Part(
+            "gateway", [sys.executable, "-m", "warmloop.workers.gateway"],
+            ready=lambda: _http_ok(f"http://127.0.0.1:{self.settings.gateway_port}/health"),
+            timeout_s=30,
+        ))
         return parts
 
     def all_parts(self) -> list[Part]:

@@ -7,6 +7,8 @@ with ``JobClient``. Everything else lives in the subpackages ``warmloop.workflow
 (processes, CLI) and ``warmloop.infra`` (the embedded stack).
 """
 
+from typing import TYPE_CHECKING, Any
+
 from warmloop.activities.tools.base import ToolOutcome, Toolset
 from warmloop.workers.jobs import InvalidJobError, JobClient
 from warmloop.workers.plugins import LoadedPlugins, PluginError, load_plugins
@@ -36,12 +38,26 @@ from warmloop.workflows.profiles import (
 )
 from warmloop.workflows.profiles.function_tools import FunctionTool, ToolContext, tool
 
+if TYPE_CHECKING:
+    from warmloop.workers.openai_agents import WarmloopModelProvider, warmloop_agents_plugin
+
 __all__ = [
     "AGENT_TASK_QUEUE", "REGISTRY", "ActivityRunner", "ApprovalRule", "EngineEndpoint",
     "FunctionTool", "HttpRunner", "InvalidJobError", "JobClient", "JobInput", "JobLimits",
     "JobResult", "JobState", "JobStatus", "Lane", "LoadedPlugins", "OutputBudgets",
     "PluginError", "Profile", "PythonRunner", "Settings", "ToolContext", "ToolOutcome",
-    "ToolRequest", "ToolResult", "ToolRetry", "ToolSpec", "Toolset", "WarmloopPlugin",
-    "get_profile", "load_plugins", "tool",
+    "ToolRequest", "ToolResult", "ToolRetry", "ToolSpec", "Toolset", "WarmloopModelProvider",
+    "WarmloopPlugin", "get_profile", "load_plugins", "tool", "warmloop_agents_plugin",
 ]
+_AGENTS = {"WarmloopModelProvider", "warmloop_agents_plugin"}
+
+
+def __getattr__(name: str) -> Any:
+    """The OpenAI Agents SDK integration, imported on first use: it needs the optional
+    ``warmloop[agents]`` extra, and ``import warmloop`` must work without it."""
+    if name in _AGENTS:
+        from warmloop.workers import openai_agents
+
+        return getattr(openai_agents, name)
+    raise AttributeError(f"module 'warmloop' has no attribute {name!r}")
 __version__ = "0.1.0"

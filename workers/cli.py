@@ -422,6 +422,18 @@ def reject(job_id: str, approval_id: str,
 
 
 @app.command()
+def gateway(port: int = typer.Option(None, "--port",
+                                     help="Default: WARMLOOP_GATEWAY_PORT (8500)."),
+            host: str = typer.Option("127.0.0.1", "--host")) -> None:
+    """Serve the OpenAI-compatible gateway (/v1/chat/completions, /v1/completions) in
+    front of the live engines, in the foreground: session affinity, prefix routing,
+    holds between a session's requests."""
+    from warmloop.workers.gateway.__main__ import main as serve_gateway
+
+    serve_gateway(["--host", host] + ([] if port is None else ["--port", str(port)]))
+
+
+@app.command()
 def ui(port: int = typer.Option(None, "--port", help="Default: WARMLOOP_INBOX_PORT (8300)."),
        host: str = typer.Option("127.0.0.1", "--host")) -> None:
     """Serve the web approval inbox (and the approvals API) in the foreground."""

@@ -21,6 +21,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from warmloop.workers.gateway.config import GatewayConfig
 from warmloop.workflows.holding import HoldConfig
 from warmloop.workflows.lanes import AdmissionConfig
 from warmloop.workflows.pricing import PER_TOKEN_FIELDS, EnginePrice
@@ -261,6 +262,10 @@ class Settings(BaseSettings):
     gateway_port: int = Field(default=8500, ge=1024, le=65535)
     """Port of the OpenAI-compatible gateway (``warmloop gateway``; the embedded stack's
     ``gateway`` part)."""
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    """The gateway's own knobs, e.g. WARMLOOP_GATEWAY='{"hold_policy": "always_hold"}'
+    (its routing, holding and admission weights are ``routing``, ``holding``,
+    ``admission``)."""
     token: SecretStr | None = None
     """The CLI user's bearer token (``WARMLOOP_TOKEN`` or ``warmloop login``)."""
 

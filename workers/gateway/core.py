@@ -1,0 +1,621 @@
+"""The gateway's work for one call, apart from HTTP: route, send, relay, then learn.
+
+1. The call's session (if any) ends its pause: the pause is measured into the pause
+   statistics and the session's hold, which has done its work, ends.
+2. Its route: the longest learned chain of its prompt's prefixes (else the session's
+   last prompt chain) against the prefix directory, the engines' load, the session's
+   last engine, into the workflows' ``choose_engine`` (``GatewayRouter``). A batch-lane
+   call then waits for a slot in that engine's batch admission, as a batch step does.
+3. The engine request: the client's body (with the lane's vLLM priority and the
+   gateway's cache salt when they change it). An engine that refuses the connection,
+   drops it before answering or answers 503 is set aside and the next is tried.
+4. The answer, relayed unchanged (``warmloop.workers.gateway.relay``). An engine that
+   dies after it began answering gives the client a clean error (an SSE error event, or
+   a 502), and the session's next call goes elsewhere.
+5. After the answer, off its path: the prompt is tokenized on the engine that served
+   it, its block chain learned and recorded in the prefix directory as the workers
+   record theirs, and the session's hold decided (``HoldManager.after_step``). This
+   work starts ``learn_delay_s`` after the answer, is dropped when the session's next
+   call came meanwhile, and gives way to calls being routed (it waits while one is),
+   so that back-to-back calls are not slowed by the bookkeeping of the calls before.
+
+Hazard: a call whose engine died after it began is not retried, streamed or not: the
+engine may have died of the call itself, and a retry would take the next engine down
+with it. The client (or its agent framework) decides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import redis.asyncio as aioredis
+import structlog
+
+from warmloop.activities.admission import BatchAdmission
+from warmloop.activities.directory import (
+    MAX_WALK_BLOCKS,
+    PrefixDirectory,
+    PromptChain,
+    prompt_chain,
+)
+from warmloop.activities.inference import HOLD_ERRORS
+from warmloop.activities.registry import EngineHeartbeat, EngineRegistry, RedisOutage
+from warmloop.workers.clients import build_redis
+from warmloop.workers.gateway.calls import TEXT_CHUNK_CHARS, Call
+from warmloop.workers.gateway.config import GatewayConfig
+from warmloop.workers.gateway.fleet import FleetView
+from warmloop.workers.gateway.holds import (
+    HoldPool,
+    RecentPauseStats,
+    kind_profile,
+    pause_kind_of,
+)
+from warmloop.workers.gateway.metrics import Metrics
+from warmloop.workers.gateway.relay import Outcome
+from warmloop.workers.gateway.routing import GatewayRouter
+from warmloop.workers.gateway.sessions import Chain, PromptIndex, Session, SessionTable
+from warmloop.workers.gateway.tasks import stop_task
+from warmloop.workers.gateway.upstream import (
+    HttpxUpstream,
+    RawUpstream,
+    Upstream,
+    UpstreamResponse,
+)
+from warmloop.workers.settings import Settings
+from warmloop.workflows.contracts import Lane
+from warmloop.workflows.holding import TtlCacheEndpoint
+from warmloop.workflows.routing import RouteDecision, block_hashes
+
+log = structlog.get_logger(__name__)
+
+RETRY_ELSEWHERE: tuple[type[Exception], ...] = (
+    httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
+    httpx.WriteError)
+"""Failures before the engine answered anything that say the engine is gone or refused
+(connection refused or reset, closed without a response): tried on the next engine."""
+RETRY_STATUSES = frozenset({503})
+"""Answers that say the engine will not take the call now (overloaded, starting)."""
+REDIS_TIMEOUT_S = 1.0
+STABLE_PREFIX_PROBES = ("a", "b")
+MAX_STABLE_TRIED = 10_000
+
+
+@dataclass
+class Flight:
+    """One call on its way through one engine."""
+
+    call: Call
+    session: Session | None
+    generation: int
+    engine: EngineHeartbeat
+    decision: RouteDecision
+    upstream: UpstreamResponse
+    in_flight_key: str
+    slot: BatchAdmission | None
+    sent_at: float
+    first_byte_at: float | None = None
+    finished: bool = False
+
+
+class Gateway:
+    """Everything the gateway keeps, and the steps of a call (see the module doc)."""
+
+    def __init__(self, settings: Settings, *, redis: aioredis.Redis | None = None,
+                 http: httpx.AsyncClient | None = None, config: GatewayConfig | None = None,
+                 instance: str | None = None) -> None:
+        c = self.config = config or GatewayConfig()
+        self.settings = settings
+        self._owns = (redis is None, http is None)
+        self.redis = redis if redis is not None else build_redis(settings)
+        self.http = http if http is not None else httpx.AsyncClient(
+            timeout=httpx.Timeout(c.read_timeout_s, connect=c.connect_timeout_s, write=30.0,
+                                  pool=30.0),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+        # calls' engine requests: the lean client, unless given a client to use (tests)
+        self.upstream: Upstream = HttpxUpstream(http) if http is not None else RawUpstream(
+            self.http, connect_timeout_s=c.connect_timeout_s, read_timeout_s=c.read_timeout_s)
+        self.outage = RedisOutage()
+        self.registry = EngineRegistry(self.redis, ttl_s=settings.engine_ttl_s)
+        self.directory = PrefixDirectory(self.redis)
+        self.fleet = FleetView(self.registry, self.redis, cooldown_s=c.failure_cooldown_s,
+                               outage=self.outage,
+                               instance=instance or f"{socket.gethostname()}-{os.getpid()}")
+        self.router = GatewayRouter(self.fleet, self.registry, self.directory,
+                                    config=settings.routing, outage=self.outage,
+                                    fresh_s=c.refresh_s)
+        self.pauses = RecentPauseStats(self.redis, outage=self.outage)
+        self.holds = HoldPool(http=self.http, redis=self.redis, pauses=self.pauses,
+                              config=settings.holding, directory=self.directory,
+                              outage=self.outage, engine_info=self.fleet.engine,
+                              ttl_cache=self._ttl_cache)
+        self.sessions = SessionTable(max_sessions=c.max_sessions, idle_s=c.session_idle_s)
+        self.index = PromptIndex(max_entries=c.max_learned_prompts)
+        self.metrics = Metrics()
+        self._admissions: dict[str, BatchAdmission] = {}
+        self._learning = asyncio.Semaphore(c.learn_concurrency)
+        self._routing = 0
+        """Calls between their arrival and their engine request now."""
+        self._path_clear = asyncio.Event()
+        self._path_clear.set()
+        self._backlog = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._stable_tried: set[str] = set()
+        self._loop: asyncio.Task[None] | None = None
+
+    # ---- lifetime ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Read the fleet once, then keep reading it (and ticking holds) in the
+        background."""
+        await self.refresh()
+        self._loop = asyncio.ensure_future(self._refresh_loop())
+
+    async def stop(self) -> None:
+        if self._loop is not None:
+            await stop_task(self._loop)
+        await self.idle()
+        await self.holds.close()
+        await self.upstream.aclose()
+        if self._owns[1]:
+            await self.http.aclose()
+        if self._owns[0]:
+            await self.redis.aclose()
+
+    async def refresh(self) -> None:
+        await self.fleet.refresh()
+        await self.holds.sync(self.fleet.engines)
+
+    async def idle(self) -> None:
+        """Wait until the work left behind calls (learning, records) is done."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self.fleet.publish_in_flight()
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.refresh_s)
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - the last snapshot stands; try again
+                log.exception("fleet_refresh_failed")
+
+    # ---- a call ----------------------------------------------------------------------
+
+    def open_session(self, call: Call) -> Session | None:
+        """Step 1: the session's pause ends here (measured; its hold released)."""
+        if call.session is None:
+            return None
+        s = self.sessions.open(call.session, call.kind, call.lane)
+        if s.ended_at is not None and s.pause_kind is not None and s.active == 0:
+            seconds = time.monotonic() - s.ended_at
+            self._background(self.pauses.record(kind_profile(s.kind).name, s.pause_kind,
+                                                seconds))
+            self.metrics.inc("warmloop_gateway_pauses_total")
+        s.ended_at = None
+        self.holds.resume(s.key)
+        s.active += 1
+        s.generation += 1
+        return s
+
+    def close_unsent(self, session: Session | None) -> None:
+        """The call ended before any engine took it (refused, no engine, cancelled)."""
+        if session is not None:
+            session.active = max(0, session.active - 1)
+
+    async def send(self, call: Call, session: Session | None, arrived: float) -> Flight:
+        """Steps 2 and 3: route and send, trying the next engine when one refuses.
+        Raises ``BadCall`` (404: no engine serves the model) or ``NoEngineError``."""
+        self._routing += 1
+        self._path_clear.clear()
+        try:
+            return await self._send(call, session, arrived)
+        finally:
+            self._routing -= 1
+            if not self._routing:
+                self._path_clear.set()
+
+    async def _send(self, call: Call, session: Session | None, arrived: float) -> Flight:
+        body = call.upstream_body()
+        job_id = call.session or (call.prefix_keys[0] if call.prefix_keys else uuid.uuid4().hex)
+        chain, last = await self._hint(call, session)
+        exclude: set[str] = set()
+        failover = False
+        if session is not None and session.avoid is not None:
+            # its last call failed there: elsewhere if anywhere else (a failover even
+            # when the fleet view has dropped that engine by now)
+            avoid, session.avoid, last, failover = session.avoid, None, None, True
+            if any(e.engine_id != avoid for e in self.router.servable(call.model, set())):
+                exclude.add(avoid)
+        while True:
+            decision, engine = await self.router.route(
+                job_id=job_id, chain=chain, model=call.model, last_engine=last,
+                exclude=exclude, failover=failover, batch=call.lane == Lane.BATCH)
+            self.metrics.inc("warmloop_gateway_routed_total", engine=engine.engine_id,
+                             reason=decision.reason)
+            slot, waited = await self._admit(call, engine, job_id)
+            key = self.fleet.started(engine.engine_id, f"gateway:{call.kind}")
+            self.metrics.observe_added(time.perf_counter() - arrived - waited)
+            try:
+                upstream = await self._post(engine, call.path, body)
+            except RETRY_ELSEWHERE as e:
+                await self._undo(engine, key, slot, why=f"{type(e).__name__}: {e}")
+            except BaseException:
+                await self._undo(engine, key, slot, why=None)
+                raise
+            else:
+                if upstream.status_code not in RETRY_STATUSES:
+                    return Flight(call=call, session=session, engine=engine, decision=decision,
+                                  generation=session.generation if session else 0,
+                                  upstream=upstream, in_flight_key=key, slot=slot,
+                                  sent_at=time.perf_counter())
+                await upstream.aclose()
+                await self._undo(engine, key, slot, why=f"answered {upstream.status_code}")
+            exclude.add(engine.engine_id)
+            failover, last = True, None
+
+    async def finish(self, flight: Flight, *, ok: bool, outcome: Outcome | None,
+                     died: BaseException | None = None) -> None:
+        """Step 4's end (once per flight): the engine's slot and connection let go,
+        the session's state after the call, step 5 started. ``ok``: the engine's whole
+        answer reached the client; ``died``: the engine failed after it began."""
+        if flight.finished:
+            return
+        flight.finished = True
+        with contextlib.suppress(Exception):
+            await flight.upstream.aclose()
+        engine = flight.engine.engine_id
+        self.fleet.ended(engine, flight.in_flight_key)
+        if flight.slot is not None:
+            await flight.slot.release()
+        if died is not None:
+            status = 502
+        elif ok or not flight.call.stream:
+            status = flight.upstream.status_code
+        else:
+            status = 499  # the client left mid-stream
+        self.metrics.inc("warmloop_gateway_requests_total", endpoint=flight.call.endpoint,
+                         status=str(status))
+        if outcome is not None and outcome.prompt_tokens is not None:
+            self.metrics.inc("warmloop_gateway_prompt_tokens_total", outcome.prompt_tokens,
+                             engine=engine)
+            self.metrics.inc("warmloop_gateway_cached_tokens_total",
+                             outcome.cached_tokens or 0, engine=engine)
+        if died is not None:
+            self.fleet.failed(engine)
+            self.metrics.inc("warmloop_gateway_stream_errors_total", engine=engine)
+            log.warning("engine_died_mid_call", engine=engine, error=str(died) or repr(died))
+        await self._observe_ttft(flight)
+        self._after_call(flight, ok=ok, outcome=outcome, died=died)
+
+    # ---- steps 2 and 3 -----------------------------------------------------------------
+
+    async def _hint(self, call: Call, session: Session | None) -> tuple[Chain | None, str | None]:
+        """What the router weighs the call's prompt by, and the session's last engine."""
+        last = session.engine if session is not None else None
+        ids = call.prompt_ids()
+        if ids is not None:
+            bs = self._block_size()
+            return Chain.of(block_hashes(ids[:MAX_WALK_BLOCKS * bs], bs, salt=call.salt or ""),
+                            bs), last
+        # This prompt's own longest learned prefix first: a session's calls need not
+        # share one prompt (several agents of one workflow, a handoff).
+        chain = self.index.longest(call.prefix_keys)
+        if chain is None and session is not None:
+            chain = session.chain
+            if chain is None and session.generation == 1:
+                chain, last = await self._known_elsewhere(session)
+        return chain, last
+
+    async def _known_elsewhere(self, session: Session) -> tuple[Chain | None, str | None]:
+        """A session new to this process (a restart, another replica): its chain and
+        engine as the prefix directory recorded them."""
+        known = await self.outage.attempt(
+            "prefix directory", lambda: self.directory.job_chain(job_key(session.key)), None,
+            timeout_s=REDIS_TIMEOUT_S)
+        if known is None:
+            return None, None
+        hashes, engine = known
+        hb = self.fleet.engine(engine)
+        if hb is None:
+            return None, None
+        session.engine = engine
+        return Chain.of(hashes, hb.block_size), engine
+
+    def _block_size(self) -> int:
+        live = self.fleet.live()
+        return live[0].block_size if live else 16
+
+    async def _admit(self, call: Call, engine: EngineHeartbeat, job_id: str
+                     ) -> tuple[BatchAdmission | None, float]:
+        """A batch-lane call waits for one of the engine's batch slots (as batch steps
+        do); returns the slot to release and the seconds waited."""
+        if call.lane != Lane.BATCH:
+            return None, 0.0
+        admission = self._admission(engine.engine_id)
+        started = time.perf_counter()
+        await admission.acquire(job_id)
+        return admission, time.perf_counter() - started
+
+    def _admission(self, engine_id: str) -> BatchAdmission:
+        a = self._admissions.get(engine_id)
+        if a is None:
+            def capacity() -> int:
+                hb = self.fleet.engine(engine_id)
+                return hb.kv_capacity_tokens if hb is not None else 0
+
+            a = self._admissions[engine_id] = BatchAdmission(self.settings.admission,
+                                                             kv_capacity_tokens=capacity)
+        return a
+
+    async def _post(self, engine: EngineHeartbeat, path: str, body: bytes
+                    ) -> UpstreamResponse:
+        return await self.upstream.post(engine.url.rstrip("/") + path, body)
+
+    async def _undo(self, engine: EngineHeartbeat, key: str, slot: BatchAdmission | None, *,
+                    why: str | None) -> None:
+        """The engine did not take the call: its slot and in-flight mark go; with
+        ``why``, it refused and is set aside."""
+        self.fleet.ended(engine.engine_id, key)
+        if slot is not None:
+            await slot.release()
+        if why is not None:
+            self.fleet.failed(engine.engine_id)
+            self.metrics.inc("warmloop_gateway_failovers_total", engine=engine.engine_id)
+            log.warning("engine_refused_call", engine=engine.engine_id, why=why)
+
+    async def _observe_ttft(self, flight: Flight) -> None:
+        """An interactive stream's time to first bytes, for the engine's batch admission
+        (which cuts its batch slots when interactive TTFT is over target)."""
+        if flight.call.lane != Lane.INTERACTIVE or flight.first_byte_at is None:
+            return
+        admission = self._admissions.get(flight.engine.engine_id)
+        if admission is not None:
+            await admission.observe_interactive((flight.first_byte_at - flight.sent_at) * 1000)
+
+    # ---- step 4's end: the session --------------------------------------------------------
+
+    def _after_call(self, flight: Flight, *, ok: bool, outcome: Outcome | None,
+                    died: BaseException | None) -> None:
+        s, call = flight.session, flight.call
+        if s is not None:
+            s.active = max(0, s.active - 1)
+            if died is not None:
+                s.avoid, s.engine = flight.engine.engine_id, None
+                return
+            s.engine = flight.engine.engine_id
+            if call.final:
+                self.sessions.drop(s.key)
+                self._background(self.holds.end(s.key))
+            elif ok and s.active == 0:
+                s.ended_at = time.monotonic()
+                s.pause_kind = pause_kind_of(outcome.tool_names if outcome else [])
+        if ok:
+            self._learn_later(flight)
+
+    def _learn_later(self, flight: Flight) -> None:
+        if self._backlog >= self.config.max_learn_backlog:
+            self.metrics.inc("warmloop_gateway_learn_skipped_total")
+            return
+        self._backlog += 1
+        self._background(self._learn(flight))
+
+    # ---- step 5 --------------------------------------------------------------------------
+
+    async def _learn(self, flight: Flight) -> None:
+        """The prompt's chain (tokenized on the engine that served it), into the index,
+        the session and the prefix directory; then the session's hold decision."""
+        call, engine = flight.call, flight.engine
+        try:
+            if self.config.learn_delay_s:
+                await asyncio.sleep(self.config.learn_delay_s)
+            if self._superseded(flight):
+                return
+            async with self._learning:
+                await self._path_clear.wait()
+                ids = call.prompt_ids() or await self._tokenize(engine, call.tokenize_payload())
+        except (httpx.HTTPError, TimeoutError, ValueError, KeyError, TypeError) as e:
+            self.metrics.inc("warmloop_gateway_learn_skipped_total")
+            log.info("prompt_not_learned", engine=engine.engine_id, error=repr(e))
+            return
+        finally:
+            self._backlog -= 1
+        await self._path_clear.wait()
+        chain = prompt_chain(ids, engine.block_size, tail_tokens=self.config.tail_tokens,
+                             salt=call.salt)
+        learned = Chain.of(chain.hashes[:chain.reusable_blocks], chain.block_size)
+        self._remember(call, learned)
+        s = flight.session
+        if s is not None and flight.generation >= s.chain_generation:
+            s.chain, s.chain_generation = learned, flight.generation
+        await self._path_clear.wait()
+        await self._hold(flight, ids, chain)
+        await self._path_clear.wait()
+        await self._record(engine, s, chain)
+        await self._learn_stable_prefix(engine, call)
+
+    @staticmethod
+    def _superseded(flight: Flight) -> bool:
+        """The session's next call came: it will learn a prompt that extends this one."""
+        s = flight.session
+        return s is not None and s.generation != flight.generation
+
+    async def _tokenize(self, engine: EngineHeartbeat, payload: dict[str, Any] | None
+                        ) -> list[int]:
+        if payload is None:
+            raise ValueError("nothing to tokenize")
+        async with asyncio.timeout(10.0):
+            r = await self.upstream.post(engine.url.rstrip("/") + "/tokenize",
+                                         json.dumps(payload).encode())
+            try:
+                content = await r.aread()
+            finally:
+                await r.aclose()
+        if r.status_code != 200:
+            raise ValueError(f"/tokenize answered {r.status_code}: {content[:200]!r}")
+        return [int(t) for t in json.loads(content)["tokens"]]
+
+    def _remember(self, call: Call, learned: Chain) -> None:
+        """The chain under the call's whole-prompt key; for a text prompt, its share
+        before the last whole chunk under that chunk's key too (an estimate, one block
+        short)."""
+        keys = call.prefix_keys
+        if not keys:
+            return
+        self.index.put(keys[-1], learned)
+        text = call.body.get("prompt")
+        text = text[0] if isinstance(text, list) and text else text
+        if call.endpoint == "completions" and isinstance(text, str):
+            whole = len(text) // TEXT_CHUNK_CHARS
+            if whole and len(text) % TEXT_CHUNK_CHARS:
+                share = whole * TEXT_CHUNK_CHARS / len(text)
+                self.index.put(keys[whole - 1], learned.first(int(learned.blocks * share) - 1))
+
+    async def _hold(self, flight: Flight, ids: list[int], chain: PromptChain) -> None:
+        """Hold the session's prefix on its engine, or not: ``HoldManager.after_step``,
+        as the inference worker decides after a step that pauses its job."""
+        s, call = flight.session, flight.call
+        if s is None or call.final or s.pause_kind is None or s.active \
+                or s.generation != flight.generation:
+            return
+        manager = self.holds.manager(flight.engine.engine_id)
+        if manager is None:
+            return
+        reusable, bs = chain.reusable_blocks, chain.block_size
+        try:
+            choice = await manager.after_step(
+                job_id=s.key, profile=kind_profile(s.kind), kind=s.pause_kind,
+                prefix_tokens=ids[:reusable * bs + 1] if reusable else [],
+                policy=self.config.hold_policy, interactive=s.lane == Lane.INTERACTIVE,
+                body=call.body if call.endpoint == "chat" else None,
+                block_hashes=chain.hashes[:reusable], block_size=bs, salt=call.salt)
+        except HOLD_ERRORS as e:
+            log.warning("hold_failed", session=s.key, error=str(e))
+            return
+        if choice is not None:
+            self.metrics.inc("warmloop_gateway_hold_decisions_total", action=choice.action.value)
+        if s.generation != flight.generation:
+            manager.resume(s.key)  # its next call came while this was decided
+
+    async def _record(self, engine: EngineHeartbeat, session: Session | None,
+                      chain: PromptChain) -> None:
+        """The served prompt into the prefix directory, as the inference worker records
+        a step's (the engine's set of blocks; the session's chain for a restart). A
+        session's same prompt on the same engine again is not recorded again where the
+        engine publishes KV events (they, not recency, keep its blocks there)."""
+        recorded = (engine.engine_id, "".join(chain.hashes[:chain.reusable_blocks]))
+        if engine.precise and session is not None and session.recorded == recorded:
+            return  # the same prompt again: the engine's KV events keep its blocks
+        capacity = (engine.kv_capacity_tokens // chain.block_size
+                    if not engine.precise and engine.kv_capacity_tokens else None)
+        job = job_key(session.key) if session is not None else "gw:anon"
+        done = await self.outage.attempt(
+            "prefix directory",
+            lambda: self._record_served(engine.engine_id, job, chain, capacity), False,
+            timeout_s=REDIS_TIMEOUT_S)
+        if done and session is not None:
+            session.recorded = recorded
+
+    async def _record_served(self, engine_id: str, job: str, chain: PromptChain,
+                             capacity: int | None) -> bool:
+        await self.directory.record_served(engine_id, job, chain, capacity_blocks=capacity)
+        self.router.forget_recent()
+        return True
+
+    async def _learn_stable_prefix(self, engine: EngineHeartbeat, call: Call) -> None:
+        """Once per system prompt (and tools): how much of a chat prompt every session
+        starting with it shares, found as the workers find a profile's (the common
+        start of two renderings that differ only after it), under the key of its first
+        message. A new session's first call is routed where that is warm."""
+        messages = call.body.get("messages") if call.endpoint == "chat" else None
+        if not isinstance(messages, list) or len(messages) < 2 or not call.prefix_keys \
+                or messages[0].get("role") not in ("system", "developer"):
+            return
+        key = call.prefix_keys[0]
+        if key in self._stable_tried:
+            return
+        if len(self._stable_tried) >= MAX_STABLE_TRIED:
+            self._stable_tried.clear()
+        self._stable_tried.add(key)
+        base = call.tokenize_payload() or {}
+        try:
+            a, b = [await self._tokenize(engine, {
+                **base, "add_generation_prompt": False,
+                "messages": [messages[0], {"role": "user", "content": u}]})
+                for u in STABLE_PREFIX_PROBES]
+        except (httpx.HTTPError, TimeoutError, ValueError, KeyError, TypeError):
+            return
+        n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                 min(len(a), len(b)))
+        self.index.put(key, Chain.of(block_hashes(a[:n], engine.block_size,
+                                                  salt=call.salt or ""), engine.block_size))
+
+    # ---- helpers ---------------------------------------------------------------------
+
+    def _background(self, work: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.ensure_future(self._quietly(work))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    async def _quietly(work: Awaitable[Any]) -> None:
+        try:
+            await work
+        except Exception:  # noqa: BLE001 - after-call work is advice; the call is served
+            log.exception("gateway_background_failed")
+
+    def _ttl_cache(self, engine_id: str) -> TtlCacheEndpoint | None:
+        """A ttl_cache engine's keep-alive economics, as its inference worker has them
+        (None for a vLLM engine, or one not in these settings)."""
+        try:
+            engine = self.settings.engine(engine_id)
+        except ValueError:
+            return None
+        if engine.kind == "vllm":
+            return None
+        from warmloop.workers.inference_worker import _ttl_cache
+
+        return _ttl_cache(engine)
+
+    # ---- what the other endpoints show ---------------------------------------------------
+
+    def models(self) -> dict[str, Any]:
+        """The union of the live engines' models, as OpenAI lists models."""
+        served: dict[str, list[str]] = {}
+        for e in self.fleet.live():
+            served.setdefault(e.model, []).append(e.engine_id)
+        return {"object": "list", "data": [
+            {"id": m, "object": "model", "created": 0, "owned_by": "warmloop",
+             "engines": ids} for m, ids in sorted(served.items())]}
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "ok" if self.fleet.engines else "no_engines",
+                "engines": sorted(self.fleet.engines), "redis": "away" if self.outage.away
+                else "ok", "sessions": len(self.sessions)}
+
+    def metrics_text(self) -> str:
+        gauges: list[tuple[str, dict[str, str], float]] = [
+            ("warmloop_gateway_sessions", {}, len(self.sessions)),
+            ("warmloop_gateway_live_engines", {}, len(self.fleet.engines))]
+        for engine_id, m in sorted(self.holds.managers.items()):
+            gauges.append(("warmloop_gateway_holds", {"engine": engine_id}, len(m.holds)))
+            gauges.append(("warmloop_gateway_held_tokens", {"engine": engine_id},
+                           m.own_held_tokens))
+        for engine_id, n in sorted(self.fleet.local.items()):
+            gauges.append(("warmloop_gateway_in_flight", {"engine": engine_id}, n))
+        return self.metrics.render(gauges)
+
+
+def job_key(session: str) -> str:
+    """The session's job id in the prefix directory (its chain, for a restart)."""
+    return f"gw:{session}"
+
