@@ -732,6 +732,11 @@ def schedule_delete(name: str) -> None:
     _schedule_op(name, "delete")
 
 
+def _held(worker_tokens: int, worker_holds: int, gateway: list[dict[str, Any]]) -> str:
+    tokens = worker_tokens + sum(int(h.get("tokens", 0)) for h in gateway)
+    return f"{tokens:,} tok in {worker_holds + len(gateway)} holds"
+
+
 @app.command()
 def engines(as_json: bool = typer.Option(False, "--json", help="One JSON object per engine.")
             ) -> None:
@@ -744,6 +749,7 @@ def engines(as_json: bool = typer.Option(False, "--json", help="One JSON object 
         from warmloop.activities.directory import PrefixDirectory
         from warmloop.activities.holds import HOLDS_KEY
         from warmloop.activities.registry import EngineRegistry
+        from warmloop.workers.gateway.holds import GATEWAY_HOLDS_KEY
 
         s = _settings()
         r = aioredis.Redis.from_url(s.redis_url, **redis_options(s))
@@ -755,13 +761,21 @@ def engines(as_json: bool = typer.Option(False, "--json", help="One JSON object 
             directory = PrefixDirectory(r)
             blocks = {e: await directory.engine_blocks(e) for e in ids}
             holds = {e: int(await r.hlen(HOLDS_KEY.format(e))) for e in ids}
+            # the gateway's holds (sessions of agents with their own loop), kept apart:
+            # the inference worker rewrites its own table whole at every tick
+            gateway_holds = {e: [json.loads(v) for v in
+                                 await r.hvals(GATEWAY_HOLDS_KEY.format(e))] for e in ids}
         except RedisError as err:
             fail(f"cannot reach Redis at {s.redis_url} ({err}); is the stack up?")
         if as_json:
             for hb in live:
                 print(json.dumps({**hb.model_dump(), "in_flight": in_flight[hb.engine_id],
                                   "directory_blocks": blocks[hb.engine_id],
-                                  "holds": holds[hb.engine_id]}))
+                                  "holds": holds[hb.engine_id],
+                                  "gateway_holds": len(gateway_holds[hb.engine_id]),
+                                  "gateway_held_tokens": sum(
+                                      int(h.get("tokens", 0))
+                                      for h in gateway_holds[hb.engine_id])}))
             return
         table = Table("engine", "model", "running", "waiting", "routed", "batch K",
                       "KV use", "KV pool", "held", "directory", "mode")
@@ -772,7 +786,8 @@ def engines(as_json: bool = typer.Option(False, "--json", help="One JSON object 
                           "-" if hb.batch_limit is None
                           else f"{hb.batch_active}/{hb.batch_limit}",
                           f"{hb.kv_usage:.0%}", f"{hb.kv_capacity_tokens:,} tok",
-                          f"{hb.held_tokens:,} tok in {holds[hb.engine_id]} holds",
+                          _held(hb.held_tokens, holds[hb.engine_id],
+                                gateway_holds[hb.engine_id]),
                           f"{blocks[hb.engine_id]:,} blocks of {hb.block_size}",
                           "precise (KV events)" if hb.precise else "estimated")
         console.print(table if live else "no live engines")
