@@ -206,8 +206,7 @@ def submit(
     # Signed in: the job records who submitted it, and its approval rules refuse that
     # person deciding its approvals.
     settings = _settings()
-    if (settings.token is not None and settings.token.get_secret_value()) \
-            or (settings.state_dir / CLI_TOKEN_FILE).exists():
+    if _saved_token(settings) is not None:
         job = job.model_copy(update={
             "submitted_by": _api(settings, "GET", "/api/whoami")["subject"]})
 
@@ -316,13 +315,17 @@ def cancel(job_id: str) -> None:
 CLI_TOKEN_FILE = "cli-token"
 
 
-def _token(settings: Settings) -> str:
+def _saved_token(settings: Settings) -> str | None:
     """The user's bearer token: WARMLOOP_TOKEN, else the one `warmloop login` saved."""
     if settings.token is not None and settings.token.get_secret_value():
         return settings.token.get_secret_value()
     path = settings.state_dir / CLI_TOKEN_FILE
-    if path.exists():
-        return path.read_text().strip()
+    return path.read_text().strip() if path.exists() else None
+
+
+def _token(settings: Settings) -> str:
+    if (token := _saved_token(settings)) is not None:
+        return token
     fail("no token: set WARMLOOP_TOKEN or run `warmloop login --token ...` (the embedded "
          f"stack's dev tokens are in {settings.state_dir / 'auth' / 'dev-tokens.json'})")
 

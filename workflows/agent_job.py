@@ -79,6 +79,7 @@ from warmloop.workflows.profiles.base import (
     ApprovalRule,
     ToolCallError,
     ToolSpec,
+    as_number,
 )
 from warmloop.workflows.routing import (
     NO_ENGINE_FOR_MODEL,
@@ -414,12 +415,8 @@ class AgentJob:
         if rule is None or await self._await_approval(rule, call, args or {}, limits):
             self._answer(call, recorded.result)
         if index + 1 >= len(script.steps):
-            try:
-                final = json.loads(call.function.arguments)
-            except ValueError:
-                final = None
             raise _JobEnded(JobState.FINISHED, f"replayed {len(script.steps)} recorded steps",
-                            final if isinstance(final, dict) else None)
+                            _arguments(call))
         self._next_kind = StepKind.EXECUTE
         if recorded.pause_s > 0:
             await workflow.sleep(recorded.pause_s)
@@ -880,7 +877,7 @@ class AgentJob:
             kind=rule.kind, tool=rule.tool, arguments=args, step=self._usage.steps,
             approvers=list(rule.approvers), requested_at=now,
             deadline=now + timedelta(seconds=rule.deadline_s), profile=self._profile_name,
-            amount=_number(args.get(rule.field)) if rule.field else None,
+            amount=as_number(args.get(rule.field)) if rule.field else None,
             approvals_needed=rule.approvals_needed(args),
         )
         self._pending[pending.approval_id] = pending
@@ -1136,10 +1133,6 @@ def _step_timing(gen: GenerateResult, step_start: float, back: float) -> StepTim
     if gen.returned_at is not None:
         update["return_ms"] = max(0.0, (back - gen.returned_at) * 1000)
     return gen.timing.model_copy(update=update)
-
-
-def _number(v: Any) -> float | None:
-    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
 
 
 def _rejection_for_prompt(record: ApprovalRecord) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from starlette.routing import BaseRoute, Mount
 
 from warmloop.workers.clients import data_converter
-from warmloop.workers.identity import AuthError, verifier_from_settings
+from warmloop.workers.identity import AuthError, bearer_token, verifier_from_settings
 from warmloop.workers.inbox.app import serve
 from warmloop.workers.logging import configure_logging
 from warmloop.workers.settings import Settings
@@ -24,11 +24,11 @@ def codec_mounts(settings: Settings) -> list[BaseRoute]:
     verifier = verifier_from_settings(settings)
 
     def authorize(header: str | None) -> bool:
-        scheme, _, token = (header or "").partition(" ")
-        if scheme.lower() != "bearer":
+        token = bearer_token(header)
+        if token is None:
             return False
         try:
-            return bool(verifier.verify(token.strip()).roles)
+            return bool(verifier.verify(token).roles)
         except AuthError:
             return False
 

@@ -35,7 +35,13 @@ from temporalio.client import Client
 from temporalio.service import RPCError
 
 from warmloop.workers.approvals import ApprovalRefused, may_decide
-from warmloop.workers.identity import AssertionSigner, AuthError, Identity, TokenVerifier
+from warmloop.workers.identity import (
+    AssertionSigner,
+    AuthError,
+    Identity,
+    TokenVerifier,
+    bearer_token,
+)
 from warmloop.workers.inbox.backend import InboxBackend, TemporalBackend, TranscriptUnavailable
 from warmloop.workers.inbox.session import COOKIE_NAME, Session, SessionSealer
 from warmloop.workers.settings import Settings
@@ -212,11 +218,11 @@ class _Inbox:
             raise _SignInNeeded(f"Your session ended: {e}. Sign in again.") from None
 
     async def _api_who(self, request: Request) -> Identity:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
+        token = bearer_token(request.headers.get("authorization"))
+        if token is None:
             raise _SignInNeeded("send your token as 'Authorization: Bearer <token>'")
         try:
-            return await self._verify(token.strip())
+            return await self._verify(token)
         except AuthError as e:
             raise _SignInNeeded(str(e)) from None
 

@@ -202,6 +202,11 @@ class ToolSpec:
         }
 
 
+def as_number(v: Any) -> float | None:
+    """``v`` as a number when it is one (an int or float, never a bool); else None."""
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
 @dataclass(frozen=True)
 class ApprovalRule:
     """A tool call that must wait for a human decision before it runs.
@@ -235,11 +240,9 @@ class ApprovalRule:
     """False: the person who submitted the job may not decide its approvals."""
 
     def approvals_needed(self, args: dict[str, Any]) -> int:
-        v = args.get(self.field) if self.field else None
+        v = as_number(args.get(self.field)) if self.field else None
         over = self.two_approvers_over
-        if over is None or isinstance(v, bool) or not isinstance(v, int | float):
-            return 1
-        return 2 if v > over else 1
+        return 2 if over is not None and v is not None and v > over else 1
 
     def check(self, spec: ToolSpec) -> None:
         """Refuse a rule that could never apply or would fail while a job runs: a
