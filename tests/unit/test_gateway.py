@@ -746,3 +746,24 @@ async def test_a_sessions_next_call_supersedes_the_last_ones_bookkeeping(make: M
     await rig.gateway.idle()
     assert rig.fleet["e0"].paths.count("/tokenize") == 1 + 2  # the last call's; the
     # system prompt's stable prefix (two probes), once
+
+
+async def test_a_quick_next_call_stays_where_the_last_one_was_computed(make: Make) -> None:
+    """The session's next call comes before its last call's chain is learned (learning
+    waits ``learn_delay_s``; the next call supersedes it), and the last engine's
+    heartbeat still counts that call as running (it lags by up to a second). The
+    prompt the last call computed there outweighs one request of load: sticky."""
+    rig = await make("e0", "e1", config=GatewayConfig(refresh_s=3600, learn_delay_s=1.0))
+    s = {"x-session-id": "quick-review"}
+    first = await rig.client.post("/v1/chat/completions", headers=s, json={
+        "model": "tiny", "messages": conversation("Draft a reply.")})
+    engine = first.headers["x-warmloop-engine"]
+    await heartbeat(rig.redis, engine, running=1)  # the lagging heartbeat
+    await rig.gateway.refresh()
+    second = await rig.client.post("/v1/chat/completions", headers=s, json={
+        "model": "tiny", "messages": conversation("Draft a reply.", "Approved: send it.")})
+    await rig.gateway.idle()
+    assert (second.headers["x-warmloop-engine"], second.headers["x-warmloop-route"]) \
+        == (engine, "sticky")
+    # a session whose last call was learned goes by the directory, not by this floor
+    assert rig.fleet[engine].paths.count("/tokenize") >= 1

@@ -228,6 +228,7 @@ class Gateway:
         body = call.upstream_body()
         job_id = call.session or (call.prefix_keys[0] if call.prefix_keys else uuid.uuid4().hex)
         chain, last = await self._hint(call, session)
+        on_last = self._unlearned_on_last(session, last)
         exclude: set[str] = set()
         failover = False
         if session is not None and session.avoid is not None:
@@ -239,7 +240,8 @@ class Gateway:
         while True:
             decision, engine = await self.router.route(
                 job_id=job_id, chain=chain, model=call.model, last_engine=last,
-                exclude=exclude, failover=failover, batch=call.lane == Lane.BATCH)
+                exclude=exclude, failover=failover, batch=call.lane == Lane.BATCH,
+                on_last_engine=on_last)
             self.metrics.inc("warmloop_gateway_routed_total", engine=engine.engine_id,
                              reason=decision.reason)
             slot, waited = await self._admit(call, engine, job_id)
@@ -261,7 +263,20 @@ class Gateway:
                 await upstream.aclose()
                 await self._undo(engine, key, slot, why=f"answered {upstream.status_code}")
             exclude.add(engine.engine_id)
-            failover, last = True, None
+            failover, last, on_last = True, None, 0
+
+    def _unlearned_on_last(self, session: Session | None, last: str | None) -> int:
+        """Tokens the session's last engine holds of this call's prompt at least, when
+        its last call's chain is not learned yet (a quick next call supersedes the
+        learning): that call's prompt, computed there moments ago. Without this floor
+        the call would go by load alone, and one request of heartbeat lag on the last
+        engine (the session's own call, just ended) sends it to a cold engine."""
+        if session is None or last is None or session.engine != last:
+            return 0
+        if session.chain_generation >= session.generation - 1:
+            return 0  # learned: the prefix directory says what is there
+        bs = self._block_size()
+        return session.served_tokens // bs * bs
 
     async def finish(self, flight: Flight, *, ok: bool, outcome: Outcome | None,
                      died: BaseException | None = None) -> None:
@@ -393,6 +408,8 @@ class Gateway:
                 s.avoid, s.engine = flight.engine.engine_id, None
                 return
             s.engine = flight.engine.engine_id
+            if ok and outcome is not None and outcome.prompt_tokens is not None:
+                s.served_tokens = outcome.prompt_tokens
             if call.final:
                 self.sessions.drop(s.key)
                 self._background(self.holds.end(s.key))

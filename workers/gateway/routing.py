@@ -61,12 +61,16 @@ class GatewayRouter:
 
     async def route(self, *, job_id: str, chain: Chain | None, model: str | None,
                     last_engine: str | None, exclude: set[str], failover: bool,
-                    batch: bool) -> tuple[RouteDecision, EngineHeartbeat]:
+                    batch: bool, on_last_engine: int = 0
+                    ) -> tuple[RouteDecision, EngineHeartbeat]:
         """The engine for the call (``choose_engine``) and its heartbeat. Raises
         ``BadCall`` (404) when no engine serves ``model``, ``NoEngineError`` when none
-        is live (or all are excluded)."""
+        is live (or all are excluded). ``on_last_engine``: prompt tokens known to be on
+        ``last_engine`` beyond what the directory says (see ``Gateway._send``)."""
         live = self.servable(model, exclude)
         expected = await self._expected(chain, live)
+        if last_engine in expected:
+            expected[last_engine] = max(expected[last_engine], on_last_engine)
         resident = await self._batch_jobs(live) if batch and last_engine is None else {}
         candidates = [
             EngineCandidate(engine_id=e.engine_id, expected_cached_tokens=expected[e.engine_id],

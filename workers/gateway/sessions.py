@@ -80,6 +80,8 @@ class Session:
     """What it waits on since (``warmloop.workers.gateway.holds.pause_kind_of``)."""
     generation: int = 0
     """Bumped by each call: a learning task from an older call holds nothing."""
+    served_tokens: int = 0
+    """Prompt tokens of its last call, as its engine reported them."""
     seen: float = field(default_factory=time.monotonic)
 
 
