@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: install demo test test-fast test-browser browser lint down status clean bench-routing bench-burst bench-pauses bench-contention bench-faults bench-gateway replay-demo
+.PHONY: install demo test test-fast test-browser browser promtool lint down status clean bench-routing bench-burst bench-pauses bench-contention bench-faults bench-gateway replay-demo
 
 install: $(INSTALLED)
 
@@ -25,11 +25,11 @@ demo: install
 	$(BIN)/warmloop demo --jobs 20
 
 ## Lint, type-check, then the whole suite (it starts the real stack it needs).
-test: install lint browser
+test: install lint browser promtool
 	$(BIN)/pytest
 
 ## Unit and time-skipping workflow tests only (no stack).
-test-fast: install
+test-fast: install promtool
 	$(BIN)/pytest tests/unit tests/workflow
 
 ## The web inbox in a real browser (Playwright driving Debian's Chromium) on the real
@@ -43,6 +43,14 @@ browser:
 	@test -x $(CHROMIUM) || { apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
 	@test -x $(CHROMIUM) || { echo "no Chromium at $(CHROMIUM)"; exit 1; }
+
+## promtool for the alert-rule tests: the binary from Debian's prometheus package, no service.
+$(BIN)/promtool: | $(INSTALLED)
+	tmp=$$(mktemp -d) && cd $$tmp && \
+	{ apt-get download prometheus || { apt-get update -q && apt-get download prometheus; }; } && \
+	dpkg-deb --fsys-tarfile prometheus_*.deb | tar -xO ./usr/bin/promtool > $(CURDIR)/$@ && \
+	chmod +x $(CURDIR)/$@ && rm -rf $$tmp
+promtool: $(BIN)/promtool
 
 lint: install
 	$(BIN)/ruff check .

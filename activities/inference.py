@@ -91,7 +91,7 @@ class InferenceActivities:
         self._undone: list[str] = []
         """Step keys still in the engine's in-flight set (Redis was away at their end)."""
         self._trace_prompts = trace_prompts  # inline prompts of replayed traces
-        self._price = price  # the engine's declared price: each step's cost_usd
+        self._price = price  # the engine's declared price (else its calibration's)
         self._base = base_url.rstrip("/")
         self._url = self._base + "/v1/chat/completions"
         self._model = model
@@ -150,6 +150,11 @@ class InferenceActivities:
             slot = time.perf_counter()
             async with self._batch_slot(req), _heartbeating():
                 admission_ms = (time.perf_counter() - slot) * 1000
+                if self._admission is not None and req.lane == Lane.BATCH:
+                    # the batch lane's wait for one of the engine's K slots (dashboards)
+                    activity.metric_meter().create_histogram_float(
+                        "warmloop_batch_admission_wait", "batch step's wait for a slot", "ms"
+                    ).record(admission_ms, {"profile": req.profile})
                 result, last_token = await self._generate(req, entered=entered,
                                                           admission_ms=admission_ms)
             if self._admission is not None and req.lane == Lane.INTERACTIVE:
@@ -254,9 +259,9 @@ class InferenceActivities:
             latency_ms=(done - started) * 1000,
             dispatch_ms=dispatch_ms,
             prompt_hash=prompt_hash(body["messages"], body["tools"]),
-            cost_usd=None if self._price is None else self._price.cost(
-                prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
-                completion_tokens=completion_tokens),
+            cost_usd=self._step_cost(prompt_tokens=prompt_tokens,
+                                     cached_tokens=cached_tokens,
+                                     completion_tokens=completion_tokens),
             scheduled_at=scheduled,
             timing=StepTiming(
                 schedule_to_start_ms=max(0.0, (handed - scheduled) * 1000),
@@ -421,6 +426,20 @@ class InferenceActivities:
                 self._stable_tokens.clear()
             self._stable_tokens[key] = n
         return self._stable_tokens[key]
+
+    def _step_cost(self, *, prompt_tokens: int, cached_tokens: int,
+                   completion_tokens: int) -> float | None:
+        """The step's dollars: at the engine's declared price, else at the price its
+        calibration gives (its GPU hour over its measured throughput); None without
+        either."""
+        price = self._price
+        if price is None:
+            info = self._engine_info()
+            if info is None or info.calibration is None:
+                return None
+            price = info.calibration.engine_price()
+        return price.cost(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+                          completion_tokens=completion_tokens)
 
     def _engine_error(self, cause: Exception, stream: StepStream) -> ApplicationError:
         """The step failed on the engine's side of a 200 answer (``ENGINE_ERROR``),
