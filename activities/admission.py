@@ -24,7 +24,13 @@ from collections.abc import Callable
 
 import structlog
 
-from warmloop.workflows.lanes import AdmissionConfig, kv_fit_limit, next_batch_limit
+from warmloop.workflows.calibration import EngineCalibration
+from warmloop.workflows.lanes import (
+    AdmissionConfig,
+    calibrated_k_start,
+    kv_fit_limit,
+    next_batch_limit,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -52,6 +58,24 @@ class BatchAdmission:
         self._arrivals = itertools.count()
         self._started: OrderedDict[str, float] = OrderedDict()
         self._fleet_p95: float | None = None
+
+    def calibrate(self, calibration: EngineCalibration) -> None:
+        """Start K where the engine's calibration says interactive TTFT holds
+        (``calibrated_k_start`` at its reference prompt). Only before any interactive
+        step is measured here: after that, AIMD on what the engine does rules. Only
+        with ``AdmissionConfig.k_start_from_calibration``."""
+        if not self.config.k_start_from_calibration or self._ttfts \
+                or self._last_interactive is not None:
+            return
+        ref = calibration.reference_prompt_tokens
+
+        def worst_ttft_s(k: int) -> float:
+            return (calibration.step_overhead_s + (k + 1) * calibration.prefill_seconds(ref)
+                    + calibration.decode_step_seconds(k + 1))
+
+        k = calibrated_k_start(worst_ttft_s, self.config)
+        if k != self.limit:
+            self._set(k, why=f"calibration ({calibration.source[:40]})")
 
     @property
     def effective_limit(self) -> int:

@@ -151,11 +151,15 @@ class HoldManager:
         if info is None or not info.kv_capacity_tokens:
             return None
         c = self.config
+        # The engine's calibration, where it has one: re-prefill at its measured rate for
+        # this prompt's length, the GPU at its price. The config's flat rate otherwise.
+        cal = info.calibration
         return HoldCosts(
             prefix_tokens=prefix_tokens, kv_capacity_tokens=info.kv_capacity_tokens,
             kv_usage=min(0.999, max(info.kv_usage, self.held_tokens / info.kv_capacity_tokens)),
-            prefill_s_per_token=1.0 / c.prefill_tokens_per_s,
-            gpu_usd_per_s=c.gpu_usd_per_hour / 3600,
+            prefill_s_per_token=(1.0 / c.prefill_tokens_per_s if cal is None
+                                 else cal.prefill_s_per_token(max(1, prefix_tokens))),
+            gpu_usd_per_s=c.gpu_usd_per_hour / 3600 if cal is None else cal.gpu_usd_per_s,
             latency_usd_per_s=(c.interactive_latency_usd_per_s if interactive
                                else c.batch_latency_usd_per_s),
         )

@@ -17,6 +17,7 @@ import structlog
 from pydantic import BaseModel
 from redis.exceptions import RedisError
 
+from warmloop.workflows.calibration import EngineCalibration
 from warmloop.workflows.routing import EngineOffer
 from warmloop.workflows.tenants import HOUR_S, hour_window
 
@@ -124,6 +125,9 @@ class EngineHeartbeat(BaseModel):
     batch_active: int = 0
     batch_waiting: int = 0
     interactive_ttft_p95_ms: float | None = None
+    calibration: EngineCalibration | None = None
+    """The figures the engine is priced, held and routed by: measured by ``warmloop
+    calibrate`` or its preset (``source`` says which). None from workers before it."""
     at: float
     """Unix time of the heartbeat."""
     worker: str = ""
@@ -132,6 +136,15 @@ class EngineHeartbeat(BaseModel):
 
     def offer(self) -> EngineOffer:
         return EngineOffer(engine_id=self.engine_id, model=self.model, priced=self.priced)
+
+
+def calibrated_prefill_rate(hb: EngineHeartbeat, prompt_tokens: int | None) -> float | None:
+    """The engine's calibrated prefill rate at ``prompt_tokens`` (its reference length
+    when unknown); None for an engine that heartbeats without a calibration."""
+    cal = hb.calibration
+    if cal is None:
+        return None
+    return cal.prefill_tokens_per_s(prompt_tokens or cal.reference_prompt_tokens)
 
 
 INFLIGHT_KEY = "warmloop:inflight:{}"

@@ -34,6 +34,7 @@ from warmloop.activities.registry import (
     EngineRegistry,
     RedisOutage,
     TenantUsage,
+    calibrated_prefill_rate,
     step_key,
     step_key_profile,
 )
@@ -192,7 +193,9 @@ class RoutingActivities:
             EngineCandidate(engine_id=e.engine_id, expected_cached_tokens=expected[e.engine_id],
                             running=e.running, waiting=e.waiting,
                             in_flight=len(steps[e.engine_id]), kv_usage=e.kv_usage,
-                            batch_jobs=resident[e.engine_id])
+                            batch_jobs=resident[e.engine_id],
+                            prefill_tokens_per_s=calibrated_prefill_rate(
+                                e, expected[e.engine_id] or None))
             for e in live
         ]
         turn = await self._redis.incr(ROUND_ROBIN_KEY) if req.policy == "round_robin" else 0

@@ -8,11 +8,13 @@ import os
 import re
 import socket
 import statistics
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import redis.asyncio as aioredis
 from rich.console import Console
 from temporalio.client import Client
@@ -196,3 +198,36 @@ def overlaps(a: list[float] | None, b: list[float] | None) -> bool | None:
     if not a or not b:
         return None
     return a[0] <= b[1] and b[0] <= a[1]
+
+
+async def calibrate_fleet(settings: Settings, http: httpx.AsyncClient, redis: aioredis.Redis,
+                          console: Console, *, timeout_s: float = 120.0) -> dict[str, Any]:
+    """``warmloop calibrate`` each engine of a bench stack (one at a time, each alone),
+    publish it, and wait until every engine heartbeats with its own: the policies then
+    run on measured figures. Returns what was measured, per engine, for the JSON."""
+    from warmloop.activities.registry import EngineRegistry
+    from warmloop.workers.calibrate import measure_engine, store_calibration, summary
+
+    out: dict[str, Any] = {}
+    for e in settings.engine_endpoints:
+        base = settings.engine_calibration_base(e)
+        cal = await measure_engine(http, e.url, e.model, engine_id=e.id,
+                                   gpu_hour_usd=base.gpu_hour_usd, base=base,
+                                   max_model_len=settings.engine_max_model_len)
+        await store_calibration(redis, e.id, cal)
+        console.print(summary(cal), highlight=False)
+        out[e.id] = {"prefill_tokens_per_s": {p.prompt_tokens: round(p.tokens_per_s)
+                                              for p in cal.prefill},
+                     "decode_step_ms": {d.batch_size: round(d.step_s * 1000, 2)
+                                        for d in cal.decode},
+                     "step_overhead_ms": round(cal.step_overhead_s * 1000, 2),
+                     "source": cal.source}
+        registry = EngineRegistry(redis, ttl_s=settings.engine_ttl_s)
+        deadline = time.monotonic() + timeout_s
+        while not any(hb.engine_id == e.id and hb.calibration == cal
+                      for hb in await registry.live()):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"engine {e.id}'s worker did not take its calibration "
+                                   f"within {timeout_s:.0f} s")
+            await asyncio.sleep(0.5)
+    return out

@@ -37,6 +37,7 @@ from temporalio.service import RPCError
 from bench.common import (
     bench_settings,
     bench_stack,
+    calibrate_fleet,
     fmt_range,
     medians_and_ranges,
     pct,
@@ -222,6 +223,10 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
     async with (bench_stack(settings, console, keep=args.keep_stack) as fleet,
                 httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=5.0),
                                   limits=httpx.Limits(max_connections=200)) as http):
+        calibrations: dict[str, Any] | None = None
+        if args.calibrate:
+            calibrations = await calibrate_fleet(
+                settings, http, fleet.redis, console)
         if args.bg_rate is None:
             one = await bg_request_s(http, fleet.urls[0], args.bg_words)
             args.bg_rate = args.bg_utilization / one
@@ -245,7 +250,8 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
     medians, ranges = medians_and_ranges(repeats)
     report(medians, ranges, len(repeats), console)
     return {**medians, "ranges": ranges, "repeats": len(repeats),
-            "bg_rate_per_engine": round(args.bg_rate, 3)}
+            "bg_rate_per_engine": round(args.bg_rate, 3),
+            "calibration": calibrations}
 
 
 def figures(runs: dict[str, PolicyRun]) -> dict[str, Any]:
@@ -308,6 +314,16 @@ def report(m: dict[str, Any], rg: dict[str, Any], n: int, console: Console) -> N
             f"(target <= 0.50); touches cost "
             + (f"{cost:.1%} of the tokens they saved" if cost is not None else "n/a")
             + f" (target < 5%) at {per_touch:.2f} tokens a touch (target <= 2)")
+    hold = m.get("hold_prefill_tokens")
+    ttft = m.get("other_ttft_p95_ms") or {}
+    if m.get("warmloop_vs_release") is not None and hold is not None \
+            and ttft.get("release") and ttft.get("warmloop") is not None:
+        console.print(
+            f"calibrated hold model (medians): post-pause prefill "
+            f"{m['warmloop_vs_release']:.2f}x always-release's (target <= 0.20), "
+            f"{m['warmloop_prefill_tokens'] / max(1, hold):.2f}x always-hold's (target <= 1); "
+            f"other traffic's TTFT p95 {ttft['warmloop'] / ttft['release']:.2f}x "
+            "always-release's (target <= 1.2)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -336,6 +352,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     p.add_argument("--keep-stack", action="store_true")
+    p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                   help="hold by the engines' preset instead of measuring them first")
     args = p.parse_args(argv)
     console = Console(stderr=True)
     out = asyncio.run(main_async(args, console))

@@ -799,6 +799,76 @@ def engines(as_json: bool = typer.Option(False, "--json", help="One JSON object 
 
 
 @app.command()
+def calibrate(
+    engine_id: str = typer.Argument(..., help="A configured engine's id (warmloop engines)."),
+    out: Path = typer.Option(None, "--out", help="The JSON file to write. Default: "
+                             "<state dir>/calibration/<engine>.json."),
+    quick: bool = typer.Option(False, "--quick", help="A few seconds' load, for a first look."),
+    gpu_hour_usd: float = typer.Option(None, "--gpu-hour-usd", min=0.0, help="What an hour "
+                                       "of the engine costs. Default: its declared price's, "
+                                       "else its preset's."),
+    no_store: bool = typer.Option(False, "--no-store", help="Print and write the file; do "
+                                  "not publish it to Redis (the engine's worker reads it there)."),
+) -> None:
+    """Measure an engine (prefill rate by prompt length, decode step by batch size, KV
+    pool) and publish the calibration its worker heartbeats with and every policy reads.
+    Run it while the engine serves nothing else."""
+    from warmloop.workers.calibrate import (
+        QUICK_LOAD,
+        CalibrationError,
+        CalibrationLoad,
+        calibration_file,
+        measure_engine,
+        store_calibration,
+        summary,
+        write_calibration_file,
+    )
+
+    s = _settings(plugins=False)
+    try:
+        engine = s.engine(engine_id)
+    except ValueError as e:
+        fail(str(e))
+    base = s.engine_calibration_base(engine)
+    usd = gpu_hour_usd if gpu_hour_usd is not None else (
+        engine.price.gpu_usd_per_hour if engine.price is not None
+        and engine.price.gpu_usd_per_hour is not None else base.gpu_hour_usd)
+
+    async def go() -> None:
+        import httpx
+        import redis.asyncio as aioredis
+        from redis.exceptions import RedisError
+
+        async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=5.0)) as http:
+            try:
+                cal = await measure_engine(
+                    http, engine.url, engine.model, engine_id=engine.id, gpu_hour_usd=usd,
+                    base=base,
+                    max_model_len=s.engine_max_model_len if s.manages_engines else None,
+                    load=QUICK_LOAD if quick else CalibrationLoad())
+            except CalibrationError as e:
+                fail(str(e))
+        path = out or calibration_file(s.state_dir, engine.id)
+        write_calibration_file(path, cal)
+        console.print(summary(cal))
+        console.print(f"written to {path}")
+        if no_store:
+            return
+        r = aioredis.Redis.from_url(s.redis_url, **redis_options(s))
+        try:
+            await store_calibration(r, engine.id, cal)
+        except RedisError as err:
+            fail(f"measured, but cannot reach Redis at {s.redis_url} ({err}); the file "
+                 f"{path} has it")
+        finally:
+            await r.aclose()
+        console.print(f"published: engine {engine.id}'s worker heartbeats with it from its "
+                      "next refresh")
+
+    run(go())
+
+
+@app.command()
 def profiles() -> None:
     """List every loaded profile, its tools (and where each runs) and the plugin it came
     from (entry points, WARMLOOP_PLUGINS, WARMLOOP_PROFILE_PATHS)."""

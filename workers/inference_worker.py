@@ -35,6 +35,7 @@ from warmloop.activities.registry import (
 )
 from warmloop.activities.trace_prompts import TracePromptStore
 from warmloop.activities.transcripts import TranscriptStore
+from warmloop.workers.calibrate import CalibrationSource, calibration_file
 from warmloop.workers.clients import (
     REDIS_SOCKET_TIMEOUT_S,
     build_redis,
@@ -45,6 +46,7 @@ from warmloop.workers.clients import (
 from warmloop.workers.logging import configure_logging
 from warmloop.workers.plugins import PluginError, load_plugins
 from warmloop.workers.settings import KV_EVENTS_TOPIC, EngineEndpoint, Settings
+from warmloop.workflows.calibration import EngineCalibration
 from warmloop.workflows.contracts import engine_task_queue
 from warmloop.workflows.holding import TtlCacheEndpoint
 
@@ -71,7 +73,9 @@ async def probe_engine(http: httpx.AsyncClient, engine: EngineEndpoint) -> Engin
         block_size=block_size or 16, kv_capacity_tokens=capacity,
         prefill_computed_total=(metrics.get("vllm:prefix_cache_queries_total", 0.0)
                                 - metrics.get("vllm:prefix_cache_hits_total", 0.0)),
-        precise=engine.kv_events is not None, priced=engine.price is not None,
+        precise=engine.kv_events is not None,
+        # priced by its declared price, else by its calibration (set by heartbeat_loop)
+        priced=engine.price is not None,
         worker=f"{socket.gethostname()}-{os.getpid()}",
     )
 
@@ -92,7 +96,8 @@ async def heartbeat_loop(registry: EngineRegistry, http: httpx.AsyncClient,
                          admission: BatchAdmission | None = None,
                          directory: PrefixDirectory | None = None,
                          holds: HoldManager | None = None,
-                         outage: RedisOutage | None = None) -> None:
+                         outage: RedisOutage | None = None,
+                         calibration: CalibrationSource | None = None) -> None:
     """Probe the engine and publish what it says, every ``interval_s``.
 
     The probe and the worker's own view of its engine go on whatever Redis does: the
@@ -103,6 +108,7 @@ async def heartbeat_loop(registry: EngineRegistry, http: httpx.AsyncClient,
     was_healthy: bool | None = None
     clear_directory = False  # the engine (re)started and the directory still says otherwise
     publishing: asyncio.Task[None] | None = None
+    seen_calibration: EngineCalibration | None = None
 
     async def publish(hb: EngineHeartbeat) -> None:
         nonlocal clear_directory
@@ -122,6 +128,12 @@ async def heartbeat_loop(registry: EngineRegistry, http: httpx.AsyncClient,
     try:
         while True:
             hb = await probe_engine(http, engine)
+            if calibration is not None:
+                hb.calibration = await calibration.refresh()
+                hb.priced = True
+                if admission is not None and hb.calibration is not seen_calibration:
+                    admission.calibrate(hb.calibration)
+                seen_calibration = hb.calibration
             if holds is not None:
                 hb.held_tokens = holds.held_tokens
                 if hb.healthy:
@@ -255,6 +267,9 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
                 "warmloop_cache_busts", "prompt prefixes that changed where they should not"
             ).add(1, {"profile": b.profile, "kind": b.kind})
 
+        calibration = CalibrationSource(
+            redis, engine.id, preset_calibration=settings.engine_calibration_base(engine),
+            file=calibration_file(settings.state_dir, engine.id))
         admission = BatchAdmission(
             settings.admission,
             kv_capacity_tokens=lambda: view.last.kv_capacity_tokens if view.last else 0)
@@ -284,7 +299,8 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(heartbeat_loop(registry, http, engine, settings.engine_heartbeat_s,
-                                              view, admission, directory, holds, outage))
+                                              view, admission, directory, holds, outage,
+                                              calibration))
                 tg.create_task(holds.run())
                 tg.create_task(loop_lag_monitor())
                 if engine.kv_events:

@@ -22,6 +22,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from warmloop.workers.gateway.config import GatewayConfig
+from warmloop.workflows.calibration import PRESETS, EngineCalibration, preset
 from warmloop.workflows.holding import HoldConfig
 from warmloop.workflows.lanes import AdmissionConfig
 from warmloop.workflows.pricing import PER_TOKEN_FIELDS, EnginePrice
@@ -30,12 +31,11 @@ from warmloop.workflows.tenants import TenantName, TenantQuota
 
 KV_EVENTS_TOPIC = "kv-events"
 
-# The embedded engines serve the tiny CPU model, priced as if each were a GPU at $0.80/h
-# (an assumption, an L4-class card) at the throughput seen here: a 2,116-token prefix
-# prefilled cold in ~100 ms (PLATFORM.md: ~20,000 tokens/s) and ~130 generated tokens/s
-# per engine (vLLM's own log line during `make demo`).
-EMBEDDED_ENGINE_PRICE = EnginePrice(gpu_usd_per_hour=0.80, prefill_tokens_per_s=20_000,
-                                    decode_tokens_per_s=130)
+# The embedded engines serve the tiny CPU model. They declare no price: each is priced
+# by its calibration (`warmloop calibrate`), the ``cpu-tiny`` preset until measured,
+# whose price this is: a GPU at $0.80/h (an assumption, an L4-class card) over the
+# throughput seen here.
+EMBEDDED_ENGINE_PRICE = preset("cpu-tiny").engine_price()
 _OLD_TTL_PRICE_DEFAULTS = {"input_usd_per_mtok": 3.0, "cached_input_usd_per_mtok": 0.3,
                            "output_usd_per_mtok": 15.0}
 
@@ -106,6 +106,10 @@ class EngineEndpoint(BaseModel):
         '"output_usd_per_mtok": 15}). The engine\'s worker prices every step with it. '
         "None: steps cost an unknown amount, and jobs with a cost cap are not routed here. "
         "A ttl_cache engine needs a per-token price.")
+    calibration: str | None = Field(
+        default=None, description="The calibration preset (warmloop.workflows.calibration."
+        "PRESETS) this engine is priced, held and routed by until `warmloop calibrate` "
+        "measures it. None: Settings.engine_calibration.")
     kv_events: str | None = Field(
         default=None,
         description="ZMQ endpoint the engine publishes its KV events to (vLLM "
@@ -114,6 +118,11 @@ class EngineEndpoint(BaseModel):
         "or one interface of the worker's host (an IPv4 address, a host name or an "
         "interface name), never a wildcard: see check_kv_events_endpoint. None: the prefix "
         "directory estimates evictions from recency and capacity instead.")
+
+    @field_validator("calibration")
+    @classmethod
+    def _known_preset(cls, v: str | None) -> str | None:
+        return v if v is None else _preset_name(v)
 
     @field_validator("kv_events")
     @classmethod
@@ -191,6 +200,10 @@ class Settings(BaseSettings):
     """How many embedded vLLM engines `warmloop dev up` starts."""
     engine_base_port: int = Field(default=8100, ge=1024, le=65000)
     engine_max_model_len: int = Field(default=32768, ge=512)
+    engine_calibration: str = Field(
+        default="cpu-tiny", description="The calibration preset of engines that name none "
+        "and are not measured yet (`warmloop calibrate ENGINE` replaces it with the "
+        "engine's own figures). One of warmloop.workflows.calibration.PRESETS.")
     engine_kv_cache_bytes: int | None = Field(default=None, ge=4 * 1024 * 1024)
     """Explicit KV pool per embedded engine (vLLM --kv-cache-memory-bytes); None: 1 GiB."""
     engine_kv_events_base_port: int | None = Field(default=5557, ge=1024, le=65000)
@@ -320,6 +333,11 @@ class Settings(BaseSettings):
     Rotate by moving the current key here and setting a new ``payload_key`` and
     ``payload_key_id``; drop an old key only when no open history uses it."""
 
+    @field_validator("engine_calibration")
+    @classmethod
+    def _known_calibration(cls, v: str) -> str:
+        return _preset_name(v)
+
     @field_validator("state_dir")
     @classmethod
     def _absolute(cls, v: Path) -> Path:
@@ -412,7 +430,6 @@ class Settings(BaseSettings):
         return [
             EngineEndpoint(
                 id=f"e{i}", url=f"http://127.0.0.1:{self.engine_base_port + i}",
-                price=EMBEDDED_ENGINE_PRICE,
                 kv_events=(None if self.engine_kv_events_base_port is None
                            else f"tcp://127.0.0.1:{self.engine_kv_events_base_port + i}"),
             )
@@ -425,6 +442,10 @@ class Settings(BaseSettings):
         ids = [e.id for e in self.engine_endpoints]
         return self.inference_metrics_base_port + ids.index(engine_id)
 
+    def engine_calibration_base(self, engine: EngineEndpoint) -> EngineCalibration:
+        """The preset ``engine`` is described by until it is measured."""
+        return preset(engine.calibration or self.engine_calibration)
+
     def engine(self, engine_id: str) -> EngineEndpoint:
         for e in self.engine_endpoints:
             if e.id == engine_id:
@@ -435,6 +456,13 @@ class Settings(BaseSettings):
     @property
     def resolved_model_path(self) -> Path:
         return self.model_path or self.state_dir / "models" / "tiny-llama"
+
+
+def _preset_name(name: str) -> str:
+    if name not in PRESETS:
+        raise ValueError(f"unknown calibration preset {name!r}; known: "
+                         f"{', '.join(sorted(PRESETS))}")
+    return name
 
 
 def _both_or_neither(a: str, va: object, b: str, vb: object, why: str) -> None:

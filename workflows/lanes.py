@@ -5,6 +5,7 @@ and the benchmarks."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from pydantic import BaseModel, Field
 
@@ -39,6 +40,10 @@ class AdmissionConfig(BaseModel):
     at the burst's expense where even one batch step at a time is too many."""
     k_max: int = Field(default=16, ge=1)
     k_start: int = Field(default=4, ge=1)
+    k_start_from_calibration: bool = False
+    """Start K from the engine's calibration (``calibrated_k_start``) instead of
+    ``k_start``. Off by default: on the shared-core dev host the calibration's
+    worst case (figures of an engine alone) overstates what K the host holds."""
     window: int = Field(default=20, ge=4)
     """Interactive TTFTs in the sliding window the p95 is taken over."""
     idle_grow_s: float = Field(default=5.0, gt=0)
@@ -54,6 +59,19 @@ class AdmissionConfig(BaseModel):
     """Share of the engine's KV pool the batch jobs under way may fill; K is held to the
     jobs that fit in it, so that a job's prefix is still cached at its next step. Set 1
     to let K fill the pool; lower it when interactive jobs need their prefixes kept."""
+
+
+def calibrated_k_start(worst_ttft_s: Callable[[int], float], config: AdmissionConfig) -> int:
+    """K to start from on an engine with a calibration: the largest K whose worst-case
+    interactive TTFT (``worst_ttft_s(K)``: the step's prefill queued behind K batch
+    prefills arriving at once, then a decode step among K + 1) meets the target. A
+    start, not a limit: AIMD (``next_batch_limit``) moves K from there on what
+    interactive steps measure."""
+    target_s = config.interactive_ttft_target_ms / 1000
+    k = max(1, config.k_min)
+    while k < config.k_max and worst_ttft_s(k + 1) <= target_s:
+        k += 1
+    return k
 
 
 def next_batch_limit(k: int, interactive_ttft_p95_ms: float | None,

@@ -34,6 +34,9 @@ class EngineCandidate(BaseModel):
     batch_jobs: int = Field(default=0, ge=0)
     """Batch jobs under way here (a step routed here lately), counted for a batch job's
     first step only: between steps a job has nothing in flight, yet it will come back."""
+    prefill_tokens_per_s: float | None = Field(default=None, gt=0)
+    """This engine's prefill rate at the step's prompt length, from its calibration
+    (``EngineCalibration.prefill_tokens_per_s``); None: ``RoutingConfig``'s."""
 
     @property
     def load(self) -> int:
@@ -50,7 +53,8 @@ class RoutingConfig(BaseModel):
     prefill rate and lower the per-request delay."""
 
     prefill_tokens_per_s: float = Field(default=20_000.0, gt=0)
-    """Engine prefill throughput: converts cached tokens into seconds saved."""
+    """Prefill throughput of an engine without a calibration (a candidate's own
+    ``prefill_tokens_per_s`` wins): converts cached tokens into seconds saved."""
     delay_per_request_s: float = Field(default=0.01, ge=0)
     """Added latency each request already on an engine costs a new one (batching
     slows every sequence a little; a queue costs whole steps)."""
@@ -148,7 +152,7 @@ def score(c: EngineCandidate, config: RoutingConfig, *, batch: bool = False,
     step finds at most the profile's prefix, which costs one prefill per engine, while
     a burst packed onto the engine that warmed that prefix first leaves the other
     engines idle and stretches the makespan."""
-    saved = c.expected_cached_tokens / config.prefill_tokens_per_s
+    saved = c.expected_cached_tokens / (c.prefill_tokens_per_s or config.prefill_tokens_per_s)
     if batch and continuing:
         return saved - c.load * config.delay_per_request_s * config.batch_delay_factor
     return saved - c.placement_load(new_batch_job=batch) * config.delay_per_request_s

@@ -24,6 +24,7 @@ from warmloop.workers.cli import app
 from warmloop.workers.inference_worker import _ttl_cache, probe_engine
 from warmloop.workers.settings import EMBEDDED_ENGINE_PRICE, EngineEndpoint, Settings
 from warmloop.workflows.budgets import JobLimits, Usage, check_before_step
+from warmloop.workflows.calibration import preset
 from warmloop.workflows.contracts import GenerateRequest, GenerateResult, RouteRequest
 from warmloop.workflows.pricing import PRICES, EnginePrice, Pricing
 from warmloop.workflows.profiles import REGISTRY, get_profile
@@ -89,10 +90,15 @@ def test_a_per_token_price_is_the_list_price() -> None:
     assert p.pricing == Pricing(input_per_m=3.0, cached_input_per_m=0.3, output_per_m=15.0)
 
 
-def test_the_embedded_engines_keep_the_tiny_models_price() -> None:
-    # the demo's cost figures stay what they were under the old per-model table
-    assert EMBEDDED_ENGINE_PRICE.pricing == PRICES["tiny"]
-    assert all(e.price == EMBEDDED_ENGINE_PRICE for e in Settings().engine_endpoints)
+def test_the_embedded_engines_are_priced_by_their_calibration() -> None:
+    # they declare no price: their worker prices each step by the engine's calibration
+    # (the cpu-tiny preset until `warmloop calibrate` measures it); the old per-model
+    # table stays, for replaying histories recorded before engines declared prices
+    assert all(e.price is None for e in Settings().engine_endpoints)
+    assert preset("cpu-tiny").engine_price() == EMBEDDED_ENGINE_PRICE
+    assert PRICES["tiny"] == Pricing.self_hosted(gpu_usd_per_hour=0.80,
+                                                 prefill_tokens_per_s=20_000,
+                                                 decode_tokens_per_s=130)
 
 
 # ---- engines in settings -----------------------------------------------------------------

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from warmloop.workers.settings import EMBEDDED_ENGINE_PRICE
 from warmloop.workflows.contracts import (
     ChatMessage,
     EngineAliveRequest,
@@ -52,6 +51,12 @@ def reply(name: str | None, arguments: str = "{}", *, content: str = "",
                           prompt_tokens=1000, cached_tokens=896, completion_tokens=20,
                           ttft_ms=5.0, latency_ms=9.0)
 
+
+
+FAKE_ENGINE_PRICE = EnginePrice(gpu_usd_per_hour=0.80, prefill_tokens_per_s=20_000,
+                                decode_tokens_per_s=130)
+"""What a fake engine declares: fixed here, so the cost caps the tests set bite at the
+step they expect whatever the embedded engines' calibration says."""
 
 class FakeActivities:
     """Records what the workflow asked for; keeps each job's transcript the way the
@@ -106,7 +111,7 @@ class FakeActivities:
         return self.models.get(engine, "tiny")
 
     def price_of(self, engine: str) -> EnginePrice | None:
-        return EMBEDDED_ENGINE_PRICE if self.prices is None else self.prices.get(engine)
+        return FAKE_ENGINE_PRICE if self.prices is None else self.prices.get(engine)
 
     def _eligible(self, model: str | None, require_price: bool) -> list[str]:
         """The engines that may serve the job, refused the way route_step refuses."""

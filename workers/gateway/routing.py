@@ -23,7 +23,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from warmloop.activities.directory import PrefixDirectory
-from warmloop.activities.registry import EngineHeartbeat, EngineRegistry, RedisOutage
+from warmloop.activities.registry import (
+    EngineHeartbeat,
+    EngineRegistry,
+    RedisOutage,
+    calibrated_prefill_rate,
+)
 from warmloop.workers.gateway.calls import BadCall
 from warmloop.workers.gateway.fleet import FleetView
 from warmloop.workers.gateway.sessions import Chain
@@ -76,7 +81,9 @@ class GatewayRouter:
             EngineCandidate(engine_id=e.engine_id, expected_cached_tokens=expected[e.engine_id],
                             running=e.running, waiting=e.waiting,
                             in_flight=self._fleet.in_flight(e.engine_id), kv_usage=e.kv_usage,
-                            batch_jobs=resident.get(e.engine_id, 0))
+                            batch_jobs=resident.get(e.engine_id, 0),
+                            prefill_tokens_per_s=calibrated_prefill_rate(
+                                e, chain.blocks * chain.block_size if chain else None))
             for e in live
         ]
         decision = choose_engine(candidates, job_id=job_id, last_engine=last_engine,
