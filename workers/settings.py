@@ -275,6 +275,11 @@ class Settings(BaseSettings):
     gateway_port: int = Field(default=8500, ge=1024, le=65535)
     """Port of the OpenAI-compatible gateway (``warmloop gateway``; the embedded stack's
     ``gateway`` part)."""
+    gateway_key_digests: str | None = None
+    """Comma-separated SHA-256 hex digests of the API keys the gateway accepts
+    (``printf %s "$KEY" | sha256sum``): set, every /v1 call must carry one of those keys
+    as ``Authorization: Bearer``, else 401; unset, the gateway takes any caller (the
+    embedded stack's, on loopback). Digests, so the settings hold no key."""
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     """The gateway's own knobs, e.g. WARMLOOP_GATEWAY='{"hold_policy": "always_hold"}'
     (its routing, holding and admission weights are ``routing``, ``holding``,
@@ -332,6 +337,18 @@ class Settings(BaseSettings):
     """Retired payload keys still needed to read older histories, ``id:base64[,id:base64]``.
     Rotate by moving the current key here and setting a new ``payload_key`` and
     ``payload_key_id``; drop an old key only when no open history uses it."""
+
+    @field_validator("gateway_key_digests")
+    @classmethod
+    def _digests(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
+        digests = [d.strip().lower() for d in v.split(",") if d.strip()]
+        bad = [d for d in digests if not re.fullmatch(r"[0-9a-f]{64}", d)]
+        if bad or not digests:
+            raise ValueError("gateway_key_digests: give SHA-256 hex digests (64 hex digits "
+                             "each, comma-separated) of the accepted keys, not the keys")
+        return ",".join(digests)
 
     @field_validator("engine_calibration")
     @classmethod

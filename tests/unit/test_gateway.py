@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -201,12 +202,12 @@ async def make(redis: aioredis.Redis, server: RedisServer) -> AsyncIterator[Make
     rigs: list[Rig] = []
 
     async def build(*ids: str, config: GatewayConfig | None = None,
-                    holding: HoldConfig | None = None) -> Rig:
+                    holding: HoldConfig | None = None, **settings_extra: Any) -> Rig:
         fleet = Fleet(*ids)
         for i in ids:
             await heartbeat(redis, i)
         settings = Settings(redis_url=server.url, engine_ttl_s=60,
-                            holding=holding or HoldConfig())
+                            holding=holding or HoldConfig(), **settings_extra)
         http = httpx.AsyncClient(transport=fleet.transport())
         app = create_gateway_app(settings, redis=redis, http=http,
                                  config=config or GatewayConfig(refresh_s=0.05,
@@ -767,3 +768,29 @@ async def test_a_quick_next_call_stays_where_the_last_one_was_computed(make: Mak
         == (engine, "sticky")
     # a session whose last call was learned goes by the directory, not by this floor
     assert rig.fleet[engine].paths.count("/tokenize") >= 1
+
+
+async def test_with_key_digests_set_only_callers_with_an_accepted_key_get_through(
+        make: Make) -> None:
+    good, other = "sk-team-a", "sk-team-b"
+    rig = await make("e0", gateway_key_digests=",".join(
+        hashlib.sha256(k.encode()).hexdigest() for k in (good, other)))
+    for headers in ({}, {"authorization": "Bearer sk-wrong"}, {"authorization": f"Basic {good}"},
+                    {"authorization": "Bearer "}):
+        r = await rig.chat(conversation(), headers=headers)
+        assert r.status_code == 401, headers
+        assert r.json()["error"]["code"] == "invalid_api_key"
+        assert (await rig.client.get("/v1/models", headers=headers)).status_code == 401
+    assert rig.fleet["e0"].seen == []  # nothing reached the engine
+    for key in (good, other):
+        ok = await rig.chat(conversation(), headers={"authorization": f"Bearer {key}"})
+        assert ok.status_code == 200
+    assert (await rig.client.get("/health")).status_code == 200  # probes need no key
+    assert 'status="401"' in (await rig.client.get("/metrics")).text
+
+
+def test_key_digests_must_be_digests_not_keys() -> None:
+    with pytest.raises(ValueError, match="SHA-256 hex digests"):
+        Settings(gateway_key_digests="sk-my-plain-key")
+    d = hashlib.sha256(b"k").hexdigest()
+    assert Settings(gateway_key_digests=f" {d.upper()} ,").gateway_key_digests == d

@@ -19,8 +19,11 @@ sessions and cache (``warmloop.workers.gateway.calls``).
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -52,6 +55,7 @@ def create_gateway_app(settings: Settings, *, redis: aioredis.Redis | None = Non
     ``settings`` (tests); either way they are used from the app's event loop only. The
     ``Gateway`` is ``app.state.gateway``; it starts and stops with the app's lifespan."""
     gateway = Gateway(settings, redis=redis, http=http, config=config or configured(settings))
+    keys = KeyCheck.of(settings.gateway_key_digests)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
@@ -62,13 +66,14 @@ def create_gateway_app(settings: Settings, *, redis: aioredis.Redis | None = Non
             await gateway.stop()
 
     async def chat(request: Request) -> Response:
-        return await _completion(gateway, "chat", request)
+        return keys.refuse(request, gateway) or await _completion(gateway, "chat", request)
 
     async def completions(request: Request) -> Response:
-        return await _completion(gateway, "completions", request)
+        return keys.refuse(request, gateway) or await _completion(gateway, "completions",
+                                                                 request)
 
-    async def models(_: Request) -> Response:
-        return JSONResponse(gateway.models())
+    async def models(request: Request) -> Response:
+        return keys.refuse(request, gateway) or JSONResponse(gateway.models())
 
     async def health(_: Request) -> Response:
         return JSONResponse(gateway.health())
@@ -86,6 +91,40 @@ def create_gateway_app(settings: Settings, *, redis: aioredis.Redis | None = Non
     ], lifespan=lifespan)
     app.state.gateway = gateway
     return app
+
+
+_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
+              "/v1/models": "models"}
+
+
+@dataclass(frozen=True)
+class KeyCheck:
+    """The API keys the gateway accepts, by SHA-256 digest (``Settings.
+    gateway_key_digests``); none configured: every caller."""
+
+    digests: tuple[bytes, ...] = ()
+
+    @classmethod
+    def of(cls, configured: str | None) -> KeyCheck:
+        return cls(tuple(bytes.fromhex(d) for d in (configured or "").split(",") if d))
+
+    def refuse(self, request: Request, gateway: Gateway) -> Response | None:
+        """A 401 for a call without an accepted key; None to let it through. Every
+        digest is compared in constant time, so timing tells nothing of which is near."""
+        if not self.digests:
+            return None
+        scheme, _, key = (request.headers.get("authorization") or "").partition(" ")
+        given = hashlib.sha256(key.strip().encode()).digest()
+        ok = scheme.lower() == "bearer" and bool(key.strip())
+        matched = False
+        for d in self.digests:
+            matched |= hmac.compare_digest(given, d)
+        if ok and matched:
+            return None
+        gateway.metrics.inc("warmloop_gateway_requests_total",
+                            endpoint=_ENDPOINTS.get(request.url.path, "other"), status="401")
+        return error_response(401, "a valid API key is required (Authorization: Bearer "
+                              "<key>)", kind="invalid_request_error", code="invalid_api_key")
 
 
 def configured(settings: Settings) -> GatewayConfig:
