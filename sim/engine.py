@@ -1,0 +1,316 @@
+"""One simulated vLLM engine: a block prefix cache with LRU eviction over a KV pool, and
+a continuous-batching scheduler with priorities and chunked prefill whose step time
+follows the engine's ``EngineCalibration``.
+
+What it copies from vLLM (v1, prefix caching on):
+- a prompt's full blocks are keyed by a hash chain; a request reuses the longest cached
+  chain prefix, and a fully cached prompt still computes its last token;
+- blocks are registered when allocated, so concurrent requests sharing a new prefix
+  compute it once per engine;
+- a finished request's blocks stay cached but evictable, freed last block first (so a
+  partly evicted prefix keeps a shorter hit); eviction takes the least recently used;
+- waiting requests are admitted by (priority, arrival) while their blocks fit; an engine
+  step computes up to ``max_batched_tokens`` (one token per running sequence, the rest
+  prefill chunks) and takes ``decode_step_seconds(batch) + prefill tokens / rate``.
+Between prefill steps, decode runs as whole segments (one event per finishing request,
+not per token), which keeps a 256-GPU fleet cheap to simulate.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+from warmloop.sim.core import Clock
+from warmloop.workflows.calibration import EngineCalibration
+
+BlockKey = Hashable
+
+
+@dataclass(eq=False)
+class Request:
+    """One model call on an engine."""
+
+    chain: Sequence[BlockKey]
+    """Keys of the prompt's full, shareable blocks, in order (its hash chain)."""
+    prompt_tokens: int
+    output_tokens: int
+    priority: int = 0
+    on_first_token: Callable[[Request], None] | None = None
+    on_done: Callable[[Request], None] | None = None
+    tag: object = None
+    # filled in by the engine
+    submitted_at: float = 0.0
+    first_token_at: float = 0.0
+    done_at: float = 0.0
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+    _prefill_left: int = 0
+    _decode_left: float = 0.0
+    _held: list[BlockKey] = field(default_factory=list)
+    _private: int = 0
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_at - self.submitted_at
+
+
+class PrefixCache:
+    """The KV pool as blocks: cached blocks by key with reference counts, the evictable
+    ones (count 0) in LRU order, and never-used / private blocks as a count."""
+
+    def __init__(self, blocks: int) -> None:
+        self.capacity = blocks
+        self.empty = blocks
+        self.ref: dict[BlockKey, int] = {}
+        self.lru: OrderedDict[BlockKey, None] = OrderedDict()
+
+    def hit_blocks(self, chain: Sequence[BlockKey]) -> int:
+        """Leading blocks of ``chain`` cached here (in use or evictable)."""
+        ref = self.ref
+        n = 0
+        for k in chain:
+            if k not in ref:
+                break
+            n += 1
+        return n
+
+    @property
+    def used_blocks(self) -> int:
+        """Blocks some request or hold is using (vLLM's KV usage counts these)."""
+        return self.capacity - self.empty - len(self.lru)
+
+    def can_allocate(self, hit: int, chain: Sequence[BlockKey], new_blocks: int) -> bool:
+        lru = self.lru
+        reclaimed = sum(1 for k in chain[:hit] if k in lru)
+        return new_blocks <= self.empty + len(lru) - reclaimed
+
+    def _take(self) -> None:
+        if self.empty > 0:
+            self.empty -= 1
+            return
+        key, _ = self.lru.popitem(last=False)
+        del self.ref[key]
+
+    def acquire(self, keys: Sequence[BlockKey]) -> None:
+        """Use ``keys`` (cached ones are reused, missing ones allocated and registered)."""
+        ref, lru = self.ref, self.lru
+        for k in keys:
+            c = ref.get(k)
+            if c is None:
+                self._take()
+                ref[k] = 1
+            else:
+                if c == 0:
+                    del lru[k]
+                ref[k] = c + 1
+
+    def release(self, keys: Sequence[BlockKey]) -> None:
+        """Stop using ``keys``; last block first, so a prompt's tail is evicted first."""
+        ref, lru = self.ref, self.lru
+        for k in reversed(keys):
+            c = ref.get(k)
+            if c is None:
+                continue
+            if c <= 1:
+                ref[k] = 0
+                lru[k] = None
+            else:
+                ref[k] = c - 1
+
+    def take_private(self, n: int) -> None:
+        for _ in range(n):
+            self._take()
+
+    def give_private(self, n: int) -> None:
+        self.empty += n
+
+
+class Engine:
+    """One engine: its cache, its queues and its scheduler."""
+
+    def __init__(self, clock: Clock, engine_id: str, calibration: EngineCalibration) -> None:
+        self.clock = clock
+        self.engine_id = engine_id
+        self.cal = calibration
+        self.block = calibration.block_size
+        self.cache = PrefixCache(calibration.kv_pool_blocks)
+        self.waiting: list[tuple[int, int, Request]] = []
+        self.prefilling: list[Request] = []
+        self.running: list[Request] = []
+        self._seq = itertools.count()
+        self._version = 0
+        self._busy = False
+        self._segment: tuple[float, float, int] | None = None
+        """A decode-only segment under way: (start, step seconds, whole steps planned)."""
+        self.busy_s = 0.0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.requests = 0
+
+    # --- what the router and the hold manager read ------------------------------------
+
+    @property
+    def load(self) -> int:
+        return len(self.waiting) + len(self.prefilling) + len(self.running)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.cache.used_blocks / self.cache.capacity
+
+    def cached_prefix_tokens(self, chain: Sequence[BlockKey]) -> int:
+        return self.cache.hit_blocks(chain) * self.block
+
+    # --- holds: blocks kept in use while a job pauses (what touches achieve) ----------
+
+    def pin(self, chain: Sequence[BlockKey]) -> list[BlockKey]:
+        """Keep the cached leading blocks of ``chain`` from eviction; returns them."""
+        keys = list(chain[:self.cache.hit_blocks(chain)])
+        self.cache.acquire(keys)
+        return keys
+
+    def unpin(self, keys: Sequence[BlockKey]) -> None:
+        self.cache.release(keys)
+        self._kick()
+
+    # --- requests --------------------------------------------------------------------
+
+    def submit(self, req: Request) -> None:
+        req.submitted_at = self.clock.now
+        delay = self.cal.step_overhead_s
+        if delay > 0:
+            self.clock.after(delay, self._enqueue, req)
+        else:
+            self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        heapq.heappush(self.waiting, (req.priority, next(self._seq), req))
+        self._kick()
+
+    def _kick(self) -> None:
+        """Something changed: start stepping if idle, or cut a decode segment short so
+        the newcomer joins at the next step boundary."""
+        if self._segment is not None:
+            start, step_s, planned = self._segment
+            done = int((self.clock.now - start) / step_s) + 1
+            if done < planned:
+                self._version += 1
+                self._segment = None
+                self.busy_s += done * step_s
+                self.clock.at(start + done * step_s, self._segment_end, done, self._version)
+            return
+        if not self._busy:
+            self._boundary()
+
+    def _admit(self) -> None:
+        cal, cache, block = self.cal, self.cache, self.block
+        while self.waiting and len(self.running) + len(self.prefilling) < cal.max_batch:
+            req = self.waiting[0][2]
+            chain = req.chain
+            hit = cache.hit_blocks(chain)
+            if hit * block >= req.prompt_tokens:
+                hit = max(0, (req.prompt_tokens - 1) // block)  # the last token is computed
+            total = -(-(req.prompt_tokens + req.output_tokens) // block)
+            new = max(0, total - hit)
+            if not cache.can_allocate(hit, chain, new):
+                if not self.running and not self.prefilling and total > cache.capacity:
+                    heapq.heappop(self.waiting)  # can never fit: vLLM refuses it
+                    req.done_at = self.clock.now
+                    if req.on_done:
+                        req.on_done(req)
+                    continue
+                break
+            heapq.heappop(self.waiting)
+            shared = list(chain[:min(len(chain), total)])
+            cache.acquire(shared)
+            req._held = shared
+            req._private = max(0, total - len(shared))
+            cache.take_private(req._private)
+            req.cached_tokens = hit * block
+            req.computed_tokens = req.prompt_tokens - req.cached_tokens
+            req._prefill_left = req.computed_tokens
+            self.prompt_tokens += req.prompt_tokens
+            self.cached_tokens += req.cached_tokens
+            self.requests += 1
+            self.prefilling.append(req)
+
+    def _boundary(self) -> None:
+        self._admit()
+        now = self.clock.now
+        if self.prefilling:
+            self._busy = True
+            budget = max(self.block, self.cal.max_batched_tokens - len(self.running))
+            plan: list[tuple[Request, int]] = []
+            tokens = 0
+            longest = 1
+            for req in self.prefilling:
+                if budget <= 0:
+                    break
+                n = min(budget, req._prefill_left)
+                plan.append((req, n))
+                budget -= n
+                tokens += n
+                longest = max(longest, req.prompt_tokens)
+            duration = (self.cal.decode_step_seconds(max(1, len(self.running) + len(plan)))
+                        + tokens / self.cal.prefill_tokens_per_s(longest))
+            self.busy_s += duration
+            self.clock.at(now + duration, self._prefill_step_end, plan)
+        elif self.running:
+            self._busy = True
+            step_s = self.cal.decode_step_seconds(len(self.running))
+            steps = max(1, int(min(r._decode_left for r in self.running) + 0.999999))
+            self._segment = (now, step_s, steps)
+            self._version += 1
+            self.clock.at(now + steps * step_s, self._segment_end, steps, self._version,
+                          True)
+        else:
+            self._busy = False
+
+    def _segment_end(self, steps: int, version: int, whole: bool = False) -> None:
+        if version != self._version:
+            return
+        if whole and self._segment is not None:
+            self.busy_s += steps * self._segment[1]
+        self._segment = None
+        self._advance_decode(steps)
+        self._boundary()
+
+    def _advance_decode(self, steps: float) -> None:
+        still = []
+        now = self.clock.now
+        for r in self.running:
+            r._decode_left -= steps
+            if r._decode_left <= 1e-9:
+                self._finish(r, now)
+            else:
+                still.append(r)
+        self.running = still
+
+    def _prefill_step_end(self, plan: list[tuple[Request, int]]) -> None:
+        now = self.clock.now
+        self._advance_decode(1)
+        for req, n in plan:
+            req._prefill_left -= n
+            if req._prefill_left <= 0:
+                self.prefilling.remove(req)
+                req.first_token_at = now
+                if req.on_first_token:
+                    req.on_first_token(req)
+                req._decode_left = req.output_tokens - 1
+                if req._decode_left <= 0:
+                    self._finish(req, now)
+                else:
+                    self.running.append(req)
+        self._boundary()
+
+    def _finish(self, req: Request, now: float) -> None:
+        req.done_at = now
+        self.cache.release(req._held)
+        self.cache.give_private(req._private)
+        req._held = []
+        req._private = 0
+        if req.on_done:
+            req.on_done(req)

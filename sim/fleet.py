@@ -1,0 +1,503 @@
+"""The Temporal-like layer: jobs step through route -> generate -> pause -> ... on a fleet
+of simulated engines, with warmloop's own policies deciding.
+
+Per step, as ``AgentJob`` and the workers do: the route local activity and the workflow
+task (``pre_step_s``), ``workflows.routing.choose_engine`` over the live engines (the
+engines' exact cache contents stand in for the precise prefix directory), the batch
+lane's admission on the engine's worker (``workflows.lanes``: AIMD ``next_batch_limit``
+on interactive TTFT and ``kv_fit_limit``), the engine, the result's return
+(``post_step_s``), the step's price (the engine calibration's ``EnginePrice``), then the
+pause: a tool or a human approval. After a step that pauses, the engine's hold manager
+asks ``workflows.holding.decide_hold`` (costs from the engine calibration, the pause
+kind's observed durations or the profile's prior) and holds the prefix for the chosen
+TTL (touches keep the blocks recently used; here, they stay in use), within the 30 %
+cap, oldest first. An approval opened half-way, and its decision, prewarm the prompt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from warmloop.sim.core import Clock
+from warmloop.sim.engine import BlockKey, Engine, Request
+from warmloop.sim.workload import JobSpec
+from warmloop.workflows import holding, lanes, routing
+from warmloop.workflows.calibration import EngineCalibration
+from warmloop.workflows.contracts import Lane
+from warmloop.workflows.holding import HoldConfig, PauseDistribution
+from warmloop.workflows.lanes import AdmissionConfig
+from warmloop.workflows.routing import EngineCandidate, RoutingConfig
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What the fleet does around the engines."""
+
+    name: str
+    routing: routing.RoutingPolicy
+    hold: holding.HoldPolicy
+    lanes: bool
+    """Batch steps at vLLM priority 10 behind interactive ones, and admitted K at a time."""
+    prewarm: bool
+    """Prewarm on an approval's view and decision (the workflow's behaviour)."""
+
+
+POLICIES: dict[str, Policy] = {
+    "round_robin_lru": Policy("round_robin_lru", "round_robin", "never", False, False),
+    "cache_aware_no_holds": Policy("cache_aware_no_holds", "cache_aware", "never", False, False),
+    "warmloop": Policy("warmloop", "cache_aware", "cost_model", True, True),
+}
+"""round-robin + vLLM LRU (plain vLLM behind a balancer); cache-aware routing without
+holds (the best peer's behaviour); warmloop (routing, holds, lanes, prewarms)."""
+
+
+@dataclass
+class StepStat:
+    job_id: str
+    step: int
+    engine: str
+    lane: Lane
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    ttft_s: float
+    cost_usd: float
+    keepable_tokens: int
+    """What the pause before this step could have kept (the previous prompt's full blocks
+    but its last): bench-pauses' measure."""
+
+
+@dataclass
+class JobStat:
+    job_id: str
+    family: str
+    lane: Lane
+    arrival_s: float
+    end_s: float = math.nan
+    cost_usd: float = 0.0
+    steps: int = 0
+
+
+@dataclass
+class _Job:
+    spec: JobSpec
+    stat: JobStat
+    step: int = 0
+    transcript: int = 0
+    chain: list[BlockKey] = field(default_factory=list)
+    last_engine: str | None = None
+    hold: _Hold | None = None
+    prev_prompt: int = 0
+    started_s: float = 0.0
+    pending: Engine | None = None
+    """The engine serving the job's step under way."""
+
+
+@dataclass
+class _Hold:
+    engine: Engine
+    keys: list[BlockKey]
+    tokens: int
+    job: _Job
+    active: bool = True
+
+
+@dataclass
+class _Admission:
+    k: int
+    running: int = 0
+    queue: list[tuple[int, float, int, _Job, Request]] = field(default_factory=list)
+    ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=20))
+    fresh: int = 0
+    last_interactive_s: float = 0.0
+    last_grow_s: float = 0.0
+    samples: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=50))
+
+
+@dataclass
+class FleetConfig:
+    pre_step_s: float = 0.02
+    """Route local activity + workflow task + schedule-to-start + pickup."""
+    post_step_s: float = 0.01
+    """Work after the last token and the result's return to the workflow."""
+    routing: RoutingConfig | None = None
+    """None: from the engines' calibration (``EngineCalibration.routing_config``)."""
+    hold: HoldConfig | None = None
+    """None: from the engines' calibration (``EngineCalibration.hold_config``)."""
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    batch_recent_s: float = 30.0
+    candidates: int = 4
+    """Cold engines offered to the router besides those caching the prompt: the least
+    loaded (the rest can only lose to them, but for exact ties of load)."""
+    decision_refresh: int = 1000
+    """Pause samples between refreshes of a kind's distribution, once it has this many
+    (before: at every doubling from 20)."""
+
+
+class Fleet:
+    """Engines, jobs and the policies between them."""
+
+    def __init__(self, clock: Clock, calibrations: Sequence[EngineCalibration], policy: Policy,
+                 config: FleetConfig | None = None) -> None:
+        self.clock = clock
+        self.policy = policy
+        self.cfg = config or FleetConfig()
+        self.engines = [Engine(clock, f"e{i:03d}", c) for i, c in enumerate(calibrations)]
+        self.by_id = {e.engine_id: e for e in self.engines}
+        cal = calibrations[0]
+        self.routing_cfg = self.cfg.routing or cal.routing_config()
+        self.hold_cfg = self.cfg.hold or cal.hold_config()
+        self.prices = {e.engine_id: e.cal.engine_price().pricing for e in self.engines}
+        self._rr_candidates = [EngineCandidate(engine_id=e.engine_id) for e in self.engines]
+        self.turn = 0
+        self.in_flight = {e.engine_id: 0 for e in self.engines}
+        self.batch_seen: dict[str, dict[str, float]] = {e.engine_id: {} for e in self.engines}
+        self.admission = {e.engine_id: _Admission(k=self.cfg.admission.k_start)
+                          for e in self.engines}
+        self.holds: dict[str, deque[_Hold]] = {e.engine_id: deque() for e in self.engines}
+        self.held_tokens = {e.engine_id: 0 for e in self.engines}
+        self.pause_samples: dict[str, list[float]] = {}
+        self._dist: dict[str, tuple[int, PauseDistribution]] = {}
+        self._decisions: dict[tuple[object, ...], holding.HoldChoice] = {}
+        self.steps: list[StepStat] = []
+        self.jobs: list[JobStat] = []
+        self.prewarm_computed = 0
+        self.hold_decisions: dict[str, int] = {}
+        self.other_ttfts: list[float] = []
+        self.on_job_end: list[Callable[[JobStat], None]] = []
+        self.background_stopped = False
+
+    # --- jobs ------------------------------------------------------------------------
+
+    def add_jobs(self, specs: Sequence[JobSpec]) -> None:
+        for s in specs:
+            self.clock.at(s.arrival_s, self._start, s)
+
+    def _start(self, spec: JobSpec) -> None:
+        stat = JobStat(spec.job_id, spec.family, spec.lane, self.clock.now)
+        self.jobs.append(stat)
+        job = _Job(spec, stat, transcript=spec.prefix_tokens + spec.task_tokens,
+                   started_s=self.clock.now)
+        self.clock.after(self.cfg.pre_step_s, self._route_step, job)
+
+    def _chain(self, job: _Job) -> list[BlockKey]:
+        """Keys of the prompt's stable full blocks: the family's prefix blocks, then the
+        job's own (append-only, so a block's key never changes once it is full)."""
+        block = self.engines[0].block
+        spec = job.spec
+        n = job.transcript // block
+        chain = job.chain
+        shared = spec.prefix_tokens // block
+        while len(chain) < n:
+            i = len(chain)
+            chain.append((spec.family, i) if i < shared else (spec.job_id, i))
+        return chain
+
+    def _candidates(self, chain: list[BlockKey], batch_first: bool
+                    ) -> list[EngineCandidate]:
+        now = self.clock.now
+        warm: dict[str, int] = {}
+        for e in self.engines:
+            n = e.cached_prefix_tokens(chain)
+            if n:
+                warm[e.engine_id] = n
+        cold = heapq.nsmallest(self.cfg.candidates, (e for e in self.engines
+                                                     if e.engine_id not in warm),
+                               key=lambda e: (max(e.load, self.in_flight[e.engine_id]),
+                                              e.kv_usage))
+        out = []
+        for e in [self.by_id[i] for i in warm] + cold:
+            batch_jobs = 0
+            if batch_first:
+                seen = self.batch_seen[e.engine_id]
+                batch_jobs = sum(1 for t in seen.values() if now - t <= self.cfg.batch_recent_s)
+            out.append(EngineCandidate(
+                engine_id=e.engine_id, expected_cached_tokens=warm.get(e.engine_id, 0),
+                running=len(e.running) + len(e.prefilling), waiting=len(e.waiting),
+                in_flight=self.in_flight[e.engine_id], kv_usage=min(1.0, e.kv_usage),
+                batch_jobs=batch_jobs))
+        return out
+
+    def route(self, job_id: str, chain: list[BlockKey], last_engine: str | None,
+              batch: bool) -> Engine:
+        """The engine ``workflows.routing.choose_engine`` picks for a step."""
+        if self.policy.routing == "round_robin":
+            decision = routing.choose_engine(self._rr_candidates, job_id=job_id,
+                                             policy="round_robin", turn=self.turn)
+            self.turn += 1
+        else:
+            decision = routing.choose_engine(
+                self._candidates(chain, batch and last_engine is None), job_id=job_id,
+                last_engine=last_engine, config=self.routing_cfg, policy=self.policy.routing,
+                batch=batch)
+        return self.by_id[decision.engine_id]
+
+    def _route_step(self, job: _Job) -> None:
+        spec = job.spec
+        batch = spec.lane == Lane.BATCH and self.policy.lanes
+        chain = self._chain(job)
+        engine = self.route(spec.job_id, chain, job.last_engine, batch)
+        if batch:
+            self.batch_seen[engine.engine_id][spec.job_id] = self.clock.now
+        prompt = job.transcript + spec.tail_tokens
+        out = spec.steps[job.step].output_tokens
+        req = Request(chain=chain, prompt_tokens=prompt, output_tokens=out,
+                      priority=lanes.VLLM_PRIORITY[spec.lane] if self.policy.lanes else 0,
+                      on_first_token=self._first_token, on_done=self._step_done, tag=job)
+        self.in_flight[engine.engine_id] += 1
+        job.pending = engine
+        if job.hold is not None and job.hold.engine is not engine:
+            self._end_hold(job.hold)
+        if batch:
+            self._admit_batch(engine, job, req)
+        else:
+            engine.submit(req)
+
+    # --- batch admission (workflows.lanes) ----------------------------------------------
+
+    def _limit(self, engine: Engine, adm: _Admission) -> int:
+        fit = lanes.kv_fit_limit(engine.cal.kv_pool_tokens, list(adm.samples),
+                                 self.cfg.admission)
+        return min(adm.k, fit) if fit > 0 else adm.k
+
+    def _admit_batch(self, engine: Engine, job: _Job, req: Request) -> None:
+        adm = self.admission[engine.engine_id]
+        # continuing jobs first (oldest job first), then new jobs in arrival order
+        key = (0 if job.step > 0 else 1, job.started_s if job.step > 0 else self.clock.now)
+        heapq.heappush(adm.queue, (key[0], key[1], id(req), job, req))
+        self._drain(engine, adm)
+
+    def _drain(self, engine: Engine, adm: _Admission) -> None:
+        now = self.clock.now
+        cfg = self.cfg.admission
+        if now - adm.last_interactive_s > cfg.idle_grow_s and now - adm.last_grow_s > \
+                cfg.idle_grow_s:
+            adm.k = lanes.next_batch_limit(adm.k, None, cfg)
+            adm.last_grow_s = now
+        while adm.queue and adm.running < self._limit(engine, adm):
+            _, _, _, job, req = heapq.heappop(adm.queue)
+            adm.running += 1
+            engine.submit(req)
+        if adm.queue and adm.running == 0 and self._limit(engine, adm) == 0:
+            self.clock.after(cfg.idle_grow_s, self._drain, engine, adm)
+
+    def _interactive_ttft(self, engine: Engine, ttft_s: float) -> None:
+        adm = self.admission[engine.engine_id]
+        adm.ttfts.append(ttft_s * 1000)
+        adm.last_interactive_s = self.clock.now
+        adm.fresh += 1
+        if adm.fresh >= adm.ttfts.maxlen:  # type: ignore[operator]
+            adm.fresh = 0
+            ordered = sorted(adm.ttfts)
+            p95 = ordered[min(len(ordered) - 1, int(math.ceil(0.95 * len(ordered))) - 1)]
+            adm.k = lanes.next_batch_limit(adm.k, p95, self.cfg.admission)
+
+    # --- step results --------------------------------------------------------------------
+
+    def _first_token(self, req: Request) -> None:
+        job: _Job = req.tag  # type: ignore[assignment]
+        if job.hold is not None:
+            self._end_hold(job.hold)
+        if job.spec.lane == Lane.INTERACTIVE and self.policy.lanes and job.pending is not None:
+            self._interactive_ttft(job.pending, req.ttft_s)
+
+    def _step_done(self, req: Request) -> None:
+        job: _Job = req.tag  # type: ignore[assignment]
+        engine = job.pending
+        assert engine is not None, "a step finished on no engine"
+        self.in_flight[engine.engine_id] -= 1
+        spec = job.spec
+        batch = spec.lane == Lane.BATCH and self.policy.lanes
+        if batch:
+            adm = self.admission[engine.engine_id]
+            adm.running -= 1
+            adm.samples.append((req.prompt_tokens, spec.prefix_tokens))
+            self._drain(engine, adm)
+        price = self.prices[engine.engine_id]
+        cost = price.cost(prompt_tokens=req.prompt_tokens, cached_tokens=req.cached_tokens,
+                          completion_tokens=req.output_tokens)
+        block = engine.block
+        keepable = max(0, (job.prev_prompt // block - 1) * block) if job.step > 0 else 0
+        self.steps.append(StepStat(spec.job_id, job.step + 1, engine.engine_id, spec.lane,
+                                   req.prompt_tokens, req.cached_tokens, req.output_tokens,
+                                   req.ttft_s, cost, keepable))
+        job.stat.cost_usd += cost
+        job.stat.steps += 1
+        job.prev_prompt = req.prompt_tokens
+        job.last_engine = engine.engine_id
+        step = spec.steps[job.step]
+        job.transcript += step.result_tokens
+        job.step += 1
+        if job.step >= len(spec.steps):
+            self.clock.after(self.cfg.post_step_s, self._end_job, job)
+            return
+        pause = step.pause_s
+        self._record_pause(step.pause_kind, pause)
+        self._maybe_hold(job, engine, step.pause_kind, req)
+        if step.approval and self.policy.prewarm and step.viewed_after_s is not None:
+            self.clock.after(self.cfg.post_step_s + step.viewed_after_s, self._prewarm, job,
+                             True)
+        self.clock.after(self.cfg.post_step_s + pause, self._resume, job, step.approval)
+
+    def _resume(self, job: _Job, approval: bool) -> None:
+        if approval and self.policy.prewarm:
+            self._prewarm(job, False)
+        self.clock.after(self.cfg.pre_step_s, self._route_step, job)
+
+    def _end_job(self, job: _Job) -> None:
+        job.stat.end_s = self.clock.now
+        if job.hold is not None:
+            self._end_hold(job.hold)
+        for hook in self.on_job_end:
+            hook(job.stat)
+
+    def add_batch(self, specs: Sequence[JobSpec], *, window: int, at_s: float = 0.0) -> None:
+        """A ``BatchRun``: ``specs`` run ``window`` at a time, the next starting as one
+        ends (its arrival time is when it starts)."""
+        pending = deque(specs)
+        mine = {s.job_id for s in specs}
+
+        def start_next() -> None:
+            if pending:
+                spec = pending.popleft()
+                spec.arrival_s = self.clock.now
+                self._start(spec)
+
+        def ended(stat: JobStat) -> None:
+            if stat.job_id in mine:
+                start_next()
+
+        self.on_job_end.append(ended)
+        for _ in range(min(window, len(pending))):
+            self.clock.at(at_s, start_next)
+
+    # --- prewarms ----------------------------------------------------------------------
+
+    def _prewarm(self, job: _Job, hold: bool) -> None:
+        chain = self._chain(job)
+        engine = self.route(job.spec.job_id, chain, job.last_engine,
+                            job.spec.lane == Lane.BATCH and self.policy.lanes)
+        if job.hold is not None and job.hold.engine is not engine:
+            self._end_hold(job.hold)
+        prompt = job.transcript + job.spec.tail_tokens
+
+        def done(req: Request) -> None:
+            self.prewarm_computed += req.computed_tokens
+            if hold and self.policy.hold != "never" and job.step < len(job.spec.steps):
+                self._pin(job, engine, self.hold_cfg.always_hold_ttl_s)
+
+        engine.submit(Request(chain=chain, prompt_tokens=prompt, output_tokens=1,
+                              priority=0, on_done=done, tag=None))
+        job.last_engine = engine.engine_id
+
+    # --- holds (workflows.holding) ---------------------------------------------------------
+
+    def _record_pause(self, kind: str, seconds: float) -> None:
+        if kind:
+            self.pause_samples.setdefault(kind, []).append(seconds)
+
+    def _distribution(self, job: _Job, kind: str) -> tuple[int, PauseDistribution]:
+        samples = self.pause_samples.get(kind, [])
+        n = len(samples)
+        # Refresh as the statistics grow (at 20, 40, 80, ... samples, then every
+        # ``decision_refresh``): the decisions are memoised per version.
+        version = 0 if n < 20 else (n.bit_length() if n < self.cfg.decision_refresh
+                                    else 100 + n // self.cfg.decision_refresh)
+        cached = self._dist.get(kind)
+        if cached is not None and cached[0] == version:
+            return cached
+        median, p90 = job.spec.prior.get(kind, (1.0, 5.0))
+        # The last 400 observed pauses, as 99 quantiles: decide_hold's search is
+        # quadratic in its points, and a fleet decides hundreds of holds a second.
+        recent = sorted(samples[-400:])
+        usable = tuple(recent[min(len(recent) - 1, int((i + 0.5) / 99 * len(recent)))]
+                       for i in range(99)) if n >= 20 else ()
+        dist = PauseDistribution(samples=usable, prior_median_s=median,
+                                 prior_p90_s=max(p90, median))
+        self._dist[kind] = (version, dist)
+        return version, dist
+
+    def _maybe_hold(self, job: _Job, engine: Engine, kind: str, req: Request) -> None:
+        policy = self.policy.hold
+        if policy == "never" or not kind:
+            return
+        if policy == "always_hold":
+            self._pin(job, engine, self.hold_cfg.always_hold_ttl_s)
+            return
+        version, dist = self._distribution(job, kind)
+        prefix = len(job.chain) * engine.block
+        usage = round(min(0.95, engine.kv_usage) * 20) / 20
+        lane_usd = (self.hold_cfg.batch_latency_usd_per_s if job.spec.lane == Lane.BATCH
+                    else self.hold_cfg.interactive_latency_usd_per_s)
+        key = (kind, version, prefix // 256, usage, lane_usd, id(engine.cal))
+        choice = self._decisions.get(key)
+        if choice is None:
+            costs = engine.cal.hold_costs(prefix_tokens=max(1, prefix // 256 * 256 + 128),
+                                          kv_usage=usage,
+                                          latency_usd_per_s=lane_usd)
+            choice = holding.decide_hold(costs, dist)
+            if len(self._decisions) > 200_000:
+                self._decisions.clear()
+            self._decisions[key] = choice
+        self.hold_decisions[choice.action.value] = self.hold_decisions.get(
+            choice.action.value, 0) + 1
+        if choice.action == holding.HoldAction.HOLD:
+            self._pin(job, engine, choice.ttl_s * self.hold_cfg.ttl_slack)
+
+    def _pin(self, job: _Job, engine: Engine, ttl_s: float) -> None:
+        if job.hold is not None:
+            self._end_hold(job.hold)
+        keys = engine.pin(self._chain(job))
+        if not keys:
+            return
+        hold = _Hold(engine, keys, len(keys) * engine.block, job)
+        job.hold = hold
+        eid = engine.engine_id
+        self.holds[eid].append(hold)
+        self.held_tokens[eid] += hold.tokens
+        cap = self.hold_cfg.max_held_fraction * engine.cal.kv_pool_tokens
+        while self.held_tokens[eid] > cap and self.holds[eid]:
+            self._end_hold(self.holds[eid][0])
+        self.clock.after(ttl_s, self._expire, hold)
+
+    def _expire(self, hold: _Hold) -> None:
+        if hold.active:
+            self._end_hold(hold)
+
+    def _end_hold(self, hold: _Hold) -> None:
+        if not hold.active:
+            return
+        hold.active = False
+        eid = hold.engine.engine_id
+        self.held_tokens[eid] -= hold.tokens
+        with contextlib.suppress(ValueError):
+            self.holds[eid].remove(hold)
+        if hold.job.hold is hold:
+            hold.job.hold = None
+        hold.engine.unpin(hold.keys)
+
+    # --- other traffic -----------------------------------------------------------------
+
+    def background(self, *, rate_per_engine_s: float, prompt_tokens: int, output_tokens: int,
+                   until_s: float) -> None:
+        """Fresh prompts (nothing to reuse) at a steady rate on every engine."""
+        counter = [0]
+
+        def fire(engine: Engine) -> None:
+            if self.clock.now >= until_s or self.background_stopped:
+                return
+            counter[0] += 1
+            n = counter[0]
+            chain = [("bg", n, i) for i in range(prompt_tokens // engine.block)]
+            engine.submit(Request(chain=chain, prompt_tokens=prompt_tokens,
+                                  output_tokens=output_tokens, priority=0,
+                                  on_first_token=lambda r: self.other_ttfts.append(r.ttft_s)))
+            self.clock.after(1.0 / rate_per_engine_s, fire, engine)
+
+        for e in self.engines:
+            self.clock.at(self.clock.now, fire, e)

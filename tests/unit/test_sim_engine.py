@@ -1,0 +1,85 @@
+"""The simulated engine: block prefix cache, LRU eviction, batching step time."""
+
+from __future__ import annotations
+
+import pytest
+
+from warmloop.sim.core import Clock
+from warmloop.sim.engine import Engine, PrefixCache, Request
+from warmloop.workflows.calibration import DecodePoint, EngineCalibration, PrefillPoint
+
+
+def cal(blocks: int = 8, overhead: float = 0.0) -> EngineCalibration:
+    return EngineCalibration(
+        model="m", hardware="h", source="test",
+        prefill=(PrefillPoint(prompt_tokens=1, tokens_per_s=1_000),),
+        decode=(DecodePoint(batch_size=1, step_s=0.01), DecodePoint(batch_size=3, step_s=0.03)),
+        step_overhead_s=overhead, kv_pool_blocks=blocks, block_size=10, kv_bytes_per_token=1,
+        gpu_hour_usd=1.0, max_batched_tokens=10_000)
+
+
+def chain(name: str, n: int) -> list[tuple[str, int]]:
+    return [(name, i) for i in range(n)]
+
+
+def run_one(engine: Engine, clock: Clock, req: Request) -> Request:
+    engine.submit(req)
+    clock.run()
+    return req
+
+
+def test_lru_evicts_least_recent_and_tail_blocks_first() -> None:
+    cache = PrefixCache(4)
+    cache.acquire(chain("a", 2))
+    cache.release(chain("a", 2))
+    cache.acquire(chain("b", 2))
+    cache.release(chain("b", 2))
+    cache.acquire(chain("c", 1))  # evicts a's last block first
+    assert cache.hit_blocks(chain("a", 2)) == 1
+    assert cache.hit_blocks(chain("b", 2)) == 2
+    cache.release(chain("c", 1))
+
+
+def test_second_request_hits_the_prefix_and_full_hit_recomputes_a_block() -> None:
+    clock = Clock()
+    e = Engine(clock, "e0", cal())
+    first = run_one(e, clock, Request(chain=chain("p", 3), prompt_tokens=35, output_tokens=1))
+    assert first.cached_tokens == 0
+    second = run_one(e, clock, Request(chain=chain("p", 3), prompt_tokens=35, output_tokens=1))
+    assert second.cached_tokens == 30
+    same = run_one(e, clock, Request(chain=chain("p", 3), prompt_tokens=30, output_tokens=1))
+    assert same.cached_tokens == 20  # the last token is always computed
+
+
+def test_ttft_follows_the_calibration() -> None:
+    clock = Clock()
+    e = Engine(clock, "e0", cal(overhead=0.05))
+    r = run_one(e, clock, Request(chain=chain("p", 5), prompt_tokens=50, output_tokens=1))
+    # overhead + one step: decode_step(1) + 50 tokens / 1000 tokens/s
+    assert r.ttft_s == pytest.approx(0.05 + 0.01 + 0.05)
+
+
+def test_decode_time_follows_the_batch_size() -> None:
+    clock = Clock()
+    e = Engine(clock, "e0", cal(blocks=100))
+    alone = run_one(e, clock, Request(chain=chain("x", 1), prompt_tokens=10, output_tokens=11))
+    assert alone.done_at - alone.first_token_at == pytest.approx(10 * 0.01)
+    reqs = [Request(chain=chain(f"j{i}", 1), prompt_tokens=10, output_tokens=11) for i in range(3)]
+    for r in reqs:
+        e.submit(r)
+    clock.run()
+    # r0 prefills alone, r1 and r2 together (r0 decodes one token in that step), then
+    # all three decode at batch 3 (0.03 s a step) until r0 leaves (batch 2: 0.02 s)
+    assert reqs[0].done_at - reqs[0].first_token_at == pytest.approx(0.05 + 9 * 0.03)
+    assert reqs[2].done_at - reqs[2].first_token_at == pytest.approx(9 * 0.03 + 0.02)
+
+
+def test_pool_too_small_queues_requests() -> None:
+    clock = Clock()
+    e = Engine(clock, "e0", cal(blocks=3))
+    a = Request(chain=chain("a", 2), prompt_tokens=20, output_tokens=5)
+    b = Request(chain=chain("b", 2), prompt_tokens=20, output_tokens=5)
+    e.submit(a)
+    e.submit(b)
+    clock.run()
+    assert b.first_token_at >= a.done_at

@@ -1,0 +1,98 @@
+"""The simulator runs warmloop's own policies, never a copy of them."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+from warmloop.sim import fleet as sim_fleet
+from warmloop.sim import scenarios
+from warmloop.sim.run import simulate
+from warmloop.workflows import holding, lanes, routing
+
+SIM = Path(sim_fleet.__file__).resolve().parent
+POLICY_NAMES = {
+    name for module in (routing, holding, lanes)
+    for name, obj in vars(module).items()
+    if inspect.isfunction(obj) and obj.__module__ == module.__name__
+} | {"score", "choose_engine", "decide_hold", "expected_hold_usd", "next_batch_limit",
+     "kv_fit_limit", "adapt_window", "hold_usd_per_s", "reprefill_usd"}
+
+
+def _defined_functions() -> list[tuple[str, str]]:
+    out = []
+    for path in SIM.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out.append((path.name, node.name))
+    return out
+
+
+def test_sim_defines_no_function_named_like_a_policy() -> None:
+    clashes = [(f, n) for f, n in _defined_functions() if n.lstrip("_") in POLICY_NAMES]
+    assert not clashes, f"sim/ carries its own copy of a policy: {clashes}"
+
+
+def test_sim_does_not_restate_the_score_formula() -> None:
+    """No arithmetic over the routing score's or the hold model's inputs in sim/."""
+    suspicious = ("expected_cached_tokens /", "prefill_tokens_per_s -", "delay_per_request_s *",
+                  "1.0 - self.kv_usage", "kv_usage / max(", "min(p, ttl", "k // 2")
+    for path in SIM.glob("*.py"):
+        text = path.read_text()
+        for pattern in suspicious:
+            assert pattern not in text, f"{path.name} restates a policy: {pattern!r}"
+
+
+def test_the_fleet_calls_resolve_to_the_workflows_modules() -> None:
+    assert sim_fleet.routing is routing
+    assert sim_fleet.holding is holding
+    assert sim_fleet.lanes is lanes
+    src = inspect.getsource(sim_fleet)
+    for call in ("routing.choose_engine(", "holding.decide_hold(", "lanes.next_batch_limit(",
+                 "lanes.kv_fit_limit("):
+        assert call in src, call
+
+
+def test_router_calls_the_real_choose_engine(monkeypatch: object) -> None:
+    calls = []
+    real = routing.choose_engine
+
+    def spy(*a: object, **k: object) -> routing.RouteDecision:
+        calls.append(k.get("policy"))
+        return real(*a, **k)  # type: ignore[arg-type]
+
+    import pytest
+    mp = pytest.MonkeyPatch()
+    mp.setattr(routing, "choose_engine", spy)
+    try:
+        jobs = scenarios.routing_jobs(n_jobs=4)
+        simulate(jobs, scenarios.cpu_engines(16 * scenarios.MIB), "warmloop",
+                 config=scenarios.CPU_FLEET)
+    finally:
+        mp.undo()
+    assert calls and set(calls) == {"cache_aware"}
+
+
+def test_cache_aware_routing_beats_round_robin_on_hit_rate() -> None:
+    jobs = scenarios.routing_jobs(n_jobs=16)
+    engines = scenarios.cpu_engines(16 * scenarios.MIB)
+    warm = simulate(jobs, engines, scenarios.ROUTING_POLICIES["warmloop"],
+                    config=scenarios.CPU_FLEET)
+    rr = simulate(scenarios.routing_jobs(n_jobs=16), engines,
+                  scenarios.ROUTING_POLICIES["round_robin"], config=scenarios.CPU_FLEET)
+    assert warm.completed == rr.completed == 16
+    assert warm.hit_rate > rr.hit_rate + 0.03
+    assert warm.prefill_tokens < rr.prefill_tokens
+
+
+def test_holds_keep_prefixes_through_pauses() -> None:
+    release = simulate(scenarios.pauses_jobs(n_jobs=8), scenarios.cpu_engines(16 * scenarios.MIB),
+                       scenarios.PAUSES_POLICIES["release"], config=scenarios.CPU_FLEET,
+                       setup=lambda f: f.background(rate_per_engine_s=3.5, prompt_tokens=640,
+                                                    output_tokens=4, until_s=120))
+    hold = simulate(scenarios.pauses_jobs(n_jobs=8), scenarios.cpu_engines(16 * scenarios.MIB),
+                    scenarios.PAUSES_POLICIES["hold"], config=scenarios.CPU_FLEET,
+                    setup=lambda f: f.background(rate_per_engine_s=3.5, prompt_tokens=640,
+                                                 output_tokens=4, until_s=120))
+    assert hold.post_pause_recomputed < release.post_pause_recomputed
