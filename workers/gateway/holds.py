@@ -117,6 +117,10 @@ class GatewayHolds(HoldManager):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._ticking = False
+        # One tick at a time: the pool's loop and a caller (a test, a final call's
+        # bookkeeping) may tick at once, and a tick ending must not clear the flag of
+        # one still running (its table would then go unwritten).
+        self._tick_lock = asyncio.Lock()
         self._published: dict[str, str] | None = None
         self._published_at = 0.0
 
@@ -130,13 +134,14 @@ class GatewayHolds(HoldManager):
         return sum(len(h.tokens) for h in self.holds.values())
 
     async def tick(self) -> None:
-        self._ticking = True
-        try:
-            await super().tick()
-        finally:
-            self._ticking = False
-        if self.holds:
-            await self._make_room()  # the worker's holds may have grown since
+        async with self._tick_lock:
+            self._ticking = True
+            try:
+                await super().tick()
+            finally:
+                self._ticking = False
+            if self.holds:
+                await self._make_room()  # the worker's holds may have grown since
 
     async def end(self, session: str) -> bool:
         """The session's final call: its hold (if any) ends now."""
