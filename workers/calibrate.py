@@ -56,7 +56,7 @@ class CalibrationLoad:
     """Prompt lengths prefilled (longer than the engine's context are dropped)."""
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     """Concurrent streams the decode step is timed at."""
-    repeats: int = 3
+    repeats: int = 5
     """Requests per prefill point (the median is kept)."""
     decode_tokens: int = 24
     """Tokens each decode stream generates."""
@@ -101,14 +101,14 @@ async def measure_engine(http: httpx.AsyncClient, url: str, model: str, *,
                                     load.timeout_s)
 
     await ttft(OVERHEAD_PROMPT_TOKENS)  # warm-up: the first request pays one-off costs
-    overhead = statistics.median([await ttft(OVERHEAD_PROMPT_TOKENS)
-                                  for _ in range(max(1, load.repeats))])
-    prefill: list[PrefillPoint] = []
-    for n in lengths:
-        t = statistics.median([await ttft(n) for _ in range(max(1, load.repeats))])
-        # below the overhead's noise a point says nothing: floor at a tenth of it
-        prefill.append(PrefillPoint(prompt_tokens=n, tokens_per_s=n / max(t - overhead,
-                                                                         overhead / 10)))
+    # Lengths interleaved, so a burst of noise from a neighbour on the host spreads over
+    # all points instead of bending one; the median of each length's repeats.
+    samples: dict[int, list[float]] = {n: [] for n in [OVERHEAD_PROMPT_TOKENS, *lengths]}
+    for _ in range(max(1, load.repeats)):
+        for n in samples:
+            samples[n].append(await ttft(n))
+    medians = {n: statistics.median(ts) for n, ts in samples.items()}
+    overhead, prefill = prefill_points(medians)
     decode: list[DecodePoint] = []
     slowest = 0.0
     for b in sorted(set(load.batch_sizes)):
@@ -127,7 +127,7 @@ async def measure_engine(http: httpx.AsyncClient, url: str, model: str, *,
         "source": f"measured {engine_id} {datetime.now(UTC):%Y-%m-%d %H:%M} UTC "
                   f"(warmloop calibrate: {len(lengths)} prompt lengths x {load.repeats}, "
                   f"batches {', '.join(str(b) for b in sorted(set(load.batch_sizes)))})",
-        "prefill": tuple(prefill), "decode": tuple(decode),
+        "prefill": prefill, "decode": tuple(decode),
         "step_overhead_s": step_overhead,
         "kv_pool_blocks": max(1, capacity // block_size) if capacity else base.kv_pool_blocks,
         "block_size": block_size or base.block_size,
@@ -135,6 +135,34 @@ async def measure_engine(http: httpx.AsyncClient, url: str, model: str, *,
         "gpu_hour_usd": gpu_hour_usd,
         "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
     })
+
+
+def prefill_points(ttft_by_length: dict[int, float]
+                   ) -> tuple[float, tuple[PrefillPoint, ...]]:
+    """(fixed overhead, prefill points) from median TTFTs by prompt length.
+
+    A least-squares line ``t = a + n / r`` through all lengths gives the overhead ``a``
+    (the intercept, at least 0) and the mean rate ``r``; each length's own rate is then
+    ``n / (t - a)``, which keeps the measured bend with length. Hazard: one length's
+    time can sit near ``a`` by noise and would give an absurd rate, so a point's time
+    above the overhead is never taken below half the line's (its rate at most twice the
+    mean rate)."""
+    xs = sorted(ttft_by_length)
+    if len(xs) < 2:
+        raise CalibrationError("need TTFTs at two prompt lengths at least")
+    mean_x = statistics.fmean(xs)
+    mean_t = statistics.fmean(ttft_by_length[n] for n in xs)
+    var = sum((n - mean_x) ** 2 for n in xs)
+    slope = sum((n - mean_x) * (ttft_by_length[n] - mean_t) for n in xs) / var
+    if slope <= 0:
+        raise CalibrationError("TTFT did not grow with prompt length: the engine was too "
+                               "busy to measure; calibrate it while it serves nothing else")
+    overhead = max(0.0, mean_t - slope * mean_x)
+    points = tuple(
+        PrefillPoint(prompt_tokens=n,
+                     tokens_per_s=n / max(ttft_by_length[n] - overhead, 0.5 * slope * n))
+        for n in xs if n > OVERHEAD_PROMPT_TOKENS)
+    return overhead, points
 
 
 # ---- storing and reading ---------------------------------------------------------------

@@ -18,7 +18,9 @@ from warmloop.activities.admission import BatchAdmission
 from warmloop.activities.holds import HoldManager
 from warmloop.activities.registry import EngineHeartbeat, calibrated_prefill_rate
 from warmloop.workers.calibrate import (
+    CalibrationError,
     CalibrationSource,
+    prefill_points,
     read_calibration,
     store_calibration,
     write_calibration_file,
@@ -196,3 +198,29 @@ async def test_a_redis_that_is_away_keeps_the_last_calibration(tmp_path: Path) -
     source = CalibrationSource(dead, "e0", preset_calibration=TINY)
     assert await source.refresh() == TINY
     await dead.aclose()
+
+
+# ---- the measurement's fit ------------------------------------------------------------------
+
+
+def test_prefill_points_fit_the_overhead_and_keep_the_bend_with_length() -> None:
+    # 20 ms overhead; 20k tokens/s at 128, 25k at 1,024, 20k at 2,048
+    ttft = {16: 0.0208, 128: 0.0264, 1024: 0.06096, 2048: 0.1224}
+    overhead, points = prefill_points(ttft)
+    assert 0.005 < overhead < 0.03
+    rates = {p.prompt_tokens: p.tokens_per_s for p in points}
+    assert list(rates) == [128, 1024, 2048]  # the 16-token request is the overhead probe
+    assert rates[1024] > rates[2048]
+
+
+def test_a_noisy_short_point_cannot_claim_an_absurd_rate() -> None:
+    # the 512-token request happened to come back as fast as the overhead probe
+    ttft = {16: 0.045, 128: 0.03, 512: 0.046, 1024: 0.08, 2048: 0.13}
+    overhead, points = prefill_points(ttft)
+    line_rate = (2048 - 128) / (0.13 - 0.03)
+    assert all(p.tokens_per_s <= 2.5 * line_rate for p in points)
+
+
+def test_a_busy_engine_is_refused_rather_than_measured() -> None:
+    with pytest.raises(CalibrationError, match="too busy"):
+        prefill_points({16: 0.2, 128: 0.1, 1024: 0.05})
