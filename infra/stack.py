@@ -29,7 +29,7 @@ from urllib.parse import urlparse
 import httpx
 
 from warmloop.workers.identity import ensure_dev_identities
-from warmloop.workers.settings import KV_EVENTS_TOPIC, Settings
+from warmloop.workers.settings import KV_EVENTS_TOPIC, EngineEndpoint, Settings
 
 BIN = Path(sys.executable).parent
 GUIDED_DECODING_CONFIG = json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})
@@ -205,9 +205,16 @@ def find_redis_server() -> str:
 
 
 class Stack:
-    def __init__(self, settings: Settings, *, log: Callable[[str], None] = print) -> None:
+    def __init__(self, settings: Settings, *, log: Callable[[str], None] = print,
+                 host: str = "127.0.0.1") -> None:
         self.settings = settings
         self.log = log
+        self.host = host
+        """The address the stack's services without an address setting (the inbox, the
+        gateway) bind, and one more address (beside loopback) whose S3 endpoint the
+        stack starts itself. Loopback for the embedded stack; the multi-host test bed
+        (infra/multihost.py) gives its service host's address, so that the parts on
+        the other hosts reach them by the configured addresses."""
         self.run_dir = settings.state_dir / "run"
         self.log_dir = settings.state_dir / "logs"
 
@@ -243,7 +250,7 @@ class Stack:
                 timeout_s=15,
             ),
         ]
-        if s.s3_endpoint_url and s3.hostname in ("127.0.0.1", "localhost"):
+        if s.s3_endpoint_url and s3.hostname in ("127.0.0.1", "localhost", self.host):
             parts.append(Part(
                 "s3",
                 [str(BIN / "moto_server"), "-H", s3.hostname, "-p", str(s3.port or 80)],
@@ -257,40 +264,46 @@ class Stack:
         s = self.settings
         if not s.manages_engines:
             return []
-        parts = []
-        for i, e in enumerate(s.engine_endpoints):
-            port = urlparse(e.url).port
-            argv = [
-                sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                "--model", str(s.resolved_model_path), "--served-model-name", e.model,
-                "--host", "127.0.0.1", "--port", str(port),
-                "--enable-prefix-caching", "--enable-prompt-tokens-details",
-                "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                "--scheduling-policy", "priority",
-                # Guided JSON without free whitespace: a weak model otherwise pads a
-                # tool call with blanks until max_tokens cuts it into invalid JSON.
-                "--structured-outputs-config", GUIDED_DECODING_CONFIG,
-                "--enforce-eager", "--dtype", "bfloat16",
-                "--max-model-len", str(s.engine_max_model_len),
-            ]
-            env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1",
-                   "VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))}
-            if e.kv_events:
-                # The engine connects; its inference worker binds and subscribes.
-                argv += ["--kv-events-config", json.dumps({
-                    "enable_kv_cache_events": True, "publisher": "zmq",
-                    "endpoint": e.kv_events, "topic": KV_EVENTS_TOPIC})]
-            if s.engine_kv_cache_bytes:
-                argv += ["--kv-cache-memory-bytes", str(s.engine_kv_cache_bytes)]
-            else:
-                env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-            parts.append(Part(
-                f"engine-{e.id}", argv, env=env, timeout_s=240,
-                ready=functools.partial(_http_ok, e.url.rstrip("/") + "/health"),
-                after_ready=functools.partial(self._engine_ready, f"engine-{e.id}", e.url,
-                                              e.model),
-            ))
-        return parts
+        return [self.engine_part(i, e) for i, e in enumerate(s.engine_endpoints)]
+
+    def engine_part(self, i: int, e: EngineEndpoint) -> Part:
+        """The vLLM server for engine ``e`` (the ``i``-th), bound to the host of its URL:
+        the address the rest of the fleet reaches it by (loopback for the embedded
+        stack; a host's address in the multi-host test bed, which starts engines the
+        settings name explicitly)."""
+        s = self.settings
+        url = urlparse(e.url)
+        port = url.port
+        argv = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(s.resolved_model_path), "--served-model-name", e.model,
+            "--host", url.hostname or "127.0.0.1", "--port", str(port),
+            "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+            "--scheduling-policy", "priority",
+            # Guided JSON without free whitespace: a weak model otherwise pads a
+            # tool call with blanks until max_tokens cuts it into invalid JSON.
+            "--structured-outputs-config", GUIDED_DECODING_CONFIG,
+            "--enforce-eager", "--dtype", "bfloat16",
+            "--max-model-len", str(s.engine_max_model_len),
+        ]
+        env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1",
+               "VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))}
+        if e.kv_events:
+            # The engine connects; its inference worker binds and subscribes.
+            argv += ["--kv-events-config", json.dumps({
+                "enable_kv_cache_events": True, "publisher": "zmq",
+                "endpoint": e.kv_events, "topic": KV_EVENTS_TOPIC})]
+        if s.engine_kv_cache_bytes:
+            argv += ["--kv-cache-memory-bytes", str(s.engine_kv_cache_bytes)]
+        else:
+            env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        return Part(
+            f"engine-{e.id}", argv, env=env, timeout_s=240,
+            ready=functools.partial(_http_ok, e.url.rstrip("/") + "/health"),
+            after_ready=functools.partial(self._engine_ready, f"engine-{e.id}", e.url,
+                                          e.model),
+        )
 
     def worker_parts(self) -> list[Part]:
         parts = [
@@ -307,16 +320,23 @@ class Stack:
             "agent-worker", [sys.executable, "-m", "warmloop.workers.agent_worker"],
             ready=lambda: self._agent_worker_ready(), timeout_s=60,
         ))
-        # The web inbox and the approvals API the CLI's approval commands call.
+        # The web inbox and the approvals API the CLI's approval commands call. Its
+        # module entry point binds loopback only; `warmloop ui --host` binds another.
+        inbox_argv = ([sys.executable, "-m", "warmloop.workers.inbox"]
+                      if self.host == "127.0.0.1" else
+                      [sys.executable, "-m", "warmloop.workers.cli", "ui", "--host", self.host])
         parts.append(Part(
-            "inbox", [sys.executable, "-m", "warmloop.workers.inbox"],
-            ready=lambda: _http_ok(f"http://127.0.0.1:{self.settings.inbox_port}/healthz"),
+            "inbox", inbox_argv,
+            ready=lambda: _http_ok(f"http://{self.host}:{self.settings.inbox_port}/healthz"),
             timeout_s=30,
         ))
         # The OpenAI-compatible gateway for agents that run their own loop.
+        gateway_argv = [sys.executable, "-m", "warmloop.workers.gateway"]
+        if self.host != "127.0.0.1":
+            gateway_argv += ["--host", self.host]
         parts.append(Part(
-            "gateway", [sys.executable, "-m", "warmloop.workers.gateway"],
-            ready=lambda: _http_ok(f"http://127.0.0.1:{self.settings.gateway_port}/health"),
+            "gateway", gateway_argv,
+            ready=lambda: _http_ok(f"http://{self.host}:{self.settings.gateway_port}/health"),
             timeout_s=30,
         ))
         return parts
@@ -418,22 +438,41 @@ class Stack:
         if r.status_code != 200:
             raise StackError(f"engine at {url} failed its warm-up request: {r.text[:300]}")
 
-    def build_model(self) -> None:
-        from warmloop.infra.tiny_model import model_is_built
-
-        path = self.settings.resolved_model_path
-        if not self.settings.manages_engines or model_is_built(path):
-            return
-        # Engines still serving the old build would tokenize differently from new ones:
+    def _stop_engines(self, why: str) -> None:
+        # Engines still serving another model would tokenize differently from new ones:
         # restart every engine (and its worker) on the new model, never a mix.
         inference = [p for p in self.worker_parts() if p.name.startswith("inference-worker-")]
         running = [p.name for p in self.engine_parts() + inference
                    if self._pid(p.name) is not None]
         if running:
-            self.log("the model recipe changed: stopping the engines to restart them on the "
-                     "new build")
+            self.log(f"{why}: stopping the engines to restart them on the new model")
             for name in reversed(running):
                 self.stop_part(name, sig=signal.SIGTERM)
+
+    def build_model(self) -> None:
+        from warmloop.infra.tiny_model import model_is_built
+
+        path = self.settings.resolved_model_path
+        if not self.settings.manages_engines:
+            return
+        # Which model the running engines serve (WARMLOOP_ENGINE_MODEL may change it).
+        served = self.run_dir / "engine-model"
+        before = (served.read_text().strip() if served.exists() else  # a stack from before
+                  str((self.settings.state_dir / "models" / "tiny-llama").resolve()))
+        if before != str(path.resolve()):
+            self._stop_engines("the engines' model changed")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        served.write_text(str(path.resolve()) + "\n")
+        if self.settings.model_path is None and self.settings.engine_model == "demo":
+            # the trained demo model ships in the repository: nothing to build
+            if not (path / "config.json").exists():
+                raise StackError(f"the demo model is missing at {path}; rebuild it with "
+                                 "`make model`, or serve the random one with "
+                                 "WARMLOOP_ENGINE_MODEL=tiny")
+            return
+        if model_is_built(path):
+            return
+        self._stop_engines("the model recipe changed")
         self.log(f"building the tiny local model in {path} ...")
         out = subprocess.run([sys.executable, "-m", "warmloop.infra.tiny_model", str(path)],
                              capture_output=True, text=True,

@@ -275,8 +275,10 @@ class WarmloopModelProvider(ModelProvider):
 
 
 def gateway_base_url(settings: Settings) -> str:
-    """The OpenAI base URL of the gateway the settings describe (on this host)."""
-    return f"http://127.0.0.1:{settings.gateway_port}/v1"
+    """The OpenAI base URL of the gateway the settings describe: ``gateway_url``, else
+    the embedded stack's on this host."""
+    base = settings.gateway_url or f"http://127.0.0.1:{settings.gateway_port}"
+    return base.rstrip("/") + "/v1"
 
 
 def default_model_params() -> ModelActivityParameters:

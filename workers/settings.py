@@ -195,7 +195,12 @@ class Settings(BaseSettings):
     state_dir: Path = Path(".warmloop")
     """Pids, logs, the dev server's database and the built model live here."""
     model_path: Path | None = None
-    """Model directory served by embedded engines; default: <state_dir>/models/tiny-llama."""
+    """Model directory served by embedded engines; default: per ``engine_model``."""
+    engine_model: Literal["tiny", "demo"] = "tiny"
+    """What embedded engines serve when ``model_path`` is unset: ``tiny``, the
+    random-weight model built at ``dev up`` into <state_dir>/models/tiny-llama (caching
+    and routing work; its decisions are chance), or ``demo``, the small model trained to
+    run the bundled agents, shipped in ``infra/demo_model/artifact`` (``make demo``)."""
     engine_count: int = Field(default=2, ge=1, le=8)
     """How many embedded vLLM engines `warmloop dev up` starts."""
     engine_base_port: int = Field(default=8100, ge=1024, le=65000)
@@ -275,6 +280,9 @@ class Settings(BaseSettings):
     gateway_port: int = Field(default=8500, ge=1024, le=65535)
     """Port of the OpenAI-compatible gateway (``warmloop gateway``; the embedded stack's
     ``gateway`` part)."""
+    gateway_url: str | None = None
+    """Where clients reach the gateway (``http://gateway.internal:8500``, no ``/v1``);
+    None: ``http://127.0.0.1:<gateway_port>``, the embedded stack's."""
     gateway_key_digests: str | None = None
     """Comma-separated SHA-256 hex digests of the API keys the gateway accepts
     (``printf %s "$KEY" | sha256sum``): set, every /v1 call must carry one of those keys
@@ -472,7 +480,13 @@ class Settings(BaseSettings):
 
     @property
     def resolved_model_path(self) -> Path:
-        return self.model_path or self.state_dir / "models" / "tiny-llama"
+        if self.model_path is not None:
+            return self.model_path
+        if self.engine_model == "demo":
+            from warmloop.infra.demo_model import ARTIFACT_DIR
+
+            return ARTIFACT_DIR
+        return self.state_dir / "models" / "tiny-llama"
 
 
 def _preset_name(name: str) -> str:

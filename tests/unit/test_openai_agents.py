@@ -217,6 +217,9 @@ def test_the_provider_and_the_plugin_build_from_the_settings() -> None:
     provider = WarmloopModelProvider.from_settings(one_model)
     assert gateway_base_url(one_model) == "http://127.0.0.1:8600/v1"
     assert str(provider.client.base_url) == "http://127.0.0.1:8600/v1/"
+    # another host's gateway: by its configured address, never by loopback
+    remote = Settings(gateway_url="http://10.231.7.2:8500/")
+    assert gateway_base_url(remote) == "http://10.231.7.2:8500/v1"
     assert provider.served_model(None) == "tiny"  # what every engine serves
     two_models = Settings(engines=[
         EngineEndpoint(id="a", url="http://127.0.0.1:8100", model="tiny"),
