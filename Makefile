@@ -78,7 +78,7 @@ bench-contention: install
 ## Hold or release: always-release vs always-hold vs the cost model under churn; medians
 ## and ranges of 3 interleaved repeats (own stack; ~35 min here).
 bench-pauses: install
-	$(BIN)/python -m bench.pauses
+	$(BIN)/python -m bench.pauses $(ARGS)
 
 ## Faults, one at a time, under a 60-job ticket+invoice batch (workers, engines, Redis, S3,
 ## Temporal killed or stalled; cancels): named end states, effects applied twice,
