@@ -402,13 +402,28 @@ class Stack:
                 return True
         return False
 
-    def _register_search_attributes(self) -> None:
+    def _register_search_attributes(self, timeout_s: float = 90.0) -> None:
+        """Once Temporal's port answers: its frontend may still say "not healthy yet"
+        for a while on a loaded host, so the set-up is tried again until it is."""
         import asyncio
 
-        from warmloop.workers.clients import connect
+        from temporalio.service import RPCError, RPCStatusCode
+
+        from warmloop.workers.clients import StackNotRunningError, connect
 
         async def go() -> None:
-            await register_search_attributes(await connect(self.settings))
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    await register_search_attributes(await connect(self.settings))
+                    return
+                except (StackNotRunningError, RPCError) as e:
+                    starting = (isinstance(e, StackNotRunningError) and "not healthy" in str(e)
+                                ) or (isinstance(e, RPCError)
+                                      and e.status == RPCStatusCode.UNAVAILABLE)
+                    if not starting or time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.5)
 
         asyncio.run(go())
 

@@ -17,7 +17,7 @@ from warmloop.workers.observability import exported_series
 ROOT = Path(__file__).resolve().parents[2]
 PROM = ROOT / "infra" / "prometheus"
 RULES = PROM / "warmloop-alerts.yaml"
-TESTS = PROM / "tests" / "warmloop-alerts.test.yaml"
+TESTS = PROM / "rule-tests" / "warmloop-alerts.test.yaml"
 RUNBOOK = PROM / "RUNBOOK.md"
 ISSUE_ALERTS = {"WarmloopCacheBustSpike", "WarmloopCacheHitShareDrop", "WarmloopJobsPastWallCap",
                 "WarmloopApprovalDeadlineNear", "WarmloopEngineMissingFromRegistry",
