@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: install demo test test-fast test-browser test-multihost browser promtool lint down status clean bench-routing bench-burst bench-pauses bench-contention bench-faults bench-gateway bench-sim-fidelity bench-fleet replay-demo
+.PHONY: install demo test test-fast test-browser test-multihost browser promtool lint down status clean bench-routing bench-burst bench-pauses bench-contention bench-faults bench-gateway bench-sim-fidelity bench-fleet replay-demo model eval-model
 
 install: $(INSTALLED)
 
@@ -23,6 +23,17 @@ $(INSTALLED): pyproject.toml
 demo: install
 	$(BIN)/warmloop dev up
 	$(BIN)/warmloop demo --jobs 20
+
+## The demo model (infra/demo_model): generated transcripts of the bundled agents, CPU
+## training, export to infra/demo_model/artifact (make demo never trains). Serve it with
+## WARMLOOP_ENGINE_MODEL=demo.
+model: install
+	$(BIN)/python -m warmloop.infra.demo_model model
+
+## Held-out accuracy of the shipped demo model through a real vLLM engine (port 8790);
+## the last line is one JSON object.
+eval-model: install
+	$(BIN)/python -m warmloop.infra.demo_model evaluate $(ARGS)
 
 ## Lint, type-check, then the whole suite (it starts the real stack it needs).
 test: install lint browser promtool

@@ -1003,11 +1003,15 @@ def doctor() -> None:
 def demo(
     jobs: int = typer.Option(20, "--jobs", min=1, max=500),
     max_steps: int = typer.Option(8, "--max-steps", min=1, max=50),
+    invoices: int = typer.Option(0, "--invoices", min=0, max=500,
+                                 help="Also run this many invoice-reconciliation jobs."),
 ) -> None:
-    """Run ticket-triage jobs on the running stack and print the report."""
+    """Run ticket-triage jobs (and invoice jobs) on the running stack, grade each against
+    its ground truth and print the report."""
     from warmloop.workers.demo import run_demo
 
-    run(run_demo(_settings(), n_jobs=jobs, max_steps=max_steps, console=console))
+    run(run_demo(_settings(), n_jobs=jobs, max_steps=max_steps, console=console,
+                 invoice_jobs=invoices))
 
 
 @app.command()

@@ -1,7 +1,9 @@
-"""`make demo`: run the bundled tickets as ticket-triage jobs and print the report.
+"""`make demo`: run the bundled tickets as ticket-triage jobs (and, if asked, the bundled
+invoices as invoice-reconciliation jobs), grade each against its ground truth and print
+the report.
 
-The tiny model sometimes sets an urgent priority, which waits for a human; the demo
-plays the approver (team-lead) through the same Update the CLI uses.
+An urgent priority or a large payment waits for a human; the demo plays the approver
+through the same Update the CLI uses.
 """
 
 from __future__ import annotations
@@ -63,20 +65,31 @@ async def stand_in_approver(client: Client, approver: Approver,
     return decided
 
 
-async def run_demo(settings: Settings, *, n_jobs: int, max_steps: int, console: Console) -> None:
+async def run_demo(settings: Settings, *, n_jobs: int, max_steps: int, console: Console,
+                   invoice_jobs: int = 0) -> None:
+    """``n_jobs`` bundled tickets (and ``invoice_jobs`` bundled invoices), each graded
+    against its ground truth (``warmloop.infra.demo_model.grading``)."""
+    from warmloop.infra.demo_model.grading import grade_result
+
     client = await connect(settings)
     tickets = bundled_tickets()
+    invoices = bundled_tasks("invoice-reconciliation")
     run_id = uuid.uuid4().hex[:6]
-    console.print(f"running {n_jobs} ticket-triage jobs (run {run_id}) ...")
+    jobs: list[tuple[str, str, dict[str, object], int | None]] = [
+        ("ticket-triage", f"demo-{run_id}-{i:03d}", tickets[i % len(tickets)], max_steps)
+        for i in range(n_jobs)]
+    jobs += [("invoice-reconciliation", f"demo-{run_id}-inv-{i:03d}",
+              invoices[i % len(invoices)], None) for i in range(invoice_jobs)]
+    also = f" and {invoice_jobs} invoice-reconciliation" if invoice_jobs else ""
+    console.print(f"running {n_jobs} ticket-triage{also} jobs (run {run_id}) ...")
     started = time.perf_counter()
     handles = [
         await client.start_workflow(
             AgentJob.run,
-            JobInput(profile="ticket-triage", task=tickets[i % len(tickets)],
-                     max_steps=max_steps),
-            id=f"demo-{run_id}-{i:03d}", task_queue=AGENT_TASK_QUEUE,
+            JobInput(profile=profile, task=task, max_steps=steps),
+            id=job_id, task_queue=AGENT_TASK_QUEUE,
         )
-        for i in range(n_jobs)
+        for profile, job_id, task, steps in jobs
     ]
     done = asyncio.Event()
     approver = asyncio.create_task(stand_in_approver(client, dev_approver(settings), handles, done))
@@ -85,14 +98,36 @@ async def run_demo(settings: Settings, *, n_jobs: int, max_steps: int, console: 
     approved = await approver
     elapsed = time.perf_counter() - started
     s = summarize(results)
+    correct: dict[str, tuple[int, int]] = {}
+    fields: dict[str, dict[str, int]] = {}
+    for r, (_profile, _id, task, _steps) in zip(results, jobs, strict=True):
+        grade = grade_result(r, task)
+        if grade is None:
+            continue
+        good, graded = correct.get(r.profile, (0, 0))
+        correct[r.profile] = (good + grade.whole_task, graded + 1)
+        per = fields.setdefault(r.profile, {})
+        for f, ok in grade.fields.items():
+            per[f] = per.get(f, 0) + ok
 
-    console.print(report_table(results, title=f"warmloop demo: {n_jobs} jobs in {elapsed:.1f}s"))
+    console.print(report_table(results, title=f"warmloop demo: {len(jobs)} jobs in "
+                               f"{elapsed:.1f}s", correct=correct))
     console.print(f"{s.cached_tokens:,} of {s.prompt_tokens:,} prompt tokens came from the "
                   f"engines' prefix caches ({s.cache_share:.1%}); TTFT p50/p95 "
-                  f"{s.ttft_p50_ms:.0f}/{s.ttft_p95_ms:.0f} ms; {approved} urgent-priority "
-                  "approvals granted by the demo's stand-in team lead.")
-    console.print("The tiny model has random weights: its tool choices are arbitrary, its "
-                  "prefix caching is real.")
+                  f"{s.ttft_p50_ms:.0f}/{s.ttft_p95_ms:.0f} ms; {approved} approvals "
+                  "granted by the demo's stand-in approver.")
+    for profile, per in fields.items():
+        n = correct[profile][1]
+        console.print(f"{profile} graded against its ground truth: "
+                      + ", ".join(f"{f} {k}/{n}" for f, k in per.items()))
+    if settings.model_path is None and settings.engine_model == "demo":
+        console.print("The demo model is a small Llama trained on this machine's kind of CPU "
+                      "from generated transcripts of the bundled agents (infra/demo_model): a "
+                      "demo model, not a product model. The bundled tickets and invoices are "
+                      "among its training cases; its held-out accuracy is in the README.")
+    else:
+        console.print("The tiny model has random weights: its tool choices are arbitrary, its "
+                      "prefix caching is real.")
     console.print(f"Inspect one job: warmloop result {handles[0].id}    "
                   "All recent jobs: warmloop report --since 1h")
     console.print("Temporal UI: http://127.0.0.1:"

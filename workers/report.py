@@ -113,8 +113,11 @@ def _cost_per_task(s: JobsSummary) -> str:
     return f"{known} ({s.cost_unknown_jobs} of {s.jobs} jobs unpriced)"
 
 
-def report_table(results: list[JobResult], *, title: str) -> Table:
-    """One column per profile: the figures `warmloop report` prints."""
+def report_table(results: list[JobResult], *, title: str,
+                 correct: dict[str, tuple[int, int]] | None = None) -> Table:
+    """One column per profile: the figures `warmloop report` prints. ``correct``
+    (``make demo``): per profile, the jobs whose whole task matched its ground truth
+    and the jobs graded."""
     by_profile: dict[str, list[JobResult]] = defaultdict(list)
     for r in results:
         by_profile[r.profile].append(r)
@@ -145,9 +148,16 @@ def report_table(results: list[JobResult], *, title: str) -> Table:
         ("step retries", [str(s.retries) for s in summaries.values()]),
         ("human approvals", [str(s.approvals) for s in summaries.values()]),
     ]
+    if correct is not None:
+        rows.append(("correct (whole task vs ground truth)",
+                     [_share(*correct.get(p, (0, 0))) for p in summaries]))
     for name, values in rows:
         table.add_row(name, *values)
     return table
+
+
+def _share(good: int, graded: int) -> str:
+    return f"{good}/{graded} ({good / graded:.0%})" if graded else "-"
 
 
 STAGE_LABELS = {

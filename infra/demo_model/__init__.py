@@ -20,7 +20,4 @@ from pathlib import Path
 ARTIFACT_DIR = Path(__file__).resolve().parent / "artifact"
 """The shipped model: config, safetensors, tokenizer, generation config, PROVENANCE.json."""
 
-SERVED_MODEL_NAME = "demo"
-"""The name the embedded engines serve the demo model under (``WARMLOOP_ENGINE_MODEL``)."""
-
-__all__ = ["ARTIFACT_DIR", "SERVED_MODEL_NAME"]
+__all__ = ["ARTIFACT_DIR"]

@@ -1,0 +1,302 @@
+"""The network: a Llama (RMSNorm, rotary positions, SwiGLU, tied embeddings) written out
+in plain torch with Hugging Face's parameter names, so the trained weights load into
+``LlamaForCausalLM`` and vLLM unchanged, and packed batches for training on CPU.
+
+Why not ``LlamaForCausalLM`` itself for training: two things make CPU training ~10x
+cheaper and need control over attention.
+
+- Every job of a profile starts with the same ~1,500-2,000-token prefix (system prompt
+  and tools). A batch computes it once and every job attends to its keys and values.
+- A job's steps share their history: step k's prompt is step k-1's plus one call and
+  its result, then a new budget tail. A job is packed as one *tree*: the trunk (task and
+  transcript) once, and each step's tail and target as a branch that sees the trunk up
+  to where the step branches off, at the positions it has in the real prompt.
+
+``hf_logits_match`` checks the two implementations agree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 8
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def to_hf(self, *, bos: int, eos: int, pad: int) -> Any:
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**{k: v for k, v in asdict(self).items()},
+                           num_key_value_heads=self.num_attention_heads,
+                           max_position_embeddings=32768, tie_word_embeddings=True,
+                           bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
+                           hidden_act="silu", attention_bias=False, mlp_bias=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin for ``positions`` (any shape), as Hugging Face's default rotary."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    freqs = positions.float().unsqueeze(-1) * inv
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.cfg = cfg
+        self.q_proj = nn.Linear(h, h, bias=False)
+        self.k_proj = nn.Linear(h, h, bias=False)
+        self.v_proj = nn.Linear(h, h, bias=False)
+        self.o_proj = nn.Linear(h, h, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None, past: tuple[torch.Tensor, torch.Tensor] | None
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        b, n, _ = x.shape
+        nh, hd = self.cfg.num_attention_heads, self.cfg.head_dim
+        q = self.q_proj(x).view(b, n, nh, hd).transpose(1, 2)
+        k = self.k_proj(x).view(b, n, nh, hd).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, nh, hd).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [b, 1, n, hd]
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        own = (k, v)
+        if past is not None:
+            pk, pv = past
+            k = torch.cat([pk.expand(b, -1, -1, -1), k], dim=2)
+            v = torch.cat([pv.expand(b, -1, -1, -1), v], dim=2)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, nh * hd)), own
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+class Body(nn.Module):
+    """``model.*`` of ``LlamaForCausalLM``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([Layer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DemoLlama(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = Body(cfg)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear | nn.Embedding):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+               past: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+               ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Final hidden states of ``ids`` [b, n], and each layer's keys and values.
+        ``mask`` [b, 1, n, p + n] (True: may attend), or None for plain causal without
+        ``past``; ``past``: per layer [1, heads, p, head_dim] shared by the batch."""
+        x = self.model.embed_tokens(ids)
+        cos, sin = rope(self.cfg, positions)
+        kvs = []
+        for i, layer in enumerate(self.model.layers):
+            assert isinstance(layer, Layer)
+            a, kv = layer.self_attn(layer.input_layernorm(x), cos, sin, mask,
+                                    None if past is None else past[i])
+            x = x + a
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            kvs.append(kv)
+        return self.model.norm(x), kvs
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return h @ self.model.embed_tokens.weight.T
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        sd = {k: v.detach().clone() for k, v in self.state_dict().items()}
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+        return sd
+
+
+# ---- packing ----------------------------------------------------------------------------
+
+
+@dataclass
+class PackedJob:
+    """One job as a tree: trunk tokens, then each step's branch (tail + target)."""
+
+    ids: list[int]
+    positions: list[int]
+    parent: list[int]
+    """Per token: how many trunk tokens it sees (the trunk: all before it, causally)."""
+    branch: list[int]
+    """Per token: -1 on the trunk, else the index of its branch."""
+    targets: list[int]
+    """Per token: the next token to predict from it, or -1 (no loss)."""
+    weights: list[float]
+
+
+def pack_job(trunk: list[int], branches: list[tuple[int, list[int], list[int]]],
+             weight_of: Any = None) -> PackedJob:
+    """``branches``: (trunk tokens the step sees, tail ids, target ids)."""
+    ids, pos, parent, branch, targets, weights = [], [], [], [], [], []
+    for i, t in enumerate(trunk):
+        ids.append(t)
+        pos.append(i)
+        parent.append(i + 1)
+        branch.append(-1)
+        targets.append(-1)
+        weights.append(0.0)
+    for bi, (at, tail, target) in enumerate(branches):
+        seq = tail + target
+        for j, t in enumerate(seq):
+            ids.append(t)
+            pos.append(at + j)
+            parent.append(at)
+            branch.append(bi)
+            nxt = j + 1 - len(tail)  # index into target of the token this one predicts
+            if 0 <= nxt < len(target):
+                targets.append(target[nxt])
+                weights.append(1.0 if weight_of is None else weight_of(target, nxt))
+            else:
+                targets.append(-1)
+                weights.append(0.0)
+    return PackedJob(ids, pos, parent, branch, targets, weights)
+
+
+def batch_tensors(jobs: list[PackedJob], prefix_len: int, pad_id: int,
+                  position_offset: int | None = None) -> dict[str, torch.Tensor]:
+    """Tensors for a batch of packed jobs after a shared prefix of ``prefix_len`` tokens
+    whose last one sits at position ``position_offset - 1`` (default: ``prefix_len``)."""
+    offset = prefix_len if position_offset is None else position_offset
+    n = max(len(j.ids) for j in jobs)
+    b = len(jobs)
+    ids = torch.full((b, n), pad_id, dtype=torch.long)
+    pos = torch.zeros((b, n), dtype=torch.long)
+    targets = torch.full((b, n), -1, dtype=torch.long)
+    weights = torch.zeros((b, n), dtype=torch.float32)
+    mask = torch.zeros((b, 1, n, prefix_len + n), dtype=torch.bool)
+    mask[:, :, :, :prefix_len] = True
+    for r, j in enumerate(jobs):
+        m = len(j.ids)
+        ids[r, :m] = torch.tensor(j.ids)
+        pos[r, :m] = torch.tensor(j.positions) + offset
+        pos[r, m:] = offset
+        targets[r, :m] = torch.tensor(j.targets)
+        weights[r, :m] = torch.tensor(j.weights)
+        parent = torch.tensor(j.parent)
+        branch = torch.tensor(j.branch)
+        idx = torch.arange(m)
+        trunk_key = (branch == -1)
+        # a token sees trunk keys before its parent point ...
+        sees_trunk = trunk_key.unsqueeze(0) & (idx.unsqueeze(0) < parent.unsqueeze(1))
+        # ... and the keys of its own branch up to itself
+        same = (branch.unsqueeze(0) == branch.unsqueeze(1)) & (branch.unsqueeze(1) >= 0)
+        own = same & (idx.unsqueeze(0) <= idx.unsqueeze(1))
+        mask[r, 0, :m, prefix_len:prefix_len + m] = sees_trunk | own
+    return {"ids": ids, "positions": pos, "mask": mask, "targets": targets,
+            "weights": weights}
+
+
+def packed_loss(model: DemoLlama, prefix_ids: torch.Tensor, prefix_positions: torch.Tensor,
+                batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    """Weighted cross-entropy on the targets of a batch that shares ``prefix_ids`` (at
+    ``prefix_positions``: the whole prefix, or a stub of it at its real positions)."""
+    _, past = model.hidden(prefix_ids.unsqueeze(0), prefix_positions.unsqueeze(0), None)
+    h, _ = model.hidden(batch["ids"], batch["positions"], batch["mask"], past)
+    sel = batch["targets"] >= 0
+    logits = model.logits(h[sel]).float()
+    tgt = batch["targets"][sel]
+    w = batch["weights"][sel]
+    ce = F.cross_entropy(logits, tgt, reduction="none")
+    loss = (ce * w).sum() / w.sum().clamp_min(1e-6)
+    with torch.no_grad():
+        correct = (logits.argmax(-1) == tgt).float()
+    return loss, {"loss": float(loss.detach()), "tokens": float(sel.sum()),
+                  "token_acc": float(correct.mean()), "nll_max": float(ce.max())}
+
+
+def hf_logits_match(model: DemoLlama, hf_dir: str, ids: list[int], atol: float = 2e-3
+                    ) -> float:
+    """Largest difference between this model's logits and the exported HF model's."""
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    hf.eval()
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        ours = model.logits(model.hidden(x, torch.arange(len(ids)).unsqueeze(0), None)[0])
+        theirs = hf(x).logits
+    return float((ours - theirs).abs().max())
+
+
+def param_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def cosine_lr(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = (step - warmup) / max(1, total - warmup)
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))

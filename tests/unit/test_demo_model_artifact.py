@@ -1,0 +1,59 @@
+"""The shipped demo model: present, small, loadable as vLLM loads it, and traceable to
+the data and seed that made it (PROVENANCE.json)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from warmloop.infra.demo_model import ARTIFACT_DIR
+
+MAX_BYTES = 25 * 1024 * 1024
+
+pytestmark = pytest.mark.skipif(not (ARTIFACT_DIR / "config.json").exists(),
+                                reason="no demo model artifact (make model)")
+
+
+def test_artifact_is_complete_and_small() -> None:
+    names = {p.name for p in ARTIFACT_DIR.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "generation_config.json", "PROVENANCE.json"} <= names
+    assert sum(p.stat().st_size for p in ARTIFACT_DIR.iterdir()) <= MAX_BYTES
+
+
+def test_config_and_tokenizer_load_as_vllm_loads_them() -> None:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from warmloop.infra.tiny_model import CHAT_TEMPLATE, TOOL_TOKENS
+
+    config = AutoConfig.from_pretrained(ARTIFACT_DIR)
+    assert config.architectures == ["LlamaForCausalLM"]
+    assert config.max_position_embeddings >= 32768  # the stack's --max-model-len
+    tok = AutoTokenizer.from_pretrained(ARTIFACT_DIR)
+    assert tok.chat_template == CHAT_TEMPLATE  # prompts render as with the tiny model
+    assert tok.eos_token == "<|end|>" and config.eos_token_id == tok.eos_token_id
+    vocab = tok.get_vocab()
+    assert all(t in vocab for t in TOOL_TOKENS)  # vLLM's hermes parser looks them up
+    assert len(tok) <= config.vocab_size
+
+
+def test_provenance_names_data_seed_and_command() -> None:
+    prov = json.loads((ARTIFACT_DIR / "PROVENANCE.json").read_text())
+    for key in ("data_sha256", "seed", "steps", "wall_time_s", "command", "rebuild",
+                "train_config", "data"):
+        assert key in prov, key
+    assert len(prov["data_sha256"]) == 64
+
+
+def test_provenance_heldout_hash_matches_regenerated_cases() -> None:
+    """Regenerating every transcript takes minutes (``make model``); the held-out cases
+    take a second, and come from the same seeded generator."""
+    from warmloop.infra.demo_model import data as D
+
+    prov = json.loads((ARTIFACT_DIR / "PROVENANCE.json").read_text())
+    d = prov["data"]
+    held = D.cases("heldout", d["n_heldout_tickets"], d["n_heldout_invoices"], d["seed"])
+    digest = hashlib.sha256(D.cases_jsonl(held).encode()).hexdigest()
+    assert digest == d["heldout_sha256"]
