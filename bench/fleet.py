@@ -25,7 +25,7 @@ from typing import Any
 
 from warmloop.sim.fleet import POLICIES
 from warmloop.sim.run import Summary, simulate
-from warmloop.sim.workload import JobProfile, bundled_mix, burst_jobs, poisson_jobs
+from warmloop.sim.workload import WORKLOADS, JobProfile, burst_jobs, poisson_jobs
 from warmloop.workflows.calibration import EngineCalibration, preset
 
 
@@ -49,17 +49,18 @@ def capacity_jobs_per_s(mix: list[tuple[JobProfile, float]], cal: EngineCalibrat
 
 
 def one(gpus: int, load: float, policy: str, cal: EngineCalibration, horizon_s: float,
-        burst: bool, seed: int = 1) -> tuple[Summary, float]:
-    mix = bundled_mix()
+        burst: bool, seed: int = 1, workload: str = "bundled") -> tuple[Summary, float, float]:
+    """One run: its summary, wall seconds and CPU seconds (the machine may be shared)."""
+    mix = WORKLOADS[workload]()
     rate = load * capacity_jobs_per_s(mix, cal, gpus)
     rng = random.Random(seed)
     jobs = poisson_jobs(mix, rate_per_s=rate, duration_s=horizon_s, rng=rng)
     if burst:  # ten times the arrival rate, as batch jobs, over a fifth of the horizon
         n = int(10 * rate * horizon_s / 5)
         jobs += burst_jobs(mix, n=n, at_s=horizon_s / 5, over_s=horizon_s / 5, rng=rng)
-    t = time.monotonic()
+    t, cpu = time.monotonic(), time.process_time()
     s = simulate(jobs, [cal] * gpus, policy, until_s=horizon_s)
-    return s, time.monotonic() - t
+    return s, time.monotonic() - t, time.process_time() - cpu
 
 
 def figures(s: Summary, gpus: int, horizon_s: float) -> dict[str, float]:
@@ -97,6 +98,35 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[str]:
     return written
 
 
+def report(rows: list[dict[str, Any]], out: Path, calibration: str, workload: str) -> None:
+    """Plots, ``rows.json`` and the closing lines: the speed, then one JSON object with
+    the 128-GPU, 80 % figures first."""
+    plots = plot(rows, out)
+    (out / "rows.json").write_text(json.dumps(rows, indent=1))
+    head = {r["policy"]: r for r in rows if r["gpus"] == 128 and r["load"] == 0.8
+            and not r["burst"]}
+    gpu_hours = sum(r["gpus"] * r["horizon_s"] / 3600 for r in rows)
+    wall = sum(r["wall_s"] for r in rows)
+    cpu = sum(r.get("cpu_s", 0.0) for r in rows)
+    speed = []
+    for pol in POLICIES:
+        mine = [r for r in rows if r["policy"] == pol]
+        h = sum(r["gpus"] * r["horizon_s"] / 3600 for r in mine)
+        w = sum(r["wall_s"] for r in mine)
+        if w:
+            speed.append(f"{pol} {h / w * 60:.2f} GPU-h per wall min")
+    print(f"simulated {gpu_hours:.1f} GPU-hours in {wall:.0f} s wall, {cpu:.0f} s CPU "
+          f"({wall / max(gpu_hours, 1e-9) * 100 / 60:.1f} min per 100 GPU-hours); "
+          + "; ".join(speed) + f"; plots: {', '.join(plots) or 'none'}")
+    print(json.dumps({
+        "gpus": 128, "load": 0.8, "calibration": calibration, "workload": workload,
+        "jobs_per_gpu_hour": {k: v["jobs_per_gpu_hour"] for k, v in head.items()},
+        "ttft_p99_ms": {k: v["ttft_p99_ms"] for k, v in head.items()},
+        "cost_p95_usd": {k: v["cost_p95_usd"] for k, v in head.items()},
+        "simulated_gpu_hours": round(gpu_hours, 1), "wall_s": round(wall, 1),
+        "cpu_s": round(cpu, 1), "rows": rows}))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calibration", default="h100-llama-3.1-8b-bf16")
@@ -104,47 +134,51 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.65, 0.8, 0.95])
     p.add_argument("--sweep-gpus", type=int, default=32,
                    help="the size that runs every load; the others run 80 %% only")
+    p.add_argument("--burst-gpus", type=int, nargs="*", default=None,
+                   help="sizes that also run the 10x batch burst (default: every size)")
+    p.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
     p.add_argument("--horizon-s", type=float, default=600.0)
     p.add_argument("--large-horizon-s", type=float, default=180.0,
                    help="horizon at 128 GPUs and more (keeps the run to minutes here)")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="bundled",
+                   help="bundled: the bundled profiles' mix; agentic: a second, labelled "
+                        "workload of long agent loops (sim.workload.agentic_mix)")
     p.add_argument("--out", type=Path, default=Path(".warmloop/bench-fleet"))
+    p.add_argument("--merge", type=Path, nargs="+", default=None,
+                   help="run nothing: merge these rows.json files (runs split over "
+                        "processes) into --out and print the closing lines")
     args = p.parse_args(argv)
-    cal = preset(args.calibration)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        merged: list[dict[str, Any]] = []
+        for path in args.merge:
+            merged += json.loads(path.read_text())
+        report(merged, args.out, args.calibration, args.workload)
+        return
+    cal = preset(args.calibration)
     rows: list[dict[str, Any]] = []
-    gpu_hours = wall = 0.0
     plan = [(g, load, False) for g in args.gpus for load in
             (args.loads if g == args.sweep_gpus else [0.8])]
-    plan += [(g, 0.8, True) for g in args.gpus]
+    plan += [(g, 0.8, True) for g in (args.gpus if args.burst_gpus is None
+                                      else args.burst_gpus)]
     print("| GPUs | load | burst | policy | jobs/GPU-h | cost p50 / p95 | TTFT p99 ms | hit |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for gpus, load, burst in plan:
         horizon = args.large_horizon_s if gpus >= 128 else args.horizon_s
-        for pol in POLICIES:
-            s, took = one(gpus, load, pol, cal, horizon, burst)
-            gpu_hours += gpus * horizon / 3600
-            wall += took
+        for pol in args.policies:
+            s, took, cpu_s = one(gpus, load, pol, cal, horizon, burst, workload=args.workload)
             f = figures(s, gpus, horizon)
-            rows.append({"gpus": gpus, "load": load, "burst": burst, "policy": pol, **f,
-                         "wall_s": round(took, 1)})
+            rows.append({"gpus": gpus, "load": load, "burst": burst, "policy": pol,
+                         "horizon_s": horizon, **f, "wall_s": round(took, 1),
+                         "cpu_s": round(cpu_s, 1),
+                         "gpu_hours_per_wall_min": round(gpus * horizon / 60 / max(took, 1e-9),
+                                                         2)})
+            (args.out / "rows.json").write_text(json.dumps(rows, indent=1))  # as it goes
             print(f"| {gpus} | {load:.0%} | {'10x' if burst else '-'} | {pol} | "
                   f"{f['jobs_per_gpu_hour']:.1f} | ${f['cost_p50_usd']:.6f} / "
                   f"${f['cost_p95_usd']:.6f} | {f['ttft_p99_ms']:.0f} | {f['hit_rate']:.3f} |",
                   flush=True)
-    plots = plot(rows, args.out)
-    (args.out / "rows.json").write_text(json.dumps(rows, indent=1))
-    head = {r["policy"]: r for r in rows if r["gpus"] == 128 and r["load"] == 0.8
-            and not r["burst"]}
-    print(f"simulated {gpu_hours:.1f} GPU-hours in {wall:.0f} s "
-          f"({wall / max(gpu_hours, 1e-9) * 100 / 60:.1f} min per 100 GPU-hours); "
-          f"plots: {', '.join(plots)}")
-    print(json.dumps({
-        "gpus": 128, "load": 0.8, "calibration": args.calibration,
-        "jobs_per_gpu_hour": {k: v["jobs_per_gpu_hour"] for k, v in head.items()},
-        "ttft_p99_ms": {k: v["ttft_p99_ms"] for k, v in head.items()},
-        "cost_p95_usd": {k: v["cost_p95_usd"] for k, v in head.items()},
-        "simulated_gpu_hours": round(gpu_hours, 1), "wall_s": round(wall, 1),
-        "rows": rows}))
+    report(rows, args.out, args.calibration, args.workload)
 
 
 if __name__ == "__main__":

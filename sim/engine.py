@@ -60,16 +60,49 @@ class Request:
 
 class PrefixCache:
     """The KV pool as blocks: cached blocks by key with reference counts, the evictable
-    ones (count 0) in LRU order, and never-used / private blocks as a count."""
+    ones (count 0) in LRU order, and never-used / private blocks as a count.
 
-    def __init__(self, blocks: int) -> None:
+    The cached blocks of any chain form a prefix of it: requests, holds and prewarms
+    always use a chain's leading blocks, a block's users also use its predecessors, and
+    a release frees a chain's blocks last first, so a block is never older in the LRU
+    than its successor and eviction takes a chain's tail first. Lookups use that:
+    ``hit_blocks`` is a binary search (``hit_blocks_walk``, the plain walk, gives the
+    same answer; the tests check both on whole runs).
+
+    ``index`` (shared by a fleet's engines) maps each cached key to a bit mask of the
+    engines caching it (bit ``owner``), so the fleet finds the engines warm for a
+    prompt without asking each one.
+    """
+
+    def __init__(self, blocks: int, index: dict[BlockKey, int] | None = None,
+                 owner: int = 0) -> None:
         self.capacity = blocks
         self.empty = blocks
         self.ref: dict[BlockKey, int] = {}
         self.lru: OrderedDict[BlockKey, None] = OrderedDict()
+        self.index = index
+        self.bit = 1 << owner
 
     def hit_blocks(self, chain: Sequence[BlockKey]) -> int:
         """Leading blocks of ``chain`` cached here (in use or evictable)."""
+        ref = self.ref
+        n = len(chain)
+        if not n or chain[0] not in ref:
+            return 0
+        hi = n - 1
+        if chain[hi] in ref:
+            return n
+        lo = 0  # chain[lo] is cached, chain[hi] is not
+        while hi - lo > 1:
+            mid = (lo + hi) >> 1
+            if chain[mid] in ref:
+                lo = mid
+            else:
+                hi = mid
+        return hi
+
+    def hit_blocks_walk(self, chain: Sequence[BlockKey]) -> int:
+        """``hit_blocks`` by walking the chain (the reference the tests compare with)."""
         ref = self.ref
         n = 0
         for k in chain:
@@ -85,31 +118,129 @@ class PrefixCache:
 
     def can_allocate(self, hit: int, chain: Sequence[BlockKey], new_blocks: int) -> bool:
         lru = self.lru
-        reclaimed = sum(1 for k in chain[:hit] if k in lru)
-        return new_blocks <= self.empty + len(lru) - reclaimed
+        free = self.empty + len(lru)
+        if new_blocks <= free - hit:  # however many of the hit blocks are evictable
+            return True
+        if new_blocks > free:
+            return False
+        reclaimed = sum(map(lru.__contains__, chain[:hit]))
+        return new_blocks <= free - reclaimed
 
     def _take(self) -> None:
         if self.empty > 0:
             self.empty -= 1
-            return
-        key, _ = self.lru.popitem(last=False)
-        del self.ref[key]
+        else:
+            self._evict(1)
+
+    def _first_unused(self, keys: Sequence[BlockKey], hit: int) -> int:
+        """Index of the first of ``keys[:hit]`` (all cached) no request or hold uses:
+        reference counts never grow along a chain (a block's users use its
+        predecessors), so the unused cached blocks are the tail of ``keys[:hit]``."""
+        ref = self.ref
+        if not hit or ref[keys[hit - 1]] > 0:
+            return hit
+        lo, hi = -1, hit - 1  # keys[lo] is in use (lo == -1: none), keys[hi] is not
+        while hi - lo > 1:
+            mid = (lo + hi) >> 1
+            if ref[keys[mid]] > 0:
+                lo = mid
+            else:
+                hi = mid
+        return hi
 
     def acquire(self, keys: Sequence[BlockKey]) -> None:
-        """Use ``keys`` (cached ones are reused, missing ones allocated and registered)."""
+        """Use ``keys`` (cached ones are reused, missing ones allocated and registered).
+
+        ``keys`` is a chain's leading blocks: in use, then cached but unused, then not
+        cached (see ``PrefixCache``), so each part is updated in bulk; the same as
+        taking each key in turn (``acquire_walk``)."""
         ref, lru = self.ref, self.lru
+        cached = self.hit_blocks(keys)
+        unused = self._first_unused(keys, cached)
+        if unused:
+            used = keys[:unused]
+            ref.update(zip(used, map((1).__add__, map(ref.__getitem__, used)), strict=True))
+        if cached > unused:
+            idle = keys[unused:cached]
+            for k in idle:
+                del lru[k]
+            ref.update(dict.fromkeys(idle, 1))
+        n = len(keys) - cached
+        if n > 0:
+            new = keys[cached:]
+            free = min(n, self.empty)
+            self.empty -= free
+            if n > free:
+                self._evict(n - free)
+            ref.update(dict.fromkeys(new, 1))
+            index = self.index
+            if index is not None:
+                bit = self.bit
+                get = index.get
+                index.update([(k, get(k, 0) | bit) for k in new])
+
+    def _evict(self, n: int) -> None:
+        """Free the ``n`` least recently used blocks."""
+        lru, ref, index, bit = self.lru, self.ref, self.index, self.bit
+        for _ in range(n):
+            key, _ = lru.popitem(last=False)
+            del ref[key]
+            if index is not None:
+                mask = index[key] ^ bit
+                if mask:
+                    index[key] = mask
+                else:
+                    del index[key]
+
+    def release(self, keys: Sequence[BlockKey]) -> None:
+        """Stop using ``keys``; last block first, so a prompt's tail is evicted first.
+
+        ``keys`` are in use (a request's or a hold's), so their reference counts never
+        grow along the chain: the blocks this frees are a tail, appended to the LRU
+        last first; the same as ``release_walk``."""
+        ref = self.ref
+        n = len(keys)
+        if not n:
+            return
+        if ref[keys[0]] <= 1:
+            last = 0
+        elif ref[keys[n - 1]] > 1:
+            last = n
+        else:
+            lo, hi = 0, n - 1  # keys[lo] stays in use, keys[hi] is freed
+            while hi - lo > 1:
+                mid = (lo + hi) >> 1
+                if ref[keys[mid]] > 1:
+                    lo = mid
+                else:
+                    hi = mid
+            last = hi
+        if last:
+            kept = keys[:last]
+            ref.update(zip(kept, map((-1).__add__, map(ref.__getitem__, kept)), strict=True))
+        if last < n:
+            freed = keys[last:][::-1]
+            ref.update(dict.fromkeys(freed, 0))
+            self.lru.update(dict.fromkeys(freed))
+
+    # The plain walks: one key at a time (the reference the tests compare with).
+
+    def acquire_walk(self, keys: Sequence[BlockKey]) -> None:
+        ref, lru, index, bit = self.ref, self.lru, self.index, self.bit
         for k in keys:
             c = ref.get(k)
             if c is None:
                 self._take()
                 ref[k] = 1
+                if index is not None:
+                    index[k] = index.get(k, 0) | bit
+            elif c == 0:
+                del lru[k]
+                ref[k] = 1
             else:
-                if c == 0:
-                    del lru[k]
                 ref[k] = c + 1
 
-    def release(self, keys: Sequence[BlockKey]) -> None:
-        """Stop using ``keys``; last block first, so a prompt's tail is evicted first."""
+    def release_walk(self, keys: Sequence[BlockKey]) -> None:
         ref, lru = self.ref, self.lru
         for k in reversed(keys):
             c = ref.get(k)
@@ -122,8 +253,12 @@ class PrefixCache:
                 ref[k] = c - 1
 
     def take_private(self, n: int) -> None:
-        for _ in range(n):
-            self._take()
+        if n <= 0:
+            return
+        free = min(n, self.empty)
+        self.empty -= free
+        if n > free:
+            self._evict(n - free)
 
     def give_private(self, n: int) -> None:
         self.empty += n
@@ -132,12 +267,16 @@ class PrefixCache:
 class Engine:
     """One engine: its cache, its queues and its scheduler."""
 
-    def __init__(self, clock: Clock, engine_id: str, calibration: EngineCalibration) -> None:
+    def __init__(self, clock: Clock, engine_id: str, calibration: EngineCalibration,
+                 index: dict[BlockKey, int] | None = None, owner: int = 0) -> None:
         self.clock = clock
         self.engine_id = engine_id
+        self.owner = owner
         self.cal = calibration
         self.block = calibration.block_size
-        self.cache = PrefixCache(calibration.kv_pool_blocks)
+        self.cache = PrefixCache(calibration.kv_pool_blocks, index, owner)
+        self._decode_s: dict[int, float] = {}
+        self._prefill_rate: dict[int, float] = {}
         self.waiting: list[tuple[int, int, Request]] = []
         self.prefilling: list[Request] = []
         self.running: list[Request] = []
@@ -163,6 +302,20 @@ class Engine:
 
     def cached_prefix_tokens(self, chain: Sequence[BlockKey]) -> int:
         return self.cache.hit_blocks(chain) * self.block
+
+    # --- the calibration's curves, memoised (pure functions of an int) ------------------
+
+    def decode_step_seconds(self, batch: int) -> float:
+        s = self._decode_s.get(batch)
+        if s is None:
+            s = self._decode_s[batch] = self.cal.decode_step_seconds(batch)
+        return s
+
+    def prefill_tokens_per_s(self, prompt_tokens: int) -> float:
+        r = self._prefill_rate.get(prompt_tokens)
+        if r is None:
+            r = self._prefill_rate[prompt_tokens] = self.cal.prefill_tokens_per_s(prompt_tokens)
+        return r
 
     # --- holds: blocks kept in use while a job pauses (what touches achieve) ----------
 
@@ -254,13 +407,13 @@ class Engine:
                 budget -= n
                 tokens += n
                 longest = max(longest, req.prompt_tokens)
-            duration = (self.cal.decode_step_seconds(max(1, len(self.running) + len(plan)))
-                        + tokens / self.cal.prefill_tokens_per_s(longest))
+            duration = (self.decode_step_seconds(max(1, len(self.running) + len(plan)))
+                        + tokens / self.prefill_tokens_per_s(longest))
             self.busy_s += duration
             self.clock.at(now + duration, self._prefill_step_end, plan)
         elif self.running:
             self._busy = True
-            step_s = self.cal.decode_step_seconds(len(self.running))
+            step_s = self.decode_step_seconds(len(self.running))
             steps = max(1, int(min(r._decode_left for r in self.running) + 0.999999))
             self._segment = (now, step_s, steps)
             self._version += 1

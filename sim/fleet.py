@@ -56,7 +56,7 @@ POLICIES: dict[str, Policy] = {
 holds (the best peer's behaviour); warmloop (routing, holds, lanes, prewarms)."""
 
 
-@dataclass
+@dataclass(slots=True)
 class StepStat:
     job_id: str
     step: int
@@ -72,7 +72,7 @@ class StepStat:
     but its last): bench-pauses' measure."""
 
 
-@dataclass
+@dataclass(slots=True)
 class JobStat:
     job_id: str
     family: str
@@ -87,6 +87,8 @@ class JobStat:
 class _Job:
     spec: JobSpec
     stat: JobStat
+    key: int = 0
+    """Base of the job's own block keys (``Fleet._chain``)."""
     step: int = 0
     transcript: int = 0
     chain: list[BlockKey] = field(default_factory=list)
@@ -98,7 +100,7 @@ class _Job:
     """The engine serving the job's step under way."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Hold:
     engine: Engine
     keys: list[BlockKey]
@@ -111,12 +113,59 @@ class _Hold:
 class _Admission:
     k: int
     running: int = 0
+    seq: int = 0
     queue: list[tuple[int, float, int, _Job, Request]] = field(default_factory=list)
     ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=20))
     fresh: int = 0
     last_interactive_s: float = 0.0
     last_grow_s: float = 0.0
     samples: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=50))
+    version: int = 0
+    """Samples taken so far (``fit`` is ``kv_fit_limit`` of the samples at ``fit_version``)."""
+    fit: int = 0
+    fit_version: int = -1
+
+
+class _RecentJobs:
+    """Batch jobs routed to an engine and when each was last (the registry's batch jobs
+    under way): ``count`` is how many were seen within ``recent_s`` of ``now``, the same
+    as testing each job's last time, but amortised O(1) (times only grow, so jobs leave
+    the window oldest first)."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, float] = {}
+        self.order: deque[tuple[float, str]] = deque()
+
+    def saw(self, job_id: str, t: float) -> None:
+        self.last[job_id] = t
+        self.order.append((t, job_id))
+
+    def count(self, now: float, recent_s: float) -> int:
+        order, last = self.order, self.last
+        while order and now - order[0][0] > recent_s:
+            t, job_id = order.popleft()
+            if last.get(job_id) == t:
+                del last[job_id]
+        return len(last)
+
+
+class _Candidate(EngineCandidate):
+    """An ``EngineCandidate`` the fleet fills in place, step after step, without
+    validation (its figures are valid by construction), and compares by identity.
+
+    ``choose_engine`` tests membership (``c in under``) among candidates of distinct
+    engine ids, where pydantic's field-by-field ``__eq__`` and identity give the same
+    answer; identity costs no Python call, which matters at 128+ candidates a step
+    (``tests/unit/test_sim_speed.py`` checks the decisions against validated
+    ``EngineCandidate``\ s)."""
+
+    __eq__ = object.__eq__
+
+
+FAMILY_KEY_SHIFT = 32
+"""Block keys are ints: a family's shared blocks ``-(family number + 1) << 32 | i``, a
+job's own ``(job number + 1) << 32 | i`` (smaller and faster to hash than tuples; any
+distinct keys simulate the same)."""
 
 
 @dataclass
@@ -147,21 +196,31 @@ class Fleet:
         self.clock = clock
         self.policy = policy
         self.cfg = config or FleetConfig()
-        self.engines = [Engine(clock, f"e{i:03d}", c) for i, c in enumerate(calibrations)]
+        self.block_index: dict[BlockKey, int] = {}
+        """Each cached block key: a bit mask of the engines caching it."""
+        self.engines = [Engine(clock, f"e{i:03d}", c, self.block_index, i)
+                        for i, c in enumerate(calibrations)]
         self.by_id = {e.engine_id: e for e in self.engines}
         cal = calibrations[0]
+        self.block = self.engines[0].block
         self.routing_cfg = self.cfg.routing or cal.routing_config()
         self.hold_cfg = self.cfg.hold or cal.hold_config()
         self.prices = {e.engine_id: e.cal.engine_price().pricing for e in self.engines}
         self._rr_candidates = [EngineCandidate(engine_id=e.engine_id) for e in self.engines]
+        self._cands = [_Candidate.model_construct(engine_id=e.engine_id) for e in self.engines]
+        self._bits_memo: dict[int, tuple[int, ...]] = {}
+        self._families: dict[str, int] = {}
+        self._jobs_started = 0
         self.turn = 0
         self.in_flight = {e.engine_id: 0 for e in self.engines}
-        self.batch_seen: dict[str, dict[str, float]] = {e.engine_id: {} for e in self.engines}
+        self.batch_seen = {e.engine_id: _RecentJobs() for e in self.engines}
         self.admission = {e.engine_id: _Admission(k=self.cfg.admission.k_start)
                           for e in self.engines}
         self.holds: dict[str, deque[_Hold]] = {e.engine_id: deque() for e in self.engines}
         self.held_tokens = {e.engine_id: 0 for e in self.engines}
-        self.pause_samples: dict[str, list[float]] = {}
+        self.pause_samples: dict[str, deque[float]] = {}
+        """The last 400 pauses of each kind (all ``_distribution`` reads)."""
+        self.pause_counts: dict[str, int] = {}
         self._dist: dict[str, tuple[int, PauseDistribution]] = {}
         self._decisions: dict[tuple[object, ...], holding.HoldChoice] = {}
         self.steps: list[StepStat] = []
@@ -181,46 +240,98 @@ class Fleet:
     def _start(self, spec: JobSpec) -> None:
         stat = JobStat(spec.job_id, spec.family, spec.lane, self.clock.now)
         self.jobs.append(stat)
-        job = _Job(spec, stat, transcript=spec.prefix_tokens + spec.task_tokens,
-                   started_s=self.clock.now)
+        self._jobs_started += 1
+        job = _Job(spec, stat, key=self._jobs_started << FAMILY_KEY_SHIFT,
+                   transcript=spec.prefix_tokens + spec.task_tokens, started_s=self.clock.now)
         self.clock.after(self.cfg.pre_step_s, self._route_step, job)
 
     def _chain(self, job: _Job) -> list[BlockKey]:
         """Keys of the prompt's stable full blocks: the family's prefix blocks, then the
         job's own (append-only, so a block's key never changes once it is full)."""
-        block = self.engines[0].block
+        block = self.block
         spec = job.spec
         n = job.transcript // block
         chain = job.chain
-        shared = spec.prefix_tokens // block
-        while len(chain) < n:
-            i = len(chain)
-            chain.append((spec.family, i) if i < shared else (spec.job_id, i))
+        if len(chain) < n:
+            shared = spec.prefix_tokens // block
+            family = self._families.get(spec.family)
+            if family is None:
+                family = self._families[spec.family] = -(
+                    (len(self._families) + 1) << FAMILY_KEY_SHIFT)
+            own = job.key
+            chain.extend(family + i if i < shared else own + i for i in range(len(chain), n))
         return chain
+
+    def _bits(self, mask: int) -> tuple[int, ...]:
+        """Engine numbers in ``mask``, ascending."""
+        got = self._bits_memo.get(mask)
+        if got is None:
+            out = []
+            m = mask
+            while m:
+                low = m & -m
+                out.append(low.bit_length() - 1)
+                m ^= low
+            got = tuple(out)
+            if len(self._bits_memo) > 4096:
+                self._bits_memo.clear()
+            self._bits_memo[mask] = got
+        return got
+
+    def _warm(self, chain: list[BlockKey]) -> dict[int, int]:
+        """Engine number -> leading blocks of ``chain`` it caches, for every engine that
+        caches any, in engine order: each engine's ``hit_blocks``, read off the fleet's
+        block index. A chain's cached blocks are a prefix of it on every engine (see
+        ``PrefixCache``), so the engines caching block i include those caching block
+        i + 1, and the masks only change at a few places a binary search finds."""
+        index = self.block_index
+        n = len(chain)
+        cur = index.get(chain[0], 0) if n else 0
+        out: list[tuple[int, int]] = []
+        lo = groups = 0
+        while cur:
+            a, b = lo, n  # chain[a]'s mask is cur; chain[b]'s is not (b == n: no block)
+            while b - a > 1:
+                mid = (a + b) >> 1
+                if index.get(chain[mid], 0) == cur:
+                    a = mid
+                else:
+                    b = mid
+            nxt = index.get(chain[b], 0) if b < n else 0
+            out += [(i, b) for i in self._bits(cur & ~nxt)]
+            cur, lo = nxt, b
+            groups += 1
+        if groups > 1:
+            out.sort()
+        return dict(out)
 
     def _candidates(self, chain: list[BlockKey], batch_first: bool
                     ) -> list[EngineCandidate]:
         now = self.clock.now
-        warm: dict[str, int] = {}
-        for e in self.engines:
-            n = e.cached_prefix_tokens(chain)
-            if n:
-                warm[e.engine_id] = n
-        cold = heapq.nsmallest(self.cfg.candidates, (e for e in self.engines
-                                                     if e.engine_id not in warm),
-                               key=lambda e: (max(e.load, self.in_flight[e.engine_id]),
-                                              e.kv_usage))
-        out = []
-        for e in [self.by_id[i] for i in warm] + cold:
+        engines = self.engines
+        in_flight = self.in_flight
+        warm = self._warm(chain)
+        # the least loaded cold engines, ties in engine order (as a stable key sort)
+        cold = [engines[i] for _, i in heapq.nsmallest(
+            self.cfg.candidates, [((max(e.load, in_flight[e.engine_id]), e.kv_usage), e.owner)
+                                  for e in engines if e.owner not in warm])]
+        out: list[EngineCandidate] = []
+        recent = self.cfg.batch_recent_s
+        cands = self._cands
+        get = warm.get
+        for e in [engines[i] for i in warm] + cold:
             batch_jobs = 0
             if batch_first:
-                seen = self.batch_seen[e.engine_id]
-                batch_jobs = sum(1 for t in seen.values() if now - t <= self.cfg.batch_recent_s)
-            out.append(EngineCandidate(
-                engine_id=e.engine_id, expected_cached_tokens=warm.get(e.engine_id, 0),
-                running=len(e.running) + len(e.prefilling), waiting=len(e.waiting),
-                in_flight=self.in_flight[e.engine_id], kv_usage=min(1.0, e.kv_usage),
-                batch_jobs=batch_jobs))
+                batch_jobs = self.batch_seen[e.engine_id].count(now, recent)
+            c = cands[e.owner]
+            d = c.__dict__
+            d["expected_cached_tokens"] = get(e.owner, 0) * e.block
+            d["running"] = len(e.running) + len(e.prefilling)
+            d["waiting"] = len(e.waiting)
+            d["in_flight"] = in_flight[e.engine_id]
+            d["kv_usage"] = min(1.0, e.kv_usage)
+            d["batch_jobs"] = batch_jobs
+            out.append(c)
         return out
 
     def route(self, job_id: str, chain: list[BlockKey], last_engine: str | None,
@@ -243,7 +354,7 @@ class Fleet:
         chain = self._chain(job)
         engine = self.route(spec.job_id, chain, job.last_engine, batch)
         if batch:
-            self.batch_seen[engine.engine_id][spec.job_id] = self.clock.now
+            self.batch_seen[engine.engine_id].saw(spec.job_id, self.clock.now)
         prompt = job.transcript + spec.tail_tokens
         out = spec.steps[job.step].output_tokens
         req = Request(chain=chain, prompt_tokens=prompt, output_tokens=out,
@@ -261,15 +372,19 @@ class Fleet:
     # --- batch admission (workflows.lanes) ----------------------------------------------
 
     def _limit(self, engine: Engine, adm: _Admission) -> int:
-        fit = lanes.kv_fit_limit(engine.cal.kv_pool_tokens, list(adm.samples),
-                                 self.cfg.admission)
+        if adm.fit_version != adm.version:  # a pure function of the samples: once each
+            adm.fit = lanes.kv_fit_limit(engine.cal.kv_pool_tokens, list(adm.samples),
+                                         self.cfg.admission)
+            adm.fit_version = adm.version
+        fit = adm.fit
         return min(adm.k, fit) if fit > 0 else adm.k
 
     def _admit_batch(self, engine: Engine, job: _Job, req: Request) -> None:
         adm = self.admission[engine.engine_id]
         # continuing jobs first (oldest job first), then new jobs in arrival order
         key = (0 if job.step > 0 else 1, job.started_s if job.step > 0 else self.clock.now)
-        heapq.heappush(adm.queue, (key[0], key[1], id(req), job, req))
+        adm.seq += 1  # FIFO among equal keys (not id(): memory addresses vary by run)
+        heapq.heappush(adm.queue, (key[0], key[1], adm.seq, job, req))
         self._drain(engine, adm)
 
     def _drain(self, engine: Engine, adm: _Admission) -> None:
@@ -317,6 +432,7 @@ class Fleet:
             adm = self.admission[engine.engine_id]
             adm.running -= 1
             adm.samples.append((req.prompt_tokens, spec.prefix_tokens))
+            adm.version += 1
             self._drain(engine, adm)
         price = self.prices[engine.engine_id]
         cost = price.cost(prompt_tokens=req.prompt_tokens, cached_tokens=req.cached_tokens,
@@ -399,11 +515,14 @@ class Fleet:
 
     def _record_pause(self, kind: str, seconds: float) -> None:
         if kind:
-            self.pause_samples.setdefault(kind, []).append(seconds)
+            got = self.pause_samples.get(kind)
+            if got is None:
+                got = self.pause_samples[kind] = deque(maxlen=400)
+            got.append(seconds)
+            self.pause_counts[kind] = self.pause_counts.get(kind, 0) + 1
 
     def _distribution(self, job: _Job, kind: str) -> tuple[int, PauseDistribution]:
-        samples = self.pause_samples.get(kind, [])
-        n = len(samples)
+        n = self.pause_counts.get(kind, 0)
         # Refresh as the statistics grow (at 20, 40, 80, ... samples, then every
         # ``decision_refresh``): the decisions are memoised per version.
         version = 0 if n < 20 else (n.bit_length() if n < self.cfg.decision_refresh
@@ -414,7 +533,7 @@ class Fleet:
         median, p90 = job.spec.prior.get(kind, (1.0, 5.0))
         # The last 400 observed pauses, as 99 quantiles: decide_hold's search is
         # quadratic in its points, and a fleet decides hundreds of holds a second.
-        recent = sorted(samples[-400:])
+        recent = sorted(self.pause_samples.get(kind, ()))
         usable = tuple(recent[min(len(recent) - 1, int((i + 0.5) / 99 * len(recent)))]
                        for i in range(99)) if n >= 20 else ()
         dist = PauseDistribution(samples=usable, prior_median_s=median,

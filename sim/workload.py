@@ -10,6 +10,7 @@ trace-replay files (``workflows/trace.py``'s format, ``bench/traces``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -165,6 +166,43 @@ def bundled_mix() -> list[tuple[JobProfile, float]]:
     return [(profile_from(p), 1.0) for p in PROFILES]
 
 
+def agentic_mix() -> list[tuple[JobProfile, float]]:
+    """A second workload, NOT the bundled profiles: long agent loops with big prompts and
+    tool pauses of seconds to minutes, as coding and ticket agents have in production
+    (an assumption of this project, not a measured trace).
+
+    - ``coding-agent``: a 6k-token system prompt and tool schemas, a 0.8k task, 12-40
+      steps of ~150 output tokens, each adding ~1.2k tokens (file reads, diffs, test
+      output); tools pause ~6 s (median), one in five runs a build or test suite of
+      30 s-5 min; 2 % of calls wait for a human (median 5 min).
+    - ``ticket-agent``: a 4k-token prefix, 6-20 steps adding ~600 tokens (account and
+      order lookups, knowledge-base pages), tools ~3 s, one in ten 20 s-2 min (a
+      third-party API, a refund); 5 % of calls wait for a human (median 10 min).
+    """
+    coding = JobProfile(
+        name="coding-agent", prefix_tokens=6_000, task_tokens=800, min_steps=12,
+        max_steps=40, output_tokens=150, result_tokens=1_200,
+        tool_pause=PauseModel(median_s=6.0, sigma=0.8, long_share=0.2, long_min_s=30.0,
+                              long_max_s=300.0, max_s=600.0),
+        approval_share=0.02, approval_pause=PauseModel(median_s=300.0, sigma=0.8,
+                                                       max_s=3_600.0),
+        approval_kind="review")
+    ticket = JobProfile(
+        name="ticket-agent", prefix_tokens=4_000, task_tokens=600, min_steps=6,
+        max_steps=20, output_tokens=100, result_tokens=600,
+        tool_pause=PauseModel(median_s=3.0, sigma=0.7, long_share=0.1, long_min_s=20.0,
+                              long_max_s=120.0, max_s=300.0),
+        approval_share=0.05, approval_pause=PauseModel(median_s=600.0, sigma=0.8,
+                                                       max_s=3_600.0),
+        approval_kind="refund")
+    return [(coding, 1.0), (ticket, 1.0)]
+
+
+WORKLOADS = {"bundled": bundled_mix, "agentic": agentic_mix}
+"""Named job mixes: ``bundled`` (the bundled profiles) and ``agentic`` (labelled
+second workload: long loops, big prompts, long tool pauses)."""
+
+
 def poisson_jobs(mix: list[tuple[JobProfile, float]], *, rate_per_s: float, duration_s: float,
                  rng: random.Random, start_s: float = 0.0, lane: Lane | None = None,
                  prefix: str = "j") -> list[JobSpec]:
@@ -214,7 +252,8 @@ def trace_jobs(path: Path, *, mean_gap_s: float, rng: random.Random,
         if not line.strip():
             continue
         rec = json.loads(line)
-        family = rec.get("profile") or f"inline-{hash(rec.get('system_prompt', '')) & 0xffff:x}"
+        family = rec.get("profile") or "inline-" + hashlib.blake2b(
+            rec.get("system_prompt", "").encode(), digest_size=2).hexdigest()
         prefix = (prefix_tokens or {}).get(family) or _tokens(
             rec.get("system_prompt", "") + json.dumps(rec.get("tools", []))) or 1
         steps = []

@@ -1,0 +1,178 @@
+"""The simulator's speed-ups change nothing it simulates.
+
+``BASELINE`` was recorded with the simulator as it was before it was made fast (issue
+19's bench-fleet work), with one fix applied to both: batch admission broke ties by
+``id(req)`` (a memory address, so bench-burst's lanes run differed from run to run) and
+now breaks them first come, first served. Each case must give exactly the same figures
+and, for the fleet cases, the same per-step and per-job record (``digest``). Then the
+fast paths (binary searches, bulk block updates, the fleet's block index, candidates
+compared by identity) are checked against the plain walks they replace.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from typing import Any
+
+import pytest
+
+from warmloop.sim import scenarios
+from warmloop.sim.core import Clock
+from warmloop.sim.engine import PrefixCache
+from warmloop.sim.fleet import POLICIES, Fleet, _Candidate
+from warmloop.sim.run import summarize
+from warmloop.sim.workload import bundled_mix, burst_jobs, poisson_jobs
+from warmloop.workflows import routing
+from warmloop.workflows.calibration import preset
+from warmloop.workflows.routing import EngineCandidate
+
+RATE = {0.8: 35.8786042733777, 0.95: 42.605842574636014}
+"""Jobs a second: 80 % / 95 % of 4 H100s' perfect-cache capacity (bench/fleet.py's
+``capacity_jobs_per_s`` when the baseline was recorded), fixed here."""
+
+FIELDS = ("completed", "steps", "prompt_tokens", "cached_tokens", "prefill_tokens",
+          "job_p95_s", "ttft_p99_ms", "interactive_ttft_p99_ms", "cost_p95_usd",
+          "post_pause_recomputed", "events", "hold_decisions")
+
+BASELINE: dict[str, dict[str, Any]] = {
+    'burst/lanes': {'completed': 142, 'steps': 626, 'prompt_tokens': 994999, 'cached_tokens': 872448, 'prefill_tokens': 122551, 'job_p95_s': 31.964222, 'ttft_p99_ms': 165.8319, 'interactive_ttft_p99_ms': 111.967321, 'cost_p95_usd': 0.000297, 'post_pause_recomputed': 384, 'events': 4215, 'hold_decisions': {}},  # noqa: E501
+    'burst/naive': {'completed': 129, 'steps': 587, 'prompt_tokens': 994999, 'cached_tokens': 728576, 'prefill_tokens': 266423, 'job_p95_s': 53.691119, 'ttft_p99_ms': 11210.608484, 'interactive_ttft_p99_ms': 11210.608484, 'cost_p95_usd': 0.00031, 'post_pause_recomputed': 102912, 'events': 3438, 'hold_decisions': {}},  # noqa: E501
+    'cache_aware_no_holds/4/0.8/20.0/True': {'completed': 556, 'steps': 6356, 'prompt_tokens': 13148164, 'cached_tokens': 12117680, 'prefill_tokens': 1030484, 'job_p95_s': 14.616177, 'ttft_p99_ms': 434.30027, 'interactive_ttft_p99_ms': 389.834598, 'cost_p95_usd': 0.000118, 'post_pause_recomputed': 90080, 'events': 23599, 'hold_decisions': {}, 'digest': 'd8a996f5ea066535'},  # noqa: E501
+    'cache_aware_no_holds/4/0.95/20.0/False': {'completed': 277, 'steps': 2639, 'prompt_tokens': 5595262, 'cached_tokens': 5133088, 'prefill_tokens': 462174, 'job_p95_s': 12.803999, 'ttft_p99_ms': 66.612702, 'interactive_ttft_p99_ms': 66.612702, 'cost_p95_usd': 0.00017, 'post_pause_recomputed': 57184, 'events': 15078, 'hold_decisions': {}, 'digest': '7f503c11cb5d5669'},  # noqa: E501
+    'pauses/hold': {'completed': 16, 'steps': 96, 'prompt_tokens': 171888, 'cached_tokens': 141440, 'prefill_tokens': 37632, 'job_p95_s': 104.628727, 'ttft_p99_ms': 172.702884, 'interactive_ttft_p99_ms': 172.702884, 'cost_p95_usd': 8.8e-05, 'post_pause_recomputed': 14992, 'events': 3735, 'hold_decisions': {}},  # noqa: E501
+    'pauses/release': {'completed': 16, 'steps': 96, 'prompt_tokens': 171888, 'cached_tokens': 129280, 'prefill_tokens': 61568, 'job_p95_s': 104.628727, 'ttft_p99_ms': 172.702884, 'interactive_ttft_p99_ms': 172.702884, 'cost_p95_usd': 9.1e-05, 'post_pause_recomputed': 35856, 'events': 3624, 'hold_decisions': {}},  # noqa: E501
+    'pauses/warmloop': {'completed': 16, 'steps': 96, 'prompt_tokens': 171888, 'cached_tokens': 141440, 'prefill_tokens': 36736, 'job_p95_s': 104.628727, 'ttft_p99_ms': 172.702884, 'interactive_ttft_p99_ms': 172.702884, 'cost_p95_usd': 8.8e-05, 'post_pause_recomputed': 14096, 'events': 3727, 'hold_decisions': {'hold': 72, 'release': 8}},  # noqa: E501
+    'round_robin_lru/4/0.8/20.0/True': {'completed': 272, 'steps': 4455, 'prompt_tokens': 8865589, 'cached_tokens': 7950720, 'prefill_tokens': 914869, 'job_p95_s': 14.758151, 'ttft_p99_ms': 653.584303, 'interactive_ttft_p99_ms': 638.360598, 'cost_p95_usd': 0.00012, 'post_pause_recomputed': 275936, 'events': 19054, 'hold_decisions': {}, 'digest': '5dfa31eb678b5e43'},  # noqa: E501
+    'round_robin_lru/4/0.95/20.0/False': {'completed': 264, 'steps': 2566, 'prompt_tokens': 5416469, 'cached_tokens': 4724576, 'prefill_tokens': 691893, 'job_p95_s': 13.100302, 'ttft_p99_ms': 81.115902, 'interactive_ttft_p99_ms': 81.115902, 'cost_p95_usd': 0.000213, 'post_pause_recomputed': 298160, 'events': 14956, 'hold_decisions': {}, 'digest': 'e18468f7544e3159'},  # noqa: E501
+    'routing/least_loaded': {'completed': 40, 'steps': 315, 'prompt_tokens': 593716, 'cached_tokens': 500096, 'prefill_tokens': 93620, 'job_p95_s': 8.490389, 'ttft_p99_ms': 136.961951, 'interactive_ttft_p99_ms': 136.961951, 'cost_p95_usd': 0.000116, 'post_pause_recomputed': 18816, 'events': 1648, 'hold_decisions': {}},  # noqa: E501
+    'routing/round_robin': {'completed': 40, 'steps': 315, 'prompt_tokens': 593716, 'cached_tokens': 494464, 'prefill_tokens': 99252, 'job_p95_s': 8.4532, 'ttft_p99_ms': 134.406153, 'interactive_ttft_p99_ms': 134.406153, 'cost_p95_usd': 0.000117, 'post_pause_recomputed': 19968, 'events': 1649, 'hold_decisions': {}},  # noqa: E501
+    'routing/warmloop': {'completed': 40, 'steps': 315, 'prompt_tokens': 593716, 'cached_tokens': 531200, 'prefill_tokens': 62516, 'job_p95_s': 8.562157, 'ttft_p99_ms': 129.678026, 'interactive_ttft_p99_ms': 129.678026, 'cost_p95_usd': 0.000103, 'post_pause_recomputed': 0, 'events': 1735, 'hold_decisions': {}},  # noqa: E501
+    'warmloop/4/0.8/20.0/True': {'completed': 434, 'steps': 4165, 'prompt_tokens': 8734437, 'cached_tokens': 8059728, 'prefill_tokens': 674709, 'job_p95_s': 14.079029, 'ttft_p99_ms': 55.614552, 'interactive_ttft_p99_ms': 63.591019, 'cost_p95_usd': 0.00016, 'post_pause_recomputed': 52704, 'events': 22028, 'hold_decisions': {'hold': 3545, 'release': 186}, 'digest': '8c543242fefa5e3f'},  # noqa: E501
+    'warmloop/4/0.95/20.0/False': {'completed': 277, 'steps': 2634, 'prompt_tokens': 5583460, 'cached_tokens': 5128032, 'prefill_tokens': 455428, 'job_p95_s': 12.907037, 'ttft_p99_ms': 69.924869, 'interactive_ttft_p99_ms': 69.924869, 'cost_p95_usd': 0.000172, 'post_pause_recomputed': 52624, 'events': 15196, 'hold_decisions': {'hold': 2357}, 'digest': '75c9a32855b481a3'},  # noqa: E501
+}
+
+FLEET_CASES = [k for k in BASELINE if k.count("/") == 4]
+
+
+def digest(fleet: Fleet) -> str:
+    """Every step's and job's record, hashed (floats by repr: bit for bit)."""
+    h = hashlib.sha256()
+    for s in fleet.steps:
+        h.update(repr((s.job_id, s.step, s.engine, s.prompt_tokens, s.cached_tokens,
+                       s.output_tokens, s.ttft_s, s.cost_usd)).encode())
+    for j in fleet.jobs:
+        h.update(repr((j.job_id, j.end_s, j.cost_usd, j.steps)).encode())
+    return h.hexdigest()[:16]
+
+
+def run_fleet_case(key: str) -> dict[str, Any]:
+    """bench-fleet's workload (H100 preset, the bundled mix, the 10x batch burst) on 4
+    GPUs for 20 s."""
+    policy, gpus, load, horizon, burst = key.split("/")
+    g, h = int(gpus), float(horizon)
+    rate = RATE[float(load)]
+    mix = bundled_mix()
+    rng = random.Random(1)
+    jobs = poisson_jobs(mix, rate_per_s=rate, duration_s=h, rng=rng)
+    if burst == "True":
+        jobs += burst_jobs(mix, n=int(10 * rate * h / 5), at_s=h / 5, over_s=h / 5, rng=rng)
+    clock = Clock()
+    fleet = Fleet(clock, [preset("h100-llama-3.1-8b-bf16")] * g, POLICIES[policy])
+    fleet.add_jobs(jobs)
+    clock.run(h)
+    return {**summarize(fleet, clock).as_dict(), "digest": digest(fleet)}
+
+
+def _scenario_figures() -> dict[str, dict[str, Any]]:
+    out = {}
+    for name, fn in (("routing", scenarios.bench_routing), ("pauses", scenarios.bench_pauses),
+                     ("burst", scenarios.bench_burst)):
+        for pol, s in fn().items():
+            out[f"{name}/{pol}"] = s.as_dict()
+    return out
+
+
+def _same(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
+    return [f"{f}: {got[f]!r} != {want[f]!r}" for f in want
+            if got[f] != want[f] and not (isinstance(want[f], float) and math.isnan(want[f])
+                                          and math.isnan(got[f]))]
+
+
+@pytest.mark.parametrize("key", FLEET_CASES)
+def test_fleet_case_matches_the_recorded_baseline(key: str) -> None:
+    got = run_fleet_case(key)
+    assert not _same(got, BASELINE[key]), _same(got, BASELINE[key])
+
+
+def test_fidelity_scenarios_match_the_recorded_baseline() -> None:
+    got = _scenario_figures()
+    diffs = {k: _same(got[k], v) for k, v in BASELINE.items() if k not in FLEET_CASES}
+    assert not any(diffs.values()), diffs
+
+
+def test_plain_walks_simulate_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The block-level fast paths against the one-key-at-a-time walks: every cache
+    lookup, use and release, and the fleet's warm-engine search."""
+    monkeypatch.setattr(PrefixCache, "hit_blocks", PrefixCache.hit_blocks_walk)
+    monkeypatch.setattr(PrefixCache, "acquire", PrefixCache.acquire_walk)
+    monkeypatch.setattr(PrefixCache, "release", PrefixCache.release_walk)
+
+    def warm(self: Fleet, chain: list[Any]) -> dict[int, int]:
+        hits = {e.owner: e.cache.hit_blocks_walk(chain) for e in self.engines}
+        return {i: n for i, n in hits.items() if n}
+
+    monkeypatch.setattr(Fleet, "_warm", warm)
+    key = "warmloop/4/0.8/20.0/True"
+    assert run_fleet_case(key)["digest"] == BASELINE[key]["digest"]
+
+
+def test_fast_lookups_agree_with_the_walks_along_a_run() -> None:
+    """Checked at every lookup of a run with holds, prewarms, lanes and evictions."""
+    checks = [0]
+    real_warm = Fleet._warm
+    real_hit = PrefixCache.hit_blocks
+
+    def hit(self: PrefixCache, chain: Any) -> int:
+        n = real_hit(self, chain)
+        assert n == self.hit_blocks_walk(chain)
+        checks[0] += 1
+        return n
+
+    def warm(self: Fleet, chain: list[Any]) -> dict[int, int]:
+        got = real_warm(self, chain)
+        want = {e.owner: e.cache.hit_blocks_walk(chain) for e in self.engines}
+        assert list(got.items()) == [(i, n) for i, n in want.items() if n]
+        return got
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(PrefixCache, "hit_blocks", hit)
+    mp.setattr(Fleet, "_warm", warm)
+    try:
+        scenarios.bench_pauses()
+        scenarios.bench_burst(n_jobs=40)
+    finally:
+        mp.undo()
+    assert checks[0] > 1_000
+
+
+def test_candidates_compared_by_identity_decide_like_validated_ones() -> None:
+    rng = random.Random(3)
+    cfg = preset("h100-llama-3.1-8b-bf16").routing_config()
+    for trial in range(400):
+        n = rng.choice([1, 2, 5, 40, 130])
+        fields = [dict(engine_id=f"e{i:03d}",
+                       expected_cached_tokens=rng.choice([0, 0, 1440, 1440, 1600, 3200]),
+                       running=rng.randint(0, 12), waiting=rng.randint(0, 2),
+                       in_flight=rng.randint(0, 12), kv_usage=rng.choice([0.5, rng.random()]),
+                       batch_jobs=rng.randint(0, 3)) for i in range(n)]
+        rng.shuffle(fields)
+        kw: dict[str, Any] = dict(
+            job_id=f"j{trial}", last_engine=rng.choice([None, "e001", f"e{n - 1:03d}"]),
+            config=cfg, policy=rng.choice(["cache_aware", "cache_aware", "least_loaded"]),
+            batch=rng.random() < 0.3)
+        plain = routing.choose_engine([EngineCandidate(**f) for f in fields], **kw)  # type: ignore[arg-type]
+        fast = routing.choose_engine(
+            [_Candidate.model_construct(**f) for f in fields], **kw)  # type: ignore[arg-type]
+        assert fast == plain
