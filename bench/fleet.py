@@ -95,6 +95,21 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[str]:
             fig.savefig(path, dpi=100)
             plt.close(fig)
             written.append(str(path))
+        sel = [r for r in rows if r["load"] == 0.8 and not r["burst"]]
+        if len({r["gpus"] for r in sel}) >= 2:  # the fleet sizes at 80 %
+            fig, ax = plt.subplots(figsize=(6, 4))
+            for pol in POLICIES:
+                pts = sorted((r["gpus"], r[metric]) for r in sel if r["policy"] == pol)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=pol)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("GPUs (80 % load)")
+            ax.set_ylabel(label)
+            ax.legend()
+            path = out / f"{metric}-by-gpus.png"
+            fig.tight_layout()
+            fig.savefig(path, dpi=100)
+            plt.close(fig)
+            written.append(str(path))
     return written
 
 
