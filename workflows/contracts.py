@@ -150,6 +150,17 @@ class JobInput(BaseModel):
         description="Continue-as-new every N steps even when the server does not suggest it "
         "(keeps each run's history short; used by tests to force the boundary).",
     )
+    hedge_tools: bool = Field(
+        default=True,
+        description="Hedge the profile's read-only tools: a call that runs past its "
+        "observed p95 gets a second identical request and the first answer wins. Never "
+        "applies to side-effect tools. Off: a baseline for benchmarks.")
+    context_hygiene: Literal["off", "cost_model", "every_step"] | None = Field(
+        default=None,
+        description="Compact large or stale tool outputs out of the transcript: at a "
+        "continue-as-new point when the cost model says it pays (cost_model), never "
+        "(off), or every step (every_step: a baseline for benchmarks that throws the "
+        "cached prefix away). None: the profile's setting.")
     carry: JobCarry | None = Field(
         default=None, description="Internal: state carried across continue-as-new."
     )
@@ -378,6 +389,9 @@ class ToolRequest(BaseModel):
     """Id of the task record (ticket, invoice) that side effects apply to."""
     name: str
     arguments: dict[str, Any]
+    hedge: bool = False
+    """The job allows hedging this call (``JobInput.hedge_tools``); the worker hedges it
+    only when the tool is declared read-only."""
 
 
 class ToolResult(BaseModel):
