@@ -8,6 +8,7 @@ import asyncio
 import os
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -16,7 +17,7 @@ import structlog
 import zmq
 import zmq.asyncio
 from temporalio import activity
-from temporalio.worker import Worker
+from temporalio.worker import FixedSizeSlotSupplier, Worker, WorkerTuner
 
 from warmloop.activities.admission import BatchAdmission
 from warmloop.activities.cachebust import CacheBust, CacheBustDetector
@@ -46,6 +47,7 @@ from warmloop.workers.clients import (
 from warmloop.workers.logging import configure_logging
 from warmloop.workers.plugins import PluginError, load_plugins
 from warmloop.workers.settings import KV_EVENTS_TOPIC, EngineEndpoint, Settings
+from warmloop.workers.step_slots import EngineStepSlots, StepSlotConfig
 from warmloop.workflows.calibration import EngineCalibration
 from warmloop.workflows.contracts import engine_task_queue
 from warmloop.workflows.holding import TtlCacheEndpoint
@@ -85,6 +87,12 @@ class EngineView:
 
     def __init__(self) -> None:
         self.last: EngineHeartbeat | None = None
+        self.listeners: list[Callable[[EngineHeartbeat], None]] = []
+
+    def update(self, hb: EngineHeartbeat) -> None:
+        self.last = hb
+        for listener in self.listeners:
+            listener(hb)
 
     def __call__(self) -> EngineHeartbeat | None:
         return self.last
@@ -143,7 +151,7 @@ async def heartbeat_loop(registry: EngineRegistry, http: httpx.AsyncClient,
                 hb.batch_waiting = admission.waiting
                 hb.interactive_ttft_p95_ms = admission.recent_interactive_p95_ms()
             if view is not None:
-                view.last = hb
+                view.update(hb)
             if hb.healthy != was_healthy:
                 log.info("engine_health", engine=engine.id, healthy=hb.healthy)
                 # A (re)started engine holds nothing: forget what the directory believed.
@@ -254,6 +262,9 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
     # path skips Redis until the heartbeat (or a due probe) finds it back.
     outage = RedisOutage()
     registry = EngineRegistry(redis, ttl_s=settings.engine_ttl_s)
+    slot_config = StepSlotConfig(floor=settings.inference_min_steps,
+                                 ceiling=settings.inference_max_steps,
+                                 queue_share=settings.inference_queue_share)
     limits = httpx.Limits(max_connections=settings.inference_max_steps,
                           max_keepalive_connections=64)
     # A stream that sends nothing for 30 s is treated as lost: the activity fails and
@@ -262,6 +273,15 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
                                  limits=limits) as http:
         directory = PrefixDirectory(redis, trace=settings.trace_prompt_chains)
         view = EngineView()
+        slots = EngineStepSlots(view, slot_config)
+
+        def on_heartbeat(_: EngineHeartbeat) -> None:
+            before = slots.limit
+            now = slots.refresh()
+            if now.slots != before:
+                log.info("step_slots", slots=now.slots, was=before, why=now.reason)
+
+        view.listeners.append(on_heartbeat)
         def on_bust(b: CacheBust) -> None:
             activity.metric_meter().create_counter(
                 "warmloop_cache_busts", "prompt prefixes that changed where they should not"
@@ -292,8 +312,13 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
             task_queue=engine_task_queue(engine.id),
             activities=[inference.generate, inference.prewarm],
             # Interactive steps go straight to the engine, whose scheduler queues them;
-            # batch steps wait here for admission, in its order.
-            max_concurrent_activities=settings.inference_max_steps,
+            # batch steps wait here for admission, in its order. How many at once
+            # follows the engine's capacity (step_slots.py).
+            tuner=WorkerTuner.create_composite(
+                workflow_supplier=FixedSizeSlotSupplier(1),
+                activity_supplier=slots,
+                local_activity_supplier=FixedSizeSlotSupplier(1),
+                nexus_supplier=FixedSizeSlotSupplier(1)),
         )
         log.info("inference_worker_started", task_queue=engine_task_queue(engine.id))
         try:

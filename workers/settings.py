@@ -222,11 +222,19 @@ class Settings(BaseSettings):
     engines: list[EngineEndpoint] | None = None
     """External engines. When set, `dev up` starts no engines of its own."""
     engine_heartbeat_s: float = Field(default=1.0, gt=0)
-    inference_max_steps: int = Field(default=64, ge=1, le=4096)
-    """Steps one inference worker takes from its queue at once (the engine's scheduler
-    queues interactive ones; batch ones wait in admission). The rest wait in Temporal's
-    queue by task priority. Keep it well above the batch K, and high enough that a
-    busy engine's steps are picked up within ``step_pickup_timeout_s``."""
+    inference_max_steps: int = Field(default=1024, ge=1, le=4096)
+    """Steps one inference worker takes from its queue at once, at most. Within
+    [``inference_min_steps``, this] the count follows the engine's capacity
+    (``warmloop.workers.step_slots``): what it runs at once (calibrated ``max_batch``,
+    typical prompts its KV pool fits) times 1 + ``inference_queue_share``, plus the
+    batch steps admission holds. The rest wait in Temporal's queue by task priority."""
+    inference_min_steps: int = Field(default=16, ge=1, le=4096)
+    """Steps a worker takes at once at least (and before its engine's first heartbeat).
+    Keep it high enough that a busy engine's steps are picked up within
+    ``step_pickup_timeout_s``, or they fail over as if the engine were dead."""
+    inference_queue_share: float = Field(default=1.0, ge=0, le=16)
+    """Steps taken beyond what the engine runs at once, as a share of that: they wait
+    in the engine's own queue, ready the moment a sequence finishes."""
     engine_ttl_s: float = Field(default=5.0, gt=0)
     """An engine whose heartbeat is older than this has left the fleet."""
     trace_prompt_chains: bool = False
@@ -384,6 +392,15 @@ class Settings(BaseSettings):
         ``**********`` there would be every child's password. Hazard: never log a JSON
         dump of the settings; ``repr`` and ``model_dump()`` stay masked."""
         return None if v is None else v.get_secret_value()
+
+    @model_validator(mode="after")
+    def _step_slot_bounds(self) -> Settings:
+        if self.inference_min_steps > self.inference_max_steps:
+            raise ValueError(
+                f"inference_min_steps {self.inference_min_steps} is above inference_max_steps "
+                f"{self.inference_max_steps}; lower WARMLOOP_INFERENCE_MIN_STEPS or raise "
+                "WARMLOOP_INFERENCE_MAX_STEPS")
+        return self
 
     @model_validator(mode="after")
     def _secured_connections(self) -> Settings:

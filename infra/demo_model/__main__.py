@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
                 p.add_argument("--" + k.replace("_", "-"), type=int, default=v)
         if name in ("train", "model"):
             p.add_argument("--out", type=Path, default=ARTIFACT_DIR)
-            for k in ("steps", "batch_tokens", "hidden_size", "layers", "threads"):
+            for k in ("steps", "batch_tokens", "hidden_size", "layers", "threads",
+                      "checkpoint_every"):
                 p.add_argument("--" + k.replace("_", "-"), type=int, default=None)
             p.add_argument("--lr", type=float, default=None)
             p.add_argument("--full-prefix-share", type=float, default=None)

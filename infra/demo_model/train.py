@@ -43,6 +43,9 @@ class TrainConfig:
     heads: int = 6
     vocab_size: int = 4096
     threads: int = 2
+    checkpoint_every: int = 0
+    """Export the model to ``<out>/checkpoint`` every this many steps (0: only at the
+    end), so a long run on a shared host that is stopped still leaves a usable model."""
 
 
 @dataclass
@@ -200,6 +203,11 @@ def train(data_dir: Path, out_dir: Path, cfg: TrainConfig,
                 f"max nll {max(s['nll_max'] for s in window):.2f} "
                 f"({time.time() - started:.0f}s)")
             window = []
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 \
+                and step + 1 < cfg.steps:
+            export(model, tok, out_dir / "checkpoint")
+            (out_dir / "checkpoint" / "STEP").write_text(f"{step + 1}\n")
+            log(f"checkpoint at step {step + 1}: {out_dir / 'checkpoint'}")
     wall = time.time() - started
     export(model, tok, out_dir)
     provenance = {
