@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         if name in ("train", "model"):
             p.add_argument("--out", type=Path, default=ARTIFACT_DIR)
             for k in ("steps", "batch_tokens", "hidden_size", "layers", "threads",
-                      "checkpoint_every"):
+                      "checkpoint_every", "deepen_to"):
                 p.add_argument("--" + k.replace("_", "-"), type=int, default=None)
             p.add_argument("--lr", type=float, default=None)
             p.add_argument("--full-prefix-share", type=float, default=None)

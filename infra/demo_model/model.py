@@ -179,6 +179,31 @@ class DemoLlama(nn.Module):
         return sd
 
 
+def deepened(model: DemoLlama, layers: int) -> DemoLlama:
+    """A deeper sibling that computes exactly what ``model`` does: its layers keep their
+    weights, spread evenly, and each new layer starts with zero output projections
+    (``o_proj``, ``down_proj``), so it adds nothing to the residual stream until
+    training moves it. The model ladder's larger model starts as good as the small one
+    and costs more per token; training then has to earn the difference."""
+    old = list(model.model.layers)
+    if layers < len(old):
+        raise ValueError(f"deepen to {layers} layers: the model already has {len(old)}")
+    cfg = ModelConfig(**{**asdict(model.cfg), "num_hidden_layers": layers})
+    big = DemoLlama(cfg)
+    big.model.embed_tokens.load_state_dict(model.model.embed_tokens.state_dict())
+    big.model.norm.load_state_dict(model.model.norm.state_dict())
+    # old layer i goes to slot round(i * layers / len(old)); the others are new
+    keep = {round(i * layers / len(old)): layer for i, layer in enumerate(old)}
+    for slot, layer in enumerate(big.model.layers):
+        assert isinstance(layer, Layer)
+        if slot in keep:
+            layer.load_state_dict(keep[slot].state_dict())
+        else:
+            nn.init.zeros_(layer.self_attn.o_proj.weight)
+            nn.init.zeros_(layer.mlp.down_proj.weight)
+    return big
+
+
 # ---- packing ----------------------------------------------------------------------------
 
 

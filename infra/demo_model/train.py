@@ -43,6 +43,9 @@ class TrainConfig:
     heads: int = 6
     vocab_size: int = 4096
     threads: int = 2
+    deepen_to: int | None = None
+    """With ``init_from``: train a deeper sibling of that model (``model.deepened``),
+    the model ladder's larger rung; it starts computing what the small one does."""
     checkpoint_every: int = 0
     """Export the model to ``<out>/checkpoint`` every this many steps (0: only at the
     end), so a long run on a shared host that is stopped still leaves a usable model."""
@@ -135,6 +138,7 @@ def train(data_dir: Path, out_dir: Path, cfg: TrainConfig,
         ModelConfig,
         batch_tensors,
         cosine_lr,
+        deepened,
         packed_loss,
         param_count,
     )
@@ -160,6 +164,10 @@ def train(data_dir: Path, out_dir: Path, cfg: TrainConfig,
         model = load_exported(Path(cfg.init_from), tok)
         mcfg = model.cfg
         log(f"continuing from {cfg.init_from}")
+        if cfg.deepen_to:
+            model = deepened(model, cfg.deepen_to)
+            mcfg = model.cfg
+            log(f"deepened to {cfg.deepen_to} layers (new layers start as identities)")
     log(f"model: {param_count(model):,} parameters")
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -206,7 +214,9 @@ def train(data_dir: Path, out_dir: Path, cfg: TrainConfig,
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 \
                 and step + 1 < cfg.steps:
             export(model, tok, out_dir / "checkpoint")
-            (out_dir / "checkpoint" / "STEP").write_text(f"{step + 1}\n")
+            (out_dir / "checkpoint" / "PROVENANCE.json").write_text(json.dumps(
+                {"checkpoint_of": str(out_dir), "steps": step + 1,
+                 "model_config": asdict(mcfg), "train_config": asdict(cfg)}, indent=1) + "\n")
             log(f"checkpoint at step {step + 1}: {out_dir / 'checkpoint'}")
     wall = time.time() - started
     export(model, tok, out_dir)

@@ -1,0 +1,104 @@
+"""The model ladder's decisions (issue 20): when a step goes one model up, and why."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from warmloop.workflows.ladder import (
+    CallConfidence,
+    EscalationReason,
+    HardCall,
+    ModelLadder,
+    escalation,
+    start_level,
+)
+
+LADDER = ModelLadder(models=("small", "large"), min_mean_logprob=-0.3,
+                     min_token_logprob=-4.0,
+                     hard_calls=(HardCall(tool="approve_payment", field="amount", over=10_000),
+                                 HardCall(tool="draft_reply")))
+SURE = CallConfidence(mean=-0.05, minimum=-0.9, tokens=20)
+
+
+def test_a_sure_valid_easy_call_stays_on_the_cheap_model() -> None:
+    assert escalation(LADDER, 0, invalid=None, tool="lookup_customer", args={"id": "C1"},
+                      confidence=SURE) is None
+
+
+def test_an_invalid_call_escalates_with_its_error() -> None:
+    e = escalation(LADDER, 0, invalid="unknown tool 'x'", tool=None, args=None,
+                   confidence=SURE)
+    assert e is not None and e.reason == EscalationReason.INVALID and "unknown" in e.detail
+    off = LADDER.model_copy(update={"escalate_invalid": False})
+    assert escalation(off, 0, invalid="bad", tool=None, args=None, confidence=SURE) is None
+
+
+@pytest.mark.parametrize(("mean", "minimum"), [(-0.5, -0.9), (-0.1, -6.0)])
+def test_an_unsure_call_escalates(mean: float, minimum: float) -> None:
+    e = escalation(LADDER, 0, invalid=None, tool="lookup_customer", args={},
+                   confidence=CallConfidence(mean=mean, minimum=minimum, tokens=10))
+    assert e is not None and e.reason == EscalationReason.LOW_CONFIDENCE
+
+
+def test_hard_calls_go_to_the_top_model_by_tool_and_by_amount() -> None:
+    small = escalation(LADDER, 0, invalid=None, tool="approve_payment",
+                       args={"amount": 9_000}, confidence=SURE)
+    big = escalation(LADDER, 0, invalid=None, tool="approve_payment",
+                     args={"amount": 12_500}, confidence=SURE)
+    reply = escalation(LADDER, 0, invalid=None, tool="draft_reply", args={}, confidence=SURE)
+    assert small is None
+    assert big is not None and big.reason == EscalationReason.HARD_AMOUNT
+    assert "12500" in big.detail
+    assert reply is not None and reply.reason == EscalationReason.HARD_TOOL
+    # an amount given as a bool or text is not an amount
+    assert escalation(LADDER, 0, invalid=None, tool="approve_payment",
+                      args={"amount": True}, confidence=SURE) is None
+
+
+def test_the_top_model_never_escalates() -> None:
+    assert escalation(LADDER, 1, invalid="bad", tool=None, args=None,
+                      confidence=CallConfidence(-9, -9, 1)) is None
+
+
+def test_next_steps_go_back_down_unless_the_ladder_stays() -> None:
+    assert start_level(LADDER, 1) == 0
+    assert start_level(LADDER.model_copy(update={"stay_escalated": "job"}), 1) == 1
+
+
+def test_confidence_of_no_tokens_is_unknown() -> None:
+    assert CallConfidence.of([]) is None
+    c = CallConfidence.of([-0.1, -0.3, -2.0])
+    assert c is not None and c.minimum == -2.0 and c.tokens == 3
+    assert c.mean == pytest.approx(-0.8)
+
+
+@pytest.mark.parametrize("bad", [
+    {"models": ("only",)},
+    {"models": ("a", "a")},
+    {"models": ("a", "b"), "min_mean_logprob": 0.5},
+])
+def test_a_ladder_that_cannot_work_is_refused(bad: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        ModelLadder.model_validate(bad)
+
+
+def test_an_amount_rule_needs_both_field_and_threshold() -> None:
+    with pytest.raises(ValidationError, match="field and over together"):
+        HardCall(tool="pay", field="amount")
+
+
+def test_the_deeper_sibling_starts_computing_what_the_small_model_does() -> None:
+    torch = pytest.importorskip("torch")
+    from warmloop.infra.demo_model.model import DemoLlama, ModelConfig, deepened
+
+    torch.manual_seed(0)
+    small = DemoLlama(ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4))
+    big = deepened(small, 5)
+    ids, pos = torch.randint(0, 50, (1, 9)), torch.arange(9)[None]
+    assert len(big.model.layers) == 5
+    assert torch.allclose(small.logits(small.hidden(ids, pos, None)[0]),
+                          big.logits(big.hidden(ids, pos, None)[0]), atol=1e-5)
+    with pytest.raises(ValueError, match="already has"):
+        deepened(big, 3)
