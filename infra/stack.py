@@ -276,7 +276,7 @@ class Stack:
         port = url.port
         argv = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(s.resolved_model_path), "--served-model-name", e.model,
+            "--model", str(s.engine_model_path(e)), "--served-model-name", e.model,
             "--host", url.hostname or "127.0.0.1", "--port", str(port),
             "--enable-prefix-caching", "--enable-prompt-tokens-details",
             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
@@ -474,10 +474,15 @@ class Stack:
         served = self.run_dir / "engine-model"
         before = (served.read_text().strip() if served.exists() else  # a stack from before
                   str((self.settings.state_dir / "models" / "tiny-llama").resolve()))
-        if before != str(path.resolve()):
+        now = " ".join(dict.fromkeys(
+            str(self.settings.engine_model_path(e).resolve())
+            for e in self.settings.engine_endpoints)) or str(path.resolve())
+        if self.settings.engine_models is None:
+            now = str(path.resolve())
+        if before != now:
             self._stop_engines("the engines' model changed")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        served.write_text(str(path.resolve()) + "\n")
+        served.write_text(now + "\n")
         if self.settings.model_path is None and self.settings.engine_model == "demo":
             # the trained demo model ships in the repository: nothing to build
             if not (path / "config.json").exists():

@@ -203,6 +203,13 @@ class Settings(BaseSettings):
     run the bundled agents, shipped in ``infra/demo_model/artifact`` (``make demo``)."""
     engine_count: int = Field(default=2, ge=1, le=8)
     """How many embedded vLLM engines `warmloop dev up` starts."""
+    engine_models: list[str] | None = None
+    """The served model name of each embedded engine, in order (one per engine): a pool
+    per model, as a model ladder needs (``Profile.ladder``). A name in ``model_paths``
+    is served from that directory; any other from the default (``engine_model``).
+    None: every engine serves the default as ``tiny``."""
+    model_paths: dict[str, Path] = Field(default_factory=dict)
+    """Model directories by served name, for ``engine_models``."""
     engine_base_port: int = Field(default=8100, ge=1024, le=65000)
     engine_max_model_len: int = Field(default=32768, ge=512)
     engine_calibration: str = Field(
@@ -394,6 +401,25 @@ class Settings(BaseSettings):
         return None if v is None else v.get_secret_value()
 
     @model_validator(mode="after")
+    def _engine_models_one_per_engine(self) -> Settings:
+        if self.engine_models is None:
+            return self
+        if len(self.engine_models) != self.engine_count:
+            raise ValueError(
+                f"engine_models names {len(self.engine_models)} models for "
+                f"{self.engine_count} engines; give one per engine or set "
+                "WARMLOOP_ENGINE_COUNT to match")
+        bad = [m for m in self.engine_models if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", m)]
+        if bad:
+            raise ValueError(f"engine_models: {bad} are not model names (letters, digits, "
+                             "'.', '_', '-')")
+        return self
+
+    def engine_model_path(self, engine: EngineEndpoint) -> Path:
+        """The directory an embedded engine serves."""
+        return self.model_paths.get(engine.model, self.resolved_model_path)
+
+    @model_validator(mode="after")
     def _step_slot_bounds(self) -> Settings:
         if self.inference_min_steps > self.inference_max_steps:
             raise ValueError(
@@ -472,6 +498,7 @@ class Settings(BaseSettings):
         return [
             EngineEndpoint(
                 id=f"e{i}", url=f"http://127.0.0.1:{self.engine_base_port + i}",
+                **({} if self.engine_models is None else {"model": self.engine_models[i]}),
                 kv_events=(None if self.engine_kv_events_base_port is None
                            else f"tcp://127.0.0.1:{self.engine_kv_events_base_port + i}"),
             )

@@ -102,3 +102,18 @@ def test_the_deeper_sibling_starts_computing_what_the_small_model_does() -> None
                           big.logits(big.hidden(ids, pos, None)[0]), atol=1e-5)
     with pytest.raises(ValueError, match="already has"):
         deepened(big, 3)
+
+
+def test_embedded_engines_serve_a_pool_per_model(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from warmloop.workers.settings import Settings
+
+    big = Path(str(tmp_path)) / "large"
+    s = Settings(engine_count=3, engine_models=["small", "small", "large"],
+                 model_paths={"large": big})
+    assert [e.model for e in s.engine_endpoints] == ["small", "small", "large"]
+    assert s.engine_model_path(s.engine_endpoints[2]) == big
+    assert s.engine_model_path(s.engine_endpoints[0]) == s.resolved_model_path
+    with pytest.raises(ValidationError, match="one per engine"):
+        Settings(engine_count=2, engine_models=["small"])
