@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: install demo test test-fast test-browser test-multihost browser promtool lint down status clean bench-routing bench-burst bench-pauses bench-contention bench-faults bench-gateway bench-sim-fidelity bench-fleet replay-demo model eval-model
+.PHONY: install demo test test-fast test-browser test-multihost browser promtool lint down status clean bench-routing bench-burst bench-pauses bench-contention bench-faults bench-gateway bench-sim-fidelity bench-fleet replay-demo model eval-model model-large eval-ladder bench-ladder
 
 install: $(INSTALLED)
 
@@ -34,6 +34,22 @@ model: install
 ## the last line is one JSON object.
 eval-model: install
 	$(BIN)/python -m warmloop.infra.demo_model evaluate $(ARGS)
+
+## The model ladder's top rung: the demo model's deeper sibling (8 layers; its new layers
+## start as identities), trained on from infra/demo_model/artifact into artifact-large.
+model-large: install
+	$(BIN)/python -m warmloop.infra.demo_model train --init-from infra/demo_model/artifact \
+		--deepen-to 8 --out infra/demo_model/artifact-large --lr 0.001 --warmup 30 $(ARGS)
+
+## The ladder's threshold swept on the labelled step set (every step of the held-out cases
+## with its correct call): steps on the cheap model, step accuracy, cost vs the top model.
+eval-ladder: install
+	$(BIN)/python -m bench.ladder eval $(ARGS)
+
+## Whole held-out jobs, graded: top model alone vs the ladder vs the cheap model alone,
+## 3 interleaved repeats; success and cost per accepted outcome. Last line: JSON.
+bench-ladder: install
+	$(BIN)/python -m bench.ladder tasks $(ARGS)
 
 ## Lint, type-check, then the whole suite (it starts the real stack it needs).
 test: install lint browser promtool
