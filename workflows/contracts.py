@@ -302,6 +302,12 @@ class GenerateRequest(BaseModel):
     "": nothing), decided by the recorded call, not the generated one. None: a live step."""
     tenant: str = Field(default="default", exclude_if=_is_default_tenant)
     """The job's tenant: the request carries its ``cache_salt`` (none for the default)."""
+    model: str | None = None
+    """A model ladder's rung: the step is routed only to engines serving this model.
+    None: the profile's ``model`` (any engine when that is None too)."""
+    logprobs: bool = False
+    """Ask the engine for the log-probability of every output token (a ladder decides
+    by them); the result carries their mean and minimum."""
 
 
 class StepTiming(BaseModel):
@@ -379,6 +385,10 @@ class GenerateResult(BaseModel):
     """When Temporal scheduled this attempt (epoch s)."""
     returned_at: float | None = None
     """When the activity returned (epoch s)."""
+    logprob_mean: float | None = None
+    """Mean log-probability of the output tokens (``GenerateRequest.logprobs``)."""
+    logprob_min: float | None = None
+    logprob_tokens: int = 0
 
 
 class ToolRequest(BaseModel):
@@ -431,6 +441,11 @@ class StepRecord(BaseModel):
     """The step's GenerateResult.prompt_hash (recorded for replayed steps)."""
     timing: StepTiming | None = None
     """Where the step's time went; None for steps recorded before it was measured."""
+    model: str | None = None
+    """The served model that made the step (a ladder's rung); None before ladders."""
+    escalated: str | None = None
+    """This step's call was asked again of the next model up, and why
+    (``warmloop.workflows.ladder.EscalationReason``: invalid, low_confidence, ...)."""
 
 
 ENGINE_ERROR = "EngineError"
