@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rich.table import Table
 
@@ -48,6 +48,13 @@ class JobsSummary:
     task_ttft_p99_ms: float
     retries: int
     approvals: int
+    steps_by_model: dict[str, int] = field(default_factory=dict)
+    """Steps per served model (a model ladder's rungs); empty before steps named it."""
+    escalations: dict[str, int] = field(default_factory=dict)
+    """Steps asked again of a larger model, by reason."""
+    top_only_cost_usd: float | None = None
+    """Estimate: every step's tokens at the dearest model's observed cost per token
+    (what running everything on the top rung would have cost); None with one model."""
 
     @property
     def cache_share(self) -> float:
@@ -97,7 +104,24 @@ def summarize(results: list[JobResult]) -> JobsSummary:
         task_ttft_p99_ms=percentile(task_ttfts, 99),
         retries=sum(s.retries for s in steps),
         approvals=sum(len(r.approvals) for r in results),
+        steps_by_model=dict(Counter(s.model for s in steps if s.model)),
+        escalations=dict(Counter(s.escalated for s in steps if s.escalated)),
+        top_only_cost_usd=_top_only_cost(steps),
     )
+
+
+def _top_only_cost(steps: list[StepRecord]) -> float | None:
+    tokens: dict[str, int] = defaultdict(int)
+    cost: dict[str, float] = defaultdict(float)
+    for s in steps:
+        if s.model and s.cost_usd is not None:
+            tokens[s.model] += s.prompt_tokens + s.completion_tokens
+            cost[s.model] += s.cost_usd
+    rates = {m: cost[m] / tokens[m] for m in tokens if tokens[m]}
+    if len(rates) < 2:
+        return None
+    top = max(rates.values())
+    return sum((s.prompt_tokens + s.completion_tokens) * top for s in steps)
 
 
 def _usd(v: float) -> str:
@@ -148,6 +172,16 @@ def report_table(results: list[JobResult], *, title: str,
         ("step retries", [str(s.retries) for s in summaries.values()]),
         ("human approvals", [str(s.approvals) for s in summaries.values()]),
     ]
+    if any(len(s.steps_by_model) > 1 for s in summaries.values()):
+        rows.append(("steps by model", [", ".join(
+            f"{m} {n / max(1, s.steps):.0%}" for m, n in sorted(s.steps_by_model.items()))
+            for s in summaries.values()]))
+        rows.append(("escalations", [", ".join(
+            f"{k} {n}" for k, n in sorted(s.escalations.items())) or "0"
+            for s in summaries.values()]))
+        rows.append(("cost vs top model alone (est.)", [
+            f"{s.cost_usd / s.top_only_cost_usd:.2f}x" if s.top_only_cost_usd else "-"
+            for s in summaries.values()]))
     if correct is not None:
         rows.append(("correct (whole task vs ground truth)",
                      [_share(*correct.get(p, (0, 0))) for p in summaries]))

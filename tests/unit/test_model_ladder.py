@@ -117,3 +117,30 @@ def test_embedded_engines_serve_a_pool_per_model(tmp_path: object) -> None:
     assert s.engine_model_path(s.engine_endpoints[0]) == s.resolved_model_path
     with pytest.raises(ValidationError, match="one per engine"):
         Settings(engine_count=2, engine_models=["small"])
+
+
+def test_the_report_shows_steps_per_model_escalations_and_cost_against_the_top() -> None:
+    from warmloop.workers.report import report_table, summarize
+    from warmloop.workflows.contracts import JobResult, JobState, StepRecord, Usage
+
+    def step(n: int, model: str, cost: float, escalated: str | None = None) -> StepRecord:
+        return StepRecord(step=n, kind="plan", engine_id="e0", route_reason="cache",
+                          tool="t", valid=True, prompt_tokens=900, cached_tokens=800,
+                          completion_tokens=100, ttft_ms=1.0, latency_ms=2.0,
+                          cost_usd=cost, model=model, escalated=escalated)
+
+    steps = [step(1, "small", 1.0), step(2, "small", 1.0, "low_confidence"),
+             step(2, "large", 10.0), step(3, "small", 1.0)]
+    r = JobResult(job_id="j", profile="p", state=JobState.FINISHED, reason="done",
+                  steps=steps, usage=Usage(steps=3, cost_usd=13.0), transcript_key=None)
+    s = summarize([r])
+    assert s.steps_by_model == {"small": 3, "large": 1}
+    assert s.escalations == {"low_confidence": 1}
+    # every step's 1,000 tokens at the large model's rate (10.0 a step)
+    assert s.top_only_cost_usd == pytest.approx(40.0)
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    console.print(report_table([r], title="t"))
+    text = console.export_text()
+    assert "steps by model" in text and "large 25%" in text and "0.33x" in text
