@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: install demo test test-fast test-browser test-multihost browser promtool lint down status clean bench-routing bench-burst bench-pauses bench-contention bench-faults bench-gateway bench-sim-fidelity bench-fleet replay-demo model eval-model model-large eval-ladder bench-ladder
+.PHONY: install demo test test-fast test-browser test-multihost browser promtool lint down status clean bench-routing bench-burst bench-pauses bench-contention bench-faults bench-gateway bench-sim-fidelity bench-fleet replay-demo model eval-model model-large eval-ladder bench-ladder bench-lazy-tools bench-hedge bench-hygiene
 
 install: $(INSTALLED)
 
@@ -133,6 +133,21 @@ bench-fleet: install
 ## warmloop replay on a 40-job trace, twice: warmloop routing vs round-robin (own stack).
 replay-demo: install
 	$(BIN)/python -m bench.replay_demo
+
+## Hedged tool calls: a read-only HTTP tool with a heavy latency tail, hedge_tools on vs
+## off; tool p99, job p99 and the share of extra calls (own stack; ~15 min here).
+bench-hedge: install
+	$(BIN)/python -m bench.hedge $(ARGS)
+
+## Context hygiene: none vs cost model vs every step on long (40-step) and short jobs,
+## small KV pools; medians and ranges of 3 interleaved repeats (own stack; ~13 min here).
+bench-hygiene: install
+	$(BIN)/python -m bench.hygiene $(ARGS)
+
+## Tools loaded on demand: a 40-tool profile, every schema up front vs on demand; prompt
+## tokens per step and first-step TTFT from the engine's usage (own stack; ~6 min here).
+bench-lazy-tools: install
+	$(BIN)/python -m bench.lazy_tools $(ARGS)
 
 $(VENV)/.bench-installed: $(INSTALLED)
 	$(BIN)/python -m pip install -q -e ".[bench]"

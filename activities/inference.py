@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeGuard
@@ -28,8 +29,10 @@ from warmloop.activities.registry import (
 )
 from warmloop.activities.trace_prompts import TracePromptStore
 from warmloop.activities.transcripts import TranscriptStore
+from warmloop.workflows import tool_loading
 from warmloop.workflows.contracts import (
     ENGINE_ERROR,
+    ChatMessage,
     FunctionCall,
     GenerateRequest,
     GenerateResult,
@@ -39,7 +42,12 @@ from warmloop.workflows.contracts import (
 )
 from warmloop.workflows.pricing import EnginePrice
 from warmloop.workflows.profiles import Profile, get_profile
-from warmloop.workflows.prompt import assemble_prompt, canonical_json, prompt_hash
+from warmloop.workflows.prompt import (
+    assemble_prompt,
+    canonical_json,
+    prompt_hash,
+    request_tools,
+)
 from warmloop.workflows.tenants import cache_salt, scoped
 from warmloop.workflows.trace import is_trace_profile
 
@@ -116,12 +124,12 @@ class InferenceActivities:
         transcript, stored = await self._transcripts.extend_deferred(
             req.job_id, req.base_len, req.new_messages)
         messages = assemble_prompt(profile, profile.validate_task(req.task), transcript,
-                                   tail=req.tail)
+                                   tail=req.tail, tools=req.tools)
         salt = cache_salt(req.tenant)
-        return {
+        body = {
             "model": self._model,
             "messages": [m.to_openai() for m in messages],
-            "tools": profile.tool_schemas(req.tools),
+            "tools": request_tools(profile, req.tools),
             # `required` + strict schemas: the engine's guided decoding makes the output
             # a parseable call, even from a weak model.
             "tool_choice": "required",
@@ -136,7 +144,12 @@ class InferenceActivities:
             "return_token_ids": self._dir is not None,
             # vLLM mixes the salt into the prompt's first block: the tenant's own cache
             **({} if salt is None else {"cache_salt": salt}),
-        }, profile, stored
+        }
+        if profile.tools_on_demand:
+            body.update(_on_demand_constraint(profile, transcript, req.tools))
+        if req.logprobs:  # a ladder's step: how sure the model was of its call
+            body.update({"logprobs": True, "top_logprobs": 0})
+        return body, profile, stored
 
     @activity.defn(name="generate")
     async def generate(self, req: GenerateRequest) -> GenerateResult:
@@ -242,17 +255,25 @@ class InferenceActivities:
         prompt_tokens, cached_tokens = usage["prompt_tokens"], usage["cached_tokens"]
         completion_tokens = usage["completion_tokens"]
         calls, prompt_ids = stream.calls, stream.prompt_ids
+        content = "".join(stream.content)
+        tool_calls = [
+            ToolCall(id=c["id"] or f"call-{req.job_id}-{req.step}-{i}",
+                     function=FunctionCall(name=c["name"], arguments="".join(c["arguments"])))
+            for i, c in sorted(calls.items())
+        ]
+        if profile.tools_on_demand and not tool_calls:
+            content, tool_calls = _on_demand_call(content, f"call-{req.job_id}-{req.step}-0")
         result = GenerateResult(
             engine_id=self._engine_id,
             model=self._model,
             attempt=activity.info().attempt,
-            content="".join(stream.content),
-            tool_calls=[
-                ToolCall(id=c["id"] or f"call-{req.job_id}-{req.step}-{i}",
-                         function=FunctionCall(name=c["name"], arguments="".join(c["arguments"])))
-                for i, c in sorted(calls.items())
-            ],
+            content=content,
+            tool_calls=tool_calls,
             finish_reason=stream.finish_reason,
+            logprob_mean=(sum(stream.logprobs) / len(stream.logprobs)
+                          if stream.logprobs else None),
+            logprob_min=min(stream.logprobs) if stream.logprobs else None,
+            logprob_tokens=len(stream.logprobs),
             prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
             completion_tokens=completion_tokens,
             ttft_ms=((first_token or done) - started) * 1000,
@@ -465,6 +486,31 @@ class InferenceActivities:
                                type=ENGINE_ERROR)
 
 
+def _on_demand_constraint(profile: Profile, transcript: list[ChatMessage],
+                          tools: list[str] | None) -> dict[str, Any]:
+    """An on-demand step's constraint, apart from its ``tools``: those stay the same on
+    every step (the chat template renders them into the cached prefix), while what the
+    model may call grows as it loads tools. ``tool_choice: none`` leaves vLLM's own
+    tool constraint out and its output as text; ``structured_outputs.json`` (vLLM 0.32:
+    ``guided_json`` is dropped) is the exactly-one-call schema of the offered tools."""
+    loaded = tool_loading.loaded_from_transcript(profile, transcript, tools)
+    offered = tool_loading.offered(profile, transcript, tools)
+    return {"tool_choice": "none",
+            "structured_outputs": {"json": tool_loading.constraint_schema(
+                profile, offered, loaded, tools)}}
+
+
+def _on_demand_call(content: str, call_id: str) -> tuple[str, list[ToolCall]]:
+    """An on-demand step's call, read from its constrained text (``[{"name",
+    "parameters"}]``); the text unchanged and no call when it is not one (cut by
+    max_tokens), which the workflow reads as an invalid step."""
+    parsed = tool_loading.parse_call(content)
+    if parsed is None:
+        return content, []
+    name, arguments = parsed
+    return "", [ToolCall(id=call_id, function=FunctionCall(name=name, arguments=arguments))]
+
+
 class BrokenStreamError(Exception):
     """The engine's stream is not a whole, well-formed step."""
 
@@ -490,6 +536,8 @@ class StepStream:
         self.first_delta: float | None = None
         """When the first content or tool-call delta came."""
         self.done = False
+        self.logprobs: list[float] = []
+        """The output tokens' log-probabilities, when the request asked for them."""
         self._event = ""
 
     def reported(self) -> dict[str, int]:
@@ -558,8 +606,19 @@ class StepStream:
                 self.content.append(content)
             for tc in tool_calls:
                 self._take_call(tc)
+            self._take_logprobs(choice.get("logprobs"))
             self.finish_reason = (_typed(choice.get("finish_reason"), str, "a finish reason")
                                   or self.finish_reason)
+
+    def _take_logprobs(self, lp: Any) -> None:
+        """Per-token log-probabilities (asked for by a ladder's step); a garbled entry
+        is dropped, not the step: they only inform an escalation."""
+        if not isinstance(lp, dict) or not isinstance(lp.get("content"), list):
+            return
+        for entry in lp["content"]:
+            v = entry.get("logprob") if isinstance(entry, dict) else None
+            if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+                self.logprobs.append(float(v))
 
     def _take_call(self, tc: Any) -> None:
         if not isinstance(tc, dict):

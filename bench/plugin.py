@@ -13,13 +13,16 @@ import os
 from bench.synthetic_pauses import SyntheticPauses
 from bench.synthetic_profiles import SYNTHETIC_PROFILES
 from bench.synthetic_tools import SyntheticTools
+from bench.tool_catalog import CATALOG_PROFILES, CatalogTools
+from warmloop import Toolset
 
 PAUSES_ENV = "WARMLOOP_SYNTHETIC_PAUSES"
 
-PROFILES = SYNTHETIC_PROFILES
+PROFILES = (*SYNTHETIC_PROFILES, *CATALOG_PROFILES)
 
 
-def TOOLSETS() -> list[SyntheticTools]:  # noqa: N802 (a plugin attribute, called at load)
+def TOOLSETS() -> list[Toolset]:  # noqa: N802 (a plugin attribute, called at load)
     raw = os.environ.get(PAUSES_ENV)
     pauses = SyntheticPauses.model_validate_json(raw) if raw else SyntheticPauses()
-    return [SyntheticTools(p.name, pauses) for p in SYNTHETIC_PROFILES]
+    return [*(SyntheticTools(p.name, pauses) for p in SYNTHETIC_PROFILES),
+            *(CatalogTools(p.name) for p in CATALOG_PROFILES)]

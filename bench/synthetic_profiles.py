@@ -9,12 +9,14 @@ that cache hit rates and prefill tokens can be compared; they do no useful work.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from warmloop.workflows.budgets import JobLimits, OutputBudgets
+from warmloop.workflows.ladder import HardCall, ModelLadder
 from warmloop.workflows.profiles.base import ApprovalRule, Profile, ToolSpec
 
 SYNTHETIC_DOMAINS = ("support", "billing", "legal", "logistics")
@@ -107,8 +109,22 @@ def synthetic_profile(domain: str, *, approvals: tuple[ApprovalRule, ...] = (),
     )
 
 
+LADDER_MODELS = ("small", "large")
+"""The served model names of the laddered profile's two engine pools."""
+
+
+def laddered_profile() -> Profile:
+    """synthetic-support on a model ladder (small, then large; a ``close`` is always
+    made by the top model): its engines must serve ``LADDER_MODELS``."""
+    return dataclasses.replace(
+        synthetic_profile("support"), name="synthetic-laddered",
+        ladder=ModelLadder(models=LADDER_MODELS, min_mean_logprob=-0.35,
+                           hard_calls=(HardCall(tool="close"),)))
+
+
 SYNTHETIC_PROFILES = (
     *(synthetic_profile(d) for d in SYNTHETIC_DOMAINS),
+    laddered_profile(),
     # Not in the routing workload: its jobs wait for humans (bench-pauses approves them).
     synthetic_profile("review", approvals=(REVIEW_APPROVAL,), extra_tools=(
         ToolSpec("escalate", "Ask a reviewer to look at the case.", EscalateArgs),)),

@@ -25,6 +25,7 @@ from warmloop.workflows.contracts import (
     ToolRequest,
     ToolResult,
 )
+from warmloop.workflows.ladder import HardCall, ModelLadder
 from warmloop.workflows.profiles import (
     REGISTRY,
     ActivityRunner,
@@ -43,11 +44,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AGENT_TASK_QUEUE", "REGISTRY", "ActivityRunner", "ApprovalRule", "EngineEndpoint",
-    "FunctionTool", "HttpRunner", "InvalidJobError", "JobClient", "JobInput", "JobLimits",
-    "JobResult", "JobState", "JobStatus", "Lane", "LoadedPlugins", "OutputBudgets",
-    "PluginError", "Profile", "PythonRunner", "Settings", "ToolContext", "ToolOutcome",
-    "ToolRequest", "ToolResult", "ToolRetry", "ToolSpec", "Toolset", "WarmloopModelProvider",
-    "WarmloopPlugin", "get_profile", "load_plugins", "tool", "warmloop_agents_plugin",
+    "FunctionTool", "HardCall", "HttpRunner", "InvalidJobError", "JobClient", "JobInput",
+    "JobLimits", "JobResult", "JobState", "JobStatus", "Lane", "LoadedPlugins", "ModelLadder",
+    "OutputBudgets", "PluginError", "Profile", "PythonRunner", "Settings", "ToolContext",
+    "ToolOutcome", "ToolRequest", "ToolResult", "ToolRetry", "ToolSpec", "Toolset",
+    "WarmloopModelProvider", "WarmloopPlugin", "get_profile", "load_plugins", "tool",
+    "warmloop_agents_plugin",
 ]
 _AGENTS = {"WarmloopModelProvider", "warmloop_agents_plugin"}
 

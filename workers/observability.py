@@ -99,6 +99,16 @@ WARMLOOP_METRICS: tuple[MetricSpec, ...] = (
                ("profile", "engine")),
     MetricSpec("warmloop_jobs_ended", "counter", "Jobs by terminal state.", _AGENT,
                ("profile", "state")),
+    MetricSpec("warmloop_escalations", "counter",
+               "Model steps asked again of a larger model (model ladder), by reason.",
+               _AGENT, ("profile", "reason")),
+    MetricSpec("warmloop_hygiene_archived", "counter",
+               "Tool outputs context hygiene archived to S3 and replaced by a summary.",
+               _AGENT, ("profile",)),
+    # ---- agent worker activities ------------------------------------------------------
+    MetricSpec("warmloop_tool_hedges", "counter",
+               "Read-only tool calls that got a second (hedge) request past their p95, by "
+               "which request answered first.", _AGENT, ("profile", "tool", "winner")),
     # ---- inference workers (activities) -----------------------------------------------
     MetricSpec("warmloop_cache_busts", "counter",
                "Prompt prefixes that changed where they should not.", _INFERENCE,

@@ -68,11 +68,12 @@ class AgentActivities:
 def build_agent_activities(settings: Settings, loaded: LoadedPlugins) -> AgentActivities:
     """The agent task queue's activities, with their clients built once, here."""
     from warmloop.activities.batch import BatchActivities
+    from warmloop.activities.hygiene import HygieneActivities
     from warmloop.activities.pauses import PauseActivities, PauseStats
     from warmloop.activities.registry import EngineRegistry
     from warmloop.activities.routing import RoutingActivities
     from warmloop.activities.storage import StorageActivities
-    from warmloop.activities.tools import EffectLedger, ToolActivities
+    from warmloop.activities.tools import EffectLedger, Hedging, ToolActivities
     from warmloop.workers.clients import build_redis, build_s3
 
     redis = build_redis(settings)
@@ -80,11 +81,15 @@ def build_agent_activities(settings: Settings, loaded: LoadedPlugins) -> AgentAc
     registry = EngineRegistry(redis, ttl_s=settings.engine_ttl_s)
     routing = RoutingActivities(registry, redis, config=settings.routing,
                                 quotas=settings.tenants)
+    # Hedging reads its thresholds from the pause statistics and counts its hedges in
+    # Redis (``warmloop:tool_hedges``, which bench-hedge reads).
     tools = ToolActivities(loaded.toolsets, EffectLedger(redis), s3=s3,
-                           bucket=settings.s3_bucket, pauses=PauseStats(redis))
+                           bucket=settings.s3_bucket, pauses=PauseStats(redis),
+                           hedging=Hedging(PauseStats(redis), redis=redis))
     pauses = PauseActivities(PauseStats(redis))
     storage = StorageActivities(s3, settings.s3_bucket)
     batch = BatchActivities(s3, settings.s3_bucket, inputs=settings.batch_input_dirs)
+    hygiene = HygieneActivities(s3, settings.s3_bucket)
 
     async def close_s3() -> None:
         s3.close()
@@ -93,7 +98,8 @@ def build_agent_activities(settings: Settings, loaded: LoadedPlugins) -> AgentAc
         [routing.route_step, routing.pick_engine, routing.engine_alive, tools.run_tool,
          storage.store_transcript,
          storage.load_transcript_chunk,
-         batch.read_records, batch.write_batch_results, pauses.record_pause],
+         batch.read_records, batch.write_batch_results, pauses.record_pause,
+         hygiene.archive_tool_outputs],
         [tools.aclose, redis.aclose, close_s3])
 
 

@@ -21,6 +21,7 @@ from temporalio.common import Priority, RetryPolicy, SearchAttributeKey
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, TimeoutType
 from temporalio.exceptions import TimeoutError as ActivityTimeoutError
 
+from warmloop.workflows import tool_loading
 from warmloop.workflows.approval_auth import (
     AssertionRefused,
     check_claims,
@@ -71,6 +72,17 @@ from warmloop.workflows.contracts import (
     engine_task_queue,
     id_problem,
 )
+from warmloop.workflows.hygiene import (
+    PATCH_CONTEXT_HYGIENE,
+    HygienePlan,
+    apply_items,
+    archive_batches,
+    due_for_check,
+    plan_compaction,
+    plan_every_step,
+    resolve_hygiene,
+)
+from warmloop.workflows.ladder import CallConfidence, escalation, start_level
 from warmloop.workflows.lanes import VLLM_PRIORITY, task_priority
 from warmloop.workflows.pricing import pricing_for
 from warmloop.workflows.profiles import Profile, UnknownProfileError, get_profile
@@ -137,6 +149,9 @@ PATCH_ENGINE_PRICES = "engine-prices"
 # Tenants: a job id <tenant>/<job id> (refused before), and a step waiting out its
 # tenant's spent hour. Neither branch is taken by a default-tenant job.
 PATCH_TENANTS = "tenants"
+# Model ladder: a step of a profile with a ladder runs on its cheapest model and may be
+# asked again of the next one up. No job of a profile without a ladder takes the branch.
+PATCH_MODEL_LADDER = "model-ladder"
 # route_step's non-retryable refusals: the job cannot run on this fleet at all.
 UNSERVABLE = frozenset({NO_ENGINE_FOR_MODEL, NO_PRICED_ENGINE})
 PREWARM_TIMEOUT = timedelta(seconds=60)
@@ -208,6 +223,9 @@ class AgentJob:
         self._started_at = datetime.min
         self._runs = 1
         self._approvals: list[ApprovalRecord] = []
+        self._ladder_reached = 0
+        self._rung_engines: dict[str, str] = {}
+        """The engine each ladder model last served the job on: its routing hint."""
         self._pending: dict[str, PendingApproval] = {}
         self._decisions: dict[str, Decision] = {}
         self._rules: dict[str, ApprovalRule] = {}
@@ -330,6 +348,7 @@ class AgentJob:
         self._usage, self._engine, self._invalid_streak = c.usage, c.engine, c.invalid_streak
         self._next_kind, self._started_at = StepKind(c.next_kind), c.started_at
         self._runs, self._approvals = c.runs + 1, c.approvals
+        self._ladder_reached = c.ladder_reached
 
     @staticmethod
     def _limits(profile: Profile, job: JobInput) -> JobLimits:
@@ -348,19 +367,30 @@ class AgentJob:
             hit = check_before_step(limits, self._usage, self._elapsed_s())
             if hit:
                 raise _JobEnded(JobState(hit.state), hit.reason)
-            if self._should_continue_as_new(job, steps_this_run):
-                carry = await self._carry()
+            if self._should_continue_as_new(job, steps_this_run, profile, limits):
+                carry = await self._carry(job, profile, limits, steps_this_run)
                 if carry is not None:
                     workflow.continue_as_new(job.model_copy(update={"carry": carry}))
+            elif steps_this_run > 0 and (hygiene := resolve_hygiene(
+                    job.context_hygiene, profile.hygiene)) and hygiene.mode == "every_step":
+                # the baseline: compact before every step, no continue-as-new
+                await self._compact(job, profile, limits)
             steps_this_run += 1
             if job.replay is not None:
                 await self._replay_step(job, profile, task, limits, job.replay)
                 continue
-            gen, record = await self._model_step(job, profile, task, limits)
+            # on demand: the loader too, and only what is loaded (from the transcript)
+            checker, offered = tool_loading.job_offer(profile, self._transcript, job.tools)
+            gen, record = await self._laddered_step(job, profile, task, limits, checker,
+                                                    offered)
             try:
-                spec, args = self._validate(profile, gen, job.tools)
+                spec, args = self._validate(checker, gen, offered)
             except ToolCallError as e:
-                self._on_invalid(profile, gen, record, str(e))
+                clearer = (tool_loading.refusal(profile, self._transcript, job.tools,
+                                                gen.tool_calls[0].function.name,
+                                                gen.tool_calls[0].function.arguments)
+                           if len(gen.tool_calls) == 1 else None)
+                self._on_invalid(profile, gen, record, clearer or str(e))
                 continue
             self._invalid_streak = 0
             self._steps.append(record.model_copy(update={"tool": spec.name, "valid": True}))
@@ -374,6 +404,12 @@ class AgentJob:
             if spec.finishes_job:
                 self._answer(call, "done")
                 raise _JobEnded(JobState.FINISHED, f"{spec.name} called", args)
+            if profile.tools_on_demand and spec.name == tool_loading.LOAD_TOOLS:
+                # answered here, no activity: the schemas are appended to the transcript
+                self._answer(call, tool_loading.answer_load(profile, self._transcript, job.tools,
+                                                            args))
+                self._next_kind = StepKind.EXECUTE
+                continue
             task_id = str(job.task.get(profile.task_id_field, ""))
             refusal = profile.out_of_task(spec, task_id, args)
             if refusal is not None and workflow.patched(PATCH_OUT_OF_TASK):
@@ -421,20 +457,49 @@ class AgentJob:
         if recorded.pause_s > 0:
             await workflow.sleep(recorded.pause_s)
 
-    def _should_continue_as_new(self, job: JobInput, steps_this_run: int) -> bool:
+    def _should_continue_as_new(self, job: JobInput, steps_this_run: int,
+                                profile: Profile | None = None,
+                                limits: JobLimits | None = None) -> bool:
         if self._pending:
             return False
+        if self._continue_as_new_asked(job, steps_this_run):
+            return True
+        # Context hygiene (cost_model): a check point where compacting pays is a
+        # continue-as-new point too, so the next run's prefix is stable again.
+        if steps_this_run == 0 or profile is None or limits is None:
+            return False
+        cfg = resolve_hygiene(job.context_hygiene, profile.hygiene)
+        if cfg is None or cfg.mode != "cost_model" or not due_for_check(cfg, self._usage.steps):
+            return False
+        return self._hygiene_plan(job, profile, limits).fire and workflow.patched(
+            PATCH_CONTEXT_HYGIENE)
+
+    def _continue_as_new_asked(self, job: JobInput, steps_this_run: int) -> bool:
         forced = job.continue_as_new_after_steps
         # At least one step a run: a run that loaded a big transcript may be told to
         # continue at once, and would then do nothing but reload it, forever.
         return steps_this_run > 0 and (workflow.info().is_continue_as_new_suggested() or (
             forced is not None and steps_this_run >= forced))
 
-    async def _carry(self) -> JobCarry | None:
+    async def _carry(self, job: JobInput | None = None, profile: Profile | None = None,
+                     limits: JobLimits | None = None,
+                     steps_this_run: int = 0) -> JobCarry | None:
         """What the next run needs. A transcript too big for the carry goes to the
         message store first, and the next run loads it in chunks; None when the store
-        cannot take it now (the job goes on in this run and tries again next step)."""
+        cannot take it now (the job goes on in this run and tries again next step).
+
+        With context hygiene (cost_model), the transcript is compacted first when that
+        pays; a point taken only for compacting is given up (None) when the archive
+        fails: the job goes on uncompacted and tries at its next check point."""
+        compacted = False
+        if job is not None and profile is not None and limits is not None:
+            cfg = resolve_hygiene(job.context_hygiene, profile.hygiene)
+            if cfg is not None and cfg.mode == "cost_model":
+                compacted = await self._compact(job, profile, limits)
+                if not compacted and not self._continue_as_new_asked(job, steps_this_run):
+                    return None
         transcript, stored_len, carried_len = self._transcript, self._stored_len, None
+        resend_from = self._stored_len
         if _messages_bytes(self._transcript) > INLINE_TRANSCRIPT_BYTES:
             try:
                 await self._store_messages(complete=False)
@@ -444,19 +509,128 @@ class AgentJob:
                 return None
             transcript, stored_len = [], len(self._transcript)
             carried_len = stored_len
+            if compacted:
+                # The inference workers may still hold the uncompacted messages from
+                # resend_from on: the next step sends them again from there.
+                stored_len = self._stored_len = resend_from
         return JobCarry(
             transcript=transcript, stored_len=stored_len, steps=self._steps,
             usage=self._usage, engine=self._engine, invalid_streak=self._invalid_streak,
             next_kind=self._next_kind.value, started_at=self._started_at, runs=self._runs,
             approvals=self._approvals, transcript_len=carried_len,
+            ladder_reached=self._ladder_reached,
         )
+
+    def _hygiene_plan(self, job: JobInput, profile: Profile, limits: JobLimits) -> HygienePlan:
+        """Context hygiene's decision now (pure: the same on replay)."""
+        cfg = resolve_hygiene(job.context_hygiene, profile.hygiene)
+        assert cfg is not None
+        if cfg.mode == "every_step":
+            return plan_every_step(self._transcript, cfg, job_id=self._job_id,
+                                   pending_approvals=len(self._pending),
+                                   max_resend_bytes=INLINE_TRANSCRIPT_BYTES)
+        fixed = (len(profile.system_prompt) + len(json.dumps(profile.tool_schemas(job.tools)))
+                 + len(json.dumps(job.task)))
+        return plan_compaction(
+            self._transcript, cfg, job_id=self._job_id, limits=limits, usage=self._usage,
+            fixed_chars=fixed,
+            last_prompt_tokens=self._steps[-1].prompt_tokens if self._steps else None,
+            pending_approvals=len(self._pending), max_resend_bytes=INLINE_TRANSCRIPT_BYTES)
+
+    async def _compact(self, job: JobInput, profile: Profile, limits: JobLimits) -> bool:
+        """Archive the tool outputs context hygiene picks and put their summaries in the
+        transcript; True when it did. Nothing changes unless every output is in S3
+        first (S3 down: the transcript is kept whole and the next point tries again).
+        The stored transcript is then re-sent from the first changed message, so the
+        inference worker's copy (and the prompt) matches the compacted one."""
+        if resolve_hygiene(job.context_hygiene, profile.hygiene) is None:
+            return False
+        plan = self._hygiene_plan(job, profile, limits)
+        if not plan.fire or plan.first_index is None:
+            workflow.logger.debug("context hygiene: no compaction (%s)", plan.describe())
+            return False
+        if not workflow.patched(PATCH_CONTEXT_HYGIENE):
+            return False
+        try:
+            for req in archive_batches(self._transcript, plan.items, job_id=self._job_id,
+                                       max_bytes=TRANSCRIPT_CHUNK_BYTES):
+                await workflow.execute_activity(
+                    "archive_tool_outputs", req, task_queue=AGENT_TASK_QUEUE,
+                    start_to_close_timeout=SHORT_ACTIVITY,
+                    retry_policy=RetryPolicy(maximum_attempts=3,
+                                             initial_interval=timedelta(seconds=1)),
+                    result_type=list[str])
+        except ActivityError as e:
+            _if_cancelled(e)
+            workflow.logger.warning("context hygiene: archiving %d output(s) failed; the "
+                                    "transcript is kept whole, a later point tries again",
+                                    len(plan.items))
+            return False
+        self._transcript = apply_items(self._transcript, plan.items)
+        self._stored_len = min(self._stored_len, plan.first_index)
+        workflow.metric_meter().create_counter(
+            "warmloop_hygiene_archived", "tool outputs archived by context hygiene"
+        ).add(len(plan.items), {"profile": self._profile_name})
+        workflow.logger.info("context hygiene compacted at step %d: %s", self._usage.steps,
+                             plan.describe())
+        return True
 
     def _answer(self, call: ToolCall, content: str) -> None:
         self._transcript.append(ChatMessage(role="tool", tool_call_id=call.id, content=content))
 
+    async def _laddered_step(self, job: JobInput, profile: Profile, task: BaseModel,
+                             limits: JobLimits, checker: Profile, offered: list[str] | None
+                             ) -> tuple[GenerateResult, StepRecord]:
+        """One model step; with a model ladder, on its cheapest model first, asked again
+        of the next model up while ``ladder.escalation`` says so. Each ask is a model
+        step of its own (its tokens, cost and cap count); an escalated ask's call is
+        recorded with its reason and never reaches the transcript."""
+        ladder = profile.ladder
+        if ladder is None or job.engine_id or not workflow.patched(PATCH_MODEL_LADDER):
+            return await self._model_step(job, profile, task, limits)
+        level = start_level(ladder, self._ladder_reached)
+        wants_logprobs = (ladder.min_mean_logprob is not None
+                          or ladder.min_token_logprob is not None)
+        while True:
+            gen, record = await self._model_step(
+                job, profile, task, limits, model=ladder.models[level],
+                logprobs=wants_logprobs and level < ladder.top,
+                # the job goes back down: the upper rung's engine keeps its prefix by LRU
+                hold=level == 0 or ladder.stay_escalated == "job")
+            invalid: str | None = None
+            tool: str | None = None
+            args: dict[str, Any] | None = None
+            try:
+                spec, args = self._validate(checker, gen, offered)
+                tool = spec.name
+            except ToolCallError as e:
+                invalid = str(e)
+            confidence = (CallConfidence(mean=gen.logprob_mean, minimum=gen.logprob_min,
+                                         tokens=gen.logprob_tokens)
+                          if gen.logprob_mean is not None and gen.logprob_min is not None
+                          else None)
+            esc = escalation(ladder, level, invalid=invalid, tool=tool, args=args,
+                             confidence=confidence)
+            if esc is None:
+                self._ladder_reached = max(self._ladder_reached, level)
+                return gen, record
+            self._steps.append(record.model_copy(update={
+                "tool": tool, "valid": invalid is None, "error": invalid,
+                "escalated": esc.reason.value}))
+            workflow.metric_meter().create_counter(
+                "warmloop_escalations", "model steps asked again of a larger model"
+            ).add(1, {"profile": profile.name, "reason": esc.reason.value})
+            workflow.logger.info("step %d escalates from %s: %s", record.step,
+                                 ladder.models[level], esc.detail)
+            hit = check_before_step(limits, self._usage, self._elapsed_s())
+            if hit:
+                raise _JobEnded(JobState(hit.state), hit.reason)
+            level += 1
+
     async def _model_step(self, job: JobInput, profile: Profile, task: BaseModel,
-                          limits: JobLimits, replay: ReplayStep | None = None
-                          ) -> tuple[GenerateResult, StepRecord]:
+                          limits: JobLimits, replay: ReplayStep | None = None, *,
+                          model: str | None = None, logprobs: bool = False,
+                          hold: bool = True) -> tuple[GenerateResult, StepRecord]:
         kind = self._next_kind
         step = self._usage.steps + 1
         request = GenerateRequest(
@@ -466,8 +640,9 @@ class AgentJob:
             tail=remaining_text(limits, self._usage, self._elapsed_s()),
             max_tokens=step_output_budget(profile.budgets, kind, limits, self._usage),
             tools=job.tools,
-            priority=VLLM_PRIORITY[job.lane], lane=job.lane, hold_policy=job.hold_policy,
-            tenant=job.tenant,
+            priority=VLLM_PRIORITY[job.lane], lane=job.lane,
+            hold_policy=job.hold_policy if hold else "never",
+            tenant=job.tenant, model=model, logprobs=logprobs,
         )
         if replay is not None:  # the recorded output length; holds follow the recorded call
             request = request.model_copy(update={"max_tokens": replay.output_tokens,
@@ -501,7 +676,10 @@ class AgentJob:
             retries=gen.attempt - 1 + failovers, dispatch_ms=gen.dispatch_ms,
             predicted_cached_tokens=routed.expected_cached_tokens if routed else None,
             route_ms=routed.took_ms if routed else 0.0, timing=timing,
+            model=model,
         )
+        if model is not None:
+            self._rung_engines[model] = gen.engine_id
         self._record_metrics(record)
         return gen, record
 
@@ -610,8 +788,10 @@ class AgentJob:
             RouteRequest(job_id=self._job_id, step=request.step, profile=request.profile,
                          policy=job.routing, exclude=exclude, tools=job.tools,
                          lane=job.lane,
-                         last_engine=self._engine.engine_id if self._engine else None,
-                         model=profile.model,
+                         last_engine=(self._rung_engines.get(request.model)
+                                      if request.model is not None
+                                      else self._engine.engine_id if self._engine else None),
+                         model=request.model or profile.model,
                          require_price=self._limits(profile, job).max_cost_usd is not None,
                          tenant=job.tenant),
             start_to_close_timeout=ROUTE_TIMEOUT, retry_policy=PICK_RETRY,
@@ -825,7 +1005,8 @@ class AgentJob:
             return await workflow.execute_activity(
                 "run_tool",
                 ToolRequest(job_id=self._job_id, step=step, profile=profile.name,
-                            task_id=task_id, name=spec.name, arguments=args),
+                            task_id=task_id, name=spec.name, arguments=args,
+                            hedge=job.hedge_tools),
                 task_queue=AGENT_TASK_QUEUE,
                 start_to_close_timeout=timedelta(seconds=spec.timeout_s),
                 retry_policy=_tool_retry(spec),

@@ -2,7 +2,12 @@
 
 Three ways a tool runs here: the profile's ``Toolset`` (the bundled agents), a Python
 function (``@warmloop.tool``) or an HTTP endpoint. The fourth, a user's own Temporal
-activity, is scheduled by the workflow on the user's task queue and never comes here.
+activity, is scheduled by the workflow on the user's task queue and never comes here
+(nor is it hedged).
+
+A read-only tool's call may be hedged inside the one ``run_tool`` activity: past the
+tool's p95 a second identical request runs beside the first, the first answer wins and
+the other is cancelled (``warmloop.activities.tools.hedging``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from warmloop.activities.tools.base import (
     Toolset,
 )
 from warmloop.activities.tools.functions import resolve_function_tool
+from warmloop.activities.tools.hedging import Hedging, race
 from warmloop.activities.tools.ticket_triage import TicketTriageTools
 from warmloop.workflows.contracts import ToolRequest, ToolResult
 from warmloop.workflows.profiles import (
@@ -68,13 +74,19 @@ class ToolActivities:
     job's task (``ToolSpec.task_args``) is refused before anything runs. Without Redis
     a side-effect call fails retryably (``EffectLedgerUnavailable``) and applies
     nothing.
+
+    A read-only tool (``ToolSpec.read_only``) in a job that allows it
+    (``ToolRequest.hedge``) is hedged per ``hedging`` (default: thresholds from
+    ``pauses``, counts kept in this process only). Side-effect tools never are.
     """
 
     def __init__(self, toolsets: list[Toolset] | dict[str, Toolset], ledger: EffectLedger, *,
                  s3: Any, bucket: str, pauses: PauseStats | None = None,
                  http: httpx.AsyncClient | None = None,
-                 resolve_function: Callable[[str], FunctionTool] | None = None) -> None:
+                 resolve_function: Callable[[str], FunctionTool] | None = None,
+                 hedging: Hedging | None = None) -> None:
         self._pauses = pauses
+        self.hedging = hedging or Hedging(pauses)
         self._toolsets = (dict(toolsets) if isinstance(toolsets, dict)
                           else {t.profile: t for t in toolsets})
         self._ledger = ledger
@@ -112,7 +124,7 @@ class ToolActivities:
             log.info("tool_refused_out_of_task", tool=req.name)
             return ToolResult(ok=False, output=refusal)
         if not spec.side_effect:
-            return (await self._call(spec, req, call_key(req))).result
+            return await self._read(profile, spec, req)
         try:
             return await self._apply_once(profile, spec, req)
         except LedgerUnavailableError as e:
@@ -121,6 +133,29 @@ class ToolActivities:
             log.warning("effect_ledger_unavailable", tool=req.name, error=str(e))
             raise ApplicationError(f"tool {req.name} not run: {e}",
                                    type="EffectLedgerUnavailable") from e
+
+    async def _read(self, profile: Profile, spec: ToolSpec, req: ToolRequest) -> ToolResult:
+        """A call without side effect; hedged when the tool is read-only, the job allows
+        it and the tool runs where a second request can run beside the first."""
+        key = call_key(req)
+        if not (self.hedging.eligible(spec, req.hedge) and self._concurrent(spec, req)):
+            return (await self._call(spec, req, key)).result
+        hedging, started = self.hedging, time.monotonic()
+        hedging.earn(profile.name, spec.name)
+        raced = await race(lambda second: self._call(spec, req, key, hedge=second),
+                           delay_s=hedging.delay_s(profile, spec),
+                           allow=lambda: hedging.allow(profile.name, spec.name))
+        await hedging.record(profile.name, spec.name, raced, time.monotonic() - started)
+        return raced.value.result
+
+    def _concurrent(self, spec: ToolSpec, req: ToolRequest) -> bool:
+        """A second request can run beside the first: a function or HTTP tool, or a
+        toolset with its own ``arun`` (the default runs ``run`` on the event loop, which
+        would block until the first request ends)."""
+        if isinstance(spec.runner, PythonRunner | HttpRunner):
+            return True
+        toolset = self._toolsets.get(req.profile)
+        return toolset is not None and type(toolset).arun is not Toolset.arun
 
     async def _apply_once(self, profile: Profile, spec: ToolSpec, req: ToolRequest
                           ) -> ToolResult:
@@ -161,13 +196,15 @@ class ToolActivities:
             f"already applied at step {done.step} ({req.name} applies once per "
             f"{' and '.join(per)}); not applied again. It answered: {output}"))
 
-    async def _call(self, spec: ToolSpec, req: ToolRequest, key: str) -> ToolOutcome:
+    async def _call(self, spec: ToolSpec, req: ToolRequest, key: str, *,
+                    hedge: bool = False) -> ToolOutcome:
         """Run the tool wherever it runs; ``key`` is the idempotency key a function or
-        HTTP tool passes on to what it changes."""
+        HTTP tool passes on to what it changes; ``hedge``: this is a hedged call's
+        second request (an HTTP tool is told so in ``X-Warmloop-Hedge``)."""
         if isinstance(spec.runner, PythonRunner):
             return ToolOutcome(await self._run_function(spec.runner, req, key))
         if isinstance(spec.runner, HttpRunner):
-            return ToolOutcome(await self._run_http(spec, spec.runner, req, key))
+            return ToolOutcome(await self._run_http(spec, spec.runner, req, key, hedge=hedge))
         toolset = self._toolsets.get(req.profile)
         if toolset is None:
             raise ApplicationError(f"no toolset for profile {req.profile!r}",
@@ -198,9 +235,11 @@ class ToolActivities:
         return ToolResult(ok=True, output=as_model_text(value))
 
     async def _run_http(self, spec: ToolSpec, runner: HttpRunner, req: ToolRequest,
-                        key: str) -> ToolResult:
+                        key: str, *, hedge: bool = False) -> ToolResult:
         headers = {**dict(runner.headers), "X-Warmloop-Job": req.job_id,
                    "X-Warmloop-Step": str(req.step)}
+        if hedge:
+            headers["X-Warmloop-Hedge"] = "1"
         if spec.side_effect:
             headers["Idempotency-Key"] = key
         cap = runner.max_response_bytes
@@ -237,5 +276,5 @@ class ToolActivities:
                           output=cut_for_prompt(result.output, limit))
 
 
-__all__ = ["EffectLedger", "EffectRecord", "LedgerUnavailableError", "TicketTriageTools",
-           "ToolActivities", "ToolOutcome", "Toolset", "call_key"]
+__all__ = ["EffectLedger", "EffectRecord", "Hedging", "LedgerUnavailableError",
+           "TicketTriageTools", "ToolActivities", "ToolOutcome", "Toolset", "call_key"]

@@ -144,3 +144,20 @@ def test_the_report_shows_steps_per_model_escalations_and_cost_against_the_top()
     console.print(report_table([r], title="t"))
     text = console.export_text()
     assert "steps by model" in text and "large 25%" in text and "0.33x" in text
+
+
+def test_a_yaml_profile_may_declare_a_ladder() -> None:
+    from warmloop.workflows.profiles.document import ProfileDocument, profile_from_document
+
+    doc = ProfileDocument.model_validate({
+        "name": "yaml-laddered", "system_prompt": "Work.",
+        "task_schema": {"type": "object", "properties": {"id": {"type": "string",
+                                                                  "pattern": "^X[0-9]+$"}},
+                        "required": ["id"]},
+        "tools": [{"name": "finish", "description": "Done.", "finishes_job": True,
+                   "arguments": {"type": "object", "properties": {}, "required": []}}],
+        "ladder": {"models": ["a", "b"], "min_mean_logprob": -0.2,
+                   "hard_calls": [{"tool": "finish"}]}})
+    p = profile_from_document(doc)
+    assert p.ladder is not None and p.ladder.models == ("a", "b")
+    assert p.ladder.hard_calls[0].tool == "finish"

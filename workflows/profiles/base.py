@@ -10,6 +10,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ValidationError
 
 from warmloop.workflows.budgets import JobLimits, OutputBudgets
+from warmloop.workflows.hygiene import ContextHygiene
+from warmloop.workflows.ladder import ModelLadder
 
 
 def first_error(e: ValidationError, *, whole: str) -> str:
@@ -148,8 +150,19 @@ class ToolSpec:
     """Where the tool runs: a Python function, an HTTP endpoint or the user's activity.
     None: the profile's ``Toolset`` (the bundled agents), or nothing for a tool that
     finishes the job."""
+    read_only: bool = False
+    """Changes nothing, so asking twice is harmless: the agent worker may hedge a call
+    that runs past the tool's observed p95 (``JobInput.hedge_tools``) with a second
+    identical request, the first answer winning. Declare it only for a tool that truly
+    changes nothing (a lookup, a search): a hedged call runs twice. Never with
+    ``side_effect``."""
 
     def __post_init__(self) -> None:
+        if self.read_only and self.side_effect:
+            raise ValueError(
+                f"tool {self.name!r}: read_only and side_effect cannot both be set (a hedged "
+                "read-only call may run twice); drop read_only if the tool changes anything, "
+                "or side_effect if it only reads")
         loose = unbounded_strings(self.args)
         if loose:
             raise ValueError(
@@ -311,6 +324,28 @@ class Profile:
     model: str | None = None
     """The served model this profile's steps need; routed only to engines that declare
     it. None: any engine."""
+    tools_on_demand: bool = False
+    """Ship a compact index of the tools (a name and one line each) in the stable prefix
+    instead of every schema, and give the model a ``load_tools`` call whose answer (the
+    schemas asked for) is appended to the transcript; only loaded tools, ``load_tools``
+    and the finishing tools are accepted (``warmloop.workflows.tool_loading``). For
+    profiles with many tools of which a job uses few. Hazard: a job that needs most of
+    its tools pays extra steps to load them, and each new set of loaded tools is a new
+    grammar for the engine to compile (TTFT)."""
+    hygiene: ContextHygiene | None = None
+    """Context hygiene (``warmloop.workflows.hygiene``): archive large or stale tool
+    outputs to S3 and leave a short summary, at a continue-as-new point where the saved
+    prompt tokens over the job's expected remaining steps outweigh re-prefilling the
+    compacted transcript. For long jobs with big tool outputs; None: off (a job may still
+    opt in with ``JobInput.context_hygiene``). Hazard: the model no longer sees what it
+    archived unless it calls the tool again."""
+    ladder: ModelLadder | None = None
+    """Small model first (``warmloop.workflows.ladder``): each step runs on the ladder's
+    cheapest model and is asked again of the next one up when its call is invalid, the
+    model was unsure of it (logprobs) or the call is one the ladder keeps for the top
+    model. Each model is its own engine pool (engines serving it). None: every step on
+    ``model``. Hazard: an escalated ask is a model step of its own (tokens, cost, the
+    step cap), and a job pinned to one engine (``JobInput.engine_id``) skips the ladder."""
     _by_name: dict[str, ToolSpec] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -325,6 +360,18 @@ class Profile:
             if rule.tool not in self._by_name:
                 raise ValueError(f"approval rule {rule.kind!r} names unknown tool {rule.tool!r}")
             rule.check(self._by_name[rule.tool])
+        if self.ladder is not None:
+            if self.model is not None:
+                raise ValueError(f"profile {self.name!r} names a model ({self.model!r}) and a "
+                                 "ladder: the ladder names its models; drop model")
+            unknown = sorted({h.tool for h in self.ladder.hard_calls} - set(self._by_name))
+            if unknown:
+                raise ValueError(f"profile {self.name!r}: its ladder's hard calls name unknown "
+                                 f"tool(s) {', '.join(unknown)}")
+        if self.tools_on_demand:
+            from warmloop.workflows.tool_loading import check_on_demand  # imports this module
+
+            check_on_demand(self)
 
     def tool(self, name: str) -> ToolSpec:
         return self._by_name[name]

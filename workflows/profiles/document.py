@@ -12,6 +12,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from warmloop.workflows.budgets import JobLimits, OutputBudgets
+from warmloop.workflows.hygiene import ContextHygiene
+from warmloop.workflows.ladder import ModelLadder
 from warmloop.workflows.profiles.base import (
     ActivityRunner,
     ApprovalRule,
@@ -63,6 +65,9 @@ class ToolDoc(_Strict):
     http: HttpToolDoc | None = None
     activity: ActivityToolDoc | None = None
     side_effect: bool = False
+    read_only: bool = Field(
+        default=False, description="The tool changes nothing: a slow call may be hedged "
+        "with a second identical request (JobInput.hedge_tools). Never with side_effect.")
     effect_key: list[str] | None = Field(
         default=None, description="Arguments that, with the tool and the task's record "
         "id, identify the side effect: it applies once per identity in a job ([] once per "
@@ -136,6 +141,15 @@ class ProfileDocument(_Strict):
     max_invalid_calls: int = Field(default=3, ge=1, le=100)
     max_tool_output_chars: int = Field(default=8192, ge=256, le=1_000_000)
     temperature: float = Field(default=1.0, ge=0, le=2)
+    hygiene: ContextHygiene | None = Field(
+        default=None, description="Context hygiene: archive large or stale tool outputs "
+        "when it pays (warmloop.workflows.hygiene.ContextHygiene); unset: off.")
+    tools_on_demand: bool = Field(
+        default=False, description="A compact tool index in the prompt and a load_tools "
+        "call instead of every schema on every step (many tools, few used per job).")
+    ladder: ModelLadder | None = Field(
+        default=None, description="Small model first: models cheapest first, the logprob "
+        "threshold and the hard calls (warmloop.workflows.ladder.ModelLadder); unset: off.")
 
 
 def profile_from_document(
@@ -175,7 +189,8 @@ def profile_from_document(
                        limits=doc.limits, budgets=doc.budgets, model=doc.model,
                        max_invalid_calls=doc.max_invalid_calls,
                        max_tool_output_chars=doc.max_tool_output_chars,
-                       temperature=doc.temperature)
+                       temperature=doc.temperature, hygiene=doc.hygiene,
+                       tools_on_demand=doc.tools_on_demand, ladder=doc.ladder)
     except ValueError as e:
         raise ProfileDocumentError(str(e)) from None
 
@@ -204,6 +219,7 @@ def _tool(profile: str, i: int, t: ToolDoc,
             task_args=tuple(t.task_args), timeout_s=t.timeout_s,
             retry=ToolRetry(max_attempts=t.max_attempts,
                             initial_interval_s=t.retry_initial_interval_s),
-            pause_median_s=t.pause_median_s, pause_p90_s=t.pause_p90_s, runner=runner)
+            pause_median_s=t.pause_median_s, pause_p90_s=t.pause_p90_s, runner=runner,
+            read_only=t.read_only)
     except ValueError as e:
         raise SchemaError(f"{where}: {e}") from None

@@ -60,6 +60,7 @@ def tool(
     retry_initial_interval_s: float = 0.5, non_retryable: tuple[str, ...] = (),
     pause_median_s: float = 1.0, pause_p90_s: float = 5.0,
     effect_key: tuple[str, ...] | None = None, task_args: tuple[str, ...] = (),
+    read_only: bool = False,
 ) -> Any:
     """Make a function a tool. Its parameters become the tool's arguments: every one
     must be annotated, and strings must be bounded (``Literal[...]`` or
@@ -80,6 +81,11 @@ def tool(
     once per that identity in a job, not once per step (``ToolSpec.effect_key``).
     ``task_args``: parameters that must name the job's own task record, or the call is
     refused before the function runs (``ToolSpec.task_args``).
+
+    ``read_only=True`` (never with ``side_effect``): the function changes nothing, so a
+    call past the tool's observed p95 may get a second identical call, the first answer
+    winning (``ToolSpec.read_only``). An async function's losing call is cancelled; a
+    sync function's runs on in its thread until it returns (Python cannot stop a thread).
     """
 
     def wrap(f: Callable[..., Any]) -> FunctionTool:
@@ -114,6 +120,7 @@ def tool(
                             non_retryable=non_retryable),
             pause_median_s=pause_median_s, pause_p90_s=pause_p90_s,
             runner=None if finishes_job else PythonRunner(f"{f.__module__}:{f.__qualname__}"),
+            read_only=read_only,
         )
         return FunctionTool(f, spec, context_param)
 
