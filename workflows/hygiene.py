@@ -89,7 +89,7 @@ class ContextHygiene(BaseModel):
     keep_tools: tuple[str, ...] = ("load_tools",)
     """Tools whose outputs are never archived: the workflow reads them back from the
     transcript (``load_tools``' loaded schemas are what guided decoding accepts)."""
-    head_chars: int = Field(default=160, ge=0, le=4_000)
+    head_chars: int = Field(default=80, ge=0, le=4_000)
     """How much of the output's start the summary quotes."""
     check_every_steps: int = Field(default=8, ge=1)
     """cost_model: consider a compaction point every N steps (a continue-as-new when it
@@ -155,8 +155,9 @@ def archive_key(job_id: str, index: int) -> str:
 def summary_text(*, tool: str, ok: bool, chars: int, head: str, key: str, step: int) -> str:
     """The structured stand-in of an archived output: deterministic (same item, same
     bytes, so the compacted prefix caches like any other) and clearly data."""
+    # short: every token of a summary is read again on every later step
     body = {"tool": tool, "ok": ok, "chars": chars, "step": step, "head": head,
-            "s3_key": key, "note": "whole output archived; call the tool again if needed"}
+            "s3_key": key}
     return ARCHIVE_MARKER + json.dumps(body, ensure_ascii=False) + "}"
 
 
