@@ -19,14 +19,18 @@ from warmloop.workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult
 
 pytestmark = pytest.mark.integration
 
+STATE = Path(".warmloop/bench-ladder-test").resolve()
+
 
 async def test_steps_start_on_the_small_pool_and_escalate_to_a_warm_large_engine() -> None:
-    state = Path(".warmloop/bench-ladder-test")
+    state = STATE
     settings = bench_settings(
         "ladder-test", offset=90, engines=2, kv_cache_bytes=64 * 1024 * 1024,
         engine_models=list(LADDER_MODELS),
         model_paths={"large": state / "models" / "tiny-llama"})
-    assert settings.state_dir == state
+    # the large pool serves the same (random) weights as the small one, from its dir
+    assert settings.engine_model_path(settings.engine_endpoints[1]) == \
+        settings.state_dir.resolve() / "models" / "tiny-llama"
     async with bench_stack(settings, Console(stderr=True), keep=False) as fleet:
         pools = {e.id: e.model for e in settings.engine_endpoints}
         job = JobInput(profile="synthetic-laddered", max_steps=8, hold_policy="never",
