@@ -1,4 +1,4 @@
-"""The model ladder on the real stack (its own: port offset 90, one engine serving
+"""The model ladder on the real stack (its own: port offset 95, one engine serving
 "small" and one serving "large"): a step runs on the small model's engine first, real
 vLLM logprobs decide whether it is asked again of the large model's engine, escalated
 asks are recorded with their reason, the kept call is the large model's, and the large
@@ -25,7 +25,7 @@ STATE = Path(".warmloop/bench-ladder-test").resolve()
 async def test_steps_start_on_the_small_pool_and_escalate_to_a_warm_large_engine() -> None:
     state = STATE
     settings = bench_settings(
-        "ladder-test", offset=90, engines=2, kv_cache_bytes=64 * 1024 * 1024,
+        "ladder-test", offset=95, engines=2, kv_cache_bytes=64 * 1024 * 1024,
         engine_models=list(LADDER_MODELS),
         model_paths={"large": state / "models" / "tiny-llama"})
     # the large pool serves the same (random) weights as the small one, from its dir
