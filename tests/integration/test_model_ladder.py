@@ -33,7 +33,9 @@ async def test_steps_start_on_the_small_pool_and_escalate_to_a_warm_large_engine
         settings.state_dir.resolve() / "models" / "tiny-llama"
     async with bench_stack(settings, Console(stderr=True), keep=False) as fleet:
         pools = {e.id: e.model for e in settings.engine_endpoints}
-        job = JobInput(profile="synthetic-laddered", max_steps=8, hold_policy="never",
+        # lookup only (no close): the job runs to its step cap, one ask pair a step
+        job = JobInput(profile="synthetic-laddered", max_steps=6, hold_policy="never",
+                       tools=["lookup"],
                        task={"case_id": "S4242", "text": "a case for the model ladder test"})
         res: JobResult = await fleet.client.execute_workflow(
             AgentJob.run, job, id=f"ladder-{uuid.uuid4().hex[:6]}",
