@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import math
 import random
 import statistics
 import tempfile
@@ -341,9 +342,8 @@ async def run_tasks(args: argparse.Namespace, engines: dict[str, Engine], consol
                       ("capo_top", "top", capo), ("capo_ladder", "ladder", capo),
                       ("capo_cheap", "cheap", capo),
                       ("cheap_step_share", "ladder", cheap_share),
-                      ("cost_ladder_vs_top", "ladder",
-                       lambda t: 0.0)):
-        if key == "cost_ladder_vs_top":
+                      ("cost_ladder_vs_top", "ladder", cheap_share)):
+        if key == "cost_ladder_vs_top":  # a ratio of two policies' runs, per repeat
             vals = [r["ladder"].cost / r["top"].cost for r in per_repeat]
             med, rng = statistics.median(vals), [min(vals), max(vals)]
         else:
@@ -401,6 +401,17 @@ async def _with_engines(args: argparse.Namespace, console: Console,
             stop_engine(p)
 
 
+def _finite(v: Any) -> Any:
+    """inf and NaN (no accepted outcome) as null: the last line stays strict JSON."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_finite(x) for x in v]
+    return v
+
+
 def main(argv: list[str] | None = None) -> int:
     from warmloop.infra.demo_model import ARTIFACT_DIR
 
@@ -433,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     random.seed(0)
     work = run_eval if args.mode == "eval" else run_tasks
     result = asyncio.run(_with_engines(args, console, lambda e: work(args, e, console)))
-    print(json.dumps(result, default=str))
+    print(json.dumps(_finite(result), default=str))
     return 0
 
 
