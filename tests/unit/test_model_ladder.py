@@ -161,3 +161,28 @@ def test_a_yaml_profile_may_declare_a_ladder() -> None:
     p = profile_from_document(doc)
     assert p.ladder is not None and p.ladder.models == ("a", "b")
     assert p.ladder.hard_calls[0].tool == "finish"
+
+
+def test_the_ladder_bench_keeps_the_cheap_answer_only_when_it_stands(tmp_path: object) -> None:
+    import json as _json
+    from pathlib import Path
+
+    from bench.ladder import Answer, Engine, _finite, ladder_pick, non_embedding_params
+
+    def answer(model: str, call: tuple[str, dict[str, object]] | None, mean: float) -> Answer:
+        return Answer(model, call, None if call else "bad", CallConfidence(mean, mean, 5),
+                      prompt_tokens=1000, cached_tokens=900, completion_tokens=20)
+
+    large = answer("large", ("lookup", {"key": "alpha"}), -0.01)
+    sure = answer("small", ("lookup", {"key": "alpha"}), -0.01)
+    assert ladder_pick(LADDER, sure, large) == (sure, False)
+    assert ladder_pick(LADDER, answer("small", ("lookup", {}), -2.0), large) == (large, True)
+    assert ladder_pick(LADDER, answer("small", None, -0.01), large) == (large, True)
+    # cost: computed prompt + completion + cached at its weight, times the parameters
+    assert Engine("e", "u", params=10).cost(sure, 0.1) == 10 * (100 + 90 + 20)
+    cfg = Path(str(tmp_path)) / "config.json"
+    cfg.write_text(_json.dumps({"hidden_size": 4, "intermediate_size": 8,
+                                "num_hidden_layers": 2}))
+    assert non_embedding_params(cfg.parent) == 2 * (4 * 16 + 3 * 32 + 8)
+    assert _finite({"a": [float("inf"), 1.0], "b": float("nan")}) == {"a": [None, 1.0],
+                                                                       "b": None}
