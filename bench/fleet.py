@@ -128,8 +128,11 @@ def report(rows: list[dict[str, Any]], out: Path, calibration: str, workload: st
         mine = [r for r in rows if r["policy"] == pol]
         h = sum(r["gpus"] * r["horizon_s"] / 3600 for r in mine)
         w = sum(r["wall_s"] for r in mine)
+        c = sum(r.get("cpu_s", 0.0) for r in mine)
         if w:
-            speed.append(f"{pol} {h / w * 60:.2f} GPU-h per wall min")
+            # CPU minutes too: on a shared host wall time counts the neighbours' work
+            speed.append(f"{pol} {h / w * 60:.2f} GPU-h per wall min"
+                         + (f", {h / c * 60:.2f} per CPU min" if c else ""))
     print(f"simulated {gpu_hours:.1f} GPU-hours in {wall:.0f} s wall, {cpu:.0f} s CPU "
           f"({wall / max(gpu_hours, 1e-9) * 100 / 60:.1f} min per 100 GPU-hours); "
           + "; ".join(speed) + f"; plots: {', '.join(plots) or 'none'}")

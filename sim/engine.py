@@ -285,6 +285,9 @@ class Engine:
         self._busy = False
         self._segment: tuple[float, float, int] | None = None
         """A decode-only segment under way: (start, step seconds, whole steps planned)."""
+        self.changed: set[int] | None = None
+        """Where to note ``owner`` when the requests on the engine (``load``) change: the
+        fleet's index of loads is brought up to date from it before each decision."""
         self.busy_s = 0.0
         self.prompt_tokens = 0
         self.cached_tokens = 0
@@ -298,7 +301,8 @@ class Engine:
 
     @property
     def kv_usage(self) -> float:
-        return self.cache.used_blocks / self.cache.capacity
+        c = self.cache  # ``used_blocks / capacity``, inline: the router reads it often
+        return (c.capacity - c.empty - len(c.lru)) / c.capacity
 
     def cached_prefix_tokens(self, chain: Sequence[BlockKey]) -> int:
         return self.cache.hit_blocks(chain) * self.block
@@ -341,6 +345,8 @@ class Engine:
 
     def _enqueue(self, req: Request) -> None:
         heapq.heappush(self.waiting, (req.priority, next(self._seq), req))
+        if self.changed is not None:
+            self.changed.add(self.owner)
         self._kick()
 
     def _kick(self) -> None:
@@ -371,6 +377,8 @@ class Engine:
             if not cache.can_allocate(hit, chain, new):
                 if not self.running and not self.prefilling and total > cache.capacity:
                     heapq.heappop(self.waiting)  # can never fit: vLLM refuses it
+                    if self.changed is not None:
+                        self.changed.add(self.owner)
                     req.done_at = self.clock.now
                     if req.on_done:
                         req.on_done(req)
@@ -460,6 +468,8 @@ class Engine:
         self._boundary()
 
     def _finish(self, req: Request, now: float) -> None:
+        if self.changed is not None:
+            self.changed.add(self.owner)
         req.done_at = now
         self.cache.release(req._held)
         self.cache.give_private(req._private)

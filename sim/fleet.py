@@ -151,13 +151,10 @@ class _RecentJobs:
 
 class _Candidate(EngineCandidate):
     """An ``EngineCandidate`` the fleet fills in place, step after step, without
-    validation (its figures are valid by construction), and compares by identity.
-
-    ``choose_engine`` tests membership (``c in under``) among candidates of distinct
-    engine ids, where pydantic's field-by-field ``__eq__`` and identity give the same
-    answer; identity costs no Python call, which matters at 128+ candidates a step
-    (``tests/unit/test_sim_speed.py`` checks the decisions against validated
-    ``EngineCandidate``\ s)."""
+    validation (its figures are valid by construction), and compares by identity
+    (pydantic's field-by-field ``__eq__`` gives the same answer among candidates of
+    distinct engine ids, at a Python call each; ``tests/unit/test_sim_equivalence.py``
+    checks the decisions against validated ``EngineCandidate`` objects)."""
 
     __eq__ = object.__eq__
 
@@ -213,6 +210,16 @@ class Fleet:
         self._jobs_started = 0
         self.turn = 0
         self.in_flight = {e.engine_id: 0 for e in self.engines}
+        self._load = [0] * len(self.engines)
+        """Each engine's load as the router sees it (``EngineCandidate.load``: its
+        requests, or the steps routed to it and not finished if more), kept up to date
+        from ``_changed`` (``_sync``) instead of read off every engine at every step."""
+        self._level = [(1 << len(self.engines)) - 1]
+        """Bit masks of the engines at each load (``_load``): the least loaded engines
+        of a set are found a level at a time."""
+        self._changed: set[int] = set()
+        for e in self.engines:
+            e.changed = self._changed
         self.batch_seen = {e.engine_id: _RecentJobs() for e in self.engines}
         self.admission = {e.engine_id: _Admission(k=self.cfg.admission.k_start)
                           for e in self.engines}
@@ -278,17 +285,18 @@ class Fleet:
             self._bits_memo[mask] = got
         return got
 
-    def _warm(self, chain: list[BlockKey]) -> dict[int, int]:
-        """Engine number -> leading blocks of ``chain`` it caches, for every engine that
-        caches any, in engine order: each engine's ``hit_blocks``, read off the fleet's
-        block index. A chain's cached blocks are a prefix of it on every engine (see
-        ``PrefixCache``), so the engines caching block i include those caching block
-        i + 1, and the masks only change at a few places a binary search finds."""
+    def _warm_groups(self, chain: list[BlockKey]) -> list[tuple[int, int]]:
+        """The engines caching any of ``chain``, grouped by how many of its leading
+        blocks they cache: (blocks, bit mask of engine numbers), fewest blocks first;
+        read off the fleet's block index. A chain's cached blocks are a prefix of it on
+        every engine (see ``PrefixCache``), so the engines caching block i include those
+        caching block i + 1, and the masks only change at a few places a binary search
+        finds."""
         index = self.block_index
         n = len(chain)
         cur = index.get(chain[0], 0) if n else 0
         out: list[tuple[int, int]] = []
-        lo = groups = 0
+        lo = 0
         while cur:
             a, b = lo, n  # chain[a]'s mask is cur; chain[b]'s is not (b == n: no block)
             while b - a > 1:
@@ -298,41 +306,170 @@ class Fleet:
                 else:
                     b = mid
             nxt = index.get(chain[b], 0) if b < n else 0
-            out += [(i, b) for i in self._bits(cur & ~nxt)]
+            out.append((b, cur & ~nxt))
             cur, lo = nxt, b
-            groups += 1
-        if groups > 1:
+        return out
+
+    def _warm(self, chain: list[BlockKey]) -> dict[int, int]:
+        """Engine number -> leading blocks of ``chain`` it caches, for every engine that
+        caches any, in engine order: each engine's ``hit_blocks`` (``_warm_groups``)."""
+        groups = self._warm_groups(chain)
+        out = [(i, b) for b, mask in groups for i in self._bits(mask)]
+        if len(groups) > 1:
             out.sort()
         return dict(out)
 
-    def _candidates(self, chain: list[BlockKey], batch_first: bool
+    def _sync(self) -> None:
+        """Bring ``_load`` and ``_level`` up to date with the engines that changed."""
+        changed = self._changed
+        if not changed:
+            return
+        engines, in_flight, loads, level = self.engines, self.in_flight, self._load, self._level
+        for i in changed:
+            e = engines[i]
+            new = max(len(e.waiting) + len(e.prefilling) + len(e.running),
+                      in_flight[e.engine_id])
+            old = loads[i]
+            if new != old:
+                bit = 1 << i
+                level[old] &= ~bit
+                while len(level) <= new:
+                    level.append(0)
+                level[new] |= bit
+                loads[i] = new
+        changed.clear()
+
+    @staticmethod
+    def _members(mask: int) -> list[int]:
+        """Engine numbers in ``mask``, ascending (``_bits`` without the memo: for masks
+        that change at every step)."""
+        out = []
+        while mask:
+            low = mask & -mask
+            out.append(low.bit_length() - 1)
+            mask ^= low
+        return out
+
+    def _coldest(self, warm: int) -> list[int]:
+        """The ``FleetConfig.candidates`` engines outside the bit mask ``warm`` of least
+        (load, KV usage), ties in engine order: load level by load level, KV usage read
+        only on the levels taken."""
+        need = self.cfg.candidates
+        out: list[int] = []
+        if need <= 0:
+            return out
+        cold = ((1 << len(self.engines)) - 1) & ~warm
+        engines = self.engines
+        for mask in self._level:
+            m = mask & cold
+            if not m:
+                continue
+            ranked = sorted((engines[i].kv_usage, i) for i in self._members(m))
+            out += [i for _, i in ranked[:need - len(out)]]
+            if len(out) >= need:
+                break
+        return out
+
+    def _candidates(self, chain: list[BlockKey], batch_first: bool,
+                    last_engine: str | None = None, *, prune: bool = True
                     ) -> list[EngineCandidate]:
+        """The candidates the router is offered: the engines caching the prompt and the
+        ``FleetConfig.candidates`` least loaded cold ones (``prune``: of the former,
+        only those that can win, ``_undominated``; ``choose_engine`` decides the same)."""
+        self._sync()
         now = self.clock.now
         engines = self.engines
         in_flight = self.in_flight
-        warm = self._warm(chain)
-        # the least loaded cold engines, ties in engine order (as a stable key sort)
-        cold = [engines[i] for _, i in heapq.nsmallest(
-            self.cfg.candidates, [((max(e.load, in_flight[e.engine_id]), e.kv_usage), e.owner)
-                                  for e in engines if e.owner not in warm])]
-        out: list[EngineCandidate] = []
         recent = self.cfg.batch_recent_s
+        seen = self.batch_seen
+        if prune:
+            groups = self._warm_groups(chain)
+            warm_mask = 0
+            for _, mask in groups:
+                warm_mask |= mask
+            offered, batch_jobs = self._undominated(groups, batch_first, last_engine)
+        else:
+            warm = self._warm(chain)
+            warm_mask = 0
+            for i in warm:
+                warm_mask |= 1 << i
+            offered = list(warm.items())
+            batch_jobs = {i: seen[engines[i].engine_id].count(now, recent)
+                          for i in warm} if batch_first else {}
+        cold = self._coldest(warm_mask)
+        if batch_first:
+            batch_jobs.update((i, seen[engines[i].engine_id].count(now, recent)) for i in cold)
+        out: list[EngineCandidate] = []
         cands = self._cands
-        get = warm.get
-        for e in [engines[i] for i in warm] + cold:
-            batch_jobs = 0
-            if batch_first:
-                batch_jobs = self.batch_seen[e.engine_id].count(now, recent)
-            c = cands[e.owner]
+        for i, blocks in [*offered, *((i, 0) for i in cold)]:
+            e = engines[i]
+            c = cands[i]
             d = c.__dict__
-            d["expected_cached_tokens"] = get(e.owner, 0) * e.block
+            d["expected_cached_tokens"] = blocks * e.block
             d["running"] = len(e.running) + len(e.prefilling)
             d["waiting"] = len(e.waiting)
             d["in_flight"] = in_flight[e.engine_id]
             d["kv_usage"] = min(1.0, e.kv_usage)
-            d["batch_jobs"] = batch_jobs
+            d["batch_jobs"] = batch_jobs.get(i, 0)
             out.append(c)
         return out
+
+    def _undominated(self, groups: list[tuple[int, int]], batch_first: bool,
+                     last_engine: str | None) -> tuple[list[tuple[int, int]], dict[int, int]]:
+        """The warm engines ``choose_engine`` could pick, as (engine number, cached
+        blocks), and for a new batch job the batch jobs under way on each warm engine.
+
+        They are ``last_engine`` and, among engines with the same cached prefix (so the
+        same saving), those no other beats on both counts that decide: none has a
+        placement load as low (so a score as high: the score falls as the load grows)
+        and a lower (load, KV usage) (what breaks ties). Whatever the best score and the
+        load threshold, an engine with the same saving that is tied, or under the
+        threshold, has such a rival tied, or under it, too, and the rival comes first;
+        the best score is among the rivals. So ``choose_engine`` decides the same on
+        these as on all of them (``tests/unit/test_sim_equivalence.py`` checks it at
+        every decision of runs). A step's placement load is its load, so the rivals are
+        the group's least loaded engines of least KV usage, found a load level at a
+        time; a new batch job's counts the engine's batch jobs too."""
+        engines = self.engines
+        loads = self._load
+        keep: list[tuple[int, int]] = []
+        batch_jobs: dict[int, int] = {}
+        now, recent, seen = self.clock.now, self.cfg.batch_recent_s, self.batch_seen
+        last = self.by_id[last_engine].owner if last_engine is not None else -1
+        last_kept = False
+        for blocks, mask in groups:
+            if batch_first:
+                members = self._members(mask)
+                for i in members:
+                    batch_jobs[i] = seen[engines[i].engine_id].count(now, recent)
+                ranked = sorted((max(loads[i], batch_jobs[i]), loads[i],
+                                 min(1.0, engines[i].kv_usage), i) for i in members)
+                best: tuple[int, float] | None = None
+                for _, load, usage, i in ranked:
+                    if best is None or (load, usage) <= best:
+                        keep.append((i, blocks))
+                        last_kept = last_kept or i == last
+                        best = (load, usage)
+                continue
+            if mask & (mask - 1):  # more than one: the least loaded, then least used
+                for level in self._level:
+                    if level & mask:
+                        mask &= level
+                        break
+                if mask & (mask - 1):
+                    members = self._members(mask)
+                    used = [min(1.0, e.kv_usage) for e in map(engines.__getitem__, members)]
+                    lowest = min(used)
+                    members = [i for i, u in zip(members, used, strict=True) if u == lowest]
+                else:
+                    members = [mask.bit_length() - 1]
+            else:
+                members = [mask.bit_length() - 1]
+            keep += [(i, blocks) for i in members]
+            last_kept = last_kept or last in members
+        if last >= 0 and not last_kept:
+            keep += [(last, blocks) for blocks, mask in groups if mask >> last & 1]
+        return keep, batch_jobs
 
     def route(self, job_id: str, chain: list[BlockKey], last_engine: str | None,
               batch: bool) -> Engine:
@@ -343,7 +480,8 @@ class Fleet:
             self.turn += 1
         else:
             decision = routing.choose_engine(
-                self._candidates(chain, batch and last_engine is None), job_id=job_id,
+                self._candidates(chain, batch and last_engine is None, last_engine),
+                job_id=job_id,
                 last_engine=last_engine, config=self.routing_cfg, policy=self.policy.routing,
                 batch=batch)
         return self.by_id[decision.engine_id]
@@ -361,6 +499,7 @@ class Fleet:
                       priority=lanes.VLLM_PRIORITY[spec.lane] if self.policy.lanes else 0,
                       on_first_token=self._first_token, on_done=self._step_done, tag=job)
         self.in_flight[engine.engine_id] += 1
+        self._changed.add(engine.owner)
         job.pending = engine
         if job.hold is not None and job.hold.engine is not engine:
             self._end_hold(job.hold)
@@ -426,6 +565,7 @@ class Fleet:
         engine = job.pending
         assert engine is not None, "a step finished on no engine"
         self.in_flight[engine.engine_id] -= 1
+        self._changed.add(engine.owner)
         spec = job.spec
         batch = spec.lane == Lane.BATCH and self.policy.lanes
         if batch:

@@ -9,6 +9,8 @@ another is not; ties and cold starts go to the least loaded engine.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
+from operator import attrgetter
 from typing import Literal
 
 from pydantic import BaseModel, Field
@@ -139,6 +141,9 @@ def eligible_engines(offers: list[EngineOffer], *, model: str | None,
     return [o.engine_id for o in priced]
 
 
+_ENGINE_ID = attrgetter("engine_id")
+
+
 def _spread_key(job_id: str, engine_id: str) -> str:
     # Stable tie-break that spreads jobs over equal engines without shared state.
     return hashlib.blake2b(f"{job_id}/{engine_id}".encode(), digest_size=8).hexdigest()
@@ -178,29 +183,35 @@ def choose_engine(
     if not candidates:
         raise ValueError("no live engine to route to")
     cfg = config or RoutingConfig()
-    ordered = sorted(candidates, key=lambda c: c.engine_id)
+    ordered = sorted(candidates, key=_ENGINE_ID)
     if policy == "round_robin":
         chosen = ordered[turn % len(ordered)]
         return _decision(chosen, "failover" if failover else "round_robin", {})
-    by_load = sorted(ordered, key=lambda c: (c.load, c.kv_usage, _spread_key(job_id, c.engine_id)))
+    # Linear in the candidates: a fleet offers hundreds a step. Loads are read once, and
+    # the per-job spread (a hash) is computed only among those tied on load and KV
+    # usage: the first by (load, kv_usage, spread) in engine order, as a sort would give.
+    loads = [c.load for c in ordered]
     if policy == "least_loaded":
-        return _decision(by_load[0], "failover" if failover else "least_loaded", {})
+        return _decision(_least_loaded(ordered, loads, range(len(ordered)), job_id),
+                         "failover" if failover else "least_loaded", {})
 
     continuing = last_engine is not None
     new_batch_job = batch and not continuing
     # A batch job's later step is not moved for load: it queues in its engine's
     # admission, where its transcript is cached.
-    under = ordered if batch and continuing else [
-        c for c in ordered if c.placement_load(new_batch_job=new_batch_job) < cfg.max_load
-    ] or ordered
-    scores = {c.engine_id: score(c, cfg, batch=batch, continuing=continuing) for c in under}
+    if batch and continuing:
+        under = list(range(len(ordered)))
+    else:
+        under = [i for i, c in enumerate(ordered)
+                 if (max(loads[i], c.batch_jobs) if new_batch_job else loads[i]) < cfg.max_load
+                 ] or list(range(len(ordered)))
+    scores = {ordered[i].engine_id: score(ordered[i], cfg, batch=batch, continuing=continuing)
+              for i in under}
     best = max(scores.values())
     # Near-ties (cold starts, equal warmth) go by load, then a per-job spread.
-    tied = [c for c in by_load if c in under and best - scores[c.engine_id] <= cfg.min_saving_s]
-    if last_engine is not None and any(c.engine_id == last_engine for c in tied):
-        chosen = next(c for c in tied if c.engine_id == last_engine)
-    else:
-        chosen = tied[0]
+    tied = [i for i in under if best - scores[ordered[i].engine_id] <= cfg.min_saving_s]
+    sticky = [i for i in tied if ordered[i].engine_id == last_engine] if continuing else []
+    chosen = _least_loaded(ordered, loads, sticky or tied, job_id)
     if failover:
         reason: RouteReason = "failover"
     elif chosen.engine_id == last_engine:
@@ -210,6 +221,17 @@ def choose_engine(
     else:
         reason = "least_loaded"
     return _decision(chosen, reason, scores)
+
+
+def _least_loaded(ordered: list[EngineCandidate], loads: list[int], among: Sequence[int],
+                  job_id: str) -> EngineCandidate:
+    """The first of ``ordered[i] for i in among`` by (load, kv_usage, per-job spread):
+    the spread's hash only for those tied on the first two."""
+    low = min((loads[i], ordered[i].kv_usage) for i in among)
+    level = [i for i in among if loads[i] == low[0] and ordered[i].kv_usage == low[1]]
+    if len(level) == 1:
+        return ordered[level[0]]
+    return ordered[min(level, key=lambda i: _spread_key(job_id, ordered[i].engine_id))]
 
 
 def _decision(c: EngineCandidate, reason: RouteReason, scores: dict[str, float]) -> RouteDecision:

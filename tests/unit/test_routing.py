@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.routing import oracle_hit_rate, workload
@@ -203,3 +203,58 @@ def test_a_new_batch_job_counts_the_jobs_under_way_not_only_the_steps_in_flight(
     assert choose_engine(engines, job_id="j", config=cfg, batch=True).engine_id == "e1"
     # an interactive step does not look at batch jobs between their steps
     assert choose_engine(engines, job_id="j", config=cfg).engine_id == "e0"
+
+
+def _choose_by_sorting(candidates: list[EngineCandidate], *, job_id: str,
+                       last_engine: str | None, config: RoutingConfig, policy: str,
+                       batch: bool) -> tuple[str, str, dict[str, float]]:
+    """``choose_engine`` as it was written before it was made linear (a full sort by
+    load with every candidate's spread hash, membership tests by equality): the
+    reference the linear one must decide exactly like."""
+    from warmloop.workflows.routing import _spread_key, score
+    ordered = sorted(candidates, key=lambda c: c.engine_id)
+    by_load = sorted(ordered, key=lambda c: (c.load, c.kv_usage, _spread_key(job_id, c.engine_id)))
+    if policy == "least_loaded":
+        return by_load[0].engine_id, "least_loaded", {}
+    continuing = last_engine is not None
+    new_batch_job = batch and not continuing
+    under = ordered if batch and continuing else [
+        c for c in ordered if c.placement_load(new_batch_job=new_batch_job) < config.max_load
+    ] or ordered
+    scores = {c.engine_id: score(c, config, batch=batch, continuing=continuing) for c in under}
+    best = max(scores.values())
+    tied = [c for c in by_load if c in under and best - scores[c.engine_id] <= config.min_saving_s]
+    if last_engine is not None and any(c.engine_id == last_engine for c in tied):
+        chosen = next(c for c in tied if c.engine_id == last_engine)
+    else:
+        chosen = tied[0]
+    if chosen.engine_id == last_engine:
+        reason = "sticky"
+    elif chosen.expected_cached_tokens > 0 and len(tied) < len(under):
+        reason = "prefix"
+    else:
+        reason = "least_loaded"
+    return chosen.engine_id, reason, {k: round(v, 6) for k, v in scores.items()}
+
+
+_CANDIDATE = st.builds(
+    EngineCandidate, engine_id=st.sampled_from([f"e{i}" for i in range(12)]),
+    expected_cached_tokens=st.sampled_from([0, 0, 16, 1440, 1600, 3200]),
+    running=st.integers(0, 10), waiting=st.integers(0, 3), in_flight=st.integers(0, 10),
+    kv_usage=st.sampled_from([0.0, 0.25, 0.5, 0.9]), batch_jobs=st.integers(0, 9),
+    prefill_tokens_per_s=st.sampled_from([None, None, 8_000.0, 50_000.0]))
+
+
+@settings(max_examples=400)
+@given(cands=st.lists(_CANDIDATE, min_size=1, max_size=30),
+       last=st.sampled_from([None, "e0", "e3", "e11"]),
+       policy=st.sampled_from(["cache_aware", "cache_aware", "least_loaded"]),
+       batch=st.booleans(), job=st.sampled_from(["j1", "j2", "job-77"]))
+def test_linear_choice_decides_exactly_like_the_sorting_one(
+        cands: list[EngineCandidate], last: str | None, policy: str, batch: bool,
+        job: str) -> None:
+    """Same engine, reason and scores, duplicates and exact ties of load included."""
+    d = choose_engine(cands, job_id=job, last_engine=last, config=CFG,
+                      policy=policy, batch=batch)  # type: ignore[arg-type]
+    assert (d.engine_id, d.reason, d.scores) == _choose_by_sorting(
+        cands, job_id=job, last_engine=last, config=CFG, policy=policy, batch=batch)

@@ -176,3 +176,39 @@ def test_candidates_compared_by_identity_decide_like_validated_ones() -> None:
         fast = routing.choose_engine(
             [_Candidate.model_construct(**f) for f in fields], **kw)  # type: ignore[arg-type]
         assert fast == plain
+
+
+def test_pruned_candidates_decide_like_all_of_them() -> None:
+    """At every routing decision of runs with holds, prewarms, lanes and a batch burst
+    (new batch jobs' placement load), ``choose_engine`` over the pruned candidates picks
+    what it picks over every warm engine."""
+    checked = {"all": 0, "pruned_away": 0, "batch_first": 0}
+    real = Fleet.route
+
+    def route(self: Fleet, job_id: str, chain: list[Any], last_engine: str | None,
+              batch: bool) -> Any:
+        if self.policy.routing != "round_robin":
+            first = batch and last_engine is None
+            kw: dict[str, Any] = dict(job_id=job_id, last_engine=last_engine,
+                                      config=self.routing_cfg, policy=self.policy.routing,
+                                      batch=batch)
+            full = [c.model_copy() for c in self._candidates(chain, first, last_engine,
+                                                            prune=False)]
+            pruned = [c.model_copy() for c in self._candidates(chain, first, last_engine)]
+            want = routing.choose_engine(full, **kw).engine_id  # type: ignore[arg-type]
+            assert routing.choose_engine(pruned, **kw).engine_id == want  # type: ignore[arg-type]
+            checked["all"] += 1
+            checked["pruned_away"] += len(full) - len(pruned)
+            checked["batch_first"] += first
+        return real(self, job_id, chain, last_engine, batch)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(Fleet, "route", route)
+    try:
+        for key in ("warmloop/4/0.8/20.0/True", "cache_aware_no_holds/4/0.8/20.0/True"):
+            assert run_fleet_case(key)["digest"] == BASELINE[key]["digest"]
+        scenarios.bench_burst(n_jobs=40)
+    finally:
+        mp.undo()
+    assert checked["all"] > 5_000 and checked["batch_first"] > 100
+    assert checked["pruned_away"] > 0
