@@ -38,6 +38,7 @@ from bench.common import (
     pct,
     prefill_computed,
     reset_caches,
+    run_main,
     scrape,
     ttft_buckets_of,
 )
@@ -308,10 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--phases", nargs="+", default=["idle", "naive", "lanes"],
                    choices=["idle", "naive", "lanes"],
                    help="run only these (diagnosis); the summary needs all three")
-    args = p.parse_args(argv)
-    console = Console(stderr=True)
-    out = asyncio.run(main_async(args, console))
-    print(json.dumps(out), flush=True)
+    run_main(p, main_async, argv)
 
 
 if __name__ == "__main__":

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import json
 import os
 import re
 import socket
 import statistics
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import redis.asyncio as aioredis
@@ -230,4 +232,33 @@ async def calibrate_fleet(settings: Settings, http: httpx.AsyncClient, redis: ai
                 raise RuntimeError(f"engine {e.id}'s worker did not take its calibration "
                                    f"within {timeout_s:.0f} s")
             await asyncio.sleep(0.5)
+    return out
+
+
+_Out = TypeVar("_Out")
+
+
+def run_main(parser: argparse.ArgumentParser,
+             main_async: Callable[[argparse.Namespace, Console], Coroutine[Any, Any, _Out]],
+             argv: list[str] | None = None, *, console: Console | None = None,
+             prepare: Callable[[argparse.Namespace, Console], None] | None = None,
+             report: Callable[[_Out, Console], Any] | None = None,
+             json_default: Callable[[Any], Any] | None = None) -> Any:
+    """A bench's command line: parse ``argv``, run ``main_async(args, console)`` and print
+    its result as one JSON line on stdout (the line a caller parses); returns what was
+    printed.
+
+    ``console`` defaults to one on stderr (stdout keeps the JSON line alone);
+    ``prepare(args, console)`` runs before the bench, ``report(result, console)`` after
+    it, and gives what is printed instead of the result; ``json_default`` is
+    ``json.dumps``'s ``default``."""
+    args = parser.parse_args(argv)
+    if console is None:
+        console = Console(stderr=True)
+    if prepare is not None:
+        prepare(args, console)
+    out: Any = asyncio.run(main_async(args, console))
+    if report is not None:
+        out = report(out, console)
+    print(json.dumps(out, default=json_default), flush=True)
     return out

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import time
 from typing import Any
@@ -30,7 +29,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import bench_settings, bench_stack, pct
+from bench.common import bench_settings, bench_stack, pct, run_main
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota",
          "kappa", "lambda", "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau"]
@@ -123,9 +122,7 @@ def main(argv: list[str] | None = None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=30.0, help="probing per scenario")
     p.add_argument("--kv-cache-bytes", type=int, default=24 * 1024 * 1024)
-    args = p.parse_args(argv)
-    console = Console(stderr=True)
-    print(json.dumps(asyncio.run(main_async(args, console))), flush=True)
+    run_main(p, main_async, argv)
 
 
 if __name__ == "__main__":

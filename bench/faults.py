@@ -55,7 +55,7 @@ from temporalio.client import (
 from temporalio.common import WorkflowIDReusePolicy
 from temporalio.service import RPCError
 
-from bench.common import bench_settings, bench_stack
+from bench.common import bench_settings, bench_stack, run_main
 from warmloop.infra.stack import Stack
 from warmloop.workers.approvals import PENDING_QUERY, ApprovalRefused, dev_approver
 from warmloop.workers.clients import build_s3
@@ -649,9 +649,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="records per BatchRun page (s3_restart_page); also its window")
     p.add_argument("--kv-cache-bytes", type=int, default=32 * 1024 * 1024)
     p.add_argument("--keep-stack", action="store_true")
-    args = p.parse_args(argv)
-    console = Console(width=120)
-    print(json.dumps(asyncio.run(main_async(args, console))), flush=True)
+    run_main(p, main_async, argv, console=Console(width=120))
 
 
 if __name__ == "__main__":

@@ -71,6 +71,7 @@ from bench.common import (
     pct,
     reset_caches,
     rotated,
+    run_main,
     scrape,
 )
 from bench.synthetic_profiles import LOOKUP_KEYS, SYNTHETIC_DOMAINS, WORDS
@@ -904,10 +905,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--overhead-calls", type=int, default=100)
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     p.add_argument("--keep-stack", action="store_true", help="leave the bench stack running")
-    args = p.parse_args(argv)
-    console = Console(stderr=True, width=None if sys.stderr.isatty() else 180)
-    out = asyncio.run(main_async(args, console))
-    print(json.dumps(out), flush=True)
+    run_main(p, main_async, argv,
+             console=Console(stderr=True, width=None if sys.stderr.isatty() else 180))
 
 
 if __name__ == "__main__":

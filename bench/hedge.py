@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import math
 import os
 import random
@@ -55,6 +54,7 @@ from bench.common import (
     pct,
     policy_cell,
     rotated,
+    run_main,
 )
 from bench.hedge_plugin import PROFILE_NAME, URL_ENV
 from bench.synthetic_profiles import LOOKUP_KEYS, WORDS
@@ -410,10 +410,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=20)
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     p.add_argument("--keep-stack", action="store_true")
-    args = p.parse_args(argv)
-    console = Console(stderr=True)
-    out = asyncio.run(main_async(args, console))
-    print(json.dumps(out), flush=True)
+    run_main(p, main_async, argv)
 
 
 if __name__ == "__main__":

@@ -85,7 +85,7 @@ class Engine:
         from warmloop.workflows.profiles import ToolCallError
 
         sent = {**body, "logprobs": True, "top_logprobs": 0, "return_token_ids": False}
-        stream, lps = StepStream(), []
+        stream = StepStream()
         self.requests += 1
         async with self.http.stream("POST", self.url + "/v1/chat/completions",
                                     json=sent) as resp:
@@ -93,10 +93,6 @@ class Engine:
                 raise RuntimeError(f"{self.name}: {resp.status_code} "
                                    f"{(await resp.aread())[:300]!r}")
             async for line in resp.aiter_lines():
-                if line.startswith("data: {"):
-                    for ch in json.loads(line[6:]).get("choices") or []:
-                        for c in ((ch.get("logprobs") or {}).get("content") or []):
-                            lps.append(float(c["logprob"]))
                 if stream.feed(line, time.perf_counter()):
                     break
         stream.finish()
@@ -115,7 +111,7 @@ class Engine:
             error = None
         except ToolCallError as e:
             call, error = None, str(e)
-        return Answer(self.name, call, error, CallConfidence.of(lps),
+        return Answer(self.name, call, error, CallConfidence.of(stream.logprobs),
                       usage["prompt_tokens"], usage["cached_tokens"],
                       usage["completion_tokens"], raw=gen)
 
@@ -412,7 +408,28 @@ def _finite(v: Any) -> Any:
     return v
 
 
+def _prepare(args: argparse.Namespace, console: Console) -> None:
+    """The held-out cases (written when missing) and both models; a fixed seed."""
+    if not (args.data_dir / "heldout.jsonl").exists():
+        from warmloop.infra.demo_model.__main__ import DATA_DEFAULTS
+        from warmloop.infra.demo_model.data import write_dataset
+
+        console.print(f"no held-out cases in {args.data_dir}: writing the data set first")
+        write_dataset(args.data_dir, **DATA_DEFAULTS)
+    for path in (args.small, args.large):
+        if not (path / "config.json").exists():
+            raise SystemExit(f"no model at {path}; the large rung is built by "
+                             "`make model-large`")
+    random.seed(0)
+
+
+async def _main_async(args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    work = run_eval if args.mode == "eval" else run_tasks
+    return await _with_engines(args, console, lambda e: work(args, e, console))
+
+
 def main(argv: list[str] | None = None) -> int:
+    from bench.common import run_main
     from warmloop.infra.demo_model import ARTIFACT_DIR
 
     p = argparse.ArgumentParser(prog="python -m bench.ladder", description=__doc__)
@@ -429,22 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--cached-weight", type=float, default=0.1)
-    args = p.parse_args(argv)
-    console = Console()
-    if not (args.data_dir / "heldout.jsonl").exists():
-        from warmloop.infra.demo_model.__main__ import DATA_DEFAULTS
-        from warmloop.infra.demo_model.data import write_dataset
-
-        console.print(f"no held-out cases in {args.data_dir}: writing the data set first")
-        write_dataset(args.data_dir, **DATA_DEFAULTS)
-    for path in (args.small, args.large):
-        if not (path / "config.json").exists():
-            raise SystemExit(f"no model at {path}; the large rung is built by "
-                             "`make model-large`")
-    random.seed(0)
-    work = run_eval if args.mode == "eval" else run_tasks
-    result = asyncio.run(_with_engines(args, console, lambda e: work(args, e, console)))
-    print(json.dumps(_finite(result), default=str))
+    run_main(p, _main_async, argv, console=Console(), prepare=_prepare,
+             report=lambda result, _console: _finite(result), json_default=str)
     return 0
 
 

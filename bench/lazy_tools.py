@@ -21,7 +21,6 @@ cache each time; figures are medians with ranges. The last line is one JSON obje
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import statistics
@@ -40,6 +39,7 @@ from bench.common import (
     medians_and_ranges,
     reset_caches,
     rotated,
+    run_main,
 )
 from bench.tool_catalog import CATALOG, CATALOG_LAZY, CATALOG_PROFILES, tool_output
 from warmloop.workflows import tool_loading
@@ -269,10 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-model-len", type=int, default=16384)
     p.add_argument("--seed", type=int, default=20)
     p.add_argument("--keep-stack", action="store_true")
-    args = p.parse_args(argv)
-    console = Console(stderr=True)
-    out = asyncio.run(main_async(args, console))
-    print(json.dumps(out), flush=True)
+    run_main(p, main_async, argv)
 
 
 if __name__ == "__main__":

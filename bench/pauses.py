@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import random
 import statistics
 import time
@@ -44,6 +43,7 @@ from bench.common import (
     policy_cell,
     reset_caches,
     rotated,
+    run_main,
 )
 from bench.synthetic_pauses import SyntheticPauses
 from bench.synthetic_profiles import WORDS
@@ -354,10 +354,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--keep-stack", action="store_true")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                    help="hold by the engines' preset instead of measuring them first")
-    args = p.parse_args(argv)
-    console = Console(stderr=True)
-    out = asyncio.run(main_async(args, console))
-    print(json.dumps(out), flush=True)
+    run_main(p, main_async, argv)
 
 
 if __name__ == "__main__":

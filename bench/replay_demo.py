@@ -20,7 +20,7 @@ from typing import Any
 
 from rich.console import Console
 
-from bench.common import bench_settings, bench_stack
+from bench.common import bench_settings, bench_stack, run_main
 from bench.make_trace import DEFAULT_OUT
 from warmloop.infra.stack import settings_env
 
@@ -53,6 +53,19 @@ async def main_async(args: argparse.Namespace, console: Console) -> list[dict[st
     return runs
 
 
+def _default_routing(args: argparse.Namespace, console: Console) -> None:
+    args.routing = args.routing or ["cache_aware", "round_robin"]
+
+
+def _report(runs: list[dict[str, Any]], console: Console) -> dict[str, Any]:
+    """The runs and whether every run and policy sent the same prompts."""
+    digests = [[c["prompt_digest"] for c in r["configs"]] for r in runs]
+    same = len({d for ds in digests for d in ds}) == 1
+    console.print(f"prompt digests per run and policy: {digests} -> "
+                  + ("[green]identical[/]" if same else "[red]DIFFERENT[/]"))
+    return {"runs": runs, "same_prompts": same}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,16 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-cache-bytes", type=int, default=32 * 1024 * 1024,
                    help="KV pool per engine (2,048 bytes per token on the tiny model)")
     p.add_argument("--keep-stack", action="store_true", help="leave the stack running")
-    args = p.parse_args(argv)
-    args.routing = args.routing or ["cache_aware", "round_robin"]
-    console = Console(stderr=True)
-    runs = asyncio.run(main_async(args, console))
-    digests = [[c["prompt_digest"] for c in r["configs"]] for r in runs]
-    same = len({d for ds in digests for d in ds}) == 1
-    console.print(f"prompt digests per run and policy: {digests} -> "
-                  + ("[green]identical[/]" if same else "[red]DIFFERENT[/]"))
-    print(json.dumps({"runs": runs, "same_prompts": same}), flush=True)
-    if not same:
+    out = run_main(p, main_async, argv, prepare=_default_routing, report=_report)
+    if not out["same_prompts"]:
         raise SystemExit(1)
 
 

@@ -54,6 +54,7 @@ from bench.common import (
     policy_cell,
     reset_caches,
     rotated,
+    run_main,
 )
 from bench.synthetic_profiles import LOOKUP_KEYS, SYNTHETIC_DOMAINS, WORDS
 from bench.synthetic_tools import SyntheticTools
@@ -524,10 +525,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--keep-stack", action="store_true", help="leave the bench stack running")
     p.add_argument("--jobs-json", type=Path, default=None,
                    help="write each policy's jobs (wall time, engines, stage sums) here")
-    args = p.parse_args(argv)
-    console = Console(stderr=True)
-    out = asyncio.run(main_async(args, console))
-    print(json.dumps(out), flush=True)
+    run_main(p, main_async, argv)
 
 
 if __name__ == "__main__":

@@ -179,23 +179,26 @@ def agentic_mix() -> list[tuple[JobProfile, float]]:
       order lookups, knowledge-base pages), tools ~3 s, one in ten 20 s-2 min (a
       third-party API, a refund); 5 % of calls wait for a human (median 10 min).
     """
-    coding = JobProfile(
-        name="coding-agent", prefix_tokens=6_000, task_tokens=800, min_steps=12,
-        max_steps=40, output_tokens=150, result_tokens=1_200,
-        tool_pause=PauseModel(median_s=6.0, sigma=0.8, long_share=0.2, long_min_s=30.0,
-                              long_max_s=300.0, max_s=600.0),
-        approval_share=0.02, approval_pause=PauseModel(median_s=300.0, sigma=0.8,
-                                                       max_s=3_600.0),
-        approval_kind="review")
-    ticket = JobProfile(
-        name="ticket-agent", prefix_tokens=4_000, task_tokens=600, min_steps=6,
-        max_steps=20, output_tokens=100, result_tokens=600,
-        tool_pause=PauseModel(median_s=3.0, sigma=0.7, long_share=0.1, long_min_s=20.0,
-                              long_max_s=120.0, max_s=300.0),
-        approval_share=0.05, approval_pause=PauseModel(median_s=600.0, sigma=0.8,
-                                                       max_s=3_600.0),
-        approval_kind="refund")
-    return [(coding, 1.0), (ticket, 1.0)]
+    families = (
+        # name, prefix and task tokens, steps, output and result tokens per step,
+        # tool pause, then share, median and kind of the approvals
+        ("coding-agent", 6_000, 800, (12, 40), 150, 1_200,
+         PauseModel(median_s=6.0, sigma=0.8, long_share=0.2, long_min_s=30.0,
+                    long_max_s=300.0, max_s=600.0),
+         0.02, 300.0, "review"),
+        ("ticket-agent", 4_000, 600, (6, 20), 100, 600,
+         PauseModel(median_s=3.0, sigma=0.7, long_share=0.1, long_min_s=20.0,
+                    long_max_s=120.0, max_s=300.0),
+         0.05, 600.0, "refund"),
+    )
+    return [(JobProfile(
+        name=name, prefix_tokens=prefix, task_tokens=task, min_steps=min_steps,
+        max_steps=max_steps, output_tokens=output, result_tokens=result,
+        tool_pause=tool_pause, approval_share=approval_share,
+        approval_pause=PauseModel(median_s=approval_median_s, sigma=0.8, max_s=3_600.0),
+        approval_kind=approval_kind), 1.0)
+        for (name, prefix, task, (min_steps, max_steps), output, result, tool_pause,
+             approval_share, approval_median_s, approval_kind) in families]
 
 
 WORKLOADS = {"bundled": bundled_mix, "agentic": agentic_mix}

@@ -5,14 +5,12 @@ routing score and batch admission's starting K, and how the inference worker fin
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from tests.unit.engine_fakes import RedisServer, redis_server
 from tests.unit.test_holds import StubPauses, StubRedis
 from warmloop.activities.admission import BatchAdmission
 from warmloop.activities.holds import HoldManager
@@ -144,21 +142,6 @@ async def test_k_is_not_reset_once_interactive_steps_are_measured() -> None:
 
 
 # ---- where the worker finds it ------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[RedisServer]:
-    yield from redis_server()
-
-
-@pytest.fixture
-async def redis(server: RedisServer) -> AsyncIterator[aioredis.Redis]:
-    r = aioredis.Redis.from_url(server.url)
-    await r.flushdb()
-    try:
-        yield r
-    finally:
-        await r.aclose()
 
 
 class Clock:

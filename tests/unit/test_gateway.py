@@ -9,7 +9,7 @@ import contextlib
 import hashlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +21,7 @@ from starlette.applications import Starlette
 import warmloop.activities.holds as worker_holds
 import warmloop.workers.gateway.routing as gateway_routing
 import warmloop.workflows.routing as workflow_routing
-from tests.unit.engine_fakes import CutStream, RedisServer, free_port, redis_server
+from tests.unit.engine_fakes import CutStream, RedisServer, free_port
 from warmloop.activities.directory import PrefixDirectory
 from warmloop.activities.holds import HoldManager
 from warmloop.activities.pauses import PauseStats
@@ -155,21 +155,6 @@ class Fleet:
 # ---- fixtures ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[RedisServer]:
-    yield from redis_server()
-
-
-@pytest.fixture
-async def redis(server: RedisServer) -> AsyncIterator[aioredis.Redis]:
-    r = aioredis.Redis.from_url(server.url)
-    await r.flushdb()
-    try:
-        yield r
-    finally:
-        await r.aclose()
-
-
 async def heartbeat(redis: aioredis.Redis, engine_id: str, **kw: Any) -> None:
     hb = EngineHeartbeat(engine_id=engine_id, task_queue=f"engine.{engine_id}", model="tiny",
                          url=f"http://{engine_id}", healthy=True, block_size=BLOCK,
@@ -197,7 +182,8 @@ Make = Callable[..., Any]
 
 
 @pytest.fixture
-async def make(redis: aioredis.Redis, server: RedisServer) -> AsyncIterator[Make]:
+async def make(redis: aioredis.Redis, module_server: RedisServer
+               ) -> AsyncIterator[Make]:
     """Builds a started gateway over fake engines ``ids`` (each heartbeating)."""
     rigs: list[Rig] = []
 
@@ -206,7 +192,7 @@ async def make(redis: aioredis.Redis, server: RedisServer) -> AsyncIterator[Make
         fleet = Fleet(*ids)
         for i in ids:
             await heartbeat(redis, i)
-        settings = Settings(redis_url=server.url, engine_ttl_s=60,
+        settings = Settings(redis_url=module_server.url, engine_ttl_s=60,
                             holding=holding or HoldConfig(), **settings_extra)
         http = httpx.AsyncClient(transport=fleet.transport())
         app = create_gateway_app(settings, redis=redis, http=http,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -26,7 +25,6 @@ from tests.unit.engine_fakes import (
     generate,
     inference,
     nowhere_redis,
-    redis_server,
     step_request,
 )
 from warmloop.activities import registry as registry_module
@@ -52,25 +50,11 @@ REDIS_UNAVAILABLE = "RedisUnavailable"
 
 
 @pytest.fixture
-def server() -> Iterator[RedisServer]:
-    yield from redis_server()
-
-
-@pytest.fixture
 def outage_log(monkeypatch: pytest.MonkeyPatch) -> Recorder:
     """What the outage tracker logs (it lives beside the registry)."""
     rec = Recorder()
     monkeypatch.setattr(registry_module, "log", rec, raising=False)
     return rec
-
-
-@pytest.fixture
-async def client(server: RedisServer) -> AsyncIterator[aioredis.Redis]:
-    r = build_redis(Settings(redis_url=server.url))
-    try:
-        yield r
-    finally:
-        await r.aclose()
 
 
 def hb(engine_id: str, *, running: int = 0, at: float | None = None) -> EngineHeartbeat:

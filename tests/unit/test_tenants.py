@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import boto3
@@ -28,7 +27,6 @@ from tests.unit.engine_fakes import (
     generate,
     inference,
     nowhere_redis,
-    redis_server,
     step_request,
 )
 from warmloop.activities.directory import KvEventApplier, PrefixDirectory, prompt_chain
@@ -43,7 +41,6 @@ from warmloop.activities.registry import (
 from warmloop.activities.routing import RoutingActivities
 from warmloop.activities.storage import StorageActivities, transcript_key
 from warmloop.activities.transcripts import TranscriptStore, read_message
-from warmloop.workers.clients import build_redis
 from warmloop.workers.jobs import InvalidJobError, JobClient, QuotaExceededError
 from warmloop.workers.settings import Settings
 from warmloop.workflows.agent_job import SEARCH_ATTRIBUTES
@@ -276,17 +273,10 @@ async def test_kv_events_of_a_salted_prompt_map_onto_its_tenants_chain() -> None
 
 
 @pytest.fixture
-def server() -> Iterator[RedisServer]:
-    yield from redis_server()
-
-
-@pytest.fixture
-async def redis(server: RedisServer) -> AsyncIterator[aioredis.Redis]:
-    r = build_redis(Settings(redis_url=server.url))
-    try:
-        yield r
-    finally:
-        await r.aclose()
+def redis(client: aioredis.Redis) -> aioredis.Redis:
+    """Here, the processes' own client of a server of the test's own (conftest's
+    ``client``; its ``redis`` shares a server across the module)."""
+    return client
 
 
 def hb(engine_id: str, *, running: int = 0) -> EngineHeartbeat:
