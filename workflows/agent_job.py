@@ -74,6 +74,7 @@ from warmloop.workflows.contracts import (
 )
 from warmloop.workflows.hygiene import (
     PATCH_CONTEXT_HYGIENE,
+    PATCH_SHORT_ARCHIVE_REFS,
     HygienePlan,
     apply_items,
     archive_batches,
@@ -525,17 +526,20 @@ class AgentJob:
         """Context hygiene's decision now (pure: the same on replay)."""
         cfg = resolve_hygiene(job.context_hygiene, profile.hygiene)
         assert cfg is not None
+        short_refs = workflow.patched(PATCH_SHORT_ARCHIVE_REFS)
         if cfg.mode == "every_step":
             return plan_every_step(self._transcript, cfg, job_id=self._job_id,
                                    pending_approvals=len(self._pending),
-                                   max_resend_bytes=INLINE_TRANSCRIPT_BYTES)
+                                   max_resend_bytes=INLINE_TRANSCRIPT_BYTES,
+                                   short_refs=short_refs)
         fixed = (len(profile.system_prompt) + len(json.dumps(profile.tool_schemas(job.tools)))
                  + len(json.dumps(job.task)))
         return plan_compaction(
             self._transcript, cfg, job_id=self._job_id, limits=limits, usage=self._usage,
             fixed_chars=fixed,
             last_prompt_tokens=self._steps[-1].prompt_tokens if self._steps else None,
-            pending_approvals=len(self._pending), max_resend_bytes=INLINE_TRANSCRIPT_BYTES)
+            pending_approvals=len(self._pending), max_resend_bytes=INLINE_TRANSCRIPT_BYTES,
+            short_refs=short_refs)
 
     async def _compact(self, job: JobInput, profile: Profile, limits: JobLimits) -> bool:
         """Archive the tool outputs context hygiene picks and put their summaries in the

@@ -46,6 +46,9 @@ from warmloop.workflows.tenants import s3_prefix, split_job_id
 HygieneMode = Literal["off", "cost_model", "every_step"]
 
 PATCH_CONTEXT_HYGIENE = "context-hygiene"
+PATCH_SHORT_ARCHIVE_REFS = "short-archive-refs"
+"""Summaries name their archive by message index, not by whole S3 key. Their length
+enters the cost model, so a job started before this keeps the old summaries."""
 """``workflow.patched`` id of the compaction path (taken only by jobs that opt in)."""
 
 ARCHIVE_MARKER = '{"archived_tool_output": '
@@ -152,12 +155,21 @@ def archive_key(job_id: str, index: int) -> str:
     return f"{s3_prefix(tenant)}tool-archive/{bare}/{index:06d}.txt"
 
 
-def summary_text(*, tool: str, ok: bool, chars: int, head: str, key: str, step: int) -> str:
+def summary_text(*, tool: str, ok: bool, chars: int, head: str, step: int,
+                 ref: int | None = None, key: str | None = None) -> str:
     """The structured stand-in of an archived output: deterministic (same item, same
-    bytes, so the compacted prefix caches like any other) and clearly data."""
-    # short: every token of a summary is read again on every later step
-    body = {"tool": tool, "ok": ok, "chars": chars, "step": step, "head": head,
-            "s3_key": key}
+    bytes, so the compacted prefix caches like any other) and clearly data.
+
+    ``ref``: the message's index, which names its archive (``archive_key(job, ref)``):
+    every token of a summary is read again on every later step, and a whole S3 key
+    (``key``, what jobs started before ``PATCH_SHORT_ARCHIVE_REFS`` write) costs some
+    40 tokens more a summary than the index does."""
+    body: dict[str, object] = {"tool": tool, "ok": ok, "chars": chars, "step": step,
+                               "head": head}
+    if ref is not None:
+        body["ref"] = ref
+    else:
+        body["s3_key"] = key
     return ARCHIVE_MARKER + json.dumps(body, ensure_ascii=False) + "}"
 
 
@@ -189,10 +201,11 @@ def _ages(messages: Sequence[ChatMessage]) -> list[int]:
 
 
 def select_items(messages: Sequence[ChatMessage], cfg: ContextHygiene, *,
-                 job_id: str) -> list[CompactItem]:
+                 job_id: str, short_refs: bool = True) -> list[CompactItem]:
     """The tool outputs to archive now: large ones past ``keep_recent_steps``, stale
     ones past their lifetime; never a summary, never one whose summary would be as
-    long as itself."""
+    long as itself. ``short_refs``: summaries name their archive by message index
+    (False: by whole S3 key, as jobs started before ``PATCH_SHORT_ARCHIVE_REFS`` do)."""
     names, ages = _tool_names(messages), _ages(messages)
     out: list[CompactItem] = []
     for i, m in enumerate(messages):
@@ -212,8 +225,9 @@ def select_items(messages: Sequence[ChatMessage], cfg: ContextHygiene, *,
         key = archive_key(job_id, i)
         ok = not m.content.startswith(FAILURE_PREFIXES)
         head = " ".join(m.content[:cfg.head_chars].split())
-        summary = summary_text(tool=tool, ok=ok, chars=len(m.content), head=head, key=key,
-                               step=_step_of(messages, i))
+        summary = summary_text(tool=tool, ok=ok, chars=len(m.content), head=head,
+                               step=_step_of(messages, i),
+                               **({"ref": i} if short_refs else {"key": key}))
         if len(summary) >= len(m.content):
             continue  # a summary longer than the item: keep the item
         out.append(CompactItem(index=i, tool=tool, ok=ok, chars=len(m.content),
@@ -307,7 +321,8 @@ def tokens_per_char(*, last_prompt_tokens: int | None, prompt_chars: int,
 def plan_compaction(messages: Sequence[ChatMessage], cfg: ContextHygiene, *, job_id: str,
                     limits: JobLimits, usage: Usage, fixed_chars: int,
                     last_prompt_tokens: int | None, pending_approvals: int = 0,
-                    max_resend_bytes: int | None = None) -> HygienePlan:
+                    max_resend_bytes: int | None = None,
+                    short_refs: bool = True) -> HygienePlan:
     """Whether compacting ``messages`` now pays, with the items to archive.
 
     ``fixed_chars``: the prompt's characters besides the transcript (system prompt,
@@ -317,7 +332,7 @@ def plan_compaction(messages: Sequence[ChatMessage], cfg: ContextHygiene, *, job
     travels inline in the next step's request; a bigger one is not compacted."""
     if pending_approvals:
         return HygienePlan(fire=False, reason="pending_approval")
-    items = select_items(messages, cfg, job_id=job_id)
+    items = select_items(messages, cfg, job_id=job_id, short_refs=short_refs)
     if not items:
         return HygienePlan(fire=False, reason="nothing_to_compact")
     # The prompt of the last step ended before its own call and answer.
@@ -353,11 +368,12 @@ def plan_compaction(messages: Sequence[ChatMessage], cfg: ContextHygiene, *, job
 
 def plan_every_step(messages: Sequence[ChatMessage], cfg: ContextHygiene, *, job_id: str,
                     pending_approvals: int = 0,
-                    max_resend_bytes: int | None = None) -> HygienePlan:
+                    max_resend_bytes: int | None = None,
+                    short_refs: bool = True) -> HygienePlan:
     """The every-step baseline: archive whatever is eligible, no cost model."""
     if pending_approvals:
         return HygienePlan(fire=False, reason="pending_approval")
-    items = select_items(messages, cfg, job_id=job_id)
+    items = select_items(messages, cfg, job_id=job_id, short_refs=short_refs)
     if not items:
         return HygienePlan(fire=False, reason="nothing_to_compact")
     first = min(it.index for it in items)

@@ -27,7 +27,7 @@ from warmloop.workflows.contracts import (
     ReplayStep,
     ToolCall,
 )
-from warmloop.workflows.hygiene import is_summary
+from warmloop.workflows.hygiene import archive_key, is_summary
 
 pytestmark = pytest.mark.integration
 
@@ -68,7 +68,7 @@ async def test_a_long_job_archives_its_big_outputs_and_its_prompt_shrinks(
     assert job.replay is not None
     for s in summaries:  # the whole output is where the summary says
         body = await asyncio.to_thread(s3.get_object, Bucket=settings.s3_bucket,
-                                       Key=s["s3_key"])
+                                       Key=archive_key(res.job_id, s["ref"]))
         assert body["Body"].read().decode() == job.replay.steps[s["step"] - 1].result
     # the engine's own usage: the step after the compaction point read fewer tokens
     sizes = [st.prompt_tokens for st in res.steps]

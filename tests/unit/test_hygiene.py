@@ -56,9 +56,14 @@ def test_large_outputs_past_the_recent_steps_are_selected_with_structured_summar
     assert first.key == "tenants/acme/tool-archive/job-1/000001.txt"
     body = json.loads(first.summary)["archived_tool_output"]
     assert body == {"tool": "lookup", "ok": True, "chars": len(BIG), "step": 1,
-                    "head": " ".join(BIG[:80].split()), "s3_key": first.key}
+                    "head": " ".join(BIG[:80].split()), "ref": 1}
+    assert archive_key("acme/job-1", body["ref"]) == first.key  # the ref names the archive
     # deterministic: the same transcript gives the same bytes
     assert select_items(msgs, CFG, job_id="acme/job-1") == items
+    # jobs started before short refs keep whole keys (their length enters the decision)
+    old = select_items(msgs, CFG, job_id="acme/job-1", short_refs=False)
+    assert json.loads(old[0].summary)["archived_tool_output"]["s3_key"] == first.key
+    assert [len(it.summary) for it in old] > [len(it.summary) for it in items]
 
 
 def test_compacted_transcript_keeps_pairing_and_is_never_compacted_again() -> None:
