@@ -166,7 +166,8 @@ async def test_a_long_job_compacts_at_continue_as_new_and_archives_everything(
     archived = summaries(res.transcript)
     assert len(archived) >= 20
     for s in archived:  # nothing lost: each summary's key holds the whole output
-        assert fakes.archive[archive_key(res.job_id, s["ref"])] == f"article {s['step']:03d}: " + "kb text " * 500
+        whole = f"article {s['step']:03d}: " + "kb text " * 500
+        assert fakes.archive[archive_key(res.job_id, s["ref"])] == whole
         assert s["tool"] == "search_kb" and s["ok"] is True
     assert_prompts_match_the_transcript(fakes, res)
     # the prompt shrank at the compaction points and is smaller than without hygiene
