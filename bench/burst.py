@@ -187,7 +187,7 @@ async def phase(name: str, client: Client, http: httpx.AsyncClient, urls: list[s
 
 async def main_async(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     settings = bench_settings(
-        "burst", offset=10, engines=2, kv_cache_bytes=args.kv_cache_bytes,
+        "burst", engines=2, kv_cache_bytes=args.kv_cache_bytes,
         admission=AdmissionConfig(interactive_ttft_target_ms=args.ttft_target_ms,
                                   k_min=args.k_min, k_start=args.k_start,
                                   k_max=args.k_max,

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import statistics
 import time
@@ -37,26 +38,54 @@ from warmloop.workers.engine_metrics import (  # noqa: F401 - the benchmarks imp
 from warmloop.workers.plugins import load_plugins
 from warmloop.workers.settings import Settings
 
+BENCH_OFFSETS: dict[str, int] = {
+    "routing": 0, "replay": 7, "burst": 10, "pauses": 20, "contention": 30, "faults": 40,
+    "gateway": 50, "hedge": 60, "lazy-tools": 70, "hygiene": 80, "ladder-test": 95,
+}
+"""Each bench stack's port offset (``bench_ports``): one table, so that two benches, or a
+bench and ``warmloop dev up``, never share a port (``tests/unit/test_bench_ports.py``)."""
 
-def bench_settings(name: str, *, offset: int, engines: int, kv_cache_bytes: int,
+MAX_BENCH_ENGINES = 3
+
+
+def bench_ports(offset: int) -> dict[str, int]:
+    """The ports of the bench stack at ``offset`` (0-99), each kind in a range of its own
+    that no other offset's stack and no default port falls into. Engines and their KV
+    event publishers get ``MAX_BENCH_ENGINES`` consecutive ports each."""
+    if not 0 <= offset < 100:
+        raise ValueError(f"bench offset {offset} is outside 0-99")
+    return {"temporal": 7300 + offset, "temporal_ui": 7400 + offset, "redis": 6400 + offset,
+            "s3": 9020 + offset, "inbox": 8400 + offset, "gateway": 8600 + offset,
+            "engine_base": 10_000 + offset * 10, "kv_events_base": 11_000 + offset * 10}
+
+
+def bench_settings(name: str, *, engines: int, kv_cache_bytes: int,
                    synthetic_pauses: SyntheticPauses | None = None, **extra: Any) -> Settings:
-    """A stack apart from `warmloop dev up`'s: its own state dir and ports (``offset``
-    keeps two benches apart), small KV pools, prompt chains traced for the oracle.
+    """A stack apart from `warmloop dev up`'s: its own state dir and ports (its offset in
+    ``BENCH_OFFSETS`` keeps two benches apart), small KV pools, prompt chains traced for
+    the oracle.
 
     The synthetic profiles come in as a plugin (``bench.plugin``), as a user's would;
     this process loads it too, and the stack's processes inherit the pauses."""
+    if name not in BENCH_OFFSETS:
+        raise ValueError(f"bench {name!r} has no port offset: add it to BENCH_OFFSETS")
+    if not 1 <= engines <= MAX_BENCH_ENGINES:
+        raise ValueError(f"a bench stack runs 1-{MAX_BENCH_ENGINES} engines, not {engines}")
+    ports = bench_ports(BENCH_OFFSETS[name])
     os.environ[PAUSES_ENV] = (synthetic_pauses or SyntheticPauses()).model_dump_json()
     load_plugins(plugins="bench.plugin")
     return Settings(plugins="bench.plugin",
         state_dir=Path(f".warmloop/bench-{name}"),
-        temporal_address=f"127.0.0.1:{7300 + offset}", temporal_ui_port=7350 + offset,
-        redis_url=f"redis://127.0.0.1:{6400 + offset}/0",
-        s3_endpoint_url=f"http://127.0.0.1:{9020 + offset}", engine_count=engines,
-        engine_base_port=8200 + offset * 10, engine_kv_events_base_port=5600 + offset * 10,
+        temporal_address=f"127.0.0.1:{ports['temporal']}",
+        temporal_ui_port=ports["temporal_ui"],
+        redis_url=f"redis://127.0.0.1:{ports['redis']}/0",
+        s3_endpoint_url=f"http://127.0.0.1:{ports['s3']}", engine_count=engines,
+        engine_base_port=ports["engine_base"],
+        engine_kv_events_base_port=ports["kv_events_base"],
         engine_kv_cache_bytes=kv_cache_bytes, engine_max_model_len=6144,
         agent_metrics_port=None, inference_metrics_base_port=None,
-        inbox_port=8400 + offset, approvals_url=f"http://127.0.0.1:{8400 + offset}",
-        gateway_port=8600 + offset,
+        inbox_port=ports["inbox"], approvals_url=f"http://127.0.0.1:{ports['inbox']}",
+        gateway_port=ports["gateway"],
         trace_prompt_chains=True, log_format="json", **extra,
     )
 
@@ -126,7 +155,8 @@ class BenchFleet:
 async def bench_stack(settings: Settings, console: Console, *,
                       keep: bool) -> AsyncIterator[BenchFleet]:
     """Start the bench's own stack from an empty Temporal database; take it down after
-    a run that ends normally, unless ``keep`` (a failed run leaves it up to inspect)."""
+    a run that ends normally or is stopped (Ctrl-C, SIGTERM through ``run_main``),
+    unless ``keep``. A run that fails leaves it up to inspect."""
     stack = Stack(settings, log=lambda m: console.print(f"  {m}", highlight=False))
     kv = settings.engine_kv_cache_bytes or 0
     console.print(f"starting the bench stack ({settings.engine_count} engines, KV pool "
@@ -134,12 +164,19 @@ async def bench_stack(settings: Settings, console: Console, *,
     fresh_state(settings)
     await asyncio.to_thread(stack.up)
     redis = aioredis.Redis.from_url(settings.redis_url, **redis_options(settings))
+    stopped = False
     try:
         yield BenchFleet(client=await connect(settings), redis=redis,
                          urls=[e.url.rstrip("/") for e in settings.engine_endpoints],
                          engine_ids=[e.id for e in settings.engine_endpoints])
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        stopped = True
+        raise
     finally:
         await redis.aclose()
+        if stopped and not keep:
+            console.print("stopped: taking the bench stack down ...")
+            await asyncio.to_thread(stack.down)
     if not keep:
         await asyncio.to_thread(stack.down)
 
@@ -257,6 +294,9 @@ def run_main(parser: argparse.ArgumentParser,
         console = Console(stderr=True)
     if prepare is not None:
         prepare(args, console)
+    # SIGTERM stops a bench as Ctrl-C does (its stack comes down): asyncio.run cancels
+    # the bench on SIGINT, and Python would otherwise die on SIGTERM without cleaning up.
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
     out: Any = asyncio.run(main_async(args, console))
     if report is not None:
         out = report(out, console)

@@ -84,7 +84,7 @@ async def probes(http: httpx.AsyncClient, url: str, seconds: float, seed: int) -
 
 
 async def main_async(args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    settings = bench_settings("contention", offset=30, engines=2,
+    settings = bench_settings("contention", engines=2,
                               kv_cache_bytes=args.kv_cache_bytes)
     results: dict[str, list[float]] = {}
     async with (bench_stack(settings, console, keep=False) as fleet,

@@ -606,7 +606,7 @@ def _s3_has(s3: Any, settings: Settings, key: str) -> bool:
 
 
 async def main_async(args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    settings = bench_settings("faults", offset=40, engines=2,
+    settings = bench_settings("faults", engines=2,
                               kv_cache_bytes=args.kv_cache_bytes)
     stack = Stack(settings, log=lambda m: console.print(f"  {m}", highlight=False))
     tag = uuid.uuid4().hex[:6]

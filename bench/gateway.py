@@ -84,8 +84,6 @@ from warmloop.workflows.routing import block_hashes
 
 POLICIES = ("warmloop", "sglang_cache_aware", "vllm_router_cache_aware", "round_robin")
 PEERS = POLICIES[1:]
-OFFSET = 50
-"""The bench stack's port offset (``bench_settings``): apart from the other benches."""
 GATEWAY_PORT, SGLANG_PORT, VLLM_ROUTER_PORT = 8750, 8751, 8752
 SESSION_HEADER, KIND_HEADER, FINAL_HEADER = "x-session-id", "x-session-kind", "x-session-final"
 ENGINE_HEADER, ROUTE_HEADER = "x-warmloop-engine", "x-warmloop-route"
@@ -722,7 +720,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
         f"(longest {max((p for s in w.sessions for p in s.pauses_s), default=0):.1f} s): "
         f"~{est:.0f} s a policy, ~{est * len(args.policies) * args.repeat / 60:.1f} min "
         f"for {len(args.policies)} policies x {args.repeat} repeat(s)")
-    settings = bench_settings("gateway", offset=OFFSET, engines=2,
+    settings = bench_settings("gateway", engines=2,
                               kv_cache_bytes=args.kv_cache_bytes)
     model = settings.engine_endpoints[0].model
     missing = vllm_router_missing()

@@ -47,6 +47,7 @@ from starlette.routing import Route
 from temporalio.client import Client, WorkflowHandle
 
 from bench.common import (
+    BENCH_OFFSETS,
     bench_settings,
     bench_stack,
     fmt_range,
@@ -66,9 +67,8 @@ from warmloop.workflows.agent_job import AgentJob
 from warmloop.workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult
 from warmloop.workflows.profiles import get_profile
 
-OFFSET = 60
-"""Port offset of this bench's stack (apart from the other benches')."""
-TOOL_PORT = 9500 + OFFSET
+TOOL_PORT = 9500 + BENCH_OFFSETS["hedge"]
+"""The heavy-tailed tool's HTTP server (apart from every bench stack's ports)."""
 PLUGINS = "bench.plugin,bench.hedge_plugin"
 POLICIES = {"plain": False, "hedged": True}
 
@@ -260,7 +260,7 @@ def hedge_settings(*, kv_cache_bytes: int = 16 * 1024 * 1024) -> Settings:
     """This bench's stack (port offset 60), whose workers also load ``bench.hedge_plugin``
     with its tools at this process's tool server."""
     os.environ[URL_ENV] = f"http://127.0.0.1:{TOOL_PORT}"
-    settings = bench_settings("hedge", offset=OFFSET, engines=2, kv_cache_bytes=kv_cache_bytes)
+    settings = bench_settings("hedge", engines=2, kv_cache_bytes=kv_cache_bytes)
     load_plugins(plugins=PLUGINS)
     return settings.model_copy(update={"plugins": PLUGINS})
 

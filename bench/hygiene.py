@@ -264,7 +264,7 @@ def report(m: dict[str, Any], rg: dict[str, Any], n: int, console: Console) -> N
 
 
 async def main_async(args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    settings = bench_settings("hygiene", offset=80, engines=args.engines,
+    settings = bench_settings("hygiene", engines=args.engines,
                               kv_cache_bytes=args.kv_cache_bytes)
     # long contexts: without hygiene a long job's last prompt nears 17k tokens
     settings = settings.model_copy(update={"engine_max_model_len": args.max_model_len})

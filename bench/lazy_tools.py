@@ -226,7 +226,7 @@ def report(m: dict[str, Any], rg: dict[str, Any], n: int, console: Console) -> N
 
 
 async def main_async(args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    settings = bench_settings("lazy-tools", offset=70, engines=args.engines,
+    settings = bench_settings("lazy-tools", engines=args.engines,
                               kv_cache_bytes=args.kv_cache_bytes)
     # the 40 schemas up front take ~11k tokens of the tiny tokenizer
     settings = settings.model_copy(update={"engine_max_model_len": args.max_model_len})

@@ -215,7 +215,7 @@ async def bg_request_s(http: httpx.AsyncClient, url: str, words: int, n: int = 5
 
 async def main_async(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     settings = bench_settings(
-        "pauses", offset=20, engines=2, kv_cache_bytes=args.kv_cache_bytes,
+        "pauses", engines=2, kv_cache_bytes=args.kv_cache_bytes,
         synthetic_pauses=SyntheticPauses(median_s=args.pause_median_s, sigma=0.5,
                                          long_share=args.long_share, long_min_s=20,
                                          long_max_s=60, max_s=60))

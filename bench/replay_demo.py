@@ -41,7 +41,7 @@ def replay_once(trace: Path, env: dict[str, str], window: int, routings: list[st
 
 
 async def main_async(args: argparse.Namespace, console: Console) -> list[dict[str, Any]]:
-    settings = bench_settings("replay", offset=7, engines=args.engines,
+    settings = bench_settings("replay", engines=args.engines,
                               kv_cache_bytes=args.kv_cache_bytes)
     env = {**os.environ, **settings_env(settings), "COLUMNS": "160"}
     runs = []

@@ -84,7 +84,7 @@ PEER_ENGINE = "peer"
 
 
 def routing_settings(*, engines: int, kv_cache_bytes: int) -> Settings:
-    return bench_settings("routing", offset=0, engines=engines, kv_cache_bytes=kv_cache_bytes)
+    return bench_settings("routing", engines=engines, kv_cache_bytes=kv_cache_bytes)
 
 
 # ---- the workload --------------------------------------------------------------------

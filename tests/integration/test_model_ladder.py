@@ -25,7 +25,7 @@ STATE = Path(".warmloop/bench-ladder-test").resolve()
 async def test_steps_start_on_the_small_pool_and_escalate_to_a_warm_large_engine() -> None:
     state = STATE
     settings = bench_settings(
-        "ladder-test", offset=95, engines=2, kv_cache_bytes=64 * 1024 * 1024,
+        "ladder-test", engines=2, kv_cache_bytes=64 * 1024 * 1024,
         engine_models=list(LADDER_MODELS),
         model_paths={"large": state / "models" / "tiny-llama"})
     # the large pool serves the same (random) weights as the small one, from its dir
