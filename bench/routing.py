@@ -161,6 +161,10 @@ class PolicyRun:
     """Mean time a request waited in the engine's queue (its own histogram)."""
     engine_prefill_ms: float = 0.0
     """Mean time the engine spent prefilling a request (its own histogram)."""
+    top_engine_share: float = 0.0
+    """The busiest engine's share of the prompt tokens (its own counter): how much a
+    policy packs the work onto one engine (on a 2-core host, the other core then serves
+    Temporal and the workers)."""
     results: list[JobResult] = field(default_factory=list)
     durations: list[float] = field(default_factory=list)
     """Each job's wall time from its start, in ``results``' order."""
@@ -180,6 +184,7 @@ async def run_policy(client: Client, policy: str, specs: list[JobSpec], run_tag:
                      engine_ids: list[str], block_size: int, *, live: bool) -> PolicyRun:
     await reset_caches(http, urls, redis, engine_ids)
     before = await engine_counters(http, urls)
+    before_each = [await engine_counters(http, [u]) for u in urls]
     t0 = time.monotonic()
 
     async def one(spec: JobSpec) -> tuple[JobResult, float]:
@@ -196,7 +201,10 @@ async def run_policy(client: Client, policy: str, specs: list[JobSpec], run_tag:
     done = await asyncio.gather(*(one(s) for s in specs))
     makespan = time.monotonic() - t0
     after = await engine_counters(http, urls)
+    after_each = [await engine_counters(http, [u]) for u in urls]
     d = {k: after[k] - before[k] for k in COUNTERS}
+    queried = [a["vllm:prefix_cache_queries_total"] - b["vllm:prefix_cache_queries_total"]
+               for a, b in zip(after_each, before_each, strict=True)]
     queries, hits = d["vllm:prefix_cache_queries_total"], d["vllm:prefix_cache_hits_total"]
     durations = [t for _, t in done]
     results = [r for r, _ in done]
@@ -208,6 +216,7 @@ async def run_policy(client: Client, policy: str, specs: list[JobSpec], run_tag:
     return PolicyRun(
         engine_queue_ms=1000 * d["vllm:request_queue_time_seconds_sum"] / requests,
         engine_prefill_ms=1000 * d["vllm:request_prefill_time_seconds_sum"] / requests,
+        top_engine_share=max(queried) / sum(queried) if sum(queried) else 0.0,
         policy=policy, hit_rate=hits / queries if queries else 0.0,
         prefill_tokens=int(queries - hits), prompt_tokens=int(queries),
         job_p50_s=pct(durations, 0.5), job_p95_s=pct(durations, 0.95), makespan_s=makespan,
@@ -432,6 +441,7 @@ def figures(runs: dict[str, PolicyRun], direct: list[float],
         "makespan_s": by_policy("makespan_s"),
         "engine_queue_ms": by_policy("engine_queue_ms"),
         "engine_prefill_ms": by_policy("engine_prefill_ms"),
+        "top_engine_share": by_policy("top_engine_share"),
         "overhead_p50_ms": round(pct(dispatch, .5), 2),
         "overhead_p95_ms": round(pct(dispatch, .95), 2),
         "route_p50_ms": round(pct(route, .5), 2),
@@ -453,7 +463,7 @@ def report(m: dict[str, Any], rg: dict[str, Any], n: int, console: Console) -> N
                         "engines' own counters")
     table.add_column("policy")
     for c in ("hit rate", "vs oracle", "prefill tokens", "vs round-robin", "job p50 s",
-              "job p95 s", "makespan s", "engine queue / prefill ms"):
+              "job p95 s", "makespan s", "engine queue / prefill ms", "top engine share"):
         table.add_column(c, justify="right")
     oracle = m.get("oracle_hit_rate")
     rr = m["prefill_tokens"].get("round_robin")
@@ -466,7 +476,8 @@ def report(m: dict[str, Any], rg: dict[str, Any], n: int, console: Console) -> N
             policy_cell(m, rg, "job_p50_s", name, ".1f"),
             policy_cell(m, rg, "job_p95_s", name, ".1f"),
             policy_cell(m, rg, "makespan_s", name, ".1f"),
-            f"{m['engine_queue_ms'][name]:.0f} / {m['engine_prefill_ms'][name]:.0f}")
+            f"{m['engine_queue_ms'][name]:.0f} / {m['engine_prefill_ms'][name]:.0f}",
+            policy_cell(m, rg, "top_engine_share", name, ".2f"))
     console.print(table)
     if oracle is not None:
         console.print(f"oracle hit rate (1 - unique/all prompt tokens): "
