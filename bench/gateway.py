@@ -539,7 +539,6 @@ def policy_figures(run: PolicyRun) -> dict[str, Any]:
         out["route_reasons"] = routes
     if run.gateway is not None:
         out["hold_decisions"] = run.gateway["hold_decisions"]
-        out["tokenized"] = run.gateway.get("tokenized", {})
         out["learn_skipped"] = run.gateway["learn_skipped"]
         out["failovers"] = run.gateway["failovers"]
     return out
@@ -550,11 +549,9 @@ _METRIC = re.compile(r'^(warmloop_gateway_[a-z_]+)(?:\{([^}]*)\})? ([0-9.eE+-]+|
 
 def gateway_metrics(text: str) -> dict[str, Any]:
     """What the gateway's own /metrics says about a run: its hold decisions by action,
-    where it tokenized prompts (local, engine, mismatch), prompts it did not learn,
-    failovers, and its added latency (mean; the p50 as the
+    prompts it did not learn, failovers, and its added latency (mean; the p50 as the
     upper bound of its histogram bucket)."""
     holds: dict[str, float] = {}
-    tokenized: dict[str, float] = {}
     plain: dict[str, float] = {}
     buckets: dict[float, float] = {}
     for line in text.splitlines():
@@ -565,9 +562,6 @@ def gateway_metrics(text: str) -> dict[str, Any]:
         if name == "warmloop_gateway_hold_decisions_total":
             action = re.search(r'action="([^"]*)"', labels)
             holds[action.group(1) if action else "?"] = value
-        elif name == "warmloop_gateway_tokenized_total":
-            where = re.search(r'where="([^"]*)"', labels)
-            tokenized[where.group(1) if where else "?"] = value
         elif name == "warmloop_gateway_added_latency_seconds_bucket":
             le = re.search(r'le="([^"]*)"', labels)
             if le:
@@ -578,7 +572,6 @@ def gateway_metrics(text: str) -> dict[str, Any]:
     total = plain.get("warmloop_gateway_added_latency_seconds_sum", 0.0)
     return {
         "hold_decisions": holds,
-        "tokenized": tokenized,
         "learn_skipped": plain.get("warmloop_gateway_learn_skipped_total", 0.0),
         "failovers": plain.get("warmloop_gateway_failovers_total", 0.0),
         "own_added_mean_ms": round(1000 * total / count, 3) if count else None,
@@ -668,39 +661,6 @@ async def measure_overhead(http: httpx.AsyncClient, gateway_url: str,
             "overhead_p95_ms": round(pct(diffs, 0.95), 2),
             "gateway_call_p50_ms": round(pct(via, 0.5), 2),
             "direct_call_p50_ms": round(pct(direct, 0.5), 2)}
-
-
-def oracle_cached(records: list[CallRecord], prompts: dict[tuple[int, int], list[int]],
-                  block_size: int) -> dict[tuple[int, int], int]:
-    """Per call (session, call): the tokens the block-level oracle serves from cache,
-    taking the calls in the order they were sent (a full block computed once)."""
-    seen: set[str] = set()
-    out: dict[tuple[int, int], int] = {}
-    for r in sorted(records, key=lambda r: r.sent):
-        hashes = block_hashes(prompts.get((r.session, r.call), []), block_size)
-        out[(r.session, r.call)] = sum(h in seen for h in hashes) * block_size
-        seen.update(hashes)
-    return out
-
-
-def dump_calls(path: Path, run: PolicyRun, w: Workload, prompts: list[list[int]],
-               block_size: int) -> None:
-    """Each call of one policy's run, one JSON object a line (``--dump``): where it
-    went, what it found cached, and what the oracle would have."""
-    keyed = dict(zip([(s.index, k) for s in w.sessions for k in range(s.calls)], prompts,
-                     strict=True))
-    oracle = oracle_cached(run.records, keyed, block_size)
-    t0 = min((r.sent for r in run.records), default=0.0)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for r in sorted(run.records, key=lambda r: r.sent):
-            f.write(json.dumps({
-                "session": r.session, "call": r.call, "kind": w.sessions[r.session].kind,
-                "sent_s": round(r.sent - t0, 3), "ttft_ms": r.ttft_ms,
-                "done_s": round(r.done - t0, 3) if r.done else None, "engine": r.engine,
-                "route": r.route, "prompt_tokens": r.prompt_tokens,
-                "cached_tokens": r.cached_tokens,
-                "oracle_cached": oracle.get((r.session, r.call), 0), "error": r.error}) + "\n")
 
 
 # ---- the run ------------------------------------------------------------------------------
@@ -801,9 +761,6 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
                         if server is not None:
                             server.stop()
                     f = figures[policy] = policy_figures(run)
-                    if args.dump is not None:
-                        dump_calls(Path(args.dump) / f"{tag}-{policy}.jsonl", run, w,
-                                   prompts, block_size)
                     console.print(
                         f"  hit rate {f['hit_rate']:.3f} (usage {f['usage_hit_rate']:.3f}), "
                         f"prefill {f['prefill_tokens']:,}, TTFT p50/p95 "
@@ -897,8 +854,7 @@ def report(m: dict[str, Any], rg: dict[str, Any], n: int, console: Console) -> N
         console.print(f"warmloop: {wl.get('touches', 0):.0f} hold touches computed "
                       f"{wl.get('touch_computed_tokens', 0):,.0f} tokens (in its prefill); "
                       f"routes {wl.get('route_reasons')}; hold decisions "
-                      f"{wl.get('hold_decisions')}; prompts tokenized "
-                      f"{wl.get('tokenized')}; not learned "
+                      f"{wl.get('hold_decisions')}; prompts not learned "
                       f"{wl.get('learn_skipped', 0):.0f}; failovers {wl.get('failovers', 0):.0f}")
     if m.get("overhead_p50_ms") is not None:
         console.print(
@@ -947,9 +903,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--overhead-calls", type=int, default=100)
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     p.add_argument("--keep-stack", action="store_true", help="leave the bench stack running")
-    p.add_argument("--dump", default=None, metavar="DIR",
-                   help="write each policy's calls (engine, route, cached tokens, the "
-                        "oracle's cached tokens in send order) to DIR/<repeat>-<policy>.jsonl")
     run_main(p, main_async, argv,
              console=Console(stderr=True, width=None if sys.stderr.isatty() else 180))
 

@@ -4,8 +4,6 @@ the last line's keys (no stack: the run itself is `make bench-gateway`)."""
 from __future__ import annotations
 
 import argparse
-import json
-from typing import Any
 
 import pytest
 
@@ -14,10 +12,8 @@ from bench.gateway import (
     POLICIES,
     CallRecord,
     PolicyRun,
-    dump_calls,
     estimate_makespan_s,
     gateway_metrics,
-    oracle_cached,
     oracle_hit_rate,
     policy_figures,
     result_json,
@@ -82,8 +78,6 @@ def test_gateway_metrics_are_read_from_its_exposition_text() -> None:
         'warmloop_gateway_hold_decisions_total{action="hold"} 12',
         'warmloop_gateway_hold_decisions_total{action="release"} 3',
         "warmloop_gateway_learn_skipped_total 1",
-        'warmloop_gateway_tokenized_total{where="local"} 40',
-        'warmloop_gateway_tokenized_total{where="engine"} 3',
         'warmloop_gateway_failovers_total{engine="e1"} 2',
         'warmloop_gateway_added_latency_seconds_bucket{le="0.0005"} 1',
         'warmloop_gateway_added_latency_seconds_bucket{le="0.001"} 8',
@@ -93,7 +87,6 @@ def test_gateway_metrics_are_read_from_its_exposition_text() -> None:
     g = gateway_metrics(text)
     assert g["hold_decisions"] == {"hold": 12.0, "release": 3.0}
     assert g["learn_skipped"] == 1.0 and g["failovers"] == 2.0
-    assert g["tokenized"] == {"local": 40.0, "engine": 3.0}
     assert g["own_added_mean_ms"] == pytest.approx(1.2)
     assert g["own_added_p50_ms"] == pytest.approx(1.0)
 
@@ -112,24 +105,6 @@ def test_oracle_counts_each_full_block_once_and_partial_blocks_every_time() -> N
     assert oracle_hit_rate([[1, 2, 3, 4], [9, 9, 3, 4]], 2) == 0.0
     assert oracle_hit_rate([[1, 2]] * 4, 2) == pytest.approx(0.75)
     assert oracle_hit_rate([], 16) == 0.0
-
-
-def test_per_call_oracle_takes_calls_in_the_order_they_were_sent(tmp_path: Any) -> None:
-    recs = [CallRecord(session=1, call=0, sent=2.0), CallRecord(session=0, call=0, sent=1.0),
-            CallRecord(session=0, call=1, sent=3.0)]
-    prompts = {(0, 0): [1, 2, 3], (1, 0): [1, 2, 9, 9], (0, 1): [1, 2, 3, 4, 5]}
-    # block 2: s0 c0 computes [1,2]; s1 c0 finds it; s0 c1 finds [1,2] only ([3,4] is new)
-    assert oracle_cached(recs, prompts, 2) == {(0, 0): 0, (1, 0): 2, (0, 1): 2}
-    w = workload(1, 2)
-    run = PolicyRun(policy="warmloop", records=[
-        CallRecord(session=s.index, call=k, sent=float(s.index * 10 + k), engine="e0",
-                   prompt_tokens=4, cached_tokens=2)
-        for s in w.sessions for k in range(s.calls)], engines={})
-    dump_calls(tmp_path / "d.jsonl", run, w, [[1, 2, 3, 4]] * w.calls, 2)
-    rows = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
-    assert len(rows) == w.calls and rows[0]["oracle_cached"] == 0
-    assert all(r["oracle_cached"] == 4 for r in rows[1:])
-    assert {"engine", "route", "cached_tokens", "kind", "sent_s"} <= set(rows[0])
 
 
 def _counters(queries: float, hits: float, prompt: float) -> dict[str, float]:

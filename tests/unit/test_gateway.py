@@ -40,7 +40,6 @@ from warmloop.workers.settings import Settings
 from warmloop.workflows.contracts import Lane
 from warmloop.workflows.holding import HoldConfig
 from warmloop.workflows.lanes import VLLM_PRIORITY
-from warmloop.workflows.routing import block_hashes
 from warmloop.workflows.tenants import cache_salt
 
 BLOCK = 4
@@ -77,8 +76,6 @@ class FakeEngine:
     seen: list[dict[str, Any]] = field(default_factory=list)
     raw: list[bytes] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
-    tokenize: Callable[[dict[str, Any]], list[int]] | None = None
-    """Its /tokenize (default: ``tokens`` of the prompt's text)."""
 
     def stream_bytes(self, body: dict[str, Any]) -> bytes:
         head = {"id": "c1", "object": "chat.completion.chunk", "model": "tiny",
@@ -107,8 +104,6 @@ class FakeEngine:
         if self.mode == "refuse":
             raise httpx.ConnectError("connection refused", request=request)
         body = json.loads(request.content)
-        if request.url.path == "/tokenize" and self.tokenize is not None:
-            return httpx.Response(200, json={"tokens": self.tokenize(body)})
         if request.url.path == "/tokenize":
             text = body["prompt"] if "prompt" in body else chat_text(body)
             return httpx.Response(200, json={"tokens": tokens(text)})
@@ -785,191 +780,3 @@ def test_key_digests_must_be_digests_not_keys() -> None:
         Settings(gateway_key_digests="sk-my-plain-key")
     d = hashlib.sha256(b"k").hexdigest()
     assert Settings(gateway_key_digests=f" {d.upper()} ,").gateway_key_digests == d
-
-
-# ---- tokenizing here -----------------------------------------------------------------------
-
-TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{{ '<' + m['role'] + '>' + m['content'] }}"
-    "{% if m['role'] == 'system' and tools %}{% for t in tools %}{{ t | tojson }}{% endfor %}"
-    "{% endif %}{% for c in m.get('tool_calls') or [] %}{{ c['function']['name'] }}"
-    "{{ c['function']['arguments'] | tojson }}{% endfor %}{{ '<|end|>' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<assistant>' }}{% endif %}")
-
-
-@pytest.fixture
-def model_dir(tmp_path: Any) -> Any:
-    """A model directory with a character-level tokenizer and a chat template."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-
-    vocab = {"<unk>": 0, "<s>": 1, "<|end|>": 2, "\n": 3}
-    vocab.update({chr(i): i for i in range(32, 127)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
-    tok.add_special_tokens(["<s>", "<|end|>"])
-    tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": {"content": "<|end|>"}, "chat_template": TEMPLATE}))
-    return tmp_path
-
-
-TOOLS: list[dict[str, Any]] = [{"type": "function", "function": {"name": "lookup", "parameters": {
-    "type": "object", "properties": {"key": {"type": "string"}}}}}]
-
-
-def tool_turns(n: int) -> list[dict[str, Any]]:
-    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
-                                      {"role": "user", "content": "Find it."}]
-    for i in range(n):
-        messages += [{"role": "assistant", "content": None, "tool_calls": [{
-            "id": f"c{i}", "type": "function",
-            "function": {"name": "lookup", "arguments": json.dumps({"key": f"k{i}"})}}]},
-            {"role": "tool", "tool_call_id": f"c{i}", "content": f"record {i}"}]
-    return messages
-
-
-def test_the_local_rendering_is_vllms(model_dir: Any) -> None:
-    """As vLLM hands them to the template: a tool's unset description as null and no
-    unset strict/defer_loading; a tool call's arguments parsed; no content as ''."""
-    from warmloop.workers.gateway.tokens import LocalTokenizer, vllm_messages, vllm_tools
-
-    assert vllm_tools(TOOLS) == [{"type": "function", "function": {
-        "name": "lookup", "description": None, "parameters": TOOLS[0]["function"][
-            "parameters"]}}]
-    messages = vllm_messages(tool_turns(1))
-    assert messages is not None
-    assert messages[2] == {"role": "assistant", "content": "", "tool_calls": [{
-        "id": "c0", "type": "function", "function": {"name": "lookup",
-                                                     "arguments": {"key": "k0"}}}]}
-    assert messages[3] == {"role": "tool", "content": "record 0", "tool_call_id": "c0"}
-    # content this renderer does not normalise goes to the engine
-    assert vllm_messages([{"role": "user", "content": [{"type": "text", "text": "x"}]}]) is None
-    ids = LocalTokenizer(model_dir).chat_ids({"messages": tool_turns(1), "tools": TOOLS})
-    assert ids is not None and ids[0] == 1 and ids.count(2) == 4  # bos, one end a message
-
-
-def local_engine(model_dir: Any) -> Callable[[dict[str, Any]], list[int]]:
-    """An engine whose /tokenize agrees with the local rendering."""
-    from warmloop.workers.gateway.tokens import LocalTokenizer
-
-    tok = LocalTokenizer(model_dir)
-
-    def tokenize(body: dict[str, Any]) -> list[int]:
-        ids = tok.chat_ids(body) if "messages" in body else tok.text_ids(
-            body["prompt"], add_special_tokens=True)
-        assert ids is not None
-        return ids
-    return tokenize
-
-
-async def test_a_context_checked_against_the_engine_is_then_tokenized_here(
-        make: Make, model_dir: Any) -> None:
-    """The engine is asked once per rendering context (tools, template, the messages'
-    shapes): that call checks the local ids; later calls in that context are tokenized
-    in the gateway (learned without ``learn_delay_s``), with the engine's own chain."""
-    rig = await make("e0", config=GatewayConfig(
-        refresh_s=0.05, learn_delay_s=0.5, tokenizer_paths={"tiny": model_dir}))
-    rig.fleet["e0"].tokenize = local_engine(model_dir)
-    s = {"x-session-id": "local"}
-    for n in range(4):
-        r = await rig.chat(tool_turns(n), headers=s, tools=TOOLS)
-        assert r.status_code == 200
-    asked = rig.fleet["e0"].paths.count("/tokenize")
-    # turn 0 (system+user) and turn 1 (+assistant call, tool) are new contexts; the
-    # stable prefix's two probes are one more; turns 2 and 3 are tokenized here
-    assert asked == 2 + 1
-    metrics = rig.gateway.metrics_text()
-    assert 'warmloop_gateway_tokenized_total{where="local"} 3' in metrics  # 2, 3, a probe
-    assert 'where="mismatch"' not in metrics
-    session = rig.gateway.sessions.get("local")
-    assert session is not None and session.chain is not None
-    ids = local_engine(model_dir)({"messages": tool_turns(3), "tools": TOOLS,
-                                   "model": "tiny"})
-    assert session.chain.hashes()[:3] == block_hashes(ids, BLOCK)[:3]
-
-
-async def test_a_context_the_engine_disagrees_on_stays_with_the_engine(
-        make: Make, model_dir: Any) -> None:
-    rig = await make("e0", config=GatewayConfig(
-        refresh_s=0.05, learn_delay_s=0, tokenizer_paths={"tiny": model_dir}))
-    s = {"x-session-id": "engine"}  # the fake engine's own tokens: not the local ones
-    for _ in range(3):
-        await rig.chat(tool_turns(1), headers=s, tools=TOOLS)
-    assert rig.fleet["e0"].paths.count("/tokenize") == 3 + 2  # every call, and probes
-    assert 'warmloop_gateway_tokenized_total{where="mismatch"}' in rig.gateway.metrics_text()
-
-
-async def test_the_directory_script_answers_as_the_directory(redis: aioredis.Redis) -> None:
-    """The route's one Redis round trip (a server-side walk of the packed chain) says
-    what ``PrefixDirectory.matched_blocks`` says: leading blocks held, per engine."""
-    from warmloop.activities.directory import ENGINE_BLOCKS
-    from warmloop.workers.gateway.routing import GatewayRouter
-
-    chain = [hashlib.blake2b(str(i).encode(), digest_size=8).hexdigest() for i in range(40)]
-    await redis.zadd(ENGINE_BLOCKS.format("e0"), {h: 1 for h in chain[:30]})
-    await redis.zadd(ENGINE_BLOCKS.format("e1"), {h: 1 for h in chain[:5] + chain[6:]})
-    directory = PrefixDirectory(redis)
-    outage = RedisOutage()
-    fleet = FleetView(EngineRegistry(redis, ttl_s=60), redis, instance="t", cooldown_s=5,
-                      outage=outage)
-    router = GatewayRouter(fleet, EngineRegistry(redis, ttl_s=60), directory,
-                           config=workflow_routing.RoutingConfig(), outage=outage, redis=redis)
-    ids = ("e0", "e1", "e2")
-    want = await directory.matched_blocks(chain, list(ids))
-    assert want == {"e0": 30, "e1": 5, "e2": 0}
-    assert await router._lookup(Chain.of(chain, BLOCK), ids) == want
-
-
-def test_a_familys_home_is_where_most_of_its_recent_sessions_were_served() -> None:
-    from warmloop.workers.gateway.sessions import FamilyHomes
-
-    now = [0.0]
-    homes = FamilyHomes(window_s=60, clock=lambda: now[0])
-    assert homes.home("f", ["e0", "e1"]) is None
-    homes.served("g", "t1", "e1")  # another family lives on e1: a new one goes to e0
-    assert homes.home("f", ["e0", "e1"]) == "e0"
-    homes.served("f", "s1", "e0")
-    homes.served("f", "s2", "e1")
-    assert homes.home("f", ["e0", "e1"]) is None  # a tie: no home
-    homes.served("f", "s3", "e1")
-    assert homes.home("f", ["e0", "e1"]) == "e1"
-    assert homes.home("f", ["e0"]) == "e0"  # among the engines that may serve it
-    homes.served("f", "s2", "e0")  # s2 moved
-    assert homes.home("f", ["e0", "e1"]) == "e0"
-    homes.ended("f", "s1")
-    assert homes.home("f", ["e0", "e1"]) is None
-    now[0] = 100.0
-    homes.served("f", "s4", "e1")  # the rest are out of the window
-    assert homes.home("f", ["e0", "e1"]) == "e1"
-
-
-@pytest.mark.parametrize("family_homes", [True, False])
-async def test_a_new_session_goes_to_its_familys_home_not_to_any_copy(
-        make: Make, family_homes: bool) -> None:
-    """Both engines hold the family's prefix (a spill-over left a copy); the home is
-    busier by one call. With homes, the new session joins its family there; without,
-    it goes to the copy (by load), and the family is on both engines."""
-    rig = await make("e0", "e1", config=GatewayConfig(refresh_s=3600, learn_delay_s=0,
-                                                      family_homes=family_homes))
-    first = await rig.chat(conversation("First case."), headers={"x-session-id": "a"})
-    home = first.headers["x-warmloop-engine"]
-    other = "e1" if home == "e0" else "e0"
-    family = parse_call("chat", {}, json.dumps({"model": "tiny",
-                                                "messages": conversation()}).encode()).family
-    assert family is not None
-    stable = rig.gateway.index.longest([family])
-    assert stable is not None and stable.blocks
-    await PrefixDirectory(rig.redis).record_served(
-        other, "elsewhere", prompt_chain_of(stable), capacity_blocks=None)
-    await heartbeat(rig.redis, home, running=1)
-    await rig.gateway.refresh()
-    rig.gateway.router.forget_recent()
-    second = await rig.chat(conversation("Second case."), headers={"x-session-id": "b"})
-    assert second.headers["x-warmloop-engine"] == (home if family_homes else other)
-
-
-def prompt_chain_of(chain: Chain) -> Any:
-    from warmloop.activities.directory import PromptChain
-
-    return PromptChain(hashes=chain.hashes(), block_size=chain.block_size,
-                       reusable_blocks=chain.blocks, tokens=chain.blocks * chain.block_size)

@@ -78,17 +78,6 @@ class Call:
     ``text_prefix_keys``): the gateway's index of learned chains is keyed by them."""
 
     @property
-    def family(self) -> str | None:
-        """The key of a chat's opening system prompt with its tools (the prefix its
-        kind of session shares), None for a call that opens otherwise."""
-        messages = self.body.get("messages") if self.endpoint == "chat" else None
-        if not isinstance(messages, list) or len(messages) < 2 or not self.prefix_keys \
-                or not isinstance(messages[0], dict) \
-                or messages[0].get("role") not in ("system", "developer"):
-            return None
-        return self.prefix_keys[0]
-
-    @property
     def path(self) -> str:
         return "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
 

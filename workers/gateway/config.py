@@ -4,8 +4,6 @@ same policy as the workers, with the same weights."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from pydantic import BaseModel, Field
 
 from warmloop.workflows.holding import HoldPolicy
@@ -43,23 +41,3 @@ class GatewayConfig(BaseModel):
     """Tokens at a prompt's end not counted as reusable: the generation prompt, which
     the next call's rendering of the assistant's answer may not repeat."""
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
-    family_homes: bool = False
-    """A new session whose chat opens with a system prompt goes where most sessions
-    opening with it were served lately (``FamilyHomes``) rather than to any engine
-    holding a copy of that prefix: families stay apart, and small KV pools hold their
-    turns instead of every family's prefix. Off by default: load still moves sessions
-    (``RoutingConfig.max_load``), and on bench-gateway's calls replayed through two
-    64-block LRU caches that spill-over, not where new sessions start, is what mixes
-    the families (homes 0.74-0.75 against 0.75-0.76 without)."""
-    family_window_s: float = Field(default=300.0, gt=0)
-    """Sessions served within this long count towards their family's home."""
-    local_tokenize: bool = True
-    """Tokenize served prompts in the gateway's process where the model's directory is
-    on this host (``warmloop.workers.gateway.tokens``): each rendering context is
-    checked against the engine's ``/tokenize`` once, then the engine is not asked.
-    Off: every prompt is tokenized on the engine that served it."""
-    tokenizer_paths: dict[str, Path] = Field(default_factory=dict)
-    """Served model name -> its model directory (``tokenizer.json``,
-    ``tokenizer_config.json``), for engines this host does not start; the embedded
-    engines' own directories are known without it. A directory that holds another
-    model's tokenizer is caught by the check against the engine, not before."""

@@ -33,7 +33,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,15 +63,8 @@ from warmloop.workers.gateway.holds import (
 from warmloop.workers.gateway.metrics import Metrics
 from warmloop.workers.gateway.relay import Outcome
 from warmloop.workers.gateway.routing import GatewayRouter
-from warmloop.workers.gateway.sessions import (
-    Chain,
-    FamilyHomes,
-    PromptIndex,
-    Session,
-    SessionTable,
-)
+from warmloop.workers.gateway.sessions import Chain, PromptIndex, Session, SessionTable
 from warmloop.workers.gateway.tasks import stop_task
-from warmloop.workers.gateway.tokens import Tokenizers, model_dirs
 from warmloop.workers.gateway.upstream import (
     HttpxUpstream,
     RawUpstream,
@@ -139,7 +132,7 @@ class Gateway:
                                instance=instance or f"{socket.gethostname()}-{os.getpid()}")
         self.router = GatewayRouter(self.fleet, self.registry, self.directory,
                                     config=settings.routing, outage=self.outage,
-                                    fresh_s=c.refresh_s, redis=self.redis)
+                                    fresh_s=c.refresh_s)
         self.pauses = RecentPauseStats(self.redis, outage=self.outage)
         self.holds = HoldPool(http=self.http, redis=self.redis, pauses=self.pauses,
                               config=settings.holding, directory=self.directory,
@@ -147,11 +140,6 @@ class Gateway:
                               ttl_cache=self._ttl_cache)
         self.sessions = SessionTable(max_sessions=c.max_sessions, idle_s=c.session_idle_s)
         self.index = PromptIndex(max_entries=c.max_learned_prompts)
-        self.families = FamilyHomes(window_s=c.family_window_s)
-        self.tokens = Tokenizers(
-            {**model_dirs(settings), **c.tokenizer_paths} if c.local_tokenize else {},
-            count=lambda where: self.metrics.inc("warmloop_gateway_tokenized_total",
-                                                 where=where))
         self.metrics = Metrics()
         self._admissions: dict[str, BatchAdmission] = {}
         self._learning = asyncio.Semaphore(c.learn_concurrency)
@@ -177,7 +165,6 @@ class Gateway:
             await stop_task(self._loop)
         await self.idle()
         await self.holds.close()
-        self.tokens.close()
         await self.upstream.aclose()
         if self._owns[1]:
             await self.http.aclose()
@@ -218,8 +205,6 @@ class Gateway:
         self.holds.resume(s.key)
         s.active += 1
         s.generation += 1
-        if s.generation == 1:
-            s.family = call.family
         return s
 
     def close_unsent(self, session: Session | None) -> None:
@@ -244,11 +229,6 @@ class Gateway:
         job_id = call.session or (call.prefix_keys[0] if call.prefix_keys else uuid.uuid4().hex)
         chain, last = await self._hint(call, session)
         on_last = self._unlearned_on_last(session, last)
-        home = None
-        if session is not None and last is None and session.generation == 1 \
-                and session.family is not None and self.config.family_homes:
-            home = self.families.home(session.family, [
-                e.engine_id for e in self.router.servable(call.model, set())])
         exclude: set[str] = set()
         failover = False
         if session is not None and session.avoid is not None:
@@ -261,7 +241,7 @@ class Gateway:
             decision, engine = await self.router.route(
                 job_id=job_id, chain=chain, model=call.model, last_engine=last,
                 exclude=exclude, failover=failover, batch=call.lane == Lane.BATCH,
-                on_last_engine=on_last, home=home)
+                on_last_engine=on_last)
             self.metrics.inc("warmloop_gateway_routed_total", engine=engine.engine_id,
                              reason=decision.reason)
             slot, waited = await self._admit(call, engine, job_id)
@@ -283,7 +263,7 @@ class Gateway:
                 await upstream.aclose()
                 await self._undo(engine, key, slot, why=f"answered {upstream.status_code}")
             exclude.add(engine.engine_id)
-            failover, last, on_last, home = True, None, 0, None
+            failover, last, on_last = True, None, 0
 
     def _unlearned_on_last(self, session: Session | None, last: str | None) -> int:
         """Tokens the session's last engine holds of this call's prompt at least, when
@@ -430,11 +410,7 @@ class Gateway:
             s.engine = flight.engine.engine_id
             if ok and outcome is not None and outcome.prompt_tokens is not None:
                 s.served_tokens = outcome.prompt_tokens
-            if s.family is not None:
-                self.families.served(s.family, s.key, s.engine)
             if call.final:
-                if s.family is not None:
-                    self.families.ended(s.family, s.key)
                 self.sessions.drop(s.key)
                 self._background(self.holds.end(s.key))
             elif ok and s.active == 0:
@@ -453,31 +429,24 @@ class Gateway:
     # ---- step 5 --------------------------------------------------------------------------
 
     async def _learn(self, flight: Flight) -> None:
-        """The prompt's chain (tokenized here where the model's tokenizer is local and
-        checked, else on the engine that served it), into the index, the session and
-        the prefix directory; then the session's hold decision."""
+        """The prompt's chain (tokenized on the engine that served it), into the index,
+        the session and the prefix directory; then the session's hold decision."""
         call, engine = flight.call, flight.engine
         try:
-            ids = call.prompt_ids()
-            payload = call.tokenize_payload() if ids is None else None
-            if ids is None and self.tokens.trusted(call.model, payload):
-                # local and cheap: learned at once, so that the session's next call,
-                # however quick, is routed by this prompt's chain
-                ids = await self.tokens.ids(call.model, payload, self._engine_ids(engine))
-            elif ids is None:
-                if self.config.learn_delay_s:
-                    await asyncio.sleep(self.config.learn_delay_s)
-                if self._superseded(flight):
-                    return
-                async with self._learning:
-                    await self._path_clear.wait()
-                    ids = await self.tokens.ids(call.model, payload, self._engine_ids(engine))
+            if self.config.learn_delay_s:
+                await asyncio.sleep(self.config.learn_delay_s)
+            if self._superseded(flight):
+                return
+            async with self._learning:
+                await self._path_clear.wait()
+                ids = call.prompt_ids() or await self._tokenize(engine, call.tokenize_payload())
         except (httpx.HTTPError, TimeoutError, ValueError, KeyError, TypeError) as e:
             self.metrics.inc("warmloop_gateway_learn_skipped_total")
             log.info("prompt_not_learned", engine=engine.engine_id, error=repr(e))
             return
         finally:
             self._backlog -= 1
+        await self._path_clear.wait()
         chain = prompt_chain(ids, engine.block_size, tail_tokens=self.config.tail_tokens,
                              salt=call.salt)
         learned = Chain.of(chain.hashes[:chain.reusable_blocks], chain.block_size)
@@ -490,10 +459,6 @@ class Gateway:
         await self._path_clear.wait()
         await self._record(engine, s, chain)
         await self._learn_stable_prefix(engine, call)
-
-    def _engine_ids(self, engine: EngineHeartbeat
-                    ) -> Callable[[dict[str, Any]], Awaitable[list[int]]]:
-        return lambda payload: self._tokenize(engine, payload)
 
     @staticmethod
     def _superseded(flight: Flight) -> bool:
@@ -600,10 +565,10 @@ class Gateway:
         self._stable_tried.add(key)
         base = call.tokenize_payload() or {}
         try:
-            a, b = [await self.tokens.ids(call.model, {
+            a, b = [await self._tokenize(engine, {
                 **base, "add_generation_prompt": False,
-                "messages": [messages[0], {"role": "user", "content": u}]},
-                self._engine_ids(engine)) for u in STABLE_PREFIX_PROBES]
+                "messages": [messages[0], {"role": "user", "content": u}]})
+                for u in STABLE_PREFIX_PROBES]
         except (httpx.HTTPError, TimeoutError, ValueError, KeyError, TypeError):
             return
         n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),

@@ -27,10 +27,6 @@ COUNTERS = {
     "warmloop_gateway_hold_decisions_total": "Hold decisions at the end of a session's call, "
                                              "by action.",
     "warmloop_gateway_pauses_total": "Session pauses measured (between two calls).",
-    "warmloop_gateway_tokenized_total": "Prompts tokenized to learn their chains, by where: "
-                                        "local (in the gateway), engine (its /tokenize), "
-                                        "mismatch (local ids that disagreed with the "
-                                        "engine's: that context stays with the engine).",
     "warmloop_gateway_learn_skipped_total": "Prompt chains not learned (too many waiting, "
                                             "or the engine could not tokenize).",
 }

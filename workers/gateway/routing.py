@@ -7,15 +7,11 @@ the prefix directory, the batch jobs under way for a new batch session) and asks
 with the session as the job and its last engine for stickiness. Which engines may
 serve a model is ``eligible_engines``, as for a job's profile.
 
-Hazard: the directory lookup is the one Redis round trip on a call's path, most of the
-gateway's overhead. It is one server-side script (``MATCHED_LUA``) given the chain as
-one packed string: ``PrefixDirectory.matched_blocks`` sends every hash once per engine
-and reads a score back for each, which redis-py packs and parses in Python (some 13 ms
-a 230-block prompt on the loaded 2-core dev host, against 1.5 ms for the script). Where
-the server refuses scripts, the directory's own lookup is used. Its answer for a chain
-is reused for ``fresh_s`` (the registry snapshot's age, the staleness routing already
-accepts) until the gateway itself records a prompt (``forget_recent``), so a burst of
-calls sharing a prompt pays it once.
+Hazard: the directory lookup is the one Redis round trip on a call's path (about a
+millisecond on the loaded 2-core dev host, most of the gateway's overhead). Its
+answer for a chain is reused for ``fresh_s`` (the registry snapshot's age, the
+staleness routing already accepts) until the gateway itself records a prompt
+(``forget_recent``), so a burst of calls sharing a prompt pays it once.
 While Redis is away it is skipped (``RedisOutage``): calls then go by stickiness and
 load.
 """
@@ -26,11 +22,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-import redis.asyncio as aioredis
-import redis.exceptions
-import structlog
-
-from warmloop.activities.directory import ENGINE_BLOCKS, MAX_WALK_BLOCKS, PrefixDirectory
+from warmloop.activities.directory import PrefixDirectory
 from warmloop.activities.registry import (
     EngineHeartbeat,
     EngineRegistry,
@@ -39,7 +31,7 @@ from warmloop.activities.registry import (
 )
 from warmloop.workers.gateway.calls import BadCall
 from warmloop.workers.gateway.fleet import FleetView
-from warmloop.workers.gateway.sessions import HASH_CHARS, Chain
+from warmloop.workers.gateway.sessions import Chain
 from warmloop.workflows.routing import (
     EngineCandidate,
     RouteDecision,
@@ -53,22 +45,6 @@ REDIS_BUDGET_S = 0.5
 """Longest a call waits on the prefix directory before routing without it."""
 MAX_RECENT = 1024
 """Directory answers kept for reuse (least recently used go)."""
-MATCHED_LUA = f"""
-local chain, n = ARGV[1], math.floor(string.len(ARGV[1]) / {HASH_CHARS})
-local out = {{}}
-for k = 1, #KEYS do
-  local m = 0
-  while m < n and redis.call('ZSCORE', KEYS[k],
-      string.sub(chain, m * {HASH_CHARS} + 1, (m + 1) * {HASH_CHARS})) do
-    m = m + 1
-  end
-  out[k] = m
-end
-return out
-"""
-"""``PrefixDirectory.matched_blocks`` on the server: per engine key, the leading blocks of
-the packed chain (ARGV[1], ``HASH_CHARS`` a hash) that its set holds."""
-log = structlog.get_logger(__name__)
 
 
 class NoEngineError(Exception):
@@ -78,10 +54,8 @@ class NoEngineError(Exception):
 class GatewayRouter:
     def __init__(self, fleet: FleetView, registry: EngineRegistry, directory: PrefixDirectory,
                  *, config: RoutingConfig, outage: RedisOutage, fresh_s: float = 0.25,
-                 redis: aioredis.Redis | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._fleet = fleet
-        self._script = redis.register_script(MATCHED_LUA) if redis is not None else None
         self._registry = registry
         self._dir = directory
         self._config = config
@@ -92,18 +66,14 @@ class GatewayRouter:
 
     async def route(self, *, job_id: str, chain: Chain | None, model: str | None,
                     last_engine: str | None, exclude: set[str], failover: bool,
-                    batch: bool, on_last_engine: int = 0, home: str | None = None
+                    batch: bool, on_last_engine: int = 0
                     ) -> tuple[RouteDecision, EngineHeartbeat]:
         """The engine for the call (``choose_engine``) and its heartbeat. Raises
         ``BadCall`` (404) when no engine serves ``model``, ``NoEngineError`` when none
         is live (or all are excluded). ``on_last_engine``: prompt tokens known to be on
-        ``last_engine`` beyond what the directory says (see ``Gateway._send``).
-        ``home``: a new session's family home (``FamilyHomes``): its chain counts as
-        cached there only."""
+        ``last_engine`` beyond what the directory says (see ``Gateway._send``)."""
         live = self.servable(model, exclude)
         expected = await self._expected(chain, live)
-        if home in expected:
-            expected = {e: n if e == home else 0 for e, n in expected.items()}
         if last_engine in expected:
             expected[last_engine] = max(expected[last_engine], on_last_engine)
         resident = await self._batch_jobs(live) if batch and last_engine is None else {}
@@ -157,9 +127,10 @@ class GatewayRouter:
         recent = self._recent.get(key)
         if recent is not None and now - recent[0] < self._fresh_s:
             return recent[1]
+        hashes = chain.hashes()
         matched = await self._outage.attempt(
-            "prefix directory", lambda: self._lookup(chain, engine_ids), None,
-            timeout_s=REDIS_BUDGET_S)
+            "prefix directory", lambda: self._dir.matched_blocks(hashes, list(engine_ids)),
+            None, timeout_s=REDIS_BUDGET_S)
         if matched is None:
             return {}
         self._recent[key] = (now, matched)
@@ -167,19 +138,6 @@ class GatewayRouter:
         while len(self._recent) > MAX_RECENT:
             self._recent.popitem(last=False)
         return matched
-
-    async def _lookup(self, chain: Chain, engine_ids: tuple[str, ...]) -> dict[str, int]:
-        if self._script is not None and engine_ids:
-            packed = chain.packed[:MAX_WALK_BLOCKS * HASH_CHARS]
-            try:
-                got = await self._script(keys=[ENGINE_BLOCKS.format(e) for e in engine_ids],
-                                         args=[packed])
-            except redis.exceptions.ResponseError as e:  # scripts refused: the plain way
-                log.warning("directory_script_refused", error=str(e)[:200])
-                self._script = None
-            else:
-                return {e: int(n) for e, n in zip(engine_ids, got, strict=True)}
-        return await self._dir.matched_blocks(chain.hashes(), list(engine_ids))
 
     async def _batch_jobs(self, live: list[EngineHeartbeat]) -> dict[str, int]:
         ids = [e.engine_id for e in live]

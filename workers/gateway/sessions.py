@@ -82,8 +82,6 @@ class Session:
     """Bumped by each call: a learning task from an older call holds nothing."""
     served_tokens: int = 0
     """Prompt tokens of its last call, as its engine reported them."""
-    family: str | None = None
-    """Its prompt family (``Call.family``), as its first call had it."""
     seen: float = field(default_factory=time.monotonic)
 
 
@@ -157,95 +155,3 @@ class PromptIndex:
                 self._chains.move_to_end(key)
                 return chain
         return None
-
-
-class FamilyHomes:
-    """Where each prompt family's sessions live: sessions whose chat opens with the same
-    system prompt (and tools, model, salt: ``Call.prefix_keys[0]``) share its prefix.
-
-    A new session of a family goes to the family's home, the engine that served the
-    most of its sessions seen in the last ``window_s``, as far as the router is told:
-    the family's prefix counts as cached there only. Why: the prefix directory lists
-    every engine that holds a copy, and once a spill-over has put a copy on a second
-    engine the router sends new sessions to whichever is less loaded, so that every
-    family ends up on every engine. Each then holds every family's prefix, which on
-    small KV pools crowds out the sessions' own turns (bench-gateway, 4 families on
-    two 64-block pools, the calls replayed through a block cache: every family on both
-    engines hits 0.59 under LRU, families kept apart 0.69-0.85 by how they pair up).
-    Load still wins: a home over ``RoutingConfig.max_load`` is passed over as before,
-    and that spill-over mixes families again (``GatewayConfig.family_homes``).
-
-    A family new to the gateway goes to the engine home to the fewest families (then
-    to the one whose families carry fewer sessions; then by load), so that the
-    prefixes spread evenly.
-
-    Hazard: a home is a majority of recent sessions, so a family whose home filled up
-    moves as its spill-over sessions outnumber the rest. Families are spread by count,
-    not weight: one family carrying most of the sessions weighs on its home as much as
-    the load limit lets it.
-    """
-
-    def __init__(self, *, window_s: float = 300.0, max_members: int = 512,
-                 max_families: int = 4096, clock: Callable[[], float] = time.monotonic
-                 ) -> None:
-        self._window_s, self._max_members, self._max = window_s, max_members, max_families
-        self._clock = clock
-        self._families: OrderedDict[str, OrderedDict[str, tuple[str, float]]] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._families)
-
-    def home(self, family: str, engines: list[str]) -> str | None:
-        """The engine among ``engines`` serving most of the family's recent sessions; a
-        family with none yet: the engine home to the fewest families, then to the
-        fewest of their sessions (each family's prefix costs its home KV blocks for as
-        long as it lives there). None: a tie."""
-        counts = self._counts(family, engines)
-        if not any(counts.values()):
-            homed = {e: [0, 0] for e in engines}  # families, and their sessions
-            for other in self._families:
-                if other != family:
-                    theirs = self._counts(other, engines)
-                    e = _top(theirs)
-                    if e is not None:
-                        homed[e][0] += 1
-                        homed[e][1] += sum(theirs.values())
-            ranked = sorted(homed, key=lambda e: homed[e])
-            if len(ranked) > 1 and homed[ranked[0]] == homed[ranked[1]]:
-                return None
-            return ranked[0] if ranked else None
-        return _top(counts)
-
-    def _counts(self, family: str, engines: list[str]) -> dict[str, int]:
-        since = self._clock() - self._window_s
-        counts = {e: 0 for e in engines}
-        for engine, seen in (self._families.get(family) or {}).values():
-            if seen >= since and engine in counts:
-                counts[engine] += 1
-        return counts
-
-    def served(self, family: str, session: str, engine: str) -> None:
-        """The family's session ``session`` was just served by ``engine``."""
-        members = self._families.get(family)
-        if members is None:
-            members = self._families[family] = OrderedDict()
-            while len(self._families) > self._max:
-                self._families.popitem(last=False)
-        self._families.move_to_end(family)
-        members[session] = (engine, self._clock())
-        members.move_to_end(session)
-        while len(members) > self._max_members:
-            members.popitem(last=False)
-
-    def ended(self, family: str, session: str) -> None:
-        members = self._families.get(family)
-        if members is not None:
-            members.pop(session, None)
-
-
-def _top(counts: dict[str, int]) -> str | None:
-    """The key with the highest count, None on a tie for it (or none at all)."""
-    ranked = sorted(counts.items(), key=lambda kv: kv[1], reverse=True)
-    if not ranked or (len(ranked) > 1 and ranked[0][1] == ranked[1][1]):
-        return None
-    return ranked[0][0]
