@@ -164,21 +164,18 @@ async def bench_stack(settings: Settings, console: Console, *,
     fresh_state(settings)
     await asyncio.to_thread(stack.up)
     redis = aioredis.Redis.from_url(settings.redis_url, **redis_options(settings))
-    stopped = False
+    failed = False
     try:
         yield BenchFleet(client=await connect(settings), redis=redis,
                          urls=[e.url.rstrip("/") for e in settings.engine_endpoints],
                          engine_ids=[e.id for e in settings.engine_endpoints])
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        stopped = True
+    except Exception:
+        failed = True  # not Ctrl-C or a cancel (BaseException): those come down too
         raise
     finally:
         await redis.aclose()
-        if stopped and not keep:
-            console.print("stopped: taking the bench stack down ...")
+        if not (keep or failed):
             await asyncio.to_thread(stack.down)
-    if not keep:
-        await asyncio.to_thread(stack.down)
 
 
 # ---- repeats: medians and ranges ---------------------------------------------------------

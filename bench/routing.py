@@ -46,7 +46,7 @@ from bench.common import (
     COUNTERS,
     bench_settings,
     bench_stack,
-    engine_counters,
+    counters_of,
     fmt_range,
     medians_and_ranges,
     overlaps,
@@ -55,6 +55,7 @@ from bench.common import (
     reset_caches,
     rotated,
     run_main,
+    scrape,
 )
 from bench.synthetic_profiles import LOOKUP_KEYS, SYNTHETIC_DOMAINS, WORDS
 from bench.synthetic_tools import SyntheticTools
@@ -183,8 +184,7 @@ async def run_policy(client: Client, policy: str, specs: list[JobSpec], run_tag:
                      http: httpx.AsyncClient, urls: list[str], redis: aioredis.Redis,
                      engine_ids: list[str], block_size: int, *, live: bool) -> PolicyRun:
     await reset_caches(http, urls, redis, engine_ids)
-    before = await engine_counters(http, urls)
-    before_each = [await engine_counters(http, [u]) for u in urls]
+    before_each = [counters_of([page]) for page in await scrape(http, urls)]
     t0 = time.monotonic()
 
     async def one(spec: JobSpec) -> tuple[JobResult, float]:
@@ -200,9 +200,9 @@ async def run_policy(client: Client, policy: str, specs: list[JobSpec], run_tag:
 
     done = await asyncio.gather(*(one(s) for s in specs))
     makespan = time.monotonic() - t0
-    after = await engine_counters(http, urls)
-    after_each = [await engine_counters(http, [u]) for u in urls]
-    d = {k: after[k] - before[k] for k in COUNTERS}
+    after_each = [counters_of([page]) for page in await scrape(http, urls)]
+    d = {k: sum(a[k] - b[k] for a, b in zip(after_each, before_each, strict=True))
+         for k in COUNTERS}
     queried = [a["vllm:prefix_cache_queries_total"] - b["vllm:prefix_cache_queries_total"]
                for a, b in zip(after_each, before_each, strict=True)]
     queries, hits = d["vllm:prefix_cache_queries_total"], d["vllm:prefix_cache_hits_total"]
