@@ -7,7 +7,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeGuard
 
 import httpx
@@ -62,10 +62,22 @@ RECORD_TIMEOUT_S = 2.0
 """Longest a step waits on Redis for its prefix directory and cache-bust records."""
 STEP_DONE_TIMEOUT_S = 1.0
 """Longest a step waits on Redis to leave the in-flight set."""
+MAX_JOBS_SEEN = 10_000
+"""Jobs whose latest step the worker remembers (for holds decided after a step)."""
 MAX_UNDONE = 10_000
 """Steps kept to take off the in-flight set once Redis is back (the oldest go first)."""
 HOLD_ERRORS: tuple[type[Exception], ...] = (httpx.HTTPError, ValueError, *REDIS_ERRORS)
 """What a hold decision may meet (the engine, Redis): it costs the hold, not the step."""
+
+
+def _prefix_record_skipped(profile: str, reason: str) -> None:
+    """Count a step whose directory, accuracy and bust records were not written: the
+    directory is advice, so a skip costs a later step's prediction, not this step, and
+    operators (and the tests) see how many predictions a Redis blip took away."""
+    activity.metric_meter().create_counter(
+        "warmloop_prefix_records_skipped",
+        "Steps whose prefix-directory records were skipped (Redis away or failing).",
+    ).add(1, {"profile": profile, "reason": reason})
 
 
 class InferenceActivities:
@@ -115,6 +127,11 @@ class InferenceActivities:
         self._profile_stable: dict[str, int] = {}
         self._tail_overhead: int | None = None
         self._tail_lengths: dict[str, int] = {}
+        self._bookkeeping: set[asyncio.Task[None]] = set()
+        """Directory, bust and hold work of steps already returned (``drain`` awaits it)."""
+        self._latest_step: dict[str, int] = {}
+        """The latest step of each recent job that reached this worker, oldest first: a
+        hold decided after the job's next step is here would outlive its use."""
 
     async def _body(self, req: GenerateRequest
                     ) -> tuple[dict[str, Any], Profile, asyncio.Future[Any]]:
@@ -154,6 +171,7 @@ class InferenceActivities:
     @activity.defn(name="generate")
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         entered = time.time()
+        self._saw_step(req.job_id, req.step)
         structlog.contextvars.bind_contextvars(
             job_id=req.job_id, step=req.step, engine=self._engine_id
         )
@@ -184,6 +202,35 @@ class InferenceActivities:
         if result.timing is not None:
             result.timing.after_ms = max(0.0, (result.returned_at - last_token) * 1000)
         return result
+
+    def _saw_step(self, job_id: str, step: int) -> None:
+        latest = max(step, self._latest_step.pop(job_id, 0))
+        self._latest_step[job_id] = latest  # (re)inserted last: the newest job
+        if len(self._latest_step) > MAX_JOBS_SEEN:
+            del self._latest_step[next(iter(self._latest_step))]
+
+    def _after_return(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run a step's advisory bookkeeping after the step has returned. The task copies
+        the step's context (its log fields, its activity for metrics)."""
+        task = asyncio.create_task(work)
+        self._bookkeeping.add(task)
+        task.add_done_callback(self._bookkeeping_done)
+
+    def _bookkeeping_done(self, task: asyncio.Task[None]) -> None:
+        self._bookkeeping.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("step_bookkeeping_failed", error=repr(task.exception()))
+
+    async def drain(self, timeout_s: float = 5.0) -> int:
+        """Wait up to ``timeout_s`` for the bookkeeping of steps already returned (a
+        worker's shutdown); returns how many were still running and were cancelled. A
+        cancelled one costs later steps a prediction or a hold, never a step."""
+        if not self._bookkeeping:
+            return 0
+        _, pending = await asyncio.wait(set(self._bookkeeping), timeout=timeout_s)
+        for task in pending:
+            task.cancel()
+        return len(pending)
 
     async def _step_done(self, registry: EngineRegistry, key: str) -> None:
         """Take the step off the engine's in-flight set. Best effort: the set is the
@@ -300,14 +347,15 @@ class InferenceActivities:
                  pickup_ms=round((picked_up - scheduled) * 1000, 1))
         counted = self._count_tokens(req.tenant, prompt_tokens + completion_tokens)
         if tail_tokens is not None and prompt_ids:
-            # the directory and hold writes overlap the transcript's S3 writes
-            await asyncio.gather(stored, counted, self._record_and_hold(
+            # The directory, bust and hold records advise later steps: they are written
+            # after this step returns, off its path. The job's next step comes after a
+            # tool call at the earliest, and a record it misses costs a prediction.
+            self._after_return(self._record_and_hold(
                 req, profile, body, prompt_ids, tail_tokens, result))
-        else:
-            if tail_tokens is not None:
-                tail_tokens.cancel()
-            await asyncio.gather(stored, counted)
-        # (stored: the step's new messages are in S3 before the step counts as done)
+        elif tail_tokens is not None:
+            tail_tokens.cancel()
+        # the step's new messages are in S3 before the step counts as done
+        await asyncio.gather(stored, counted)
         return result, last_token
 
     async def _count_tokens(self, tenant: str, tokens: int) -> None:
@@ -336,6 +384,7 @@ class InferenceActivities:
                       if self._detector is not None else None)
         except (httpx.HTTPError, OSError, ValueError, KeyError) as e:
             log.warning("prefix_record_failed", error=str(e))
+            _prefix_record_skipped(req.profile, "engine")
             return
         if stable is not None:
             self._profile_stable[profile.name] = stable
@@ -345,10 +394,14 @@ class InferenceActivities:
                     await self._record_prefix(req, profile, chain, stable, result.cached_tokens)
             except REDIS_ERRORS as e:
                 self._outage.failed(e, what="prefix directory")
+                _prefix_record_skipped(req.profile, "redis")
             except ValueError as e:
                 log.warning("prefix_record_failed", error=str(e))
+                _prefix_record_skipped(req.profile, "invalid")
             else:
                 self._outage.ok()
+        else:
+            _prefix_record_skipped(req.profile, "redis")
         try:
             await self._hold_or_release(req, profile, result, prompt_ids, chain, body)
         except HOLD_ERRORS as e:
@@ -361,6 +414,8 @@ class InferenceActivities:
                                chain: PromptChain, body: dict[str, Any]) -> None:
         if self._holds is None:
             return
+        if self._latest_step.get(req.job_id, req.step) > req.step:
+            return  # the job's next step is already here: nothing to hold for
         if req.pause_kind is not None:  # replayed: the job waits on the recorded call
             kind = req.pause_kind or None
         elif len(result.tool_calls) == 1:

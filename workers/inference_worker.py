@@ -333,6 +333,9 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
                                                  KvEventApplier(directory, engine.id), outage))
                 tg.create_task(worker.run())
         finally:
+            # the directory and hold records of steps already returned
+            if cancelled := await inference.drain():
+                log.warning("step_bookkeeping_cancelled", steps=cancelled)
             # Best effort: without Redis the engine's key expires by itself.
             await outage.attempt("leave the registry", lambda: registry.leave(engine.id),
                                  None, timeout_s=REDIS_SOCKET_TIMEOUT_S, probe=True)

@@ -220,6 +220,8 @@ async def test_a_timestamp_in_the_system_prompt_fires_the_cache_bust_detector(
                 new_messages=new or [], tail=f"Budget: {9 - n} steps left.",
                 tools=NO_FINISH, max_tokens=24)
             res: GenerateResult = await env.run(acts.generate, req)
+            # the step's directory and bust records are written after it returns
+            assert await acts.drain() == 0
             assert res.engine_id == engine.id and res.prompt_tokens > 0
             return res
 
@@ -319,10 +321,24 @@ def _common(a: list[int], b: list[int]) -> int:
     return n
 
 
+async def _prefix_records_skipped(settings: Settings) -> float:
+    """The inference workers' count of steps whose directory records were skipped."""
+    total = 0.0
+    async with httpx.AsyncClient(timeout=5.0) as http:
+        for engine in settings.engine_endpoints:
+            port = settings.inference_metrics_port(engine.id)
+            assert port is not None
+            body = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+            total += sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+                         if line.startswith("warmloop_prefix_records_skipped"))
+    return total
+
+
 async def test_the_prefix_directory_predicts_cached_tokens_of_sticky_steps(
     client: Client, settings: Settings, redis: aioredis.Redis
 ) -> None:
     before = await PrefixDirectory(redis).accuracy()
+    skipped_before = await _prefix_records_skipped(settings)
     results = await _run_jobs(client, n=3, max_steps=4)
     ids = {r.job_id for r in results}
     block = max(e.block_size for e in await EngineRegistry(
@@ -343,8 +359,16 @@ async def test_the_prefix_directory_predicts_cached_tokens_of_sticky_steps(
     # a sticky step's prefix is warm, and the directory knew it
     assert all(s.cached_tokens > 0 and (s.predicted_cached_tokens or 0) > 0 for s in sticky)
 
-    after = await PrefixDirectory(redis).accuracy()
-    assert after.get("steps", 0) - before.get("steps", 0) >= len(steps)
+    # Every step's record is written (after its step returned), or counted as skipped (a
+    # Redis blip on a loaded host); skips are the exception, never the rule.
+    async def accounted() -> tuple[float, float] | None:
+        recorded = (await PrefixDirectory(redis).accuracy()).get("steps", 0) - before.get(
+            "steps", 0)
+        skipped = await _prefix_records_skipped(settings) - skipped_before
+        return (recorded, skipped) if recorded + skipped >= len(steps) else None
+
+    recorded, skipped = await eventually(accounted)
+    assert skipped <= len(steps) // 4, (recorded, skipped, len(steps))
 
     counts, recent = await bust_report(redis)
     ours = [b for b in recent if b.job_id in ids]

@@ -128,18 +128,22 @@ def inference(transport: httpx.MockTransport, **kw: Any) -> InferenceActivities:
         transcripts=TranscriptStore(FakeS3(), "bucket"), **kw)
 
 
-def step_request(step: int = 1, **kw: Any) -> GenerateRequest:
-    return GenerateRequest(job_id="j1", step=step, profile="ticket-triage", task=TASK,
+def step_request(step: int = 1, *, job_id: str = "j1", **kw: Any) -> GenerateRequest:
+    return GenerateRequest(job_id=job_id, step=step, profile="ticket-triage", task=TASK,
                            base_len=0, tail="Budget: 5 steps left.", max_tokens=64, **kw)
 
 
 async def generate(inf: InferenceActivities, req: GenerateRequest | None = None,
-                   timeout_s: float = 10.0) -> GenerateResult:
+                   timeout_s: float = 10.0, *, drain: bool = True) -> GenerateResult:
     """Run the activity as Temporal would (activity info, heartbeats), bounded in time:
-    a hang fails the test instead of stalling the suite."""
-    return await asyncio.wait_for(ActivityEnvironment().run(inf.generate,
-                                                            req or step_request()),
-                                  timeout_s)
+    a hang fails the test instead of stalling the suite. ``drain``: then wait for the
+    step's directory and hold bookkeeping, which runs after the step has returned."""
+    result = await asyncio.wait_for(ActivityEnvironment().run(inf.generate,
+                                                              req or step_request()),
+                                    timeout_s)
+    if drain:
+        assert await inf.drain(timeout_s) == 0, "the step's bookkeeping did not finish"
+    return result
 
 
 # ---- Redis -------------------------------------------------------------------------------
