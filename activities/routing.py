@@ -21,6 +21,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 import redis.asyncio as aioredis
 import structlog
@@ -57,6 +58,8 @@ from warmloop.workflows.routing import (
     prefix_family,
 )
 from warmloop.workflows.tenants import TENANT_QUOTA_EXCEEDED, TenantQuota, over_tokens, scoped
+
+T = TypeVar("T")
 
 log = structlog.get_logger(__name__)
 ROUND_ROBIN_KEY = "warmloop:route:rr"
@@ -165,29 +168,40 @@ class RoutingActivities:
 
     async def _decide(self, req: RouteRequest) -> RouteDecision:
         """The engine for the step from the registry and the directory (Redis)."""
-        live = await self._live(req.exclude, model=req.model, require_price=req.require_price)
-        ids = [e.engine_id for e in live]
-        steps = await self._registry.in_flight_steps(ids)
+        # Two rounds of Redis reads, each sent at once: what does not depend on the live
+        # engines goes with the registry read (a step's route is on its critical path).
+        cache_aware = req.policy == "cache_aware"
         batch = req.lane == Lane.BATCH
-        # only a batch job's first step weighs the jobs under way (warmloop.workflows.routing)
-        resident = (await self._registry.batch_jobs(ids) if batch and req.last_engine is None
-                    else dict.fromkeys(ids, 0))
+        family = scoped(req.tenant, prefix_family(req.profile, req.tools))
+        live, job, stable = await asyncio.gather(
+            self._live(req.exclude, model=req.model, require_price=req.require_price),
+            self._dir.job_chain(req.job_id) if cache_aware else _none(),
+            # the profile's prefix matters to a job with no chain yet: its first step
+            self._dir.profile_chain(family) if cache_aware and req.last_engine is None
+            else _none())
+        ids = [e.engine_id for e in live]
+        if cache_aware and job is None and stable is None and req.last_engine is not None:
+            stable = await self._dir.profile_chain(family)  # its chain expired: rare
+        chain = (job[0] if job is not None else stable or []) if cache_aware else []
+        steps, resident, matched = await asyncio.gather(
+            self._registry.in_flight_steps(ids),
+            # only a batch job's first step weighs the jobs under way
+            # (warmloop.workflows.routing)
+            self._registry.batch_jobs(ids) if batch and req.last_engine is None
+            else _value(dict.fromkeys(ids, 0)),
+            self._dir.matched_blocks(chain, ids) if cache_aware
+            else _value(dict.fromkeys(ids, 0)))
         expected = {e: 0 for e in ids}
-        if req.policy == "cache_aware":
-            job = await self._dir.job_chain(req.job_id)
+        if cache_aware:
             if job is not None:
-                matched = await self._dir.matched_blocks(job[0], ids)
                 expected = {e.engine_id: matched[e.engine_id] * e.block_size for e in live}
             else:
                 # A new job: its profile's stable prefix is warm where it is cached, or
                 # where a step of the same profile (and tenant) is being served right now.
-                family = scoped(req.tenant, prefix_family(req.profile, req.tools))
-                stable = await self._dir.profile_chain(family) or []
-                matched = await self._dir.matched_blocks(stable, ids)
                 mine = scoped(req.tenant, req.profile)
                 for e in live:
                     warming = any(step_key_profile(k) == mine for k in steps[e.engine_id])
-                    blocks = len(stable) if warming else matched[e.engine_id]
+                    blocks = len(chain) if warming else matched[e.engine_id]
                     expected[e.engine_id] = blocks * e.block_size
         candidates = [
             EngineCandidate(engine_id=e.engine_id, expected_cached_tokens=expected[e.engine_id],
@@ -293,3 +307,11 @@ def _servable(every: list[EngineHeartbeat], exclude: list[str], *, model: str | 
             f"no live engine{which} (excluded: {', '.join(exclude) or 'none'})",
             type=NO_LIVE_ENGINE)
     return live
+
+
+async def _none() -> None:
+    return None
+
+
+async def _value(v: T) -> T:
+    return v

@@ -275,7 +275,8 @@ class Stack:
         url = urlparse(e.url)
         port = url.port
         argv = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            # vLLM's server, its worker's one-second idle spin cut short (see the module)
+            sys.executable, "-m", "warmloop.infra.vllm_cpu_server",
             "--model", str(s.engine_model_path(e)), "--served-model-name", e.model,
             "--host", url.hostname or "127.0.0.1", "--port", str(port),
             "--enable-prefix-caching", "--enable-prompt-tokens-details",

@@ -5,12 +5,17 @@ benchmark run (bench-routing's hit rate, bench-pauses' touch cost).
 - a sticky step after a short pause finds its whole previous prompt cached;
 - a new job of a warm profile lands where the profile's prefix is;
 - a step moves engines only for a named reason;
-- every step carries its time breakdown, and the stages add up to the step.
+- every step carries its time breakdown, and the stages add up to the step;
+- an engine's model worker sleeps between steps instead of spinning on a core.
 (A touch computing at most a couple of tokens is guarded in test_holds.py.)"""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import time
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,6 +23,7 @@ import redis.asyncio as aioredis
 from temporalio.client import Client
 
 from warmloop.activities.registry import EngineRegistry
+from warmloop.infra.stack import Stack, engine_compute_pids
 from warmloop.workers.engine_metrics import reset_caches
 from warmloop.workers.settings import Settings
 from warmloop.workflows.agent_job import AgentJob
@@ -100,3 +106,37 @@ async def test_every_step_carries_its_time_breakdown(client: Client) -> None:
         # stages before the request, to within clock rounding
         before = t.schedule_to_start_ms + t.worker_pickup_ms + t.prompt_ms + t.admission_ms
         assert before == pytest.approx(s.dispatch_ms, abs=2.0), (t, s.dispatch_ms)
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU time (user + system) a process has used, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _model_workers(stack: Stack, settings: Settings) -> list[int]:
+    workers = []
+    for e in settings.engine_endpoints:
+        pid = stack._pid(f"engine-{e.id}")
+        assert pid is not None, e.id
+        workers += [p for p in engine_compute_pids(pid)
+                    if Path(f"/proc/{p}/comm").read_text().startswith("VLLM::Worker")]
+    return workers
+
+
+async def test_an_engines_model_worker_sleeps_between_steps(
+    client: Client, stack: Stack, settings: Settings,
+) -> None:
+    """vLLM's worker busy-waits a whole second after each step; the stack's engines cut
+    that short (infra/vllm_cpu_server.py), or two engines in use would keep both of this
+    machine's cores spinning and the control plane waiting behind them."""
+    workers = _model_workers(stack, settings)
+    assert len(workers) == len(settings.engine_endpoints), workers
+    await _job(client, "synthetic-support", 7, steps=2)  # both just served, or one did
+    before, t0 = [_cpu_s(p) for p in workers], time.monotonic()
+    await asyncio.sleep(3.0)  # the window measured, not a wait for something
+    window = time.monotonic() - t0
+    used = [_cpu_s(p) - b for p, b in zip(workers, before, strict=True)]
+    # a spinning worker uses its core for the whole second after its last step
+    assert all(u < 0.15 * window for u in used), (used, window)
+

@@ -1,0 +1,30 @@
+"""Run as ``python -m tests.unit.spin_probe``: a main module that imports the spin patch
+(as ``warmloop.infra.vllm_cpu_server`` is the engines' main module) spawns a child and
+prints how long the child's shared-memory reader would spin."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from typing import Any
+
+import warmloop.infra.vllm_cpu_server  # noqa: F401 - the patch, applied on import
+
+
+def child(q: Any) -> None:
+    import zmq
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    ctx = zmq.Context()
+    reader = shm_broadcast.SpinCondition(is_reader=True, context=ctx,
+                                         notify_address="inproc://spin-probe")
+    q.put(reader.busy_loop_s)
+    ctx.destroy(linger=0)
+
+
+if __name__ == "__main__":
+    spawn = mp.get_context("spawn")
+    q = spawn.Queue()
+    p = spawn.Process(target=child, args=(q,))
+    p.start()
+    print(q.get(timeout=120))
+    p.join()
