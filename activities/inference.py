@@ -195,10 +195,10 @@ class InferenceActivities:
                                               self._profile_stable.get(req.profile, 0))
         finally:
             if self._registry is not None:
-                # off the step's path too: the router counts the step as load a few
-                # milliseconds longer
-                self._after_return(self._step_done(self._registry, step_key(
-                    req.job_id, req.step, scoped(req.tenant, req.profile))))
+                # on the step's path: a job's next step may be routed at once (a step
+                # the workflow answers itself), and must not see this one as load
+                await self._step_done(self._registry, step_key(
+                    req.job_id, req.step, scoped(req.tenant, req.profile)))
             structlog.contextvars.unbind_contextvars("job_id", "step", "engine")
         result.returned_at = time.time()
         if result.timing is not None:
@@ -350,15 +350,16 @@ class InferenceActivities:
         # the tenant's quota lags by the step's bookkeeping, not by a step
         self._after_return(self._count_tokens(req.tenant, prompt_tokens + completion_tokens))
         if tail_tokens is not None and prompt_ids:
-            # The directory, bust and hold records advise later steps: they are written
-            # after this step returns, off its path. The job's next step comes after a
-            # tool call at the earliest, and a record it misses costs a prediction.
-            self._after_return(self._record_and_hold(
+            # The directory and bust records overlap the transcript's S3 writes: the
+            # job's next step may be routed the moment this one returns (a load_tools
+            # step the workflow answers itself) and must find this prompt's chain. The
+            # hold decision runs after the step returns, off its path.
+            await asyncio.gather(stored, self._record_and_hold(
                 req, profile, body, prompt_ids, tail_tokens, result))
-        elif tail_tokens is not None:
-            tail_tokens.cancel()
-        # the step's new messages are in S3 before the step counts as done
-        await stored
+        else:
+            if tail_tokens is not None:
+                tail_tokens.cancel()
+            await stored  # the step's new messages are in S3 before it counts as done
         return result, last_token
 
     async def _count_tokens(self, tenant: str, tokens: int) -> None:
@@ -375,9 +376,10 @@ class InferenceActivities:
                                tail_tokens: asyncio.Future[int],
                                result: GenerateResult) -> None:
         """The step's prefix into the directory and the cache-bust detector (Redis),
-        then the hold decision (kept in this process). All advice: losing one costs a
-        cache hit, not the step, so nothing here fails it. While Redis is away the
-        records are skipped (logged once per outage) and the hold is still kept."""
+        then the hold decision (kept in this process; made after the step returns). All
+        advice: losing one costs a cache hit, not the step, so nothing here fails it.
+        While Redis is away the records are skipped (logged once per outage) and the
+        hold is still kept."""
         try:
             info = self._engine_info()
             block_size = info.block_size if info else 16
@@ -405,6 +407,12 @@ class InferenceActivities:
                 self._outage.ok()
         else:
             _prefix_record_skipped(req.profile, "redis")
+        self._after_return(self._hold_after_return(req, profile, result, prompt_ids, chain,
+                                                   body))
+
+    async def _hold_after_return(self, req: GenerateRequest, profile: Profile,
+                                 result: GenerateResult, prompt_ids: list[int],
+                                 chain: PromptChain, body: dict[str, Any]) -> None:
         try:
             await self._hold_or_release(req, profile, result, prompt_ids, chain, body)
         except HOLD_ERRORS as e:
