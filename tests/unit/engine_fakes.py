@@ -21,7 +21,12 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from temporalio.testing import ActivityEnvironment
 
+from warmloop.activities.cachebust import CacheBustDetector
+from warmloop.activities.directory import PrefixDirectory
+from warmloop.activities.holds import HoldManager
 from warmloop.activities.inference import InferenceActivities
+from warmloop.activities.pauses import PauseStats
+from warmloop.activities.registry import EngineHeartbeat, EngineRegistry, RedisOutage
 from warmloop.activities.transcripts import TranscriptStore
 from warmloop.infra.stack import find_redis_server
 from warmloop.workflows.contracts import GenerateRequest, GenerateResult
@@ -144,6 +149,23 @@ async def generate(inf: InferenceActivities, req: GenerateRequest | None = None,
     if drain:
         assert await inf.drain(timeout_s) == 0, "the step's bookkeeping did not finish"
     return result
+
+
+def redis_backed_inference(redis: aioredis.Redis) -> tuple[InferenceActivities, HoldManager]:
+    """The inference worker's Redis users, wired as ``run_inference_worker`` wires them."""
+    info = EngineHeartbeat(engine_id="e0", task_queue="engine.e0", model="tiny",
+                           url="http://e0", healthy=True, kv_capacity_tokens=16384,
+                           block_size=16, at=time.time())
+    outage = RedisOutage()
+    directory = PrefixDirectory(redis)
+    transport = engine()
+    holds = HoldManager(engine_id="e0", base_url="http://engine", model="tiny",
+                        http=httpx.AsyncClient(transport=transport), redis=redis,
+                        pauses=PauseStats(redis, outage=outage), engine_info=lambda: info,
+                        directory=directory, outage=outage)
+    return inference(transport, directory=directory, registry=EngineRegistry(redis, ttl_s=5),
+                     detector=CacheBustDetector(redis, directory), engine_info=lambda: info,
+                     holds=holds, outage=outage), holds
 
 
 # ---- Redis -------------------------------------------------------------------------------

@@ -21,14 +21,12 @@ from temporalio.testing import ActivityEnvironment
 from tests.unit.engine_fakes import (
     Recorder,
     RedisServer,
-    engine,
     generate,
-    inference,
     nowhere_redis,
+    redis_backed_inference,
     step_request,
 )
 from warmloop.activities import registry as registry_module
-from warmloop.activities.cachebust import CacheBustDetector
 from warmloop.activities.directory import ENGINE_BLOCKS, KvEventApplier, PrefixDirectory
 from warmloop.activities.holds import HoldManager
 from warmloop.activities.pauses import PauseStats
@@ -266,21 +264,6 @@ async def test_pause_statistics_are_best_effort() -> None:
 
 
 # ---- generate -----------------------------------------------------------------------------
-
-
-def redis_backed_inference(redis: aioredis.Redis) -> Any:
-    """The inference worker's Redis users, wired as ``run_inference_worker`` wires them."""
-    info = hb("e0").model_copy(update={"kv_capacity_tokens": 16384, "block_size": 16})
-    outage = RedisOutage()
-    directory = PrefixDirectory(redis)
-    transport = engine()
-    holds = HoldManager(engine_id="e0", base_url="http://engine", model="tiny",
-                        http=httpx.AsyncClient(transport=transport), redis=redis,
-                        pauses=PauseStats(redis, outage=outage), engine_info=lambda: info,
-                        directory=directory, outage=outage)
-    return inference(transport, directory=directory, registry=EngineRegistry(redis, ttl_s=5),
-                     detector=CacheBustDetector(redis, directory), engine_info=lambda: info,
-                     holds=holds, outage=outage), holds
 
 
 async def test_a_step_returns_its_result_while_redis_is_away() -> None:

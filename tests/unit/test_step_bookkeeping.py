@@ -7,32 +7,18 @@ that has moved on, and a worker's shutdown waits for it (real Redis, fake engine
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
-import httpx
 import redis.asyncio as aioredis
 
-from tests.unit.engine_fakes import engine, generate, inference, step_request
-from warmloop.activities.cachebust import CacheBustDetector
+from tests.unit.engine_fakes import generate, redis_backed_inference, step_request
 from warmloop.activities.directory import PrefixDirectory
 from warmloop.activities.holds import HoldManager
-from warmloop.activities.pauses import PauseStats
-from warmloop.activities.registry import EngineHeartbeat, EngineRegistry, RedisOutage
 
 
 def wired(redis: aioredis.Redis) -> tuple[Any, PrefixDirectory, HoldManager, list[int],
                                           asyncio.Event]:
-    info = EngineHeartbeat(engine_id="e0", task_queue="engine.e0", model="tiny",
-                           url="http://e0", healthy=True, kv_capacity_tokens=16384,
-                           block_size=16, at=time.time())
-    outage = RedisOutage()
-    directory = PrefixDirectory(redis)
-    transport = engine()
-    holds = HoldManager(engine_id="e0", base_url="http://engine", model="tiny",
-                        http=httpx.AsyncClient(transport=transport), redis=redis,
-                        pauses=PauseStats(redis, outage=outage), engine_info=lambda: info,
-                        directory=directory, outage=outage)
+    inf, holds = redis_backed_inference(redis)
     held_after: list[int] = []  # the steps whose hold decision reached the hold manager
     decide = holds.after_step
 
@@ -41,9 +27,6 @@ def wired(redis: aioredis.Redis) -> tuple[Any, PrefixDirectory, HoldManager, lis
         return await decide(**kw)
 
     holds.after_step = after_step  # type: ignore[method-assign]
-    inf = inference(transport, directory=directory, registry=EngineRegistry(redis, ttl_s=5),
-                    detector=CacheBustDetector(redis, directory), engine_info=lambda: info,
-                    holds=holds, outage=outage)
     # the hold decision waits for ``gate``: it is still under way while the test looks
     gate = asyncio.Event()
     hold_or_release = inf._hold_or_release
@@ -53,7 +36,8 @@ def wired(redis: aioredis.Redis) -> tuple[Any, PrefixDirectory, HoldManager, lis
         await hold_or_release(*args, **kw)
 
     inf._hold_or_release = gated  # type: ignore[method-assign]
-    return inf, directory, holds, held_after, gate
+    assert inf._dir is not None
+    return inf, inf._dir, holds, held_after, gate
 
 
 async def test_a_step_returns_before_its_hold_is_decided(redis: aioredis.Redis) -> None:
