@@ -177,6 +177,8 @@ class InferenceActivities:
         )
         if self._holds is not None:
             self._holds.resume(req.job_id)
+        in_flight = (step_key(req.job_id, req.step, scoped(req.tenant, req.profile))
+                     if self._registry is not None else None)
         try:
             slot = time.perf_counter()
             async with self._batch_slot(req), _heartbeating():
@@ -187,18 +189,18 @@ class InferenceActivities:
                         "warmloop_batch_admission_wait", "batch step's wait for a slot", "ms"
                     ).record(admission_ms, {"profile": req.profile})
                 result, last_token = await self._generate(req, entered=entered,
-                                                          admission_ms=admission_ms)
+                                                          admission_ms=admission_ms,
+                                                          in_flight=in_flight)
+                in_flight = None  # taken off the in-flight set beside the records
             if self._admission is not None and req.lane == Lane.INTERACTIVE:
                 await self._admission.observe_interactive(result.ttft_ms)
             elif self._admission is not None:
                 self._admission.observe_batch(result.prompt_tokens,
                                               self._profile_stable.get(req.profile, 0))
         finally:
-            if self._registry is not None:
-                # on the step's path: a job's next step may be routed at once (a step
-                # the workflow answers itself), and must not see this one as load
-                await self._step_done(self._registry, step_key(
-                    req.job_id, req.step, scoped(req.tenant, req.profile)))
+            if self._registry is not None and in_flight is not None:
+                # a step that failed: off the in-flight set before the error returns
+                await self._step_done(self._registry, in_flight)
             structlog.contextvars.unbind_contextvars("job_id", "step", "engine")
         result.returned_at = time.time()
         if result.timing is not None:
@@ -271,9 +273,12 @@ class InferenceActivities:
             await self._holds.record_prewarm(result.prompt_tokens, result.cached_tokens)
         return result
 
-    async def _generate(self, req: GenerateRequest, *, entered: float,
-                        admission_ms: float) -> tuple[GenerateResult, float]:
-        """The step, and when its last token came (the start of its ``after_ms``)."""
+    async def _generate(self, req: GenerateRequest, *, entered: float, admission_ms: float,
+                        in_flight: str | None = None) -> tuple[GenerateResult, float]:
+        """The step, and when its last token came (the start of its ``after_ms``).
+        ``in_flight``: the step's key in the engine's in-flight set, removed beside the
+        step's S3 write and directory records (all on the step's path, none waiting for
+        another)."""
         picked_up = time.time()
         body, profile, stored = await self._body(req)
         tail_tokens = (asyncio.ensure_future(self._tail_tokens(req.tail))
@@ -349,17 +354,20 @@ class InferenceActivities:
                  pickup_ms=round((picked_up - scheduled) * 1000, 1))
         # the tenant's quota lags by the step's bookkeeping, not by a step
         self._after_return(self._count_tokens(req.tenant, prompt_tokens + completion_tokens))
+        # On the step's path, all at once: the job's next step may be routed the moment
+        # this one returns (a load_tools step the workflow answers itself; the next
+        # step's route taken during the pause) and must find this prompt's chain and
+        # not see this step as load. The hold decision runs after the step returns.
+        off_flight = ([self._step_done(self._registry, in_flight)]
+                      if self._registry is not None and in_flight is not None else [])
         if tail_tokens is not None and prompt_ids:
-            # The directory and bust records overlap the transcript's S3 writes: the
-            # job's next step may be routed the moment this one returns (a load_tools
-            # step the workflow answers itself) and must find this prompt's chain. The
-            # hold decision runs after the step returns, off its path.
-            await asyncio.gather(stored, self._record_and_hold(
+            await asyncio.gather(stored, *off_flight, self._record_and_hold(
                 req, profile, body, prompt_ids, tail_tokens, result))
         else:
             if tail_tokens is not None:
                 tail_tokens.cancel()
-            await stored  # the step's new messages are in S3 before it counts as done
+            # the step's new messages are in S3 before it counts as done
+            await asyncio.gather(stored, *off_flight)
         return result, last_token
 
     async def _count_tokens(self, tenant: str, tokens: int) -> None:
@@ -451,22 +459,29 @@ class InferenceActivities:
         assert self._dir is not None
         info = self._engine_info()
         block_size = chain.block_size
-        known = await self._dir.job_chain(req.job_id) if req.step > 1 else None
+        detect = self._detector is not None and stable_tokens is not None
+        # Two rounds, each sent at once (they are on the step's path): the job's chain
+        # as it stood (the detector's "previous") with the accuracy counters, then the
+        # new chain with the detector's check.
+        known, _ = await asyncio.gather(
+            self._dir.job_chain(req.job_id) if detect and req.step > 1 else _nothing(),
+            self._dir.record_accuracy(req.expected_cached_tokens, cached_tokens)
+            if req.expected_cached_tokens is not None else _nothing())
         previous = known[0] if known else None
         capacity = None
         if info is not None and not info.precise and info.kv_capacity_tokens:
             capacity = info.kv_capacity_tokens // block_size
-        await self._dir.record_served(self._engine_id, req.job_id, chain,
-                                      capacity_blocks=capacity)
-        if req.expected_cached_tokens is not None:
-            await self._dir.record_accuracy(req.expected_cached_tokens, cached_tokens)
+        served = self._dir.record_served(self._engine_id, req.job_id, chain,
+                                         capacity_blocks=capacity)
         if self._detector is not None and stable_tokens is not None:
             # a tenant's stable prefix is its own (salted) chain, kept under its own name
-            await self._detector.check(profile=scoped(req.tenant, profile.name),
-                                       job_id=req.job_id, step=req.step,
-                                       hashes=chain.hashes, block_size=block_size,
-                                       stable_blocks=stable_tokens // block_size,
-                                       previous=previous, tools=req.tools)
+            await asyncio.gather(served, self._detector.check(
+                profile=scoped(req.tenant, profile.name), job_id=req.job_id, step=req.step,
+                hashes=chain.hashes, block_size=block_size,
+                stable_blocks=stable_tokens // block_size, previous=previous,
+                tools=req.tools))
+        else:
+            await served
 
     async def _tokenize(self, payload: dict[str, Any]) -> list[int]:
         r = await self._http.post(self._base + "/tokenize",
@@ -756,3 +771,7 @@ async def _heartbeating(interval_s: float = 2.0) -> AsyncIterator[None]:
         yield
     finally:
         task.cancel()
+
+
+async def _nothing() -> None:
+    """A no-op awaitable, for a slot of ``asyncio.gather`` that has nothing to do."""
