@@ -236,6 +236,15 @@ class InferenceActivities:
             task.cancel()
         return len(pending)
 
+    async def _step_started(self, key: str) -> None:
+        """Count a step routed ahead (during its job's pause) as load on this engine, beside
+        its prompt's assembly. Best effort, like the rest of the in-flight set."""
+        registry = self._registry
+        assert registry is not None
+        await self._outage.attempt(
+            "in-flight steps", lambda: registry.step_routed(self._engine_id, key), None,
+            timeout_s=STEP_DONE_TIMEOUT_S)
+
     async def _step_done(self, registry: EngineRegistry, key: str) -> None:
         """Take the step off the engine's in-flight set. Best effort: the set is the
         router's load signal, and Redis away must not fail a step the engine served. A
@@ -280,7 +289,10 @@ class InferenceActivities:
         step's S3 write and directory records (all on the step's path, none waiting for
         another)."""
         picked_up = time.time()
-        body, profile, stored = await self._body(req)
+        (body, profile, stored), _ = await asyncio.gather(
+            self._body(req),
+            self._step_started(in_flight) if req.mark_in_flight and in_flight is not None
+            else _nothing())
         tail_tokens = (asyncio.ensure_future(self._tail_tokens(req.tail))
                        if self._dir is not None else None)
         started = time.perf_counter()

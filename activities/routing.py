@@ -218,9 +218,11 @@ class RoutingActivities:
                              policy=req.policy, turn=turn, batch=batch)
 
     async def _record(self, req: RouteRequest, decision: RouteDecision) -> None:
-        """The step is in flight on its engine (the router's load signal)."""
-        await self._registry.step_routed(
-            decision.engine_id, step_key(req.job_id, req.step, scoped(req.tenant, req.profile)))
+        """The step is in flight on its engine (the router's load signal); a step routed
+        ahead, during its job's pause, is counted by its worker when it starts."""
+        if req.mark_in_flight:
+            await self._registry.step_routed(decision.engine_id, step_key(
+                req.job_id, req.step, scoped(req.tenant, req.profile)))
         if req.lane == Lane.BATCH:
             await self._registry.batch_job_routed(decision.engine_id, req.job_id)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -153,6 +154,12 @@ PATCH_TENANTS = "tenants"
 # Model ladder: a step of a profile with a ladder runs on its cheapest model and may be
 # asked again of the next one up. No job of a profile without a ladder takes the branch.
 PATCH_MODEL_LADDER = "model-ladder"
+# Route ahead: a step's route is taken while its job waits on the tool before it (an
+# activity beside the tool or timer), not on the step's critical path.
+PATCH_ROUTE_AHEAD = "route-ahead"
+ROUTE_AHEAD_MAX_AGE = timedelta(seconds=2)
+"""The oldest a route taken ahead may be when its step starts. Past it (a long tool), the
+fleet's load may have moved, and the step is routed again as before."""
 # route_step's non-retryable refusals: the job cannot run on this fleet at all.
 UNSERVABLE = frozenset({NO_ENGINE_FOR_MODEL, NO_PRICED_ENGINE})
 PREWARM_TIMEOUT = timedelta(seconds=60)
@@ -170,6 +177,26 @@ SEARCH_ATTRIBUTES = {SA_PROFILE.name: "Keyword", SA_STATE.name: "Keyword",
 def _error_type(err: ActivityError) -> str | None:
     cause = err.cause
     return cause.type if isinstance(cause, ApplicationError) else None
+
+
+@dataclass
+class _RouteAhead:
+    """A route taken during the job's pause for its next step (``AgentJob._route_ahead``)."""
+
+    step: int
+    started: datetime
+    handle: asyncio.Task[RouteDecision]
+
+    def drop(self) -> None:
+        """Forget it. Not cancelled: it is a few milliseconds of work, and a cancel sent
+        with a continue-as-new is refused by Temporal's test server (ACTIVITY_UNKNOWN)."""
+        self.handle.add_done_callback(_retrieved)
+
+
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    """Mark a dropped task's failure as seen (asyncio logs one never retrieved)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _if_cancelled(e: BaseException) -> None:
@@ -227,6 +254,8 @@ class AgentJob:
         self._ladder_reached = 0
         self._rung_engines: dict[str, str] = {}
         """The engine each ladder model last served the job on: its routing hint."""
+        self._ahead: _RouteAhead | None = None
+        """The next step's route, taken during the job's pause (``_route_ahead``)."""
         self._pending: dict[str, PendingApproval] = {}
         self._decisions: dict[str, Decision] = {}
         self._rules: dict[str, ApprovalRule] = {}
@@ -371,6 +400,7 @@ class AgentJob:
             if self._should_continue_as_new(job, steps_this_run, profile, limits):
                 carry = await self._carry(job, profile, limits, steps_this_run)
                 if carry is not None:
+                    self._drop_ahead()
                     workflow.continue_as_new(job.model_copy(update={"carry": carry}))
             elif steps_this_run > 0 and (hygiene := resolve_hygiene(
                     job.context_hygiene, profile.hygiene)) and hygiene.mode == "every_step":
@@ -424,6 +454,7 @@ class AgentJob:
                 if not approved:
                     self._next_kind = StepKind.REFLECT
                     continue
+            self._route_ahead(job, profile)
             result = await self._run_tool(profile, spec, job, record.step, args)
             self._answer(call, result.output)
             self._next_kind = StepKind.EXECUTE if result.ok else StepKind.REFLECT
@@ -456,6 +487,7 @@ class AgentJob:
                             _arguments(call))
         self._next_kind = StepKind.EXECUTE
         if recorded.pause_s > 0:
+            self._route_ahead(job, profile)
             await workflow.sleep(recorded.pause_s)
 
     def _should_continue_as_new(self, job: JobInput, steps_this_run: int,
@@ -555,6 +587,7 @@ class AgentJob:
             return False
         if not workflow.patched(PATCH_CONTEXT_HYGIENE):
             return False
+        self._drop_ahead()  # it was taken for the prompt before compaction
         try:
             for req in archive_batches(self._transcript, plan.items, job_id=self._job_id,
                                        max_bytes=TRANSCRIPT_CHUNK_BYTES):
@@ -788,19 +821,74 @@ class AgentJob:
     async def _route_once(self, request: GenerateRequest, job: JobInput, exclude: list[str],
                           profile: Profile) -> RouteDecision:
         return await workflow.execute_local_activity(
-            "route_step",
-            RouteRequest(job_id=self._job_id, step=request.step, profile=request.profile,
-                         policy=job.routing, exclude=exclude, tools=job.tools,
-                         lane=job.lane,
-                         last_engine=(self._rung_engines.get(request.model)
-                                      if request.model is not None
-                                      else self._engine.engine_id if self._engine else None),
-                         model=request.model or profile.model,
-                         require_price=self._limits(profile, job).max_cost_usd is not None,
-                         tenant=job.tenant),
+            "route_step", self._route_request(job, profile, request.step, request.model,
+                                              exclude),
             start_to_close_timeout=ROUTE_TIMEOUT, retry_policy=PICK_RETRY,
             result_type=RouteDecision,
         )
+
+    def _route_request(self, job: JobInput, profile: Profile, step: int, model: str | None,
+                       exclude: list[str], *, mark_in_flight: bool = True) -> RouteRequest:
+        return RouteRequest(
+            job_id=self._job_id, step=step, profile=profile.name, policy=job.routing,
+            exclude=exclude, tools=job.tools, lane=job.lane,
+            last_engine=(self._rung_engines.get(model) if model is not None
+                         else self._engine.engine_id if self._engine else None),
+            model=model or profile.model,
+            require_price=self._limits(profile, job).max_cost_usd is not None,
+            tenant=job.tenant, mark_in_flight=mark_in_flight)
+
+    def _route_ahead(self, job: JobInput, profile: Profile) -> None:
+        """Start routing the job's next step now, while it waits on its tool: the route's
+        round trip (~15 ms a step here as a local activity) then overlaps the wait
+        instead of delaying the step. The step uses it if it is at most
+        ``ROUTE_AHEAD_MAX_AGE`` old and nothing about the step changed (``_take_ahead``);
+        else it routes as before.
+
+        Not for a pinned job, nor a model ladder's (its rung is chosen at the step), nor
+        a job whose caps already stop it before the next step, nor a workflow that
+        predates per-step routing. The route does not count the step as load while the
+        job waits: its worker counts it when it starts."""
+        if (job.engine_id or profile.ladder is not None
+                or check_before_step(self._limits(profile, job), self._usage,
+                                     self._elapsed_s()) is not None
+                or not workflow.patched(PATCH_ROUTE_EVERY_STEP)
+                or not workflow.patched(PATCH_ROUTE_AHEAD)):
+            return
+        self._drop_ahead()
+        step = self._usage.steps + 1
+        # A task-queue activity, not a local one: a workflow task does not complete while
+        # a local activity runs, so one would hold back the tool's own start by its length.
+        self._ahead = _RouteAhead(step=step, started=workflow.now(), handle=(
+            workflow.start_activity(
+                "route_step",
+                self._route_request(job, profile, step, None, [], mark_in_flight=False),
+                task_queue=AGENT_TASK_QUEUE, start_to_close_timeout=ROUTE_TIMEOUT,
+                # a failure is not retried ahead: the step routes again, and waits there
+                retry_policy=RetryPolicy(maximum_attempts=1), result_type=RouteDecision)))
+
+    async def _take_ahead(self, request: GenerateRequest) -> RouteDecision | None:
+        """The route taken ahead for this step, if it is still good: the same step, no
+        ladder rung, young enough, and it succeeded (a refusal or Redis away: the step
+        routes again, which waits or ends the job as it should)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        if (ahead.step != request.step or request.model is not None
+                or workflow.now() - ahead.started > ROUTE_AHEAD_MAX_AGE):
+            ahead.drop()
+            return None
+        try:
+            return await ahead.handle
+        except ActivityError as e:
+            _if_cancelled(e)
+            return None
+
+    def _drop_ahead(self) -> None:
+        """Forget a route taken ahead (the job ends, continues as new or compacts)."""
+        if self._ahead is not None:
+            self._ahead.drop()
+            self._ahead = None
 
     async def _generate(
         self, request: GenerateRequest, job: JobInput, *, pickup_timeout: timedelta
@@ -819,13 +907,16 @@ class AgentJob:
         while len(failed) <= MAX_FAILOVERS:
             pinned = job.engine_id if job.engine_id and job.engine_id not in failed else None
             routed: RouteDecision | None = None
+            ahead = False
             if pinned:
                 decision = RouteDecision(engine_id=pinned, reason="pinned")
             else:
+                routed = await self._take_ahead(request) if not failed else None
+                ahead = routed is not None
                 # Only a job's first step may end it as unservable: later, the engines for its
                 # model may be restarting (heartbeats lapse), so the step fails over instead.
-                routed = await self._route(request, job, failed,
-                                           end_if_unservable=self._usage.steps == 0)
+                routed = routed or await self._route(request, job, failed,
+                                                     end_if_unservable=self._usage.steps == 0)
                 if routed is None:
                     raise _JobEnded(JobState.ENGINE_UNAVAILABLE,
                                     "no live engine could serve the step")
@@ -834,7 +925,8 @@ class AgentJob:
             self._engine = EngineChoice(engine_id=decision.engine_id, reason=decision.reason)
             try:
                 gen = await workflow.execute_activity(
-                    "generate", request.model_copy(update={"expected_cached_tokens": predicted}),
+                    "generate", request.model_copy(update={"expected_cached_tokens": predicted,
+                                                           "mark_in_flight": ahead}),
                     task_queue=engine_task_queue(decision.engine_id),
                     start_to_close_timeout=(BATCH_GENERATE_START_TO_CLOSE
                                             if job.lane == Lane.BATCH
@@ -1194,6 +1286,7 @@ class AgentJob:
     async def _end(self, state: JobState, reason: str,
                    final: dict[str, Any] | None = None) -> JobResult:
         self._state = state
+        self._drop_ahead()
         self._pending.clear()
         key = None
         inline = _messages_bytes(self._transcript) <= INLINE_TRANSCRIPT_BYTES

@@ -269,6 +269,10 @@ class RouteRequest(BaseModel):
     """The job has a cost cap: only engines that declare a price."""
     tenant: str = Field(default="default", exclude_if=_is_default_tenant)
     """The job's tenant: only its own cached prefixes count, and its quota applies."""
+    mark_in_flight: bool = True
+    """Count the step as load on the chosen engine now. False for a route taken ahead,
+    while the job waits on its tool: a waiting step is not load; its worker counts it
+    when it picks the step up (``GenerateRequest.mark_in_flight``)."""
 
 
 class GenerateRequest(BaseModel):
@@ -308,6 +312,9 @@ class GenerateRequest(BaseModel):
     logprobs: bool = False
     """Ask the engine for the log-probability of every output token (a ladder decides
     by them); the result carries their mean and minimum."""
+    mark_in_flight: bool = False
+    """The worker counts the step as load on its engine when it picks it up: its route
+    was taken ahead, during the job's pause, and did not (``RouteRequest.mark_in_flight``)."""
 
 
 class StepTiming(BaseModel):
