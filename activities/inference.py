@@ -179,6 +179,10 @@ class InferenceActivities:
             self._holds.resume(req.job_id)
         in_flight = (step_key(req.job_id, req.step, scoped(req.tenant, req.profile))
                      if self._registry is not None else None)
+        # a step routed ahead is counted as load here, off its path (its removal waits
+        # for this write: one landing after it would leave the step counted)
+        counted = (asyncio.create_task(self._step_started(in_flight))
+                   if req.mark_in_flight and in_flight is not None else None)
         try:
             slot = time.perf_counter()
             async with self._batch_slot(req), _heartbeating():
@@ -190,7 +194,8 @@ class InferenceActivities:
                     ).record(admission_ms, {"profile": req.profile})
                 result, last_token = await self._generate(req, entered=entered,
                                                           admission_ms=admission_ms,
-                                                          in_flight=in_flight)
+                                                          in_flight=in_flight,
+                                                          counted=counted)
                 in_flight = None  # taken off the in-flight set beside the records
             if self._admission is not None and req.lane == Lane.INTERACTIVE:
                 await self._admission.observe_interactive(result.ttft_ms)
@@ -200,7 +205,7 @@ class InferenceActivities:
         finally:
             if self._registry is not None and in_flight is not None:
                 # a step that failed: off the in-flight set before the error returns
-                await self._step_done(self._registry, in_flight)
+                await self._step_done(self._registry, in_flight, after=counted)
             structlog.contextvars.unbind_contextvars("job_id", "step", "engine")
         result.returned_at = time.time()
         if result.timing is not None:
@@ -245,11 +250,14 @@ class InferenceActivities:
             "in-flight steps", lambda: registry.step_routed(self._engine_id, key), None,
             timeout_s=STEP_DONE_TIMEOUT_S)
 
-    async def _step_done(self, registry: EngineRegistry, key: str) -> None:
+    async def _step_done(self, registry: EngineRegistry, key: str, *,
+                         after: asyncio.Task[None] | None = None) -> None:
         """Take the step off the engine's in-flight set. Best effort: the set is the
         router's load signal, and Redis away must not fail a step the engine served. A
         key Redis missed is kept and goes with the next step's, so the router does not
         count it as load for ``INFLIGHT_MAX_AGE_S``."""
+        if after is not None:
+            await after  # the step's own in-flight write, bounded by its timeout
         keys, self._undone = [*self._undone, key], []
 
         async def write() -> bool:
@@ -283,16 +291,14 @@ class InferenceActivities:
         return result
 
     async def _generate(self, req: GenerateRequest, *, entered: float, admission_ms: float,
-                        in_flight: str | None = None) -> tuple[GenerateResult, float]:
+                        in_flight: str | None = None, counted: asyncio.Task[None] | None = None
+                        ) -> tuple[GenerateResult, float]:
         """The step, and when its last token came (the start of its ``after_ms``).
         ``in_flight``: the step's key in the engine's in-flight set, removed beside the
         step's S3 write and directory records (all on the step's path, none waiting for
         another)."""
         picked_up = time.time()
-        (body, profile, stored), _ = await asyncio.gather(
-            self._body(req),
-            self._step_started(in_flight) if req.mark_in_flight and in_flight is not None
-            else _nothing())
+        body, profile, stored = await self._body(req)
         tail_tokens = (asyncio.ensure_future(self._tail_tokens(req.tail))
                        if self._dir is not None else None)
         started = time.perf_counter()
@@ -370,7 +376,7 @@ class InferenceActivities:
         # this one returns (a load_tools step the workflow answers itself; the next
         # step's route taken during the pause) and must find this prompt's chain and
         # not see this step as load. The hold decision runs after the step returns.
-        off_flight = ([self._step_done(self._registry, in_flight)]
+        off_flight = ([self._step_done(self._registry, in_flight, after=counted)]
                       if self._registry is not None and in_flight is not None else [])
         if tail_tokens is not None and prompt_ids:
             await asyncio.gather(stored, *off_flight, self._record_and_hold(

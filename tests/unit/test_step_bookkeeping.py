@@ -11,9 +11,11 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from tests.polling import eventually
 from tests.unit.engine_fakes import generate, redis_backed_inference, step_request
 from warmloop.activities.directory import PrefixDirectory
 from warmloop.activities.holds import HoldManager
+from warmloop.activities.registry import INFLIGHT_KEY
 
 
 def wired(redis: aioredis.Redis) -> tuple[Any, PrefixDirectory, HoldManager, list[int],
@@ -77,3 +79,67 @@ async def test_a_shutdown_cancels_bookkeeping_that_outlives_its_bound(
     assert await inf.drain(timeout_s=0.2) == 1  # the gate never opens: cancelled
     assert held_after == [] and "jb3" not in holds.holds
     assert await inf.drain() == 0  # nothing left behind
+
+
+# ---- a step routed ahead is counted in flight by its worker -----------------------------
+
+
+async def in_flight(redis: aioredis.Redis) -> list[str]:
+    return [k.decode() if isinstance(k, bytes) else str(k)
+            for k in await redis.zrange(INFLIGHT_KEY.format("e0"), 0, -1)]
+
+
+async def test_a_step_routed_ahead_counts_as_load_while_it_runs(
+        redis: aioredis.Redis) -> None:
+    inf, _ = redis_backed_inference(redis)
+    # the prompt's assembly waits for ``gate``: the step is under way while the test looks
+    gate = asyncio.Event()
+    body = inf._body
+
+    async def gated(req: Any) -> Any:
+        await gate.wait()
+        return await body(req)
+
+    inf._body = gated  # type: ignore[method-assign]
+    running = asyncio.ensure_future(generate(inf, step_request(job_id="ja1",
+                                                               mark_in_flight=True)))
+    counted = await eventually(lambda: in_flight(redis))
+    assert counted == ["ja1:1|ticket-triage"]
+    gate.set()
+    await running
+    assert await in_flight(redis) == []
+
+
+async def test_a_slow_in_flight_write_does_not_outlive_its_step(
+        redis: aioredis.Redis) -> None:
+    inf, _ = redis_backed_inference(redis)
+    assert inf._registry is not None
+    routed = inf._registry.step_routed
+    release, written = asyncio.Event(), asyncio.Event()
+
+    async def slow(*args: Any, **kw: Any) -> None:
+        await release.wait()  # the write lands after the engine has answered
+        await routed(*args, **kw)
+        written.set()
+
+    inf._registry.step_routed = slow  # type: ignore[method-assign]
+    step_done = inf._step_done
+
+    async def done_after_release(*args: Any, **kw: Any) -> None:
+        release.set()  # the engine has answered: the step is being taken off the set
+        await step_done(*args, **kw)
+
+    inf._step_done = done_after_release  # type: ignore[method-assign]
+    await generate(inf, step_request(job_id="ja2", mark_in_flight=True))
+    await asyncio.wait_for(written.wait(), 5)
+    # the removal waited for the write: the finished step is not left counted as load
+    assert await in_flight(redis) == []
+
+
+async def test_a_step_routed_at_once_is_taken_off_the_set_its_route_put_it_in(
+        redis: aioredis.Redis) -> None:
+    inf, _ = redis_backed_inference(redis)
+    assert inf._registry is not None
+    await inf._registry.step_routed("e0", "ja3:1|ticket-triage")  # route_step's record
+    await generate(inf, step_request(job_id="ja3"))
+    assert await in_flight(redis) == []
