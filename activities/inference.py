@@ -25,6 +25,7 @@ from warmloop.activities.registry import (
     EngineRegistry,
     RedisOutage,
     TenantUsage,
+    nothing,
     step_key,
 )
 from warmloop.activities.trace_prompts import TracePromptStore
@@ -482,9 +483,9 @@ class InferenceActivities:
         # as it stood (the detector's "previous") with the accuracy counters, then the
         # new chain with the detector's check.
         known, _ = await asyncio.gather(
-            self._dir.job_chain(req.job_id) if detect and req.step > 1 else _nothing(),
+            self._dir.job_chain(req.job_id) if detect and req.step > 1 else nothing(),
             self._dir.record_accuracy(req.expected_cached_tokens, cached_tokens)
-            if req.expected_cached_tokens is not None else _nothing())
+            if req.expected_cached_tokens is not None else nothing())
         previous = known[0] if known else None
         capacity = None
         if info is not None and not info.precise and info.kv_capacity_tokens:
@@ -789,7 +790,3 @@ async def _heartbeating(interval_s: float = 2.0) -> AsyncIterator[None]:
         yield
     finally:
         task.cancel()
-
-
-async def _nothing() -> None:
-    """A no-op awaitable, for a slot of ``asyncio.gather`` that has nothing to do."""

@@ -167,6 +167,11 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
     return out
 
 
+async def nothing() -> None:
+    """A no-op awaitable: the slot of an ``asyncio.gather`` of Redis calls (sent in one
+    round) that has nothing to send this time."""
+
+
 def step_key(job_id: str, step: int, profile: str) -> str:
     """In-flight key of a routed step; the profile tells the router which prefixes an
     engine is computing right now (a burst's shared prefix is computed once per engine)."""

@@ -36,6 +36,7 @@ from warmloop.activities.registry import (
     RedisOutage,
     TenantUsage,
     calibrated_prefill_rate,
+    nothing,
     step_key,
     step_key_profile,
 )
@@ -175,10 +176,10 @@ class RoutingActivities:
         family = scoped(req.tenant, prefix_family(req.profile, req.tools))
         live, job, stable = await asyncio.gather(
             self._live(req.exclude, model=req.model, require_price=req.require_price),
-            self._dir.job_chain(req.job_id) if cache_aware else _none(),
+            self._dir.job_chain(req.job_id) if cache_aware else nothing(),
             # the profile's prefix matters to a job with no chain yet: its first step
             self._dir.profile_chain(family) if cache_aware and req.last_engine is None
-            else _none())
+            else nothing())
         ids = [e.engine_id for e in live]
         if cache_aware and job is None and stable is None and req.last_engine is not None:
             stable = await self._dir.profile_chain(family)  # its chain expired: rare
@@ -309,10 +310,6 @@ def _servable(every: list[EngineHeartbeat], exclude: list[str], *, model: str | 
             f"no live engine{which} (excluded: {', '.join(exclude) or 'none'})",
             type=NO_LIVE_ENGINE)
     return live
-
-
-async def _none() -> None:
-    return None
 
 
 async def _value(v: T) -> T:
