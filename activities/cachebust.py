@@ -62,11 +62,24 @@ class CacheBustDetector:
                     tools: list[str] | None = None) -> list[CacheBust]:
         """Compare a served prompt's chain with its profile's stable prefix and with the
         job's previous prompt (``previous``: its reusable blocks). Returns the busts."""
+        reference = (await self._dir.profile_chain(prefix_family(profile, tools))
+                     if stable_blocks > 0 and hashes else None)
+        return await self.judge(profile=profile, job_id=job_id, step=step, hashes=hashes,
+                                block_size=block_size, stable_blocks=stable_blocks,
+                                previous=previous, tools=tools, reference=reference)
+
+    async def judge(self, *, profile: str, job_id: str, step: int, hashes: list[str],
+                    block_size: int, stable_blocks: int, previous: list[str] | None,
+                    reference: list[str] | None,
+                    tools: list[str] | None = None) -> list[CacheBust]:
+        """``check`` with the prefix family's stable chain (``reference``) already read:
+        the inference worker reads it in the round trip that records the prompt
+        (``PrefixDirectory.record_step``), so a step without a bust costs no Redis call
+        here. Writes only when the reference changes or a bust fires."""
         busts: list[CacheBust] = []
         stable = hashes[:stable_blocks]
-        family = prefix_family(profile, tools)  # jobs offering other tools differ, rightly
         if stable:
-            ref = await self._dir.profile_chain(family)
+            ref = reference
             if ref is not None:
                 i = first_difference(ref[:len(stable)], stable)
                 if i is not None or len(ref) != len(stable):
@@ -76,6 +89,7 @@ class CacheBustDetector:
             if ref != stable:
                 # The newest stable prefix is the reference: a deliberate profile change
                 # fires once, a timestamp in the system prompt fires on every job.
+                family = prefix_family(profile, tools)  # other tools differ, rightly
                 await self._dir.set_profile_chain(family, stable, block_size)
         if previous:
             i = first_difference(previous, hashes)

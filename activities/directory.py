@@ -61,6 +61,31 @@ class PromptChain:
     """Prompt length in tokens (the last, partial block is not hashed)."""
 
 
+@dataclass(frozen=True)
+class ServedRecord:
+    """What the directory held just before a served prompt's record replaced it. The
+    cache-bust detector compares the new prompt against these; they come back from the
+    round trip that writes the record, so the check adds no Redis round to the step."""
+
+    previous_job_chain: list[str] | None
+    """The job's reusable blocks as of its previous step (None: not asked, or none)."""
+    profile_chain: list[str] | None
+    """The prefix family's stable chain (None: not asked, or none yet)."""
+
+
+def _hashes(raw: Any) -> list[str] | None:
+    """The ``hashes`` of a stored job or profile chain."""
+    return None if raw is None else list(json.loads(raw)["hashes"])
+
+
+def _queue_accuracy(pipe: Any, predicted: int, actual: int) -> None:
+    pipe.hincrby(ACCURACY, "steps", 1)
+    pipe.hincrby(ACCURACY, "predicted", predicted)
+    pipe.hincrby(ACCURACY, "actual", actual)
+    pipe.hincrby(ACCURACY, "abs_error", abs(predicted - actual))
+    pipe.hincrby(ACCURACY, "exact", int(predicted == actual))
+
+
 class PrefixDirectory:
     def __init__(self, redis: aioredis.Redis, *, trace: bool = False) -> None:
         self._redis = redis
@@ -72,9 +97,35 @@ class PrefixDirectory:
                             capacity_blocks: int | None, now: float | None = None) -> None:
         """The engine just served this prompt: its blocks are now the most recently used
         there. Without KV events, trim the engine's set to ``capacity_blocks``."""
+        await self.record_step(engine_id, job_id, chain, capacity_blocks=capacity_blocks,
+                               now=now)
+
+    async def record_step(self, engine_id: str, job_id: str, chain: PromptChain, *,
+                          capacity_blocks: int | None, accuracy: tuple[int, int] | None = None,
+                          read_previous: bool = False, family: str | None = None,
+                          now: float | None = None) -> ServedRecord:
+        """``record_served`` plus what the inference worker reads and counts around it, in
+        one round trip (a step's records are on its path: its job's next step may be
+        routed the moment it returns).
+
+        ``accuracy``: (predicted, actual) cached tokens for the router's accuracy counters.
+        ``read_previous``: return the job's chain as it stood before this record (Redis
+        runs a pipeline's commands in order, so the read sees the old value).
+        ``family``: return that prefix family's stable chain (the cache-bust detector's
+        reference)."""
         now = time.time() if now is None else now
         key = ENGINE_BLOCKS.format(engine_id)
+        job_key = JOB_CHAIN.format(job_id)
         pipe = self._redis.pipeline(transaction=False)
+        reads = 0
+        if read_previous:
+            pipe.get(job_key)
+            reads += 1
+        if family is not None:
+            pipe.get(PROFILE_CHAIN.format(family))
+            reads += 1
+        if accuracy is not None:
+            _queue_accuracy(pipe, *accuracy)
         if chain.hashes:
             # Later blocks are evicted first by vLLM's LRU; give them slightly older
             # scores so an estimated trim drops a prompt's tail before its head.
@@ -82,14 +133,17 @@ class PrefixDirectory:
             pipe.zadd(key, {h: now - (i / n) * 1e-3 for i, h in enumerate(chain.hashes)})
         if capacity_blocks is not None:
             pipe.zremrangebyrank(key, 0, -(capacity_blocks + 1))
-        pipe.set(JOB_CHAIN.format(job_id), json.dumps({
+        pipe.set(job_key, json.dumps({
             "engine": engine_id, "block_size": chain.block_size,
             "hashes": chain.hashes[:chain.reusable_blocks],
         }), ex=JOB_CHAIN_TTL_S)
         if self._trace:
             pipe.rpush(TRACE, json.dumps({"job": job_id, "engine": engine_id,
                                           "tokens": chain.tokens, "hashes": chain.hashes}))
-        await pipe.execute()
+        got = (await pipe.execute())[:reads]
+        previous = _hashes(got.pop(0)) if read_previous else None
+        reference = _hashes(got.pop(0)) if family is not None else None
+        return ServedRecord(previous_job_chain=previous, profile_chain=reference)
 
     async def traced(self) -> list[dict[str, Any]]:
         return [json.loads(r) for r in await self._redis.lrange(TRACE, 0, -1)]
@@ -112,16 +166,11 @@ class PrefixDirectory:
                               json.dumps({"hashes": hashes, "block_size": block_size}))
 
     async def profile_chain(self, profile: str) -> list[str] | None:
-        raw = await self._redis.get(PROFILE_CHAIN.format(profile))
-        return None if raw is None else list(json.loads(raw)["hashes"])
+        return _hashes(await self._redis.get(PROFILE_CHAIN.format(profile)))
 
     async def record_accuracy(self, predicted: int, actual: int) -> None:
         pipe = self._redis.pipeline(transaction=False)
-        pipe.hincrby(ACCURACY, "steps", 1)
-        pipe.hincrby(ACCURACY, "predicted", predicted)
-        pipe.hincrby(ACCURACY, "actual", actual)
-        pipe.hincrby(ACCURACY, "abs_error", abs(predicted - actual))
-        pipe.hincrby(ACCURACY, "exact", int(predicted == actual))
+        _queue_accuracy(pipe, predicted, actual)
         await pipe.execute()
 
     async def accuracy(self) -> dict[str, int]:

@@ -25,7 +25,6 @@ from warmloop.activities.registry import (
     EngineRegistry,
     RedisOutage,
     TenantUsage,
-    nothing,
     step_key,
 )
 from warmloop.activities.trace_prompts import TracePromptStore
@@ -49,6 +48,7 @@ from warmloop.workflows.prompt import (
     prompt_hash,
     request_tools,
 )
+from warmloop.workflows.routing import prefix_family
 from warmloop.workflows.tenants import cache_salt, scoped
 from warmloop.workflows.trace import is_trace_profile
 
@@ -479,28 +479,28 @@ class InferenceActivities:
         info = self._engine_info()
         block_size = chain.block_size
         detect = self._detector is not None and stable_tokens is not None
-        # Two rounds, each sent at once (they are on the step's path): the job's chain
-        # as it stood (the detector's "previous") with the accuracy counters, then the
-        # new chain with the detector's check.
-        known, _ = await asyncio.gather(
-            self._dir.job_chain(req.job_id) if detect and req.step > 1 else nothing(),
-            self._dir.record_accuracy(req.expected_cached_tokens, cached_tokens)
-            if req.expected_cached_tokens is not None else nothing())
-        previous = known[0] if known else None
+        family = (prefix_family(scoped(req.tenant, profile.name), req.tools)
+                  if detect and stable_tokens and stable_tokens >= block_size
+                  and chain.hashes else None)
         capacity = None
         if info is not None and not info.precise and info.kv_capacity_tokens:
             capacity = info.kv_capacity_tokens // block_size
-        served = self._dir.record_served(self._engine_id, req.job_id, chain,
-                                         capacity_blocks=capacity)
+        # One round trip (it is on the step's path): the job's chain as it stood (the
+        # detector's "previous") and the family's reference are read before the new
+        # chain is written, with the accuracy counters.
+        record = await self._dir.record_step(
+            self._engine_id, req.job_id, chain, capacity_blocks=capacity,
+            accuracy=(req.expected_cached_tokens, cached_tokens)
+            if req.expected_cached_tokens is not None else None,
+            read_previous=detect and req.step > 1, family=family)
         if self._detector is not None and stable_tokens is not None:
             # a tenant's stable prefix is its own (salted) chain, kept under its own name
-            await asyncio.gather(served, self._detector.check(
+            await self._detector.judge(
                 profile=scoped(req.tenant, profile.name), job_id=req.job_id, step=req.step,
                 hashes=chain.hashes, block_size=block_size,
-                stable_blocks=stable_tokens // block_size, previous=previous,
-                tools=req.tools))
-        else:
-            await served
+                stable_blocks=stable_tokens // block_size,
+                previous=record.previous_job_chain, reference=record.profile_chain,
+                tools=req.tools)
 
     async def _tokenize(self, payload: dict[str, Any]) -> list[int]:
         r = await self._http.post(self._base + "/tokenize",

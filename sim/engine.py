@@ -59,8 +59,8 @@ class Request:
 
 
 class PrefixCache:
-    """The KV pool as blocks: cached blocks by key with reference counts, the evictable
-    ones (count 0) in LRU order, and never-used / private blocks as a count.
+    """The KV pool as blocks: cached blocks by key, the evictable ones (no user) in LRU
+    order, and never-used / private blocks as a count.
 
     The cached blocks of any chain form a prefix of it: requests, holds and prewarms
     always use a chain's leading blocks, a block's users also use its predecessors, and
@@ -68,6 +68,15 @@ class PrefixCache:
     than its successor and eviction takes a chain's tail first. Lookups use that:
     ``hit_blocks`` is a binary search (``hit_blocks_walk``, the plain walk, gives the
     same answer; the tests check both on whole runs).
+
+    Users are not counted per block (a prompt's hundred-odd shared blocks would each
+    be counted up and down at every step): a block's users are those whose keys end at
+    it (``ref``) and those that go on through one of its successors, and since keys are
+    hash chains (a block's key names its whole prefix), a block is in use exactly when
+    a user ends at it (``ref[key] > 0``) or one of its successors is in use
+    (``kids[key] > 0``: how many). A use or release then costs O(1) plus the blocks
+    that enter or leave use, the same as counting every block (``tests/unit``
+    compares it with per-block counts).
 
     ``index`` (shared by a fleet's engines) maps each cached key to a bit mask of the
     engines caching it (bit ``owner``), so the fleet finds the engines warm for a
@@ -79,6 +88,9 @@ class PrefixCache:
         self.capacity = blocks
         self.empty = blocks
         self.ref: dict[BlockKey, int] = {}
+        """Every cached key: how many users' keys end at it."""
+        self.kids: dict[BlockKey, int] = {}
+        """Cached keys with successors in use: how many (absent: none)."""
         self.lru: OrderedDict[BlockKey, None] = OrderedDict()
         self.index = index
         self.bit = 1 << owner
@@ -133,51 +145,61 @@ class PrefixCache:
             self._evict(1)
 
     def _first_unused(self, keys: Sequence[BlockKey], hit: int) -> int:
-        """Index of the first of ``keys[:hit]`` (all cached) no request or hold uses:
-        reference counts never grow along a chain (a block's users use its
-        predecessors), so the unused cached blocks are the tail of ``keys[:hit]``."""
-        ref = self.ref
-        if not hit or ref[keys[hit - 1]] > 0:
+        """Index of the first of ``keys[:hit]`` (all cached) no request or hold uses
+        (the evictable ones, in the LRU): a block's users use its predecessors, so the
+        unused cached blocks are the tail of ``keys[:hit]``."""
+        lru = self.lru
+        if not hit or keys[hit - 1] not in lru:
             return hit
         lo, hi = -1, hit - 1  # keys[lo] is in use (lo == -1: none), keys[hi] is not
         while hi - lo > 1:
             mid = (lo + hi) >> 1
-            if ref[keys[mid]] > 0:
-                lo = mid
-            else:
+            if keys[mid] in lru:
                 hi = mid
+            else:
+                lo = mid
         return hi
 
     def acquire(self, keys: Sequence[BlockKey]) -> None:
         """Use ``keys`` (cached ones are reused, missing ones allocated and registered).
 
         ``keys`` is a chain's leading blocks: in use, then cached but unused, then not
-        cached (see ``PrefixCache``), so each part is updated in bulk; the same as
-        taking each key in turn (``acquire_walk``)."""
-        ref, lru = self.ref, self.lru
+        cached (see ``PrefixCache``). The user ends at the last key; the blocks from the
+        first unused one on enter use, each with one successor in use but the last, and
+        the last block in use before them gains one; the same as taking each key in
+        turn (``acquire_walk``)."""
+        n = len(keys)
+        if not n:
+            return
+        ref = self.ref
         cached = self.hit_blocks(keys)
         unused = self._first_unused(keys, cached)
-        if unused:
-            used = keys[:unused]
-            ref.update(zip(used, map((1).__add__, map(ref.__getitem__, used)), strict=True))
-        if cached > unused:
-            idle = keys[unused:cached]
-            for k in idle:
-                del lru[k]
-            ref.update(dict.fromkeys(idle, 1))
-        n = len(keys) - cached
-        if n > 0:
-            new = keys[cached:]
-            free = min(n, self.empty)
-            self.empty -= free
-            if n > free:
-                self._evict(n - free)
-            ref.update(dict.fromkeys(new, 1))
-            index = self.index
-            if index is not None:
-                bit = self.bit
-                get = index.get
-                index.update([(k, get(k, 0) | bit) for k in new])
+        if unused < n:
+            kids = self.kids
+            if unused:
+                before = keys[unused - 1]
+                kids[before] = kids.get(before, 0) + 1
+            if cached > unused:
+                lru = self.lru
+                for k in keys[unused:cached]:
+                    del lru[k]
+            if cached < n:
+                new = keys[cached:]
+                m = n - cached
+                free = min(m, self.empty)
+                self.empty -= free
+                if m > free:
+                    self._evict(m - free)
+                ref.update(dict.fromkeys(new, 0))
+                index = self.index
+                if index is not None:
+                    bit = self.bit
+                    get = index.get
+                    index.update([(k, get(k, 0) | bit) for k in new])
+            if n - 1 > unused:
+                kids.update(dict.fromkeys(keys[unused:n - 1], 1))
+        last = keys[n - 1]
+        ref[last] += 1
 
     def _evict(self, n: int) -> None:
         """Free the ``n`` least recently used blocks."""
@@ -195,62 +217,67 @@ class PrefixCache:
     def release(self, keys: Sequence[BlockKey]) -> None:
         """Stop using ``keys``; last block first, so a prompt's tail is evicted first.
 
-        ``keys`` are in use (a request's or a hold's), so their reference counts never
-        grow along the chain: the blocks this frees are a tail, appended to the LRU
-        last first; the same as ``release_walk``."""
-        ref = self.ref
+        The user ended at the last key: from there back, each block no other user ends
+        at or goes on from is freed (appended to the LRU, last first), and the walk
+        stops at the first block still in use, which loses one successor in use; the
+        same as ``release_walk``."""
         n = len(keys)
         if not n:
             return
-        if ref[keys[0]] <= 1:
-            last = 0
-        elif ref[keys[n - 1]] > 1:
-            last = n
-        else:
-            lo, hi = 0, n - 1  # keys[lo] stays in use, keys[hi] is freed
-            while hi - lo > 1:
-                mid = (lo + hi) >> 1
-                if ref[keys[mid]] > 1:
-                    lo = mid
+        ref, kids = self.ref, self.kids
+        i = n - 1
+        k = keys[i]
+        left = ref[k] - 1
+        ref[k] = left
+        if left or k in kids:
+            return
+        freed = [k]
+        while i:
+            i -= 1
+            k = keys[i]
+            c = kids[k] - 1
+            if c or ref[k]:
+                if c:
+                    kids[k] = c
                 else:
-                    hi = mid
-            last = hi
-        if last:
-            kept = keys[:last]
-            ref.update(zip(kept, map((-1).__add__, map(ref.__getitem__, kept)), strict=True))
-        if last < n:
-            freed = keys[last:][::-1]
-            ref.update(dict.fromkeys(freed, 0))
-            self.lru.update(dict.fromkeys(freed))
+                    del kids[k]
+                break
+            del kids[k]
+            freed.append(k)
+        self.lru.update(dict.fromkeys(freed))
 
     # The plain walks: one key at a time (the reference the tests compare with).
 
     def acquire_walk(self, keys: Sequence[BlockKey]) -> None:
-        ref, lru, index, bit = self.ref, self.lru, self.index, self.bit
-        for k in keys:
-            c = ref.get(k)
-            if c is None:
+        ref, kids, lru, index, bit = self.ref, self.kids, self.lru, self.index, self.bit
+        for i, k in enumerate(keys):
+            if k not in ref:
                 self._take()
-                ref[k] = 1
+                ref[k] = 0
                 if index is not None:
                     index[k] = index.get(k, 0) | bit
-            elif c == 0:
+            elif k in lru:
                 del lru[k]
-                ref[k] = 1
             else:
-                ref[k] = c + 1
+                continue  # already in use: its predecessor's successors are unchanged
+            if i:
+                kids[keys[i - 1]] = kids.get(keys[i - 1], 0) + 1
+        if keys:
+            ref[keys[-1]] += 1
 
     def release_walk(self, keys: Sequence[BlockKey]) -> None:
-        ref, lru = self.ref, self.lru
-        for k in reversed(keys):
-            c = ref.get(k)
-            if c is None:
-                continue
-            if c <= 1:
-                ref[k] = 0
-                lru[k] = None
+        ref, kids, lru = self.ref, self.kids, self.lru
+        for i in range(len(keys) - 1, -1, -1):
+            k = keys[i]
+            if i == len(keys) - 1:
+                ref[k] -= 1
             else:
-                ref[k] = c - 1
+                kids[k] -= 1
+                if not kids[k]:
+                    del kids[k]
+            if ref[k] or k in kids:
+                break
+            lru[k] = None
 
     def take_private(self, n: int) -> None:
         if n <= 0:
