@@ -92,15 +92,15 @@ lint: install
 ## Routing benchmark: warmloop vs round-robin, least-loaded and sglang-router; medians
 ## and ranges of 3 interleaved repeats (own stack; ~25 min here).
 bench-routing: install $(VENV)/.bench-installed
-	$(BIN)/python -m bench.routing
+	$(BIN)/python -m bench.routing $(ARGS)
 
 ## Batch lane: a 100-job burst, naive vs lanes, with interactive jobs alongside (own stack).
 bench-burst: install
-	$(BIN)/python -m bench.burst
+	$(BIN)/python -m bench.burst $(ARGS)
 
 ## The floor under any batch lane here: raw vLLM probe TTFT beside batch streams (own stack).
 bench-contention: install
-	$(BIN)/python -m bench.contention
+	$(BIN)/python -m bench.contention $(ARGS)
 
 ## Hold or release: always-release vs always-hold vs the cost model under churn; medians
 ## and ranges of 3 interleaved repeats (own stack; ~35 min here).
@@ -111,7 +111,7 @@ bench-pauses: install
 ## Temporal killed or stalled; cancels): named end states, effects applied twice,
 ## transcripts lost, dead workers, recovery time (own stack; ~30 min here).
 bench-faults: install
-	$(BIN)/python -m bench.faults
+	$(BIN)/python -m bench.faults $(ARGS)
 
 ## The OpenAI-compatible gateway vs sglang-router and vllm-router (cache_aware) and
 ## round-robin: one seeded multi-turn agent workload through one client, 30 sessions live,
@@ -123,16 +123,16 @@ bench-gateway: install $(VENV)/.bench-installed
 ## The fleet simulator against the measured benchmarks (bench/measured): hit rate, prefill
 ## tokens, job p95 and makespan, measured and simulated side by side (no stack).
 bench-sim-fidelity: install
-	$(BIN)/python -m bench.sim_fidelity
+	$(BIN)/python -m bench.sim_fidelity $(ARGS)
 
 ## The simulated fleet (H100 preset): jobs per GPU-hour, cost per task and interactive TTFT
 ## p99 per policy by fleet size and load; plots in .warmloop/bench-fleet/ (no stack).
 bench-fleet: install
-	$(BIN)/python -m bench.fleet
+	$(BIN)/python -m bench.fleet $(ARGS)
 
 ## warmloop replay on a 40-job trace, twice: warmloop routing vs round-robin (own stack).
 replay-demo: install
-	$(BIN)/python -m bench.replay_demo
+	$(BIN)/python -m bench.replay_demo $(ARGS)
 
 ## Hedged tool calls: a read-only HTTP tool with a heavy latency tail, hedge_tools on vs
 ## off; tool p99, job p99 and the share of extra calls (own stack; ~15 min here).
