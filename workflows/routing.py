@@ -9,6 +9,7 @@ another is not; ties and cold starts go to the least loaded engine.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Sequence
 from operator import attrgetter
 from typing import Literal
@@ -249,10 +250,17 @@ def block_hashes(token_ids: list[int], block_size: int, *, salt: str = "") -> li
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     out: list[str] = []
     parent = salt.encode()
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
+    full = len(token_ids) // block_size * block_size
+    # each id as 4 little-endian unsigned bytes, packed at once (a per-token to_bytes
+    # cost ~1 ms a 2k-token prompt, on the step's path)
+    try:
+        packed = struct.pack(f"<{full}I", *token_ids[:full])
+    except struct.error as e:
+        raise ValueError(f"token ids must be integers in 0..2**32-1: {e}") from None
+    width = 4 * block_size
+    for start in range(0, 4 * full, width):
         h = hashlib.blake2b(parent, digest_size=8)
-        h.update(b"".join(t.to_bytes(4, "little", signed=False)
-                          for t in token_ids[start:start + block_size]))
+        h.update(packed[start:start + width])
         parent = h.digest()
         out.append(h.hexdigest())
     return out

@@ -42,3 +42,13 @@ def test_nothing_volatile_in_the_stable_part() -> None:
         JobLimits(max_steps=9, max_total_tokens=900), Usage(steps=6, prompt_tokens=100), 5.0))
     assert a[:-1] == b[:-1] and a[-1] != b[-1]
     assert stable_prefix_hash(TRIAGE) == stable_prefix_hash(get_profile("ticket-triage"))
+
+
+def test_tool_schemas_are_built_once_and_handed_out_as_copies() -> None:
+    profile = get_profile("ticket-triage")
+    first = profile.tool_schemas()
+    first[0]["function"]["parameters"]["properties"].clear()  # a caller edits its copy
+    again = profile.tool_schemas()
+    assert again != first and again[0]["function"]["parameters"]["properties"]
+    spec = profile.tool(again[0]["function"]["name"])
+    assert again[0] == spec._build_openai_schema()  # the cached one is the built one

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -99,6 +101,23 @@ def test_block_hashes_chain_so_a_shared_prefix_shares_hashes() -> None:
     # the same block content after a different prefix hashes differently
     assert block_hashes([1] * 128 + [2] * 128, 128)[1] != block_hashes([3] * 128 + [2] * 128,
                                                                        128)[1]
+
+
+def test_block_hashes_are_blake2b_over_little_endian_ids_chained_from_the_salt() -> None:
+    """The hash's definition: directories written by another worker version, the
+    gateway and the KV-event map all rely on it, so a faster rewrite must not change it."""
+    ids = [0, 1, 2**32 - 1, 70_000] * 8 + [5]  # 33 ids: two blocks of 16 and a partial
+
+    def reference(parent: bytes, block: list[int]) -> bytes:
+        h = hashlib.blake2b(parent, digest_size=8)
+        h.update(b"".join(t.to_bytes(4, "little") for t in block))
+        return h.digest()
+
+    first = reference(b"salt", ids[:16])
+    second = reference(first, ids[16:32])
+    assert block_hashes(ids, 16, salt="salt") == [first.hex(), second.hex()]
+    with pytest.raises(ValueError, match="token ids"):
+        block_hashes([-1] * 16, 16)
 
 
 def test_prompt_chain_keeps_only_blocks_before_the_tail_reusable() -> None:

@@ -3,6 +3,7 @@ rules, default limits and output budgets."""
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -110,6 +111,10 @@ def unbounded_strings(model: type[BaseModel]) -> list[str]:
     return out
 
 
+_SCHEMAS: dict[tuple[str, str, type[BaseModel]], dict[str, Any]] = {}
+"""``ToolSpec.openai_schema`` by (name, description, args model)."""
+
+
 @dataclass(frozen=True)
 class ToolSpec:
     """One tool the model may call.
@@ -200,6 +205,16 @@ class ToolSpec:
                           sort_keys=True, separators=(",", ":"), default=str)
 
     def openai_schema(self) -> dict[str, Any]:
+        """The tool as the OpenAI API declares it (a fresh copy: callers may edit it).
+        Built once per tool: pydantic's schema generation costs milliseconds, and every
+        step's prompt carries the profile's schemas."""
+        key = (self.name, self.description, self.args)
+        built = _SCHEMAS.get(key)
+        if built is None:
+            built = _SCHEMAS[key] = self._build_openai_schema()
+        return copy.deepcopy(built)
+
+    def _build_openai_schema(self) -> dict[str, Any]:
         schema = self.args.model_json_schema()
         schema.pop("title", None)
         for prop in schema.get("properties", {}).values():
