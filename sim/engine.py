@@ -23,14 +23,16 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 from warmloop.sim.core import Clock
 from warmloop.workflows.calibration import EngineCalibration
 
 BlockKey = Hashable
+_JOINED = itemgetter(1)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One model call on an engine."""
 
@@ -49,7 +51,8 @@ class Request:
     cached_tokens: int = 0
     computed_tokens: int = 0
     _prefill_left: int = 0
-    _decode_left: float = 0.0
+    _decode_left: int = 0
+    """Tokens left to decode after the first (when it joined the decoding batch)."""
     _held: list[BlockKey] = field(default_factory=list)
     _private: int = 0
 
@@ -94,6 +97,12 @@ class PrefixCache:
         self.lru: OrderedDict[BlockKey, None] = OrderedDict()
         self.index = index
         self.bit = 1 << owner
+        self.usage = 0.0
+        """``used_blocks / capacity`` (vLLM's KV usage), kept up to date by every change
+        of the pool: the router reads it for dozens of engines a step."""
+
+    def _note_usage(self) -> None:
+        self.usage = (self.capacity - self.empty - len(self.lru)) / self.capacity
 
     def hit_blocks(self, chain: Sequence[BlockKey]) -> int:
         """Leading blocks of ``chain`` cached here (in use or evictable)."""
@@ -198,6 +207,7 @@ class PrefixCache:
                     index.update([(k, get(k, 0) | bit) for k in new])
             if n - 1 > unused:
                 kids.update(dict.fromkeys(keys[unused:n - 1], 1))
+            self._note_usage()
         last = keys[n - 1]
         ref[last] += 1
 
@@ -245,6 +255,7 @@ class PrefixCache:
             del kids[k]
             freed.append(k)
         self.lru.update(dict.fromkeys(freed))
+        self._note_usage()
 
     # The plain walks: one key at a time (the reference the tests compare with).
 
@@ -264,6 +275,7 @@ class PrefixCache:
                 kids[keys[i - 1]] = kids.get(keys[i - 1], 0) + 1
         if keys:
             ref[keys[-1]] += 1
+        self._note_usage()
 
     def release_walk(self, keys: Sequence[BlockKey]) -> None:
         ref, kids, lru = self.ref, self.kids, self.lru
@@ -278,6 +290,7 @@ class PrefixCache:
             if ref[k] or k in kids:
                 break
             lru[k] = None
+        self._note_usage()
 
     def take_private(self, n: int) -> None:
         if n <= 0:
@@ -286,9 +299,11 @@ class PrefixCache:
         self.empty -= free
         if n > free:
             self._evict(n - free)
+        self._note_usage()
 
     def give_private(self, n: int) -> None:
         self.empty += n
+        self._note_usage()
 
 
 class Engine:
@@ -306,7 +321,13 @@ class Engine:
         self._prefill_rate: dict[int, float] = {}
         self.waiting: list[tuple[int, int, Request]] = []
         self.prefilling: list[Request] = []
-        self.running: list[Request] = []
+        self.running: list[tuple[int, int, Request]] = []
+        """Requests decoding, as a heap of (the decode step each finishes at, the order
+        they joined, the request): all advance together, so a segment costs O(log n) a
+        finishing request, not a pass over the batch."""
+        self._decoded = 0
+        """Decode steps run so far (the clock of ``running``)."""
+        self._joined = itertools.count()
         self._seq = itertools.count()
         self._version = 0
         self._busy = False
@@ -328,8 +349,7 @@ class Engine:
 
     @property
     def kv_usage(self) -> float:
-        c = self.cache  # ``used_blocks / capacity``, inline: the router reads it often
-        return (c.capacity - c.empty - len(c.lru)) / c.capacity
+        return self.cache.usage
 
     def cached_prefix_tokens(self, chain: Sequence[BlockKey]) -> int:
         return self.cache.hit_blocks(chain) * self.block
@@ -449,7 +469,7 @@ class Engine:
         elif self.running:
             self._busy = True
             step_s = self.decode_step_seconds(len(self.running))
-            steps = max(1, int(min(r._decode_left for r in self.running) + 0.999999))
+            steps = max(1, self.running[0][0] - self._decoded)
             self._segment = (now, step_s, steps)
             self._version += 1
             self.clock.at(now + steps * step_s, self._segment_end, steps, self._version,
@@ -466,16 +486,21 @@ class Engine:
         self._advance_decode(steps)
         self._boundary()
 
-    def _advance_decode(self, steps: float) -> None:
-        still = []
+    def _advance_decode(self, steps: int) -> None:
+        """Every running request decodes ``steps`` tokens; those done finish in the order
+        they joined."""
+        self._decoded = decoded = self._decoded + steps
+        running = self.running
+        if not running or running[0][0] > decoded:
+            return
+        done = []
+        while running and running[0][0] <= decoded:
+            done.append(heapq.heappop(running))
+        if len(done) > 1:
+            done.sort(key=_JOINED)
         now = self.clock.now
-        for r in self.running:
-            r._decode_left -= steps
-            if r._decode_left <= 1e-9:
-                self._finish(r, now)
-            else:
-                still.append(r)
-        self.running = still
+        for _, _, r in done:
+            self._finish(r, now)
 
     def _prefill_step_end(self, plan: list[tuple[Request, int]]) -> None:
         now = self.clock.now
@@ -491,7 +516,8 @@ class Engine:
                 if req._decode_left <= 0:
                     self._finish(req, now)
                 else:
-                    self.running.append(req)
+                    heapq.heappush(self.running, (self._decoded + req.output_tokens - 1,
+                                                  next(self._joined), req))
         self._boundary()
 
     def _finish(self, req: Request, now: float) -> None:

@@ -83,7 +83,7 @@ class JobStat:
     steps: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class _Job:
     spec: JobSpec
     stat: JobStat
@@ -100,7 +100,7 @@ class _Job:
     """The engine serving the job's step under way."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Hold:
     engine: Engine
     keys: list[BlockKey]
@@ -198,6 +198,8 @@ class Fleet:
         self.engines = [Engine(clock, f"e{i:03d}", c, self.block_index, i)
                         for i, c in enumerate(calibrations)]
         self.by_id = {e.engine_id: e for e in self.engines}
+        self._caches = [e.cache for e in self.engines]
+        """Each engine's cache, by engine number (``usage`` is its ``kv_usage``)."""
         cal = calibrations[0]
         self.block = self.engines[0].block
         self.routing_cfg = self.cfg.routing or cal.routing_config()
@@ -265,8 +267,13 @@ class Fleet:
             if family is None:
                 family = self._families[spec.family] = -(
                     (len(self._families) + 1) << FAMILY_KEY_SHIFT)
-            own = job.key
-            chain.extend(family + i if i < shared else own + i for i in range(len(chain), n))
+            # block i's key is family + i before ``shared``, own + i after: two ranges
+            start = len(chain)
+            if start < shared:
+                chain.extend(range(family + start, family + min(n, shared)))
+            if n > shared:
+                own = job.key
+                chain.extend(range(own + max(start, shared), own + n))
         return chain
 
     def _bits(self, mask: int) -> tuple[int, ...]:
@@ -359,12 +366,13 @@ class Fleet:
         if need <= 0:
             return out
         cold = ((1 << len(self.engines)) - 1) & ~warm
-        engines = self.engines
+        caches = self._caches
         for mask in self._level:
             m = mask & cold
             if not m:
                 continue
-            ranked = sorted((engines[i].kv_usage, i) for i in self._members(m))
+            members = self._members(m)
+            ranked = sorted(zip([caches[i].usage for i in members], members, strict=True))
             out += [i for _, i in ranked[:need - len(out)]]
             if len(out) >= need:
                 break
@@ -409,7 +417,7 @@ class Fleet:
             d["running"] = len(e.running) + len(e.prefilling)
             d["waiting"] = len(e.waiting)
             d["in_flight"] = in_flight[e.engine_id]
-            d["kv_usage"] = min(1.0, e.kv_usage)
+            d["kv_usage"] = min(1.0, e.cache.usage)
             d["batch_jobs"] = batch_jobs.get(i, 0)
             out.append(c)
         return out
@@ -430,7 +438,7 @@ class Fleet:
         every decision of runs). A step's placement load is its load, so the rivals are
         the group's least loaded engines of least KV usage, found a load level at a
         time; a new batch job's counts the engine's batch jobs too."""
-        engines = self.engines
+        engines, caches = self.engines, self._caches
         loads = self._load
         keep: list[tuple[int, int]] = []
         batch_jobs: dict[int, int] = {}
@@ -443,7 +451,7 @@ class Fleet:
                 for i in members:
                     batch_jobs[i] = seen[engines[i].engine_id].count(now, recent)
                 ranked = sorted((max(loads[i], batch_jobs[i]), loads[i],
-                                 min(1.0, engines[i].kv_usage), i) for i in members)
+                                 min(1.0, caches[i].usage), i) for i in members)
                 best: tuple[int, float] | None = None
                 for _, load, usage, i in ranked:
                     if best is None or (load, usage) <= best:
@@ -458,7 +466,7 @@ class Fleet:
                         break
                 if mask & (mask - 1):
                     members = self._members(mask)
-                    used = [min(1.0, e.kv_usage) for e in map(engines.__getitem__, members)]
+                    used = [min(1.0, caches[i].usage) for i in members]
                     lowest = min(used)
                     members = [i for i, u in zip(members, used, strict=True) if u == lowest]
                 else:

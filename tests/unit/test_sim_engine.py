@@ -83,3 +83,91 @@ def test_pool_too_small_queues_requests() -> None:
     e.submit(b)
     clock.run()
     assert b.first_token_at >= a.done_at
+
+
+class CountingCache:
+    """The prefix cache as it was: a user count on every block (the reference for the
+    fast cache's users-end-here bookkeeping)."""
+
+    def __init__(self, blocks: int) -> None:
+        self.empty = blocks
+        self.ref: dict[object, int] = {}
+        self.lru: dict[object, None] = {}  # insertion-ordered: the LRU
+
+    def hit_blocks(self, chain: list[object]) -> int:
+        n = 0
+        while n < len(chain) and chain[n] in self.ref:
+            n += 1
+        return n
+
+    def acquire(self, keys: list[object]) -> None:
+        for k in keys:
+            c = self.ref.get(k)
+            if c is None:
+                if self.empty:
+                    self.empty -= 1
+                else:
+                    old = next(iter(self.lru))
+                    del self.lru[old], self.ref[old]
+                self.ref[k] = 1
+            elif c == 0:
+                del self.lru[k]
+                self.ref[k] = 1
+            else:
+                self.ref[k] = c + 1
+
+    def release(self, keys: list[object]) -> None:
+        for k in reversed(keys):
+            if self.ref[k] <= 1:
+                self.ref[k] = 0
+                self.lru[k] = None
+            else:
+                self.ref[k] -= 1
+
+
+@pytest.mark.parametrize("walk", [False, True])
+@pytest.mark.parametrize("seed", range(6))
+def test_cache_bookkeeping_matches_per_block_counts(seed: int, walk: bool) -> None:
+    """Random uses and releases of trie-shaped chains (shared family prefixes, each
+    job's own blocks after them), with evictions: the same cached blocks, LRU order,
+    free blocks and hits as counting every block's users."""
+    import random
+
+    rng = random.Random(seed)
+    fast, ref = PrefixCache(rng.choice([40, 80, 200]), index={}), CountingCache(0)
+    ref.empty = fast.capacity
+    acquire = fast.acquire_walk if walk else fast.acquire
+    release = fast.release_walk if walk else fast.release
+    hit = fast.hit_blocks_walk if walk else fast.hit_blocks
+    chains: list[list[object]] = []
+    for j in range(12):
+        f = j % 3
+        chain: list[object] = [("f", f, i) for i in range(6 + f)]
+        chains.append(chain + [("j", j, i) for i in range(rng.randint(0, 20))])
+    users: list[list[object]] = []
+    for _ in range(600):
+        if users and rng.random() < 0.45:
+            keys = users.pop(rng.randrange(len(users)))
+            release(keys)
+            ref.release(keys)
+        else:
+            chain = rng.choice(chains)
+            # a hold (the cached leading blocks only) or a request
+            keys = (chain[:hit(chain)] if rng.random() < 0.3
+                    else chain[:rng.randint(1, len(chain))])
+            used = sum(1 for k in ref.ref if ref.ref[k] > 0)
+            if len(keys) - ref.hit_blocks(keys) > fast.empty + len(fast.lru) or \
+                    used + len(keys) > fast.capacity:
+                continue  # would not fit: the engine would not admit it
+            acquire(keys)
+            ref.acquire(keys)
+            users.append(keys)
+        assert list(fast.lru) == list(ref.lru)
+        assert fast.ref.keys() == ref.ref.keys()
+        assert fast.empty == ref.empty
+        assert fast.usage == fast.used_blocks / fast.capacity
+        assert fast.index is not None and fast.index.keys() == ref.ref.keys()
+        for chain in chains:
+            assert hit(chain) == ref.hit_blocks(chain)
+            assert fast._first_unused(chain, hit(chain)) == sum(
+                1 for k in chain[:hit(chain)] if ref.ref[k] > 0)
