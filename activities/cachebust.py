@@ -49,6 +49,14 @@ class CacheBust(BaseModel):
     at: float
 
 
+def reference_family(profile: str, *, hashes: list[str], stable_blocks: int,
+                     tools: list[str] | None) -> str | None:
+    """The prefix family whose stable chain ``CacheBustDetector.judge`` compares a prompt
+    with (jobs offering other tools differ, rightly); None when the prompt has no stable
+    block, so there is nothing to read."""
+    return prefix_family(profile, tools) if stable_blocks > 0 and hashes else None
+
+
 class CacheBustDetector:
     def __init__(self, redis: aioredis.Redis, directory: PrefixDirectory, *,
                  on_bust: Callable[[CacheBust], None] | None = None) -> None:
@@ -62,8 +70,9 @@ class CacheBustDetector:
                     tools: list[str] | None = None) -> list[CacheBust]:
         """Compare a served prompt's chain with its profile's stable prefix and with the
         job's previous prompt (``previous``: its reusable blocks). Returns the busts."""
-        reference = (await self._dir.profile_chain(prefix_family(profile, tools))
-                     if stable_blocks > 0 and hashes else None)
+        family = reference_family(profile, hashes=hashes, stable_blocks=stable_blocks,
+                                  tools=tools)
+        reference = None if family is None else await self._dir.profile_chain(family)
         return await self.judge(profile=profile, job_id=job_id, step=step, hashes=hashes,
                                 block_size=block_size, stable_blocks=stable_blocks,
                                 previous=previous, tools=tools, reference=reference)

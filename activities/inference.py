@@ -16,7 +16,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from warmloop.activities.admission import BatchAdmission
-from warmloop.activities.cachebust import CacheBustDetector
+from warmloop.activities.cachebust import CacheBustDetector, reference_family
 from warmloop.activities.directory import PrefixDirectory, PromptChain, prompt_chain
 from warmloop.activities.holds import HoldManager, pause_kind
 from warmloop.activities.registry import (
@@ -48,7 +48,6 @@ from warmloop.workflows.prompt import (
     prompt_hash,
     request_tools,
 )
-from warmloop.workflows.routing import prefix_family
 from warmloop.workflows.tenants import cache_salt, scoped
 from warmloop.workflows.trace import is_trace_profile
 
@@ -479,9 +478,11 @@ class InferenceActivities:
         info = self._engine_info()
         block_size = chain.block_size
         detect = self._detector is not None and stable_tokens is not None
-        family = (prefix_family(scoped(req.tenant, profile.name), req.tools)
-                  if detect and stable_tokens and stable_tokens >= block_size
-                  and chain.hashes else None)
+        # a tenant's stable prefix is its own (salted) chain, kept under its own name
+        owner = scoped(req.tenant, profile.name)
+        stable_blocks = (stable_tokens or 0) // block_size
+        family = (reference_family(owner, hashes=chain.hashes, stable_blocks=stable_blocks,
+                                   tools=req.tools) if detect else None)
         capacity = None
         if info is not None and not info.precise and info.kv_capacity_tokens:
             capacity = info.kv_capacity_tokens // block_size
@@ -494,11 +495,9 @@ class InferenceActivities:
             if req.expected_cached_tokens is not None else None,
             read_previous=detect and req.step > 1, family=family)
         if self._detector is not None and stable_tokens is not None:
-            # a tenant's stable prefix is its own (salted) chain, kept under its own name
             await self._detector.judge(
-                profile=scoped(req.tenant, profile.name), job_id=req.job_id, step=req.step,
-                hashes=chain.hashes, block_size=block_size,
-                stable_blocks=stable_tokens // block_size,
+                profile=owner, job_id=req.job_id, step=req.step,
+                hashes=chain.hashes, block_size=block_size, stable_blocks=stable_blocks,
                 previous=record.previous_job_chain, reference=record.profile_chain,
                 tools=req.tools)
 

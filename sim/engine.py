@@ -102,7 +102,7 @@ class PrefixCache:
         of the pool: the router reads it for dozens of engines a step."""
 
     def _note_usage(self) -> None:
-        self.usage = (self.capacity - self.empty - len(self.lru)) / self.capacity
+        self.usage = self.used_blocks / self.capacity
 
     def hit_blocks(self, chain: Sequence[BlockKey]) -> int:
         """Leading blocks of ``chain`` cached here (in use or evictable)."""
