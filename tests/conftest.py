@@ -15,6 +15,8 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
+from bench.hedge import TOOL_PORT as HEDGE_TOOL_PORT
+from bench.hedge_plugin import URL_ENV as HEDGE_URL_ENV
 from tests.approvers import Approvers
 from warmloop.infra.stack import Stack, register_search_attributes
 from warmloop.workers.clients import connect
@@ -71,7 +73,7 @@ async def dev_server_env() -> AsyncIterator[WorkflowEnvironment]:
 
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "acme_support"
-EXAMPLE_PLUGIN = "acme_support.profiles,bench.plugin"
+EXAMPLE_PLUGIN = "acme_support.profiles,bench.plugin,bench.hedge_plugin"
 
 
 @pytest.fixture(scope="session")
@@ -79,12 +81,14 @@ def settings() -> Settings:
     """The stack's settings. Its workers load two plugins the way a user's would: the
     example project's agents (tests/integration/test_bring_your_own_agent.py; its
     folder on PYTHONPATH) and the benchmarks' synthetic agents (the holds tests use
-    synthetic-review), both named in WARMLOOP_PLUGINS."""
+    synthetic-review; the hedging test synthetic-hedge, whose tools it serves itself on
+    the hedge bench's tool port), all named in WARMLOOP_PLUGINS."""
     path = [str(EXAMPLE), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))
     if str(EXAMPLE) not in sys.path:
         sys.path.insert(0, str(EXAMPLE))
     os.environ["WARMLOOP_PLUGINS"] = EXAMPLE_PLUGIN
+    os.environ[HEDGE_URL_ENV] = f"http://127.0.0.1:{HEDGE_TOOL_PORT}"
     load_plugins(plugins=EXAMPLE_PLUGIN)
     return Settings()
 

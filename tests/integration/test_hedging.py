@@ -1,8 +1,8 @@
-"""Hedged tool calls on the real stack (its own, ``bench.hedge``'s: port offset 60, the
-hedge plugin loaded by its workers): a slow read-only call gets a second request whose
-answer the job reads while the first is cancelled; a job that turns hedging off, and a
-side-effect tool, never get one; with no statistics the tool's prior sets the
-threshold."""
+"""Hedged tool calls on the real stack (the session's: its workers load the hedge plugin,
+whose tools this test serves on the hedge bench's tool port): a slow read-only call gets
+a second request whose answer the job reads while the first is cancelled; a job that
+turns hedging off, and a side-effect tool, never get one; with no statistics the tool's
+prior sets the threshold."""
 
 from __future__ import annotations
 
@@ -12,16 +12,15 @@ import uuid
 from typing import Any
 
 import pytest
-from rich.console import Console
+import redis.asyncio as aioredis
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from temporalio.client import Client
 
-from bench.common import bench_stack
-from bench.hedge import disconnected, hedge_settings, serving, tool_times
+from bench.hedge import TOOL_PORT, disconnected, serving, tool_times
 from bench.hedge_plugin import PROFILE_NAME, URL_ENV
-from bench.plugin import PAUSES_ENV
 from warmloop.activities.pauses import PAUSES_KEY, tool_kind
 from warmloop.activities.tools.hedging import hedge_counts
 from warmloop.workflows.agent_job import AgentJob
@@ -64,37 +63,29 @@ class ScriptedTool:
                    if j == job and p == path and (hedge is None or h == hedge))
 
 
-async def test_a_slow_read_only_call_is_hedged_and_a_side_effect_never_is() -> None:
-    saved = {k: os.environ.get(k) for k in (URL_ENV, PAUSES_ENV)}
-    settings = hedge_settings()
+async def test_a_slow_read_only_call_is_hedged_and_a_side_effect_never_is(
+        client: Client, redis: aioredis.Redis) -> None:
+    assert os.environ[URL_ENV] == f"http://127.0.0.1:{TOOL_PORT}"  # set by tests/conftest.py
     tool = ScriptedTool()
-    try:
-        async with serving(tool.app), bench_stack(settings, Console(stderr=True),
-                                                  keep=False) as fleet:
-            # no statistics: the threshold is the tool's prior
-            for name in ("lookup", "note"):
-                await fleet.redis.delete(PAUSES_KEY.format(PROFILE_NAME, tool_kind(name)))
-            before = await hedge_counts(fleet.redis)
-            tag = uuid.uuid4().hex[:6]
-            jobs = {"hedged": (["lookup"], True), "plain": (["lookup"], False),
-                    "effect": (["note"], True)}
-            handles: dict[str, Any] = {}
-            for name, (tools, hedge) in jobs.items():
-                handles[name] = await fleet.client.start_workflow(
-                    AgentJob.run,
-                    JobInput(profile=PROFILE_NAME, task={"case_id": "S0001", "text": "a case"},
-                             max_steps=4, tools=tools, hold_policy="never", hedge_tools=hedge),
-                    id=f"hedge-it-{name}-{tag}", task_queue=AGENT_TASK_QUEUE)
-            for h in handles.values():
-                await h.result()
-            times = {name: (await tool_times(h))[0] for name, h in handles.items()}
-            after = await hedge_counts(fleet.redis)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    async with serving(tool.app):
+        # no statistics: the threshold is the tool's prior
+        for name in ("lookup", "note"):
+            await redis.delete(PAUSES_KEY.format(PROFILE_NAME, tool_kind(name)))
+        before = await hedge_counts(redis)
+        tag = uuid.uuid4().hex[:6]
+        jobs = {"hedged": (["lookup"], True), "plain": (["lookup"], False),
+                "effect": (["note"], True)}
+        handles: dict[str, Any] = {}
+        for name, (tools, hedge) in jobs.items():
+            handles[name] = await client.start_workflow(
+                AgentJob.run,
+                JobInput(profile=PROFILE_NAME, task={"case_id": "S0001", "text": "a case"},
+                         max_steps=4, tools=tools, hold_policy="never", hedge_tools=hedge),
+                id=f"hedge-it-{name}-{tag}", task_queue=AGENT_TASK_QUEUE)
+        for h in handles.values():
+            await h.result()
+        times = {name: (await tool_times(h))[0] for name, h in handles.items()}
+        after = await hedge_counts(redis)
 
     hedged, plain, effect = (handles[n].id for n in ("hedged", "plain", "effect"))
     assert all(times.values()), f"a job made no tool call: {times}"

@@ -24,7 +24,7 @@ def last_json(out: str) -> dict[str, Any]:
 
 async def test_a_replayed_trace_sends_the_same_prompts_every_run(stack: Stack,
                                                                  tmp_path: Path) -> None:
-    lines = make_trace(jobs=6, seed=3)
+    lines = make_trace(jobs=3, seed=3)
     kinds = {"profile" if "profile" in x else "inline" for x in lines}
     assert kinds == {"profile", "inline"}  # both kinds of line
     steps = sum(len(x["steps"]) for x in lines)

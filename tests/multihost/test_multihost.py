@@ -1,7 +1,7 @@
 """The stack across hosts: every part in its own network namespace on a private /24,
 reaching the others only by their configured addresses (``warmloop.infra.multihost``).
 
-One run of 20 jobs (interactive ticket-triage and invoice-reconciliation jobs, a payment
+One run of 10 jobs (interactive ticket-triage and invoice-reconciliation jobs, a payment
 that waits for a finance lead, a batch from S3) is made once for the module; each test
 reads its report. Needs root and ``ip netns`` (CI has both); skipped otherwise."""
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.multihost
 
 ROOT = Path(__file__).parent.parent.parent
 STATE_DIR = ROOT / ".warmloop" / "multihost"
-JOBS = 20
+JOBS = 10
 
 
 @pytest.fixture(scope="module")
