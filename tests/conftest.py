@@ -22,6 +22,7 @@ from warmloop.infra.stack import Stack, register_search_attributes
 from warmloop.workers.clients import connect
 from warmloop.workers.plugins import LoadedPlugins, load_plugins
 from warmloop.workers.settings import Settings
+from warmloop.workflows.holding import HoldConfig
 
 BIN = Path(sys.executable).parent
 
@@ -89,6 +90,8 @@ def settings() -> Settings:
         sys.path.insert(0, str(EXAMPLE))
     os.environ["WARMLOOP_PLUGINS"] = EXAMPLE_PLUGIN
     os.environ[HEDGE_URL_ENV] = f"http://127.0.0.1:{HEDGE_TOOL_PORT}"
+    # Holds are touched at least every 3 s, not 30: the holds test waits for a touch.
+    os.environ["WARMLOOP_HOLDING"] = HoldConfig(max_touch_interval_s=3.0).model_dump_json()
     load_plugins(plugins=EXAMPLE_PLUGIN)
     return Settings()
 

@@ -64,7 +64,8 @@ async def test_a_held_prefix_is_touched_while_the_job_waits_and_released_on_resu
         grew = {k: now.get(k, 0) - before[engine].get(k, 0) for k in now}
         return grew if grew.get("touches", 0) >= 1 else None
 
-    # the first touch comes one churn interval after the step (at most 30 s)
+    # the first touch comes one churn interval after the step (at most
+    # max_touch_interval_s: 3 s in the test session's settings, tests/conftest.py)
     grew = await eventually(touched, attempts=900)
     # a touch finds the prefix cached and computes its one extra token and one output
     assert grew["touch_computed_tokens"] <= 2 * grew["touches"], grew
