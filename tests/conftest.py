@@ -102,8 +102,8 @@ def stack(settings: Settings) -> Iterator[Stack]:
 
     A stack already up (`make demo`, `warmloop dev up`) is used, but its workers are
     restarted with this session's settings: they must load the test plugins. They are
-    left running afterwards (the same workers plus two plugins); a stack this session
-    started whole is stopped."""
+    left running afterwards (the same workers plus the test plugins and 3 s hold
+    touches); a stack this session started whole is stopped."""
     s = Stack(settings, log=lambda m: print(m, file=sys.stderr))
     workers = {p.name for p in s.worker_parts()}
     for name in workers:
