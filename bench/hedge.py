@@ -69,6 +69,8 @@ from warmloop.workflows.profiles import get_profile
 
 TOOL_PORT = 9500 + BENCH_OFFSETS["hedge"]
 """The heavy-tailed tool's HTTP server (apart from every bench stack's ports)."""
+TOOL_URL = f"http://127.0.0.1:{TOOL_PORT}"
+"""Where the hedge plugin's tools are served (``serving``): its ``WARMLOOP_HEDGE_TOOL_URL``."""
 PLUGINS = "bench.plugin,bench.hedge_plugin"
 POLICIES = {"plain": False, "hedged": True}
 
@@ -259,7 +261,7 @@ async def threshold_ms(redis: aioredis.Redis) -> float | None:
 def hedge_settings(*, kv_cache_bytes: int = 16 * 1024 * 1024) -> Settings:
     """This bench's stack (port offset 60), whose workers also load ``bench.hedge_plugin``
     with its tools at this process's tool server."""
-    os.environ[URL_ENV] = f"http://127.0.0.1:{TOOL_PORT}"
+    os.environ[URL_ENV] = TOOL_URL
     settings = bench_settings("hedge", engines=2, kv_cache_bytes=kv_cache_bytes)
     load_plugins(plugins=PLUGINS)
     return settings.model_copy(update={"plugins": PLUGINS})
@@ -267,7 +269,7 @@ def hedge_settings(*, kv_cache_bytes: int = 16 * 1024 * 1024) -> Settings:
 
 async def main_async(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     settings = hedge_settings(kv_cache_bytes=args.kv_cache_bytes)
-    tool_url = f"http://127.0.0.1:{TOOL_PORT}/lookup"
+    tool_url = f"{TOOL_URL}/lookup"
     latency = Latency(median_s=args.median_ms / 1000, sigma=args.sigma,
                       slow_share=args.slow_share, slow_min_s=args.slow_min_s,
                       slow_max_s=args.slow_max_s)

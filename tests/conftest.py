@@ -15,7 +15,7 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from bench.hedge import TOOL_PORT as HEDGE_TOOL_PORT
+from bench.hedge import TOOL_URL as HEDGE_TOOL_URL
 from bench.hedge_plugin import URL_ENV as HEDGE_URL_ENV
 from tests.approvers import Approvers
 from warmloop.infra.stack import Stack, register_search_attributes
@@ -79,7 +79,7 @@ EXAMPLE_PLUGIN = "acme_support.profiles,bench.plugin,bench.hedge_plugin"
 
 @pytest.fixture(scope="session")
 def settings() -> Settings:
-    """The stack's settings. Its workers load two plugins the way a user's would: the
+    """The stack's settings. Its workers load plugins the way a user's would: the
     example project's agents (tests/integration/test_bring_your_own_agent.py; its
     folder on PYTHONPATH) and the benchmarks' synthetic agents (the holds tests use
     synthetic-review; the hedging test synthetic-hedge, whose tools it serves itself on
@@ -89,7 +89,7 @@ def settings() -> Settings:
     if str(EXAMPLE) not in sys.path:
         sys.path.insert(0, str(EXAMPLE))
     os.environ["WARMLOOP_PLUGINS"] = EXAMPLE_PLUGIN
-    os.environ[HEDGE_URL_ENV] = f"http://127.0.0.1:{HEDGE_TOOL_PORT}"
+    os.environ[HEDGE_URL_ENV] = HEDGE_TOOL_URL
     # Holds are touched at least every 3 s, not 30: the holds test waits for a touch.
     os.environ["WARMLOOP_HOLDING"] = HoldConfig(max_touch_interval_s=3.0).model_dump_json()
     load_plugins(plugins=EXAMPLE_PLUGIN)

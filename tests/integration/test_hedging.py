@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from temporalio.client import Client
 
-from bench.hedge import TOOL_PORT, disconnected, serving, tool_times
+from bench.hedge import TOOL_URL, disconnected, serving, tool_times
 from bench.hedge_plugin import PROFILE_NAME, URL_ENV
 from warmloop.activities.pauses import PAUSES_KEY, tool_kind
 from warmloop.activities.tools.hedging import hedge_counts
@@ -65,7 +65,7 @@ class ScriptedTool:
 
 async def test_a_slow_read_only_call_is_hedged_and_a_side_effect_never_is(
         client: Client, redis: aioredis.Redis) -> None:
-    assert os.environ[URL_ENV] == f"http://127.0.0.1:{TOOL_PORT}"  # set by tests/conftest.py
+    assert os.environ[URL_ENV] == TOOL_URL  # set by tests/conftest.py
     tool = ScriptedTool()
     async with serving(tool.app):
         # no statistics: the threshold is the tool's prior
