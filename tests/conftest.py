@@ -96,6 +96,16 @@ def settings() -> Settings:
     return Settings()
 
 
+LEAVES_STACK_BROKEN = "leaves_stack_broken"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``leaves_stack_broken`` kill a part and do not wait for it to come
+    back (an engine's restart takes ~45 s here): they run after every other test, in
+    their own order. The session's stack fixture mends a reused stack at its end."""
+    items.sort(key=lambda item: item.get_closest_marker(LEAVES_STACK_BROKEN) is not None)
+
+
 @pytest.fixture(scope="session")
 def stack(settings: Settings) -> Iterator[Stack]:
     """The real embedded stack: Temporal, Redis, S3, vLLM engines and workers.
@@ -103,7 +113,8 @@ def stack(settings: Settings) -> Iterator[Stack]:
     A stack already up (`make demo`, `warmloop dev up`) is used, but its workers are
     restarted with this session's settings: they must load the test plugins. They are
     left running afterwards (the same workers plus the test plugins and 3 s hold
-    touches); a stack this session started whole is stopped."""
+    touches, any part a test killed started again); a stack this session started whole
+    is stopped."""
     s = Stack(settings, log=lambda m: print(m, file=sys.stderr))
     workers = {p.name for p in s.worker_parts()}
     for name in workers:
@@ -114,6 +125,8 @@ def stack(settings: Settings) -> Iterator[Stack]:
     finally:
         if set(started) - workers:  # we started the infrastructure: stop it all
             s.down()
+        else:  # the user's stack, whole again
+            s.up()
 
 
 @pytest.fixture(scope="session")

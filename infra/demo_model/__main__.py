@@ -91,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--invoices", type=int, default=None)
             p.add_argument("--concurrency", type=int, default=4)
             p.add_argument("--json-out", type=Path, default=None)
+            p.add_argument("--split", choices=("heldout", "bundled", "fresh"),
+                           default="heldout",
+                           help="heldout: unseen phrasings, names and ids (the targets); "
+                                "bundled: the tasks `make demo` runs (in training); fresh: "
+                                "new cases from training's phrasings (a diagnostic)")
     args = parser.parse_args(argv)
     if args.cmd == "data":
         _data(args)
@@ -107,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
 
             print(f"no held-out cases at {heldout}: writing the data set first", flush=True)
             write_dataset(args.data_dir, **{k: v for k, v in DATA_DEFAULTS.items()})
+        if args.split != "heldout":
+            from warmloop.infra.demo_model.data import split_cases_file
+
+            heldout = split_cases_file(args.split, args.data_dir)
         result = evaluate(args.model, heldout, port=args.port, n_tickets=args.tickets,
                           n_invoices=args.invoices, concurrency=args.concurrency,
                           log=lambda m: print(m, flush=True))

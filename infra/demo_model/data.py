@@ -474,6 +474,26 @@ def read_transcripts(path: Path) -> Iterator[Transcript]:
             yield Transcript(**json.loads(line))
 
 
+FRESH_SEED = 7919
+"""Seed of the ``fresh`` split: cases drawn like training's (its phrasings, names and
+customers) but not its draws. Some may coincide with a training case."""
+
+
+def split_cases_file(split: str, data_dir: Path) -> Path:
+    """Write the cases of an evaluation split other than ``heldout`` beside the data
+    set and return the file: ``bundled`` (the tasks ``make demo`` runs; training holds
+    them) or ``fresh`` (120 tickets and 60 invoices of training's distribution)."""
+    if split == "bundled":
+        items = bundled_ticket_cases() + bundled_invoice_cases()
+    elif split == "fresh":
+        items = cases("train", 120, 60, seed=FRESH_SEED)
+    else:
+        raise ValueError(f"unknown split {split!r}: use heldout, bundled or fresh")
+    path = data_dir / f"{split}.jsonl"
+    path.write_text(cases_jsonl(items))
+    return path
+
+
 def read_cases(path: Path) -> list[Case]:
     with path.open() as f:
         return [Case(**json.loads(line)) for line in f if line.strip()]
