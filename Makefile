@@ -29,7 +29,10 @@ demo: install
 ## training, export to infra/demo_model/artifact (make demo never trains). Serve it with
 ## WARMLOOP_ENGINE_MODEL=demo.
 model: install
-	$(BIN)/python -m warmloop.infra.demo_model model
+	$(BIN)/python -m warmloop.infra.demo_model model --steps 1200 --checkpoint-every 300 \
+		--out .warmloop/demo-model-stage1
+	$(BIN)/python -m warmloop.infra.demo_model train --init-from .warmloop/demo-model-stage1 \
+		--steps 600 --syntax-weight 0.02 --lr 0.002 --warmup 20
 
 ## Held-out accuracy of the shipped demo model through a real vLLM engine (port 8790);
 ## the last line is one JSON object.

@@ -18,6 +18,7 @@ from temporalio.exceptions import ApplicationError
 from warmloop.activities.admission import BatchAdmission
 from warmloop.activities.cachebust import CacheBustDetector, reference_family
 from warmloop.activities.directory import PrefixDirectory, PromptChain, prompt_chain
+from warmloop.activities.grounding import context_text, grounded_constraint, parse_hermes_call
 from warmloop.activities.holds import HoldManager, pause_kind
 from warmloop.activities.registry import (
     REDIS_ERRORS,
@@ -104,8 +105,10 @@ class InferenceActivities:
                  price: EnginePrice | None = None,
                  trace_prompts: TracePromptStore | None = None,
                  outage: RedisOutage | None = None,
-                 usage: TenantUsage | None = None) -> None:
+                 usage: TenantUsage | None = None,
+                 grounded_arguments: bool = False) -> None:
         self._engine_id = engine_id
+        self._grounded = grounded_arguments  # id arguments only from the job's text
         self._usage = usage  # tenants' tokens per hour (their quota)
         self._outage = outage or RedisOutage()
         self._undone: list[str] = []
@@ -164,6 +167,9 @@ class InferenceActivities:
         }
         if profile.tools_on_demand:
             body.update(_on_demand_constraint(profile, transcript, req.tools))
+        elif self._grounded:
+            body.update(grounded_constraint(
+                request_tools(profile, req.tools), context_text(req.task, transcript)))
         if req.logprobs:  # a ladder's step: how sure the model was of its call
             body.update({"logprobs": True, "top_logprobs": 0})
         return body, profile, stored
@@ -335,6 +341,8 @@ class InferenceActivities:
         ]
         if profile.tools_on_demand and not tool_calls:
             content, tool_calls = _on_demand_call(content, f"call-{req.job_id}-{req.step}-0")
+        elif self._grounded and not tool_calls:
+            content, tool_calls = parse_hermes_call(content, f"call-{req.job_id}-{req.step}-0")
         result = GenerateResult(
             engine_id=self._engine_id,
             model=self._model,

@@ -306,6 +306,7 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
             detector=CacheBustDetector(redis, directory, on_bust=on_bust),
             engine_info=view, admission=admission, holds=holds, outage=outage,
             usage=TenantUsage(redis),  # each step's tokens onto its tenant's hour
+            grounded_arguments=settings.grounds_arguments,
         )
         worker = Worker(
             client,

@@ -201,6 +201,12 @@ class Settings(BaseSettings):
     random-weight model built at ``dev up`` into <state_dir>/models/tiny-llama (caching
     and routing work; its decisions are chance), or ``demo``, the small model trained to
     run the bundled agents, shipped in ``infra/demo_model/artifact`` (``make demo``)."""
+    grounded_arguments: bool | None = None
+    """Id arguments (patterned strings, such as ``customer_id``) may only name values the
+    job's task, calls and tool results contain: guided decoding lists them
+    (``activities/grounding.py``). A small model's ids are right even when it copies
+    badly; a tool result that mentions an id makes it callable. None: on when the engines
+    serve the demo model (``engine_model: demo``), off otherwise."""
     engine_count: int = Field(default=2, ge=1, le=8)
     """How many embedded vLLM engines `warmloop dev up` starts."""
     engine_models: list[str] | None = None
@@ -486,6 +492,13 @@ class Settings(BaseSettings):
                 raise ValueError(f"payload_old_keys: key id {key_id!r} is given twice")
             ring[key_id] = decode_payload_key(f"payload_old_keys[{key_id}]", b64)
         return ring
+
+    @property
+    def grounds_arguments(self) -> bool:
+        """``grounded_arguments`` with its default resolved."""
+        if self.grounded_arguments is not None:
+            return self.grounded_arguments
+        return self.model_path is None and self.engine_model == "demo"
 
     @property
     def manages_engines(self) -> bool:

@@ -53,6 +53,11 @@ def _train(args: argparse.Namespace, data_info: dict[str, object] | None) -> Non
     prov["data"] = {k: getattr(args, k) for k in DATA_DEFAULTS}
     if data_info is not None:
         prov["data"].update(data_info)
+    else:  # trained on data written earlier: its held-out cases as they are on disk
+        import hashlib
+
+        prov["data"]["heldout_sha256"] = hashlib.sha256(
+            (args.data_dir / "heldout.jsonl").read_bytes()).hexdigest()
     prov["command"] = "python -m warmloop.infra.demo_model " + " ".join(
         shlex.quote(a) for a in sys.argv[1:])
     prov["rebuild"] = "make model"
@@ -78,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                 p.add_argument("--" + k.replace("_", "-"), type=int, default=None)
             p.add_argument("--lr", type=float, default=None)
             p.add_argument("--full-prefix-share", type=float, default=None)
+            p.add_argument("--syntax-weight", type=float, default=None)
             p.add_argument("--warmup", type=int, default=None)
             p.add_argument("--init-from", type=str, default=None)
         if name == "train":
@@ -91,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--invoices", type=int, default=None)
             p.add_argument("--concurrency", type=int, default=4)
             p.add_argument("--json-out", type=Path, default=None)
+            p.add_argument("--ungrounded", action="store_true",
+                           help="let the model write id arguments freely (no grounding)")
             p.add_argument("--split", choices=("heldout", "bundled", "fresh"),
                            default="heldout",
                            help="heldout: unseen phrasings, names and ids (the targets); "
@@ -118,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             heldout = split_cases_file(args.split, args.data_dir)
         result = evaluate(args.model, heldout, port=args.port, n_tickets=args.tickets,
                           n_invoices=args.invoices, concurrency=args.concurrency,
+                          grounded=not args.ungrounded,
                           log=lambda m: print(m, flush=True))
         if args.json_out:
             args.json_out.write_text(json.dumps(result, indent=1))

@@ -91,14 +91,15 @@ class _MemoryRedis:
 class RequestBuilder:
     """The inference worker's request body for a step (``InferenceActivities._body``)."""
 
-    def __init__(self, served_model: str = "tiny") -> None:
+    def __init__(self, served_model: str = "tiny", *, grounded: bool = False) -> None:
         import httpx
 
         from warmloop.activities.inference import InferenceActivities
 
         self._acts = InferenceActivities(
             engine_id="eval", base_url="http://127.0.0.1:1", model=served_model,
-            http=httpx.AsyncClient(), transcripts=_Transcripts())  # type: ignore[arg-type]
+            http=httpx.AsyncClient(), transcripts=_Transcripts(),  # type: ignore[arg-type]
+            grounded_arguments=grounded)
 
     async def body(self, *, job_id: str, step: int, profile: str, task: dict[str, Any],
                    transcript: list[Any], tail: str, max_tokens: int) -> dict[str, Any]:

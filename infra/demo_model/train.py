@@ -34,6 +34,10 @@ class TrainConfig:
     real positions. Attention over the whole prefix is most of the cost of a step on
     CPU; the model still learns to read past it from the full batches."""
     stub_tokens: int = 48
+    syntax_weight: float = 0.3
+    """Loss weight of a call's punctuation and spaces (its names, ids, digits and enum
+    words weigh 1): the guided-decoding grammar fixes them at serving time, so a low
+    weight spends the model's capacity on its decisions."""
     init_from: str | None = None
     """Continue from an exported model (a second stage with a fresh schedule and other
     batches): its tokenizer must be the one the data rebuilds."""
@@ -71,7 +75,8 @@ def tokenizer_corpus(prefixes: dict[str, str], transcripts: list[Transcript]
 
 
 def encode(tok: Any, prefixes: dict[str, str], transcripts: list[Transcript],
-           verify: int = 50) -> tuple[dict[str, list[int]], list[Encoded]]:
+           verify: int = 50, syntax_weight: float = 0.3
+           ) -> tuple[dict[str, list[int]], list[Encoded]]:
     """Token ids of each profile's prefix and each job packed as a tree. The first
     ``verify`` jobs are checked: pieces tokenised apart equal each whole prompt."""
     from warmloop.infra.demo_model.model import pack_job
@@ -86,7 +91,7 @@ def encode(tok: Any, prefixes: dict[str, str], transcripts: list[Transcript],
     def weight_of(target: list[int], i: int) -> float:
         # Punctuation and spaces of a call are fixed by the guided-decoding grammar;
         # names, ids, digits and enum words are the model's decisions.
-        return 1.0 if decisive[target[i]] else 0.3
+        return 1.0 if decisive[target[i]] else syntax_weight
 
     out = []
     for n, t in enumerate(transcripts):
@@ -151,7 +156,7 @@ def train(data_dir: Path, out_dir: Path, cfg: TrainConfig,
     prefixes: dict[str, str] = json.loads((data_dir / "prefixes.json").read_text())
     transcripts = list(read_transcripts(data_dir / "train.jsonl"))
     tok = build_tokenizer(tokenizer_corpus(prefixes, transcripts), vocab_size=cfg.vocab_size)
-    prefix_ids, jobs = encode(tok, prefixes, transcripts)
+    prefix_ids, jobs = encode(tok, prefixes, transcripts, syntax_weight=cfg.syntax_weight)
     log(f"tokenizer: {len(tok)} tokens; prefixes "
         + ", ".join(f"{p} {len(v)}" for p, v in prefix_ids.items())
         + f"; {len(jobs)} jobs, {sum(j.size for j in jobs):,} job tokens "
