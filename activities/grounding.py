@@ -127,7 +127,10 @@ def grounded_constraint(tools: list[dict[str, Any]], context: str) -> dict[str, 
     its id arguments grounded in ``context`` (replaces ``tool_choice``)."""
     tags = [{"type": "tag",
              "begin": f'{START_TAG}{{"name": "{t["function"]["name"]}", "arguments": ',
-             "content": {"type": "json_schema",
+             # one whitespace at most between JSON tokens (the ", " and ": " of the form
+             # models write): a free-whitespace grammar lets a weak model pad until its
+             # max_tokens and never close the call
+             "content": {"type": "json_schema", "max_whitespace_cnt": 1,
                          "json_schema": ground_parameters(t["function"]["parameters"], context)},
              "end": "}" + END_TAG}
             for t in tools]

@@ -272,6 +272,21 @@ async def calibrate_fleet(settings: Settings, http: httpx.AsyncClient, redis: ai
 _Out = TypeVar("_Out")
 
 
+async def _cancelled_by_sigterm(coro: Coroutine[Any, Any, _Out]) -> _Out:
+    """Run ``coro``; SIGTERM cancels it, as Ctrl-C does, so its ``finally`` (the bench's
+    stack teardown) runs. Python would otherwise die on SIGTERM without cleaning up.
+    The handler is the loop's own, not a relay to SIGINT: a bench started in the
+    background (``nohup ... &``) inherits SIGINT ignored, and a relayed SIGINT would
+    then do nothing."""
+    task = asyncio.ensure_future(coro)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        return await task
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
 def run_main(parser: argparse.ArgumentParser,
              main_async: Callable[[argparse.Namespace, Console], Coroutine[Any, Any, _Out]],
              argv: list[str] | None = None, *, console: Console | None = None,
@@ -291,10 +306,7 @@ def run_main(parser: argparse.ArgumentParser,
         console = Console(stderr=True)
     if prepare is not None:
         prepare(args, console)
-    # SIGTERM stops a bench as Ctrl-C does (its stack comes down): asyncio.run cancels
-    # the bench on SIGINT, and Python would otherwise die on SIGTERM without cleaning up.
-    signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
-    out: Any = asyncio.run(main_async(args, console))
+    out: Any = asyncio.run(_cancelled_by_sigterm(main_async(args, console)))
     if report is not None:
         out = report(out, console)
     print(json.dumps(out, default=json_default), flush=True)

@@ -101,16 +101,21 @@ run_main(argparse.ArgumentParser(), main_async, [])
 """
 
 
-async def test_sigterm_stops_a_bench_like_ctrl_c(tmp_path: Any) -> None:
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+async def test_sigterm_stops_a_bench_like_ctrl_c(tmp_path: Any, sigint: str) -> None:
     """``run_main`` turns SIGTERM into the cancellation Ctrl-C gives, so the bench's
-    ``finally`` (its stack's teardown) runs."""
+    ``finally`` (its stack's teardown) runs; also in a bench started in the background
+    by a shell without job control (``nohup make bench-x &``), which inherits SIGINT
+    ignored."""
     import signal
     import sys
 
     marker = tmp_path / "marker"
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-c", SCRIPT, str(marker), stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL)
+        stderr=asyncio.subprocess.DEVNULL,
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        if sigint == "ignored" else None)
     assert proc.stdout is not None
     assert (await asyncio.wait_for(proc.stdout.readline(), 60)).strip() == b"ready"
     proc.send_signal(signal.SIGTERM)

@@ -85,6 +85,7 @@ def test_the_constraint_is_one_hermes_call_of_the_offered_tools_with_grounded_id
     fetch = by_name["fetch_invoice"]
     assert fetch["begin"] == '<tool_call>{"name": "fetch_invoice", "arguments": '
     assert fetch["end"] == "}</tool_call>"
+    assert fetch["content"]["max_whitespace_cnt"] == 1  # no padding until max_tokens
     assert fetch["content"]["json_schema"]["properties"]["invoice_id"]["enum"] == ["INV1001"]
 
 
