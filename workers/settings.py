@@ -205,8 +205,9 @@ class Settings(BaseSettings):
     """Id arguments (patterned strings, such as ``customer_id``) may only name values the
     job's task, calls and tool results contain: guided decoding lists them
     (``activities/grounding.py``). A small model's ids are right even when it copies
-    badly; a tool result that mentions an id makes it callable. None: on when the engines
-    serve the demo model (``engine_model: demo``), off otherwise."""
+    badly; a tool result that mentions an id makes it callable. Profiles with tools on
+    demand keep their own constraint, ungrounded. None: on when the engines serve the
+    demo model (``engine_model: demo``), off otherwise."""
     engine_count: int = Field(default=2, ge=1, le=8)
     """How many embedded vLLM engines `warmloop dev up` starts."""
     engine_models: list[str] | None = None
