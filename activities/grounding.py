@@ -143,13 +143,20 @@ def grounded_constraint(tools: list[dict[str, Any]], context: str) -> dict[str, 
 
 
 def parse_hermes_call(content: str, call_id: str) -> tuple[str, list[ToolCall]]:
-    """The one call in a grounded step's text; the text unchanged and no call when it is
-    not one (cut by ``max_tokens``, say), which the workflow reads as an invalid step."""
+    """The one call in a grounded step's text (its closing tag may be cut short); the
+    text unchanged and no call when it is not one (its JSON cut by ``max_tokens``, say),
+    which the workflow reads as an invalid step."""
     text = content.strip()
-    if not (text.startswith(START_TAG) and text.endswith(END_TAG)):
+    if not text.startswith(START_TAG):
         return content, []
+    body = text[len(START_TAG):]
+    # the closing tag may be cut by max_tokens after a whole call (as vLLM's parser reads)
+    for n in range(len(END_TAG), 0, -1):
+        if body.endswith(END_TAG[:n]):
+            body = body[:-n]
+            break
     try:
-        value = json.loads(text[len(START_TAG):-len(END_TAG)])
+        value = json.loads(body)
     except ValueError:
         return content, []
     if not isinstance(value, dict):

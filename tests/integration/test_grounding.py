@@ -25,12 +25,14 @@ pytestmark = pytest.mark.integration
 
 INVOICE = "invoice-reconciliation"
 IDS = re.compile(r"\b(?:INV|PO|V)[0-9]+\b")
+# the tools whose every argument is an id or an enum: a call of one is bounded in length
+ID_TOOLS = ["fetch_invoice", "fetch_purchase_order", "compare_lines", "flag_discrepancy"]
 
 
 async def test_grounded_steps_name_only_ids_of_the_job_and_keep_the_prompt(
         stack: Stack, settings: Settings) -> None:
     engine = settings.engine_endpoints[0]
-    tasks = bundled_tasks(INVOICE)[:6]
+    tasks = bundled_tasks(INVOICE)[:12]
     env = ActivityEnvironment()
     async with httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=5.0)) as http:
         def activities(grounded: bool) -> InferenceActivities:
@@ -43,8 +45,8 @@ async def test_grounded_steps_name_only_ids_of_the_job_and_keep_the_prompt(
 
         async def step(acts: InferenceActivities, task: dict[str, object]) -> GenerateResult:
             req = GenerateRequest(job_id=f"grounding-{uuid.uuid4().hex[:8]}", step=1,
-                                  profile=INVOICE, task=task, base_len=0,
-                                  tail="Budget: 5 steps left.", max_tokens=64)
+                                  profile=INVOICE, task=task, base_len=0, tools=ID_TOOLS,
+                                  tail="Budget: 5 steps left.", max_tokens=160)
             res: GenerateResult = await env.run(acts.generate, req)
             return res
 
@@ -62,5 +64,4 @@ async def test_grounded_steps_name_only_ids_of_the_job_and_keep_the_prompt(
             assert again.prompt_tokens == res.prompt_tokens
             # all but its last partial block (at most 256 tokens: the engines' block size)
             assert again.cached_tokens >= res.prompt_tokens - 256, (again, res)
-        # the random model did name ids (every invoice tool but finish takes one)
-        assert named, "no call named an id"
+        assert len(named) >= len(tasks), named  # every offered tool takes an id

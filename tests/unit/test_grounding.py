@@ -95,6 +95,10 @@ def test_a_call_is_read_from_the_text_and_anything_else_is_no_call() -> None:
     assert content == "" and len(calls) == 1
     assert calls[0].id == "c-1" and calls[0].function.name == "finish"
     assert json.loads(calls[0].function.arguments) == {"outcome": "paid"}
+    # a whole call whose closing tag max_tokens cut is still the call
+    for cut in ("</tool_call", "<", ""):
+        _, calls = parse_hermes_call(text.removesuffix("</tool_call>") + cut, "c-3")
+        assert [c.function.name for c in calls] == ["finish"], cut
     for bad in ('<tool_call>{"name": "finish", "arguments": {"outc',  # cut by max_tokens
                 '<tool_call>["finish"]</tool_call>', '<tool_call>{"name": 3}</tool_call>',
                 "plain text", ""):
