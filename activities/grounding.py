@@ -124,7 +124,7 @@ def ground_parameters(parameters: dict[str, Any], context: str) -> dict[str, Any
 
 def grounded_constraint(tools: list[dict[str, Any]], context: str) -> dict[str, Any]:
     """The request fields that make the step one hermes-form call to one of ``tools``,
-    its id arguments grounded in ``context`` (replaces ``tool_choice``)."""
+    its id and number arguments grounded in ``context`` (replaces ``tool_choice``)."""
     tags = [{"type": "tag",
              "begin": f'{START_TAG}{{"name": "{t["function"]["name"]}", "arguments": ',
              # one whitespace at most between JSON tokens (the ", " and ": " of the form

@@ -146,10 +146,11 @@ class InferenceActivities:
         messages = assemble_prompt(profile, profile.validate_task(req.task), transcript,
                                    tail=req.tail, tools=req.tools)
         salt = cache_salt(req.tenant)
+        tools = request_tools(profile, req.tools)
         body = {
             "model": self._model,
             "messages": [m.to_openai() for m in messages],
-            "tools": request_tools(profile, req.tools),
+            "tools": tools,
             # `required` + strict schemas: the engine's guided decoding makes the output
             # a parseable call, even from a weak model.
             "tool_choice": "required",
@@ -168,8 +169,7 @@ class InferenceActivities:
         if profile.tools_on_demand:
             body.update(_on_demand_constraint(profile, transcript, req.tools))
         elif self._grounded:
-            body.update(grounded_constraint(
-                request_tools(profile, req.tools), context_text(req.task, transcript)))
+            body.update(grounded_constraint(tools, context_text(req.task, transcript)))
         if req.logprobs:  # a ladder's step: how sure the model was of its call
             body.update({"logprobs": True, "top_logprobs": 0})
         return body, profile, stored
