@@ -39,11 +39,13 @@ model: install
 eval-model: install
 	$(BIN)/python -m warmloop.infra.demo_model evaluate $(ARGS)
 
-## The model ladder's top rung: the demo model's deeper sibling (8 layers; its new layers
-## start as identities), trained on from infra/demo_model/artifact into artifact-large.
+## The model ladder's top rung: the demo model's wider sibling (every unit repeated twice,
+## so it starts computing what the small one does; 4x the non-embedding parameters),
+## trained on from infra/demo_model/artifact into artifact-large.
 model-large: install
 	$(BIN)/python -m warmloop.infra.demo_model train --init-from infra/demo_model/artifact \
-		--deepen-to 8 --out infra/demo_model/artifact-large --lr 0.001 --warmup 30 $(ARGS)
+		--widen-by 2 --out infra/demo_model/artifact-large --steps 600 --lr 0.001 \
+		--warmup 30 --syntax-weight 0.02 $(ARGS)
 
 ## The ladder's threshold swept on the labelled step set (every step of the held-out cases
 ## with its correct call): steps on the cheap model, step accuracy, cost vs the top model.

