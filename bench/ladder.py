@@ -173,6 +173,18 @@ async def labelled_steps(cases: list[Any], builder: Any) -> list[LabelledStep]:
     return out
 
 
+def ladder_at(signal: str, threshold: float) -> ModelLadder:
+    """The bench's ladder escalating on one confidence signal: ``mean`` (the call's
+    tokens' mean logprob) or ``min`` (its least likely token). The engine's logprobs are
+    taken after guided decoding's mask, so a token the grammar forces scores 0 and
+    lifts the mean; the minimum sees the call's least sure free choice."""
+    if signal == "mean":
+        return ModelLadder(models=("small", "large"), min_mean_logprob=threshold,
+                           hard_calls=hard_calls())
+    return ModelLadder(models=("small", "large"), min_mean_logprob=None,
+                       min_token_logprob=threshold, hard_calls=hard_calls())
+
+
 def correct(a: Answer, truth: tuple[str, dict[str, Any]]) -> bool:
     return a.call is not None and a.call[0] == truth[0] and a.call[1] == truth[1]
 
@@ -211,9 +223,10 @@ async def run_eval(args: argparse.Namespace, engines: dict[str, Engine], console
     w = args.cached_weight
     top_cost = sum(engines["large"].cost(b, w) for _, (_, b) in paired)
     rows = []
-    for t in args.thresholds:
-        ladder = ModelLadder(models=("small", "large"), min_mean_logprob=t,
-                             hard_calls=hard_calls())
+    sweep = ([("mean", t) for t in args.thresholds]
+             + [("min", t) for t in args.token_thresholds])
+    for signal, t in sweep:
+        ladder = ladder_at(signal, t)
         kept = esc = 0
         cost = 0.0
         for s, (a, b) in paired:
@@ -221,17 +234,19 @@ async def run_eval(args: argparse.Namespace, engines: dict[str, Engine], console
             cost += engines["small"].cost(a, w) + (engines["large"].cost(b, w) if up else 0)
             esc += up
             kept += correct(pick, s.truth)
-        rows.append({"threshold": t, "cheap_step_share": 1 - esc / len(paired),
+        rows.append({"signal": signal, "threshold": t,
+                     "cheap_step_share": 1 - esc / len(paired),
                      "step_accuracy": kept / len(paired), "cost_vs_top": cost / top_cost})
     small_acc = sum(correct(a, s.truth) for s, (a, _) in paired) / len(paired)
     large_acc = sum(correct(b, s.truth) for s, (_, b) in paired) / len(paired)
-    table = Table("threshold (mean logprob)", "steps on the cheap model", "step accuracy",
-                  "cost vs top alone", title=f"eval-ladder: {len(paired)} labelled steps")
+    table = Table("threshold (logprob of the call's tokens)", "steps on the cheap model",
+                  "step accuracy", "cost vs top alone",
+                  title=f"eval-ladder: {len(paired)} labelled steps")
     table.add_row("top model alone", "0 %", f"{large_acc:.1%}", "1.00")
     table.add_row("cheap model alone", "100 %", f"{small_acc:.1%}",
                   f"{sum(engines['small'].cost(a, w) for _, (a, _) in paired) / top_cost:.2f}")
     for r in rows:
-        table.add_row(f"{r['threshold']:g}", f"{r['cheap_step_share']:.1%}",
+        table.add_row(f"{r['signal']} < {r['threshold']:g}", f"{r['cheap_step_share']:.1%}",
                       f"{r['step_accuracy']:.1%}", f"{r['cost_vs_top']:.2f}")
     console.print(table)
     return {"labelled_steps": len(paired), "heldout_cases": len(cases),
@@ -292,8 +307,7 @@ async def run_tasks(args: argparse.Namespace, engines: dict[str, Engine], consol
              + [c for c in all_cases if c.profile != TICKET][:args.invoices])
     base = W.bundled_world()
     builder = RequestBuilder(grounded=args.grounded)
-    ladder = ModelLadder(models=("small", "large"), min_mean_logprob=args.threshold,
-                         hard_calls=hard_calls())
+    ladder = ladder_at(args.signal, args.threshold)
     policies = ["top", "ladder", "cheap"]
     per_repeat: list[dict[str, TaskTally]] = []
     sem = asyncio.Semaphore(args.concurrency)
@@ -354,9 +368,11 @@ async def run_tasks(args: argparse.Namespace, engines: dict[str, Engine], consol
         esc.update(r["ladder"].escalations)
     out["escalations"] = dict(esc)
     out["jobs_per_policy"] = len(cases)
+    out["ladder"] = {"signal": args.signal, "threshold": args.threshold}
     table = Table("policy", "whole-task success", "cost per accepted outcome (x top)",
                   "steps on the cheap model", title=f"bench-ladder: {len(cases)} held-out "
-                  f"jobs x {args.repeat} repeats, threshold {args.threshold}")
+                  f"jobs x {args.repeat} repeats, escalating at {args.signal} logprob < "
+                  f"{args.threshold}")
     for p in policies:
         ck = out[f"capo_{p}"] / out["capo_top"] if out["capo_top"] not in (0, float("inf")) \
             else float("nan")
@@ -443,10 +459,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", type=Path, default=DATA_DIR)
     p.add_argument("--steps", type=int, default=400, help="labelled steps (eval)")
     p.add_argument("--thresholds", type=float, nargs="+",
-                   default=[-0.02, -0.05, -0.1, -0.2, -0.35, -0.5, -1.0])
-    p.add_argument("--threshold", type=float, default=-0.1, help="the ladder's (tasks)")
-    p.add_argument("--tickets", type=int, default=40)
-    p.add_argument("--invoices", type=int, default=20)
+                   default=[-0.02, -0.05, -0.07, -0.1, -0.2, -0.35, -0.5, -1.0])
+    p.add_argument("--token-thresholds", type=float, nargs="+",
+                   default=[-0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                   help="least-likely-token thresholds swept (eval)")
+    p.add_argument("--signal", choices=("mean", "min"), default="mean",
+                   help="the ladder's confidence signal (tasks)")
+    p.add_argument("--threshold", type=float, default=-0.07,
+                   help="the ladder's threshold on --signal (tasks); make eval-ladder's "
+                        "sweep picks it")
+    p.add_argument("--tickets", type=int, default=120, help="held-out tickets (tasks)")
+    p.add_argument("--invoices", type=int, default=60, help="held-out invoice batches (tasks)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--cached-weight", type=float, default=0.1)

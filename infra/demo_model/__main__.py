@@ -60,7 +60,7 @@ def _train(args: argparse.Namespace, data_info: dict[str, object] | None) -> Non
             (args.data_dir / "heldout.jsonl").read_bytes()).hexdigest()
     prov["command"] = "python -m warmloop.infra.demo_model " + " ".join(
         shlex.quote(a) for a in sys.argv[1:])
-    prov["rebuild"] = "make model"
+    prov["rebuild"] = "make model-large" if cfg.widen_by > 1 or cfg.deepen_to else "make model"
     (args.out / "PROVENANCE.json").write_text(json.dumps(prov, indent=1, sort_keys=True) + "\n")
     size = sum(p.stat().st_size for p in args.out.iterdir())
     print(f"artifact: {args.out} ({size / 1e6:.1f} MB), trained in {prov['wall_time_s']}s",

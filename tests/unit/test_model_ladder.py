@@ -192,7 +192,14 @@ def test_the_ladder_bench_keeps_the_cheap_answer_only_when_it_stands(tmp_path: o
     import json as _json
     from pathlib import Path
 
-    from bench.ladder import Answer, Engine, _finite, ladder_pick, non_embedding_params
+    from bench.ladder import (
+        Answer,
+        Engine,
+        _finite,
+        ladder_at,
+        ladder_pick,
+        non_embedding_params,
+    )
 
     def answer(model: str, call: tuple[str, dict[str, object]] | None, mean: float) -> Answer:
         return Answer(model, call, None if call else "bad", CallConfidence(mean, mean, 5),
@@ -203,6 +210,12 @@ def test_the_ladder_bench_keeps_the_cheap_answer_only_when_it_stands(tmp_path: o
     assert ladder_pick(LADDER, sure, large) == (sure, False)
     assert ladder_pick(LADDER, answer("small", ("lookup", {}), -2.0), large) == (large, True)
     assert ladder_pick(LADDER, answer("small", None, -0.01), large) == (large, True)
+    # one unsure token under a sure mean: only the minimum signal escalates
+    one_unsure = Answer("small", ("lookup", {"key": "alpha"}), None,
+                        CallConfidence(-0.05, -2.5, 30), 1000, 900, 20)
+    assert ladder_pick(ladder_at("mean", -0.07), one_unsure, large) == (one_unsure, False)
+    assert ladder_pick(ladder_at("min", -2.0), one_unsure, large) == (large, True)
+    assert ladder_pick(ladder_at("min", -3.0), one_unsure, large) == (one_unsure, False)
     # cost: computed prompt + completion + cached at its weight, times the parameters
     assert Engine("e", "u", params=10).cost(sure, 0.1) == 10 * (100 + 90 + 20)
     cfg = Path(str(tmp_path)) / "config.json"
