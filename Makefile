@@ -20,10 +20,12 @@ $(INSTALLED): pyproject.toml
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 	touch $@
 
-## Start the embedded stack, run 20 ticket-triage jobs, print the report.
+## Start the embedded stack, run 20 ticket-triage jobs, print the report (graded). The
+## engines serve the trained demo model; DEMO_MODEL=tiny serves the random-weight one.
+DEMO_MODEL ?= demo
 demo: install
-	$(BIN)/warmloop dev up
-	$(BIN)/warmloop demo --jobs 20
+	WARMLOOP_ENGINE_MODEL=$(DEMO_MODEL) $(BIN)/warmloop dev up
+	WARMLOOP_ENGINE_MODEL=$(DEMO_MODEL) $(BIN)/warmloop demo --jobs 20
 
 ## The demo model (infra/demo_model): generated transcripts of the bundled agents, CPU
 ## training, export to infra/demo_model/artifact (make demo never trains). Serve it with
