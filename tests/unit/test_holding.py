@@ -11,7 +11,9 @@ from warmloop.workflows.holding import (
     HoldCosts,
     PauseDistribution,
     TtlCacheCosts,
+    _best_hold,
     decide_hold,
+    expected_hold_usd,
     keepalive_schedule,
 )
 
@@ -103,3 +105,33 @@ def test_ttl_endpoint_pings_through_a_tool_call_but_not_through_an_approval() ->
     assert decide_hold(api, TOOL).action == HoldAction.HOLD
     assert decide_hold(api, APPROVAL).action == HoldAction.RELEASE
     assert api.ping_usd() == pytest.approx(20_000 * 0.3e-6 + 15e-6)
+
+
+def _best_hold_by_definition(c: HoldCosts, points: list[float]) -> tuple[float, float]:
+    """The search as first written: ``expected_hold_usd`` over every candidate TTL."""
+    best_ttl, best = 0.0, float("inf")
+    for ttl in sorted(set(points)):
+        cost = expected_hold_usd(c, points, ttl)
+        if cost < best:
+            best_ttl, best = ttl, cost
+    return best_ttl, best
+
+
+@settings(max_examples=300, deadline=None)
+@given(samples=st.lists(st.floats(min_value=0.01, max_value=5_000), min_size=20,
+                        max_size=120),
+       repeats=st.integers(min_value=1, max_value=3),
+       usage=st.floats(min_value=0.0, max_value=0.999),
+       prefix=st.integers(min_value=1, max_value=200_000))
+def test_the_one_sweep_search_chooses_what_the_definition_chooses(
+        samples: list[float], repeats: int, usage: float, prefix: int) -> None:
+    # repeated points (ties) are the case a running sum can get wrong
+    dist = PauseDistribution(samples=tuple(samples * repeats), prior_median_s=3,
+                             prior_p90_s=8)
+    c = costs(usage, prefix=prefix)
+    points = dist.points()
+    ttl, cost = _best_hold(c, points)
+    want_ttl, want = _best_hold_by_definition(c, points)
+    assert cost == pytest.approx(want, rel=1e-9)
+    if ttl != want_ttl:  # only a tie to rounding may choose differently
+        assert expected_hold_usd(c, points, ttl) == pytest.approx(want, rel=1e-9)
