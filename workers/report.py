@@ -185,6 +185,12 @@ def report_table(results: list[JobResult], *, title: str,
     if correct is not None:
         rows.append(("correct (whole task vs ground truth)",
                      [_share(*correct.get(p, (0, 0))) for p in summaries]))
+        # "accepted" above counts every FINISHED job; graded, the spend is over the
+        # jobs that got the task right, which is what a weak model's bill really buys
+        rows.append(("cost per correct outcome", [
+            "unknown" if s.cost_unknown_jobs
+            else _usd(s.cost_usd / good if (good := correct.get(p, (0, 0))[0]) else math.inf)
+            for p, s in summaries.items()]))
     for name, values in rows:
         table.add_row(name, *values)
     return table

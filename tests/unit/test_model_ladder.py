@@ -171,6 +171,30 @@ def test_the_report_shows_steps_per_model_escalations_and_cost_against_the_top()
     assert "steps by model" in text and "large 25%" in text and "0.33x" in text
 
 
+
+def test_a_graded_report_prices_the_correct_outcomes_not_every_finished_job() -> None:
+    from rich.console import Console
+
+    from warmloop.workers.report import report_table
+    from warmloop.workflows.contracts import JobResult, JobState, Usage
+
+    results = [JobResult(job_id=f"j{i}", profile="p", state=JobState.FINISHED, reason="done",
+                         steps=[], usage=Usage(steps=1, cost_usd=1.0), transcript_key=None)
+               for i in range(4)]
+    console = Console(record=True, width=200)
+    console.print(report_table(results, title="t", correct={"p": (1, 4)}))
+    text = console.export_text()
+    # 4 finished jobs at $1: $1 per accepted outcome, but only one was right: $4 per correct
+    assert "cost per accepted outcome" in text and "$1.000000" in text
+    assert "cost per correct outcome" in text and "$4.000000" in text
+    console = Console(record=True, width=200)
+    console.print(report_table(results, title="t", correct={"p": (0, 4)}))
+    assert [ln for ln in console.export_text().splitlines()
+            if "cost per correct outcome" in ln][0].rstrip(" │").endswith(" -")
+    console = Console(record=True, width=200)
+    console.print(report_table(results, title="t"))
+    assert "cost per correct outcome" not in console.export_text()
+
 def test_a_yaml_profile_may_declare_a_ladder() -> None:
     from warmloop.workflows.profiles.document import ProfileDocument, profile_from_document
 
