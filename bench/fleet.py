@@ -153,13 +153,14 @@ def report(rows: list[dict[str, Any]], out: Path, calibration: str, workload: st
             # CPU minutes too: on a shared host wall time counts the neighbours' work
             speed.append(f"{pol} {h / w * 60:.2f} GPU-h per wall min"
                          + (f", {h / c * 60:.2f} per CPU min" if c else ""))
+    def per_100(seconds: float) -> str:  # minutes per 100 simulated GPU-hours
+        return f"{seconds / max(gpu_hours, 1e-9) * 100 / 60:.1f}"
+
     took = f"{elapsed_s:.0f} s elapsed over {procs} processes, " if elapsed_s else ""
-    per_100 = (f"{elapsed_s / max(gpu_hours, 1e-9) * 100 / 60:.1f} min elapsed, "
-               if elapsed_s else "")
+    elapsed = f"{per_100(elapsed_s)} min elapsed, " if elapsed_s else ""
     print(f"simulated {gpu_hours:.1f} GPU-hours in {took}{wall:.0f} s of runs' wall, "
-          f"{cpu:.0f} s CPU ({per_100}{wall / max(gpu_hours, 1e-9) * 100 / 60:.1f} min of "
-          f"runs' wall, {cpu / max(gpu_hours, 1e-9) * 100 / 60:.1f} CPU-min per 100 "
-          "GPU-hours); "
+          f"{cpu:.0f} s CPU ({elapsed}{per_100(wall)} min of runs' wall, {per_100(cpu)} "
+          "CPU-min per 100 GPU-hours); "
           + "; ".join(speed) + f"; plots: {', '.join(plots) or 'none'}")
     print(json.dumps({
         "gpus": 128, "load": 0.8, "calibration": calibration, "workload": workload,

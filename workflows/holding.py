@@ -233,16 +233,17 @@ def expected_hold_usd(costs: CostModel, pauses: list[float], ttl_s: float) -> fl
     return total / n
 
 
-def _best_hold(costs: CostModel, points: list[float]) -> tuple[float, float]:
+def _best_hold(costs: CostModel, points: list[float], reprefill: float
+               ) -> tuple[float, float]:
     """The TTL of least ``expected_hold_usd`` among the sorted ``points`` and its cost
-    (the first of equals): one sweep with running sums, not a pass over the points per
+    (the first of equals), ``reprefill`` being ``costs.reprefill_usd()`` (the caller
+    has it already): one sweep with running sums, not a pass over the points per
     candidate (a fleet decides hundreds of holds a second; the two agree to rounding,
     ``tests/unit/test_holding.py`` checks the choices)."""
     n = len(points)
     if not n:
         return 0.0, math.inf
     rent = costs.hold_usd_per_s()
-    reprefill = costs.reprefill_usd()
     best_ttl, best = 0.0, math.inf
     below = 0.0  # sum of the points <= ttl
     i = 0
@@ -266,7 +267,7 @@ def decide_hold(costs: CostModel, pauses: PauseDistribution) -> HoldChoice:
     """
     points = pauses.points()
     release = costs.reprefill_usd()
-    best_ttl, best = _best_hold(costs, points)
+    best_ttl, best = _best_hold(costs, points, release)
     offload = costs.offload_usd()
     if offload is not None and offload < min(best, release):
         return HoldChoice(HoldAction.OFFLOAD, 0.0, offload, release,

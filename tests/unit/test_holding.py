@@ -130,7 +130,7 @@ def test_the_one_sweep_search_chooses_what_the_definition_chooses(
                              prior_p90_s=8)
     c = costs(usage, prefix=prefix)
     points = dist.points()
-    ttl, cost = _best_hold(c, points)
+    ttl, cost = _best_hold(c, points, c.reprefill_usd())
     want_ttl, want = _best_hold_by_definition(c, points)
     assert cost == pytest.approx(want, rel=1e-9)
     if ttl != want_ttl:  # only a tie to rounding may choose differently

@@ -171,7 +171,6 @@ def test_the_report_shows_steps_per_model_escalations_and_cost_against_the_top()
     assert "steps by model" in text and "large 25%" in text and "0.33x" in text
 
 
-
 def test_a_graded_report_prices_the_correct_outcomes_not_every_finished_job() -> None:
     from rich.console import Console
 
@@ -194,6 +193,7 @@ def test_a_graded_report_prices_the_correct_outcomes_not_every_finished_job() ->
     console = Console(record=True, width=200)
     console.print(report_table(results, title="t"))
     assert "cost per correct outcome" not in console.export_text()
+
 
 def test_a_yaml_profile_may_declare_a_ladder() -> None:
     from warmloop.workflows.profiles.document import ProfileDocument, profile_from_document
