@@ -157,6 +157,12 @@ PATCH_MODEL_LADDER = "model-ladder"
 # Route ahead: a step's route is taken while its job waits on the tool before it (an
 # activity beside the tool or timer), not on the step's critical path.
 PATCH_ROUTE_AHEAD = "route-ahead"
+# ... and then turned off again for new jobs: the extra activity's completion is one more
+# workflow task per step, and the tool's result arriving behind it waited for that task
+# (bench-routing, paired per job: +67-74 ms schedule-to-start and +45-56 ms result return
+# a job against the peer; with it off, warmloop's jobs were 48-104 ms faster than the
+# peer's). Histories recorded with it still replay (histories/agent_job_route_ahead*).
+PATCH_ROUTE_AT_STEP = "route-at-step"
 ROUTE_AHEAD_MAX_AGE = timedelta(seconds=2)
 """The oldest a route taken ahead may be when its step starts. Past it (a long tool), the
 fleet's load may have moved, and the step is routed again as before."""
@@ -845,14 +851,17 @@ class AgentJob:
         ``ROUTE_AHEAD_MAX_AGE`` old and nothing about the step changed (``_take_ahead``);
         else it routes as before.
 
-        Not for a pinned job, nor a model ladder's (its rung is chosen at the step), nor
-        a job whose caps already stop it before the next step, nor a workflow that
-        predates per-step routing. The route does not count the step as load while the
-        job waits: its worker counts it when it starts."""
+        Kept only to replay histories that did it: a new job routes each step at the
+        step (``PATCH_ROUTE_AT_STEP`` says why). Not for a pinned job, nor a model
+        ladder's (its rung is chosen at the step), nor a job whose caps already stop it
+        before the next step, nor a workflow that predates per-step routing. The route
+        does not count the step as load while the job waits: its worker counts it when
+        it starts."""
         if (job.engine_id or profile.ladder is not None
                 or check_before_step(self._limits(profile, job), self._usage,
                                      self._elapsed_s()) is not None
                 or not workflow.patched(PATCH_ROUTE_EVERY_STEP)
+                or workflow.patched(PATCH_ROUTE_AT_STEP)
                 or not workflow.patched(PATCH_ROUTE_AHEAD)):
             return
         self._drop_ahead()
