@@ -28,6 +28,7 @@ from warmloop.activities.registry import (
     TenantUsage,
     step_key,
 )
+from warmloop.activities.routing import RoutingActivities
 from warmloop.activities.trace_prompts import TracePromptStore
 from warmloop.activities.transcripts import TranscriptStore
 from warmloop.workflows import tool_loading
@@ -38,6 +39,7 @@ from warmloop.workflows.contracts import (
     GenerateRequest,
     GenerateResult,
     Lane,
+    RouteRequest,
     StepTiming,
     ToolCall,
 )
@@ -49,6 +51,7 @@ from warmloop.workflows.prompt import (
     prompt_hash,
     request_tools,
 )
+from warmloop.workflows.routing import RouteDecision
 from warmloop.workflows.tenants import cache_salt, scoped
 from warmloop.workflows.trace import is_trace_profile
 
@@ -61,6 +64,9 @@ ENGINE_REJECTED = "EngineRejected"
 
 RECORD_TIMEOUT_S = 2.0
 """Longest a step waits on Redis for its prefix directory and cache-bust records."""
+ROUTE_NEXT_BUDGET_S = 0.25
+"""Longest a step spends routing its job's next step (``GenerateRequest.route_next``)
+before it returns without one: the next step then routes itself, as it would anyway."""
 STEP_DONE_TIMEOUT_S = 1.0
 """Longest a step waits on Redis to leave the in-flight set."""
 MAX_JOBS_SEEN = 10_000
@@ -68,6 +74,8 @@ MAX_JOBS_SEEN = 10_000
 MAX_UNDONE = 10_000
 """Steps kept to take off the in-flight set once Redis is back (the oldest go first)."""
 HOLD_ERRORS: tuple[type[Exception], ...] = (httpx.HTTPError, ValueError, *REDIS_ERRORS)
+NEXT_ROUTE_ERRORS: tuple[type[Exception], ...] = (ApplicationError, *REDIS_ERRORS)
+"""A refusal (a tenant's spent hour, no engine), or Redis away or slow (TimeoutError)."""
 """What a hold decision may meet (the engine, Redis): it costs the hold, not the step."""
 
 
@@ -106,8 +114,10 @@ class InferenceActivities:
                  trace_prompts: TracePromptStore | None = None,
                  outage: RedisOutage | None = None,
                  usage: TenantUsage | None = None,
-                 grounded_arguments: bool = False) -> None:
+                 grounded_arguments: bool = False,
+                 router: RoutingActivities | None = None) -> None:
         self._engine_id = engine_id
+        self._router = router  # routes a job's next step when the step asks (route_next)
         self._grounded = grounded_arguments  # id arguments only from the job's text
         self._usage = usage  # tenants' tokens per hour (their quota)
         self._outage = outage or RedisOutage()
@@ -394,7 +404,27 @@ class InferenceActivities:
                 tail_tokens.cancel()
             # the step's new messages are in S3 before it counts as done
             await asyncio.gather(stored, *off_flight)
+        if req.route_next is not None and not finishes_job(profile, tool_calls):
+            # after the directory records: the route must find this prompt's chain
+            result.next_route = await self._route_next(req.route_next)
         return result, last_token
+
+    async def _route_next(self, req: RouteRequest) -> RouteDecision | None:
+        """The job's next step's route, from this worker's registry and directory reads
+        (the same ``route_step`` the agent worker runs), or None for the step to route
+        itself: no router here, Redis away or slow, or the step refused (a tenant's spent
+        hour, no engine): the step asks again and waits or ends as it should."""
+        if self._router is None or self._outage.away:
+            return None
+        try:
+            async with asyncio.timeout(ROUTE_NEXT_BUDGET_S):
+                return await self._router.route_step(
+                    req.model_copy(update={"last_engine": self._engine_id,
+                                           "mark_in_flight": False}))
+        except NEXT_ROUTE_ERRORS as e:
+            log.info("next_route_skipped", job_id=req.job_id, step=req.step,
+                     why=type(e).__name__)
+            return None
 
     async def _count_tokens(self, tenant: str, tokens: int) -> None:
         """The step's tokens onto its tenant's hour (its quota). Best effort: while Redis
@@ -591,6 +621,12 @@ class InferenceActivities:
         # 5xx: retryable; Temporal's retry policy decides how often.
         raise ApplicationError(f"engine {self._engine_id} error {resp.status_code}: {body}",
                                type=ENGINE_ERROR)
+
+
+def finishes_job(profile: Profile, calls: list[ToolCall]) -> bool:
+    """Whether the step called a tool that ends the job (no next step to route)."""
+    ending = {t.name for t in profile.tools if t.finishes_job}
+    return any(c.function.name in ending for c in calls)
 
 
 def _on_demand_constraint(profile: Profile, transcript: list[ChatMessage],

@@ -34,6 +34,7 @@ from warmloop.activities.registry import (
     parse_cache_config,
     parse_vllm_metrics,
 )
+from warmloop.activities.routing import RoutingActivities
 from warmloop.activities.trace_prompts import TracePromptStore
 from warmloop.activities.transcripts import TranscriptStore
 from warmloop.workers.calibrate import CalibrationSource, calibration_file
@@ -307,6 +308,9 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
             engine_info=view, admission=admission, holds=holds, outage=outage,
             usage=TenantUsage(redis),  # each step's tokens onto its tenant's hour
             grounded_arguments=settings.grounds_arguments,
+            router=RoutingActivities(registry, redis, directory=directory,
+                                     config=settings.routing, outage=outage,
+                                     quotas=settings.tenants),
         )
         worker = Worker(
             client,

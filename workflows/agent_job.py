@@ -157,12 +157,13 @@ PATCH_MODEL_LADDER = "model-ladder"
 # Route ahead: a step's route is taken while its job waits on the tool before it (an
 # activity beside the tool or timer), not on the step's critical path.
 PATCH_ROUTE_AHEAD = "route-ahead"
-# ... and then turned off again for new jobs: the extra activity's completion is one more
-# workflow task per step, and the tool's result arriving behind it waited for that task
-# (bench-routing, paired per job: +67-74 ms schedule-to-start and +45-56 ms result return
-# a job against the peer; with it off, warmloop's jobs were 48-104 ms faster than the
-# peer's). Histories recorded with it still replay (histories/agent_job_route_ahead*).
-PATCH_ROUTE_AT_STEP = "route-at-step"
+# ... and replaced for new jobs: the step's worker routes the next step after the last
+# token (GenerateRequest.route_next), no activity of its own. The route-ahead activity's
+# completion was one more workflow task a step, and the tool's result arriving behind it
+# waited for that task (bench-routing, paired per job: +67-74 ms schedule-to-start and
+# +45-56 ms result return a job against the peer). Histories recorded with route ahead
+# still replay (histories/agent_job_route_ahead*).
+PATCH_ROUTE_NEXT_IN_WORKER = "route-next-in-worker"
 ROUTE_AHEAD_MAX_AGE = timedelta(seconds=2)
 """The oldest a route taken ahead may be when its step starts. Past it (a long tool), the
 fleet's load may have moved, and the step is routed again as before."""
@@ -187,16 +188,20 @@ def _error_type(err: ActivityError) -> str | None:
 
 @dataclass
 class _RouteAhead:
-    """A route taken during the job's pause for its next step (``AgentJob._route_ahead``)."""
+    """A route for the job's next step taken before it: by the step before's worker
+    (``decision``, ``GenerateResult.next_route``), or, in histories from before that,
+    by an activity during the job's pause (``handle``, ``AgentJob._route_ahead``)."""
 
     step: int
     started: datetime
-    handle: asyncio.Task[RouteDecision]
+    handle: asyncio.Task[RouteDecision] | None = None
+    decision: RouteDecision | None = None
 
     def drop(self) -> None:
         """Forget it. Not cancelled: it is a few milliseconds of work, and a cancel sent
         with a continue-as-new is refused by Temporal's test server (ACTIVITY_UNKNOWN)."""
-        self.handle.add_done_callback(_retrieved)
+        if self.handle is not None:
+            self.handle.add_done_callback(_retrieved)
 
 
 def _retrieved(task: asyncio.Task[Any]) -> None:
@@ -261,7 +266,8 @@ class AgentJob:
         self._rung_engines: dict[str, str] = {}
         """The engine each ladder model last served the job on: its routing hint."""
         self._ahead: _RouteAhead | None = None
-        """The next step's route, taken during the job's pause (``_route_ahead``)."""
+        """The next step's route, taken by the step before's worker (or, in older
+        histories, during the job's pause: ``_route_ahead``)."""
         self._pending: dict[str, PendingApproval] = {}
         self._decisions: dict[str, Decision] = {}
         self._rules: dict[str, ApprovalRule] = {}
@@ -690,6 +696,9 @@ class AgentJob:
         if replay is not None:  # the recorded output length; holds follow the recorded call
             request = request.model_copy(update={"max_tokens": replay.output_tokens,
                                                  "pause_kind": replay.pause_kind})
+        if self._routes_next_in_worker(job, profile, limits, step, model):
+            request = request.model_copy(update={"route_next": self._route_request(
+                job, profile, step + 1, None, [], mark_in_flight=False)})
         step_start = workflow.now().timestamp()
         gen, route_reason, failovers, routed = await self._generate(
             request, job, pickup_timeout=timedelta(seconds=job.step_pickup_timeout_s)
@@ -844,6 +853,17 @@ class AgentJob:
             require_price=self._limits(profile, job).max_cost_usd is not None,
             tenant=job.tenant, mark_in_flight=mark_in_flight)
 
+    def _routes_next_in_worker(self, job: JobInput, profile: Profile, limits: JobLimits,
+                               step: int, model: str | None) -> bool:
+        """Whether the step's worker routes the job's next step as this one ends: the
+        route then costs the next step no round trip of its own (``_take_ahead`` uses it
+        if the job's pause was short). Not for a pinned job, nor a model ladder's (its
+        rung is chosen at the step), nor past the step cap."""
+        return (not job.engine_id and profile.ladder is None and model is None
+                and step < limits.max_steps
+                and workflow.patched(PATCH_ROUTE_EVERY_STEP)
+                and workflow.patched(PATCH_ROUTE_NEXT_IN_WORKER))
+
     def _route_ahead(self, job: JobInput, profile: Profile) -> None:
         """Start routing the job's next step now, while it waits on its tool: the route's
         round trip (~15 ms a step here as a local activity) then overlaps the wait
@@ -851,17 +871,17 @@ class AgentJob:
         ``ROUTE_AHEAD_MAX_AGE`` old and nothing about the step changed (``_take_ahead``);
         else it routes as before.
 
-        Kept only to replay histories that did it: a new job routes each step at the
-        step (``PATCH_ROUTE_AT_STEP`` says why). Not for a pinned job, nor a model
-        ladder's (its rung is chosen at the step), nor a job whose caps already stop it
-        before the next step, nor a workflow that predates per-step routing. The route
-        does not count the step as load while the job waits: its worker counts it when
-        it starts."""
+        Kept only to replay histories that did it: a new job's next step is routed by
+        the worker of the step before (``PATCH_ROUTE_NEXT_IN_WORKER`` says why). Not for
+        a pinned job, nor a model ladder's (its rung is chosen at the step), nor a job
+        whose caps already stop it before the next step, nor a workflow that predates
+        per-step routing. The route does not count the step as load while the job
+        waits: its worker counts it when it starts."""
         if (job.engine_id or profile.ladder is not None
                 or check_before_step(self._limits(profile, job), self._usage,
                                      self._elapsed_s()) is not None
                 or not workflow.patched(PATCH_ROUTE_EVERY_STEP)
-                or workflow.patched(PATCH_ROUTE_AT_STEP)
+                or workflow.patched(PATCH_ROUTE_NEXT_IN_WORKER)
                 or not workflow.patched(PATCH_ROUTE_AHEAD)):
             return
         self._drop_ahead()
@@ -887,6 +907,8 @@ class AgentJob:
                 or workflow.now() - ahead.started > ROUTE_AHEAD_MAX_AGE):
             ahead.drop()
             return None
+        if ahead.handle is None:
+            return ahead.decision
         try:
             return await ahead.handle
         except ActivityError as e:
@@ -947,6 +969,9 @@ class AgentJob:
                     # batch steps wait behind interactive ones in the task queue too
                     priority=Priority(priority_key=task_priority(job.lane, request.step)),
                 )
+                if gen.next_route is not None:
+                    self._ahead = _RouteAhead(step=request.step + 1, started=workflow.now(),
+                                              decision=gen.next_route)
                 return gen, decision.reason, len(failed), routed
             except ActivityError as e:
                 _if_cancelled(e)

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from warmloop.workflows.budgets import JobLimits, Usage
 from warmloop.workflows.holding import HoldPolicy
-from warmloop.workflows.routing import RouteReason, RoutingPolicy
+from warmloop.workflows.routing import RouteDecision, RouteReason, RoutingPolicy
 
 AGENT_TASK_QUEUE = "warmloop-agent"
 
@@ -315,6 +315,10 @@ class GenerateRequest(BaseModel):
     mark_in_flight: bool = False
     """The worker counts the step as load on its engine when it picks it up: its route
     was taken ahead, during the job's pause, and did not (``RouteRequest.mark_in_flight``)."""
+    route_next: RouteRequest | None = None
+    """Route the job's next step here, after this one's last token and its directory
+    records, and return it as ``GenerateResult.next_route``: the next step then starts
+    without a routing round trip of its own. ``last_engine`` is this worker's engine."""
 
 
 class StepTiming(BaseModel):
@@ -365,6 +369,9 @@ class GenerateResult(BaseModel):
     model: str = "tiny"
     attempt: int = 1
     """Temporal's attempt number: retries are attempt - 1."""
+    next_route: RouteDecision | None = None
+    """The job's next step's route, taken by the worker when asked
+    (``GenerateRequest.route_next``); None when it was not asked or could not tell."""
     content: str = ""
     tool_calls: list[ToolCall] = Field(default_factory=list)
     finish_reason: str | None = None

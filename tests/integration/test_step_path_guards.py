@@ -5,6 +5,7 @@ benchmark run (bench-routing's hit rate, bench-pauses' touch cost).
 - a sticky step after a short pause finds its whole previous prompt cached;
 - a new job of a warm profile lands where the profile's prefix is;
 - a step moves engines only for a named reason;
+- a step after a short pause takes the route its previous step's worker chose;
 - every step carries its time breakdown, and the stages add up to the step;
 - an engine's model worker sleeps between steps instead of spinning on a core.
 (A touch computing at most a couple of tokens is guarded in test_holds.py.)"""
@@ -48,6 +49,16 @@ async def _job(client: Client, profile: str, n: int, *, steps: int) -> JobResult
         id=f"guard-{profile}-{uuid.uuid4().hex[:6]}", task_queue=AGENT_TASK_QUEUE)
 
 
+async def _routes_in_workflow(client: Client, job_id: str) -> int:
+    """How many steps the workflow routed itself (route_step local activities)."""
+    history = await client.get_workflow_handle(job_id).fetch_history()
+    return sum(1 for e in history.events
+               if e.HasField("marker_recorded_event_attributes")
+               and e.marker_recorded_event_attributes.marker_name == "core_local_activity"
+               and b'"activity_type":"route_step"'
+               in e.marker_recorded_event_attributes.details["data"].payloads[0].data)
+
+
 async def test_a_sticky_step_after_a_short_pause_finds_its_whole_previous_prompt_cached(
     client: Client, settings: Settings, redis: aioredis.Redis,
 ) -> None:
@@ -70,6 +81,10 @@ async def test_a_sticky_step_after_a_short_pause_finds_its_whole_previous_prompt
         keepable = max(0, (prev.prompt_tokens // block - 1) * block)
         assert step.cached_tokens >= keepable, (prev, step)
     assert sticky >= 2, res.steps
+    # the workflow routed its first step; each later one took the route its previous
+    # step's worker chose as that step ended (no routing round trip of its own), unless
+    # a step's output ended the job or broke (then the next step routes itself)
+    assert 1 <= await _routes_in_workflow(client, res.job_id) < len(res.steps), res.steps
 
 
 async def test_a_new_job_of_a_warm_profile_lands_where_its_prefix_is(

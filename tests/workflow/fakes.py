@@ -12,6 +12,7 @@ from collections.abc import Callable
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from warmloop.activities.inference import finishes_job
 from warmloop.workflows.contracts import (
     ChatMessage,
     EngineAliveRequest,
@@ -179,6 +180,15 @@ class FakeActivities:
             result = result.model_copy(update={"cost_usd": price.cost(
                 prompt_tokens=result.prompt_tokens, cached_tokens=result.cached_tokens,
                 completion_tokens=result.completion_tokens)})
+        if req.route_next is not None and not finishes_job(profile, result.tool_calls):
+            # as the real worker: the job's next step routed here, by route_step itself;
+            # a refusal leaves the next step to route itself
+            try:
+                nxt: RouteDecision | None = await self.route_step(req.route_next.model_copy(
+                    update={"last_engine": engine, "mark_in_flight": False}))
+            except ApplicationError:
+                nxt = None
+            result = result.model_copy(update={"next_route": nxt})
         return result
 
     @activity.defn(name="run_tool")

@@ -105,7 +105,7 @@ async def test_a_default_tenant_job_records_no_tenant_marker(
 
 class QuotaFakes(FakeActivities):
     """route_step refuses the job's step ``refuse_at`` for a spent hour, the first ``times``
-    times it is asked (a route taken ahead, during the pause before the step, included)."""
+    times it is asked (the route the step before's worker takes for it included)."""
 
     def __init__(self, refuse_at: int, times: int, retry_after_s: float) -> None:
         super().__init__(_script)
@@ -127,16 +127,16 @@ class QuotaFakes(FakeActivities):
 async def test_a_spent_hour_makes_the_next_step_wait_on_a_timer_then_go_on(
     time_skipping_env: WorkflowEnvironment,
 ) -> None:
-    fakes = QuotaFakes(refuse_at=2, times=1, retry_after_s=1800)
+    fakes = QuotaFakes(refuse_at=2, times=2, retry_after_s=1800)
     wid = "acme/quota-replay"  # recorded: the tenant's patch depends on the id
     async with workers(time_skipping_env, fakes) as client:
         res = await _run(client, wid, tenant="acme",
                          limits=JobLimits(max_steps=8, max_wall_time_s=7200))
         history = await client.get_workflow_handle(wid).fetch_history()
     assert res.state == JobState.FINISHED, res.reason
-    # refused at the step, which waits out the hour on a timer and routes again
-    assert [r.mark_in_flight for r in fakes.routes if r.step == 2] == [True, True]
-    assert fakes.refused == 1 and len(res.steps) == 3
+    # refused by step 1's worker (its route for step 2) and again at the step, which waits
+    assert [r.mark_in_flight for r in fakes.routes if r.step == 2] == [False, True, True]
+    assert fakes.refused == 2 and len(res.steps) == 3
     timers = [e.timer_started_event_attributes.start_to_fire_timeout.ToSeconds()
               for e in history.events if e.event_type == EventType.EVENT_TYPE_TIMER_STARTED]
     assert timers == [1800]
