@@ -1,6 +1,7 @@
 """Run as ``python -m tests.unit.spin_probe``: a main module that imports the spin patch
 (as ``warmloop.infra.vllm_cpu_server`` is the engines' main module) spawns a child and
-prints how long the child's shared-memory reader would spin."""
+prints how long the child's shared-memory reader would spin, and how long it would sleep
+without a ping."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def child(q: Any) -> None:
     ctx = zmq.Context()
     reader = shm_broadcast.SpinCondition(is_reader=True, context=ctx,
                                          notify_address="inproc://spin-probe")
-    q.put(reader.busy_loop_s)
+    q.put(f"{reader.busy_loop_s} {shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS}")
     ctx.destroy(linger=0)
 
 
