@@ -8,7 +8,7 @@ import json
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any, TypeGuard
+from typing import Any, Protocol, TypeGuard
 
 import httpx
 import structlog
@@ -28,7 +28,6 @@ from warmloop.activities.registry import (
     TenantUsage,
     step_key,
 )
-from warmloop.activities.routing import RoutingActivities
 from warmloop.activities.trace_prompts import TracePromptStore
 from warmloop.activities.transcripts import TranscriptStore
 from warmloop.workflows import tool_loading
@@ -74,9 +73,10 @@ MAX_JOBS_SEEN = 10_000
 MAX_UNDONE = 10_000
 """Steps kept to take off the in-flight set once Redis is back (the oldest go first)."""
 HOLD_ERRORS: tuple[type[Exception], ...] = (httpx.HTTPError, ValueError, *REDIS_ERRORS)
-NEXT_ROUTE_ERRORS: tuple[type[Exception], ...] = (ApplicationError, *REDIS_ERRORS)
-"""A refusal (a tenant's spent hour, no engine), or Redis away or slow (TimeoutError)."""
 """What a hold decision may meet (the engine, Redis): it costs the hold, not the step."""
+NEXT_ROUTE_ERRORS: tuple[type[Exception], ...] = (ApplicationError, *REDIS_ERRORS)
+"""What routing the next step may meet: a refusal (a tenant's spent hour, no engine), or
+Redis away or slow (``TimeoutError``). It costs the next step a route of its own."""
 
 
 def _prefix_record_skipped(profile: str, reason: str) -> None:
@@ -87,6 +87,13 @@ def _prefix_record_skipped(profile: str, reason: str) -> None:
         "warmloop_prefix_records_skipped",
         "Steps whose prefix-directory records were skipped (Redis away or failing).",
     ).add(1, {"profile": profile, "reason": reason})
+
+
+class StepRouter(Protocol):
+    """What routes a job's next step from the inference worker (``RoutingActivities``,
+    the agent worker's own routing code, built once per worker)."""
+
+    async def route_step(self, req: RouteRequest) -> RouteDecision: ...
 
 
 class InferenceActivities:
@@ -115,7 +122,7 @@ class InferenceActivities:
                  outage: RedisOutage | None = None,
                  usage: TenantUsage | None = None,
                  grounded_arguments: bool = False,
-                 router: RoutingActivities | None = None) -> None:
+                 router: StepRouter | None = None) -> None:
         self._engine_id = engine_id
         self._router = router  # routes a job's next step when the step asks (route_next)
         self._grounded = grounded_arguments  # id arguments only from the job's text
