@@ -38,6 +38,19 @@ from warmloop.workers.engine_metrics import (  # noqa: F401 - the benchmarks imp
 from warmloop.workers.plugins import load_plugins
 from warmloop.workers.settings import Settings
 
+BENCH_MAX_MODEL_LEN = 6144
+TINY_KV_BYTES_PER_TOKEN = 2048
+"""The tiny model's KV cache per token (bf16, its layers and heads)."""
+
+
+def min_kv_bytes(max_model_len: int = BENCH_MAX_MODEL_LEN) -> int:
+    """The smallest pool an engine starts with: one max-length request plus the ~128
+    tokens vLLM keeps back (a 12 MiB pool offers 6,016 tokens), with a margin."""
+    return (max_model_len + 256) * TINY_KV_BYTES_PER_TOKEN
+
+
+MIN_BENCH_KV_BYTES = min_kv_bytes()
+
 BENCH_OFFSETS: dict[str, int] = {
     "routing": 0, "replay": 7, "burst": 10, "pauses": 20, "contention": 30, "faults": 40,
     "gateway": 50, "hedge": 60, "lazy-tools": 70, "hygiene": 80, "ladder-test": 95,
@@ -60,7 +73,8 @@ def bench_ports(offset: int) -> dict[str, int]:
 
 
 def bench_settings(name: str, *, engines: int, kv_cache_bytes: int,
-                   synthetic_pauses: SyntheticPauses | None = None, **extra: Any) -> Settings:
+                   synthetic_pauses: SyntheticPauses | None = None,
+                   max_model_len: int = BENCH_MAX_MODEL_LEN, **extra: Any) -> Settings:
     """A stack apart from `warmloop dev up`'s: its own state dir and ports (its offset in
     ``BENCH_OFFSETS`` keeps two benches apart), small KV pools, prompt chains traced for
     the oracle.
@@ -71,6 +85,13 @@ def bench_settings(name: str, *, engines: int, kv_cache_bytes: int,
         raise ValueError(f"bench {name!r} has no port offset: add it to BENCH_OFFSETS")
     if not 1 <= engines <= MAX_BENCH_ENGINES:
         raise ValueError(f"a bench stack runs 1-{MAX_BENCH_ENGINES} engines, not {engines}")
+    if kv_cache_bytes < (floor := min_kv_bytes(max_model_len)):
+        # vLLM refuses a pool that cannot hold one request of max_model_len, but only
+        # after minutes of start-up, from inside an engine's log
+        raise ValueError(
+            f"a KV pool of {kv_cache_bytes:,} bytes cannot hold one {max_model_len:,}"
+            f"-token request beside vLLM's reserve: pass at least {floor:,} "
+            f"(--kv-cache-bytes; {TINY_KV_BYTES_PER_TOKEN:,} bytes a token on the tiny model)")
     ports = bench_ports(BENCH_OFFSETS[name])
     os.environ[PAUSES_ENV] = (synthetic_pauses or SyntheticPauses()).model_dump_json()
     load_plugins(plugins="bench.plugin")
@@ -82,7 +103,7 @@ def bench_settings(name: str, *, engines: int, kv_cache_bytes: int,
         s3_endpoint_url=f"http://127.0.0.1:{ports['s3']}", engine_count=engines,
         engine_base_port=ports["engine_base"],
         engine_kv_events_base_port=ports["kv_events_base"],
-        engine_kv_cache_bytes=kv_cache_bytes, engine_max_model_len=6144,
+        engine_kv_cache_bytes=kv_cache_bytes, engine_max_model_len=max_model_len,
         agent_metrics_port=None, inference_metrics_base_port=None,
         inbox_port=ports["inbox"], approvals_url=f"http://127.0.0.1:{ports['inbox']}",
         gateway_port=ports["gateway"],
@@ -160,7 +181,7 @@ async def bench_stack(settings: Settings, console: Console, *,
     stack = Stack(settings, log=lambda m: console.print(f"  {m}", highlight=False))
     kv = settings.engine_kv_cache_bytes or 0
     console.print(f"starting the bench stack ({settings.engine_count} engines, KV pool "
-                  f"{kv // 2048:,} tokens each) ...")
+                  f"{kv // TINY_KV_BYTES_PER_TOKEN:,} tokens each) ...")
     fresh_state(settings)
     await asyncio.to_thread(stack.up)
     redis = aioredis.Redis.from_url(settings.redis_url, **redis_options(settings))

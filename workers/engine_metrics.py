@@ -18,7 +18,10 @@ COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
             "vllm:generation_tokens_total",
             # where the engine's own time went, per request: its queue and its prefill
             "vllm:request_queue_time_seconds_sum", "vllm:request_queue_time_seconds_count",
-            "vllm:request_prefill_time_seconds_sum")
+            "vllm:request_prefill_time_seconds_sum",
+            # and its decode: with the prefill time per computed token, it shows engines
+            # slowed by sharing the host's cores (the same tokens take longer)
+            "vllm:request_decode_time_seconds_sum")
 
 
 class CacheResetError(RuntimeError):

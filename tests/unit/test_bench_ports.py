@@ -9,7 +9,13 @@ from urllib.parse import urlparse
 import pytest
 
 from bench import gateway, hedge
-from bench.common import BENCH_OFFSETS, MAX_BENCH_ENGINES, bench_ports, bench_settings
+from bench.common import (
+    BENCH_OFFSETS,
+    MAX_BENCH_ENGINES,
+    MIN_BENCH_KV_BYTES,
+    bench_ports,
+    bench_settings,
+)
 from warmloop.workers.settings import Settings
 
 
@@ -55,3 +61,11 @@ def test_an_unknown_bench_or_offset_is_refused() -> None:
         bench_ports(100)
     with pytest.raises(ValueError, match="engines"):
         bench_settings("routing", engines=MAX_BENCH_ENGINES + 1, kv_cache_bytes=1 << 26)
+
+
+def test_a_pool_too_small_for_one_request_is_refused_before_start_up() -> None:
+    # a 12 MiB pool looks like 6,144 tokens but vLLM offers 6,016 of them, and refuses
+    # the engine after minutes of start-up; the bench says so at once, with the floor
+    with pytest.raises(ValueError, match=f"at least {MIN_BENCH_KV_BYTES:,}"):
+        bench_settings("routing", engines=2, kv_cache_bytes=12 * 1024 * 1024)
+    assert bench_settings("routing", engines=2, kv_cache_bytes=MIN_BENCH_KV_BYTES)
