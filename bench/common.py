@@ -194,9 +194,11 @@ async def bench_stack(settings: Settings, console: Console, *,
         failed = True  # not Ctrl-C or a cancel (BaseException): those come down too
         raise
     finally:
-        await redis.aclose()
-        if not (keep or failed):
-            await asyncio.to_thread(stack.down)
+        try:
+            await redis.aclose()
+        finally:  # a second SIGTERM cancels the close; the stack still comes down
+            if not (keep or failed):
+                await asyncio.to_thread(stack.down)
 
 
 # ---- repeats: medians and ranges ---------------------------------------------------------

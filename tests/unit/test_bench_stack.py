@@ -77,6 +77,33 @@ async def test_a_stopped_run_takes_its_stack_down(fakes: list[str]) -> None:
     assert fakes == ["up", "redis closed", "down"]
 
 
+async def test_a_second_stop_during_the_teardown_still_takes_the_stack_down(
+        fakes: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGTERM sent to both `make` and the bench (``pkill -f``) cancels the run, then
+    its Redis close: the engines, Temporal, Redis and S3 must come down anyway."""
+    closing, entered = asyncio.Event(), asyncio.Event()
+
+    class SlowRedis:
+        async def aclose(self) -> None:
+            closing.set()
+            await asyncio.Event().wait()  # until the second cancel
+
+    monkeypatch.setattr(common.aioredis.Redis, "from_url", lambda *a, **k: SlowRedis())
+
+    async def body() -> None:
+        entered.set()
+        await asyncio.Event().wait()
+
+    task = asyncio.create_task(run(body))
+    await entered.wait()
+    task.cancel()
+    await closing.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert fakes == ["up", "down"]
+
+
 async def test_a_failed_run_leaves_its_stack_up_to_inspect(fakes: list[str]) -> None:
     async def body() -> None:
         raise RuntimeError("the bench broke")

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.routing import oracle_hit_rate, workload
+from bench.routing import bounded_oracle_hit_rate, oracle_hit_rate, workload
 from warmloop.activities.directory import KvEventApplier, prompt_chain
 from warmloop.activities.registry import parse_cache_config
 from warmloop.workflows.routing import (
@@ -277,3 +277,25 @@ def test_linear_choice_decides_exactly_like_the_sorting_one(
                       policy=policy, batch=batch)  # type: ignore[arg-type]
     assert (d.engine_id, d.reason, d.scores) == _choose_by_sorting(
         cands, job_id=job, last_engine=last, config=CFG, policy=policy, batch=batch)
+
+
+def test_the_bounded_oracle_is_beladys_min_on_the_fleets_pool() -> None:
+    trace = [{"tokens": 32, "hashes": ["a", "b"]}, {"tokens": 16, "hashes": ["c"]},
+             {"tokens": 16, "hashes": ["a"]}, {"tokens": 20, "hashes": ["b"]}]
+    # a, b, c miss; c is never used again, so the 2-block pool evicts it: a, b hit
+    assert bounded_oracle_hit_rate(trace, 16, 2) == 32 / 84
+    # one block: a comes back sooner than b, so b passes through and a stays; a hits
+    assert bounded_oracle_hit_rate(trace, 16, 1) == 16 / 84
+    # a pool that holds everything is the unbounded oracle
+    assert abs(bounded_oracle_hit_rate(trace, 16, 10) - oracle_hit_rate(trace, 16)) < 1e-12
+    assert bounded_oracle_hit_rate([], 16, 4) == 0.0
+
+
+@given(st.lists(st.lists(st.sampled_from("abcdefgh"), min_size=1, max_size=4, unique=True),
+                max_size=30), st.integers(1, 10))
+def test_the_bounded_oracle_never_beats_the_unbounded_one(chains: list[list[str]],
+                                                          capacity: int) -> None:
+    trace = [{"tokens": 16 * len(c) + 3, "hashes": c} for c in chains]
+    bounded = bounded_oracle_hit_rate(trace, 16, capacity)
+    assert bounded <= oracle_hit_rate(trace, 16) + 1e-12
+    assert bounded <= bounded_oracle_hit_rate(trace, 16, capacity + 1) + 1e-12
