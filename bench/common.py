@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import heapq
 import json
 import os
 import re
@@ -199,6 +200,45 @@ async def bench_stack(settings: Settings, console: Console, *,
         finally:  # a second SIGTERM cancels the close; the stack still comes down
             if not (keep or failed):
                 await asyncio.to_thread(stack.down)
+
+
+# ---- the oracle under pressure ------------------------------------------------------------
+
+
+def bounded_oracle_hit_rate(trace: list[dict[str, Any]], block_size: int,
+                            capacity_blocks: int) -> float:
+    """The most any routing could hit with the fleet's pools: Belady's MIN (evict the
+    block used again furthest ahead, or never) on one pool the size of all the engines'
+    pools together, over the prompts in the order they were served.
+
+    Under pressure the unbounded oracle is out of reach for anyone; this is the bound
+    to judge a router against. It is an upper bound: one pool of the fleet's size can
+    hold whatever the engines hold between them, and it ignores that a running
+    request's blocks are pinned and that a block hits only behind a cached prefix, both
+    of which only lower what real engines reach. Partial last blocks miss, as in
+    ``bench.routing.oracle_hit_rate``."""
+    seq = [h for t in trace for h in t["hashes"]]
+    never = len(seq)
+    next_use = [never] * len(seq)
+    seen: dict[str, int] = {}
+    for i in range(len(seq) - 1, -1, -1):
+        next_use[i] = seen.get(seq[i], never)
+        seen[seq[i]] = i
+    cached: dict[str, int] = {}  # block -> its next use
+    furthest: list[tuple[int, str]] = []  # (-next use, block); stale entries skipped
+    hits = 0
+    for i, h in enumerate(seq):
+        if h in cached:
+            hits += 1
+        cached[h] = next_use[i]
+        heapq.heappush(furthest, (-next_use[i], h))
+        while len(cached) > capacity_blocks:
+            neg, victim = heapq.heappop(furthest)
+            if cached.get(victim) == -neg:
+                del cached[victim]
+    total = sum(t["tokens"] for t in trace)
+    return hits * block_size / total if total else 0.0
+
 
 
 # ---- repeats: medians and ranges ---------------------------------------------------------
