@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: install demo test test-fast test-browser test-multihost browser promtool lint down status clean bench-routing bench-burst bench-pauses bench-contention bench-faults bench-gateway bench-sim-fidelity bench-fleet replay-demo model eval-model model-large eval-ladder bench-ladder bench-lazy-tools bench-hedge bench-hygiene
+.PHONY: install demo test test-fast test-browser test-multihost browser promtool lint down status clean bench-routing bench-routing-pressure bench-burst bench-pauses bench-contention bench-faults bench-gateway bench-sim-fidelity bench-fleet replay-demo model eval-model model-large eval-ladder bench-ladder bench-lazy-tools bench-hedge bench-hygiene
 
 install: $(INSTALLED)
 
@@ -101,6 +101,10 @@ lint: install
 ## and ranges of 3 interleaved repeats (own stack; ~25 min here).
 bench-routing: install $(VENV)/.bench-installed
 	$(BIN)/python -m bench.routing $(ARGS)
+
+## The same under pressure: pools the profiles fit only when split over the engines.
+bench-routing-pressure: install $(VENV)/.bench-installed
+	$(BIN)/python -m bench.routing --pressure --policies warmloop peer $(ARGS)
 
 ## Batch lane: a 100-job burst, naive vs lanes, with interactive jobs alongside (own stack).
 bench-burst: install

@@ -90,6 +90,10 @@ running jobs, so every cache-aware router comes close to the oracle (the easy wo
 PRESSURE_KV_BYTES = 8 * 1024 * 1024
 """4,096 tokens an engine: the four profiles' prefixes and the running jobs fit the two
 engines together but not one, so profiles must be split and evictions followed."""
+PRESSURE_IN_FLIGHT = 4.0
+"""Jobs running at once under pressure: about what the two pools hold between them
+(~1,500 tokens of each profile's prefix, ~500-900 of each job's own). At 6.5 (arrivals
+sized from a 96 ms step) every router thrashed, warmloop and the peer alike (0.70-0.77)."""
 PRESSURE_MAX_MODEL_LEN = 3072
 """Under pressure a pool holds one longest request (a job's last prompt is ~2,400
 tokens) but not 6,144 tokens, which vLLM would refuse."""
@@ -318,18 +322,33 @@ async def warm_engines(client: Client, specs: list[JobSpec], engine_ids: list[st
     return len(firsts) * len(engine_ids)
 
 
-async def calibrate_step_s(client: Client, spec: JobSpec, tag: str) -> float:
-    """The stack's time for one step on a quiet fleet (routing, Temporal, the worker, the
-    engine's prefill and decode): the mean over one scripted job run alone. The offered
-    load is sized from it, so a slower or faster machine runs the same regime."""
+@dataclass(frozen=True)
+class Calibration:
+    """One scripted job run alone on the quiet fleet: what the offered load is sized
+    from, so a slower or faster machine runs the same regime."""
+
+    step_s: float
+    """The stack's time for one step (routing, Temporal, the worker, the engine's prefill
+    and decode), the mean over the job's steps."""
+    between_steps_s: float
+    """The rest of a step's share of the job's wall time beyond its scripted pause (the
+    tool's activity, the pause's timer, the workflow's own turns)."""
+
+
+async def calibrate(client: Client, spec: JobSpec, tag: str) -> Calibration:
+    started = time.monotonic()
     res = await client.execute_workflow(
         AgentJob.run, job_input(spec, live=False), id=f"bench-{tag}-calibrate",
         task_queue=AGENT_TASK_QUEUE)
+    wall = time.monotonic() - started
     walls = [s.timing.overhead_ms + s.timing.ttft_ms + s.timing.decode_ms
              for s in res.steps if s.timing is not None]
     if not walls:
         raise RuntimeError("the calibration job's steps carry no timing")
-    return statistics.mean(walls) / 1000
+    step_s = statistics.mean(walls) / 1000
+    pauses = sum(st.pause_s for st in scripted(spec).steps)
+    return Calibration(step_s=step_s, between_steps_s=max(
+        0.0, (wall - pauses) / max(1, len(res.steps)) - step_s))
 
 
 def sized_gap_s(mean_steps: float, step_s: float, *, engines: int,
@@ -337,6 +356,19 @@ def sized_gap_s(mean_steps: float, step_s: float, *, engines: int,
     """Mean time between arrivals that offers the fleet ``utilization`` of its serial
     step capacity (``engines`` / ``step_s`` steps a second) with jobs of ``mean_steps``."""
     return mean_steps * step_s / (engines * utilization)
+
+
+def in_flight_gap_s(specs: list[JobSpec], cal: Calibration, *, in_flight: float) -> float:
+    """Mean time between arrivals that keeps ``in_flight`` jobs running on average
+    (Little's law): a job lasts its scripted pauses plus its steps as calibrated.
+
+    KV pressure follows the jobs in flight, not the engines' speed: sized from step
+    time alone, a faster host would run more jobs at once (a job is mostly its tool
+    pauses) and thrash pools a slower one holds."""
+    job_s = statistics.mean(sum(st.pause_s for st in scripted(spec).steps)
+                            + spec.steps * (cal.step_s + cal.between_steps_s)
+                            for spec in specs)
+    return job_s / in_flight
 
 
 async def direct_dispatch_ms(http: httpx.AsyncClient, url: str, n: int = 20) -> list[float]:
@@ -380,13 +412,22 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
         warmed = await warm_engines(client, workload(args.seed, args.jobs, 1.0),
                                     fleet.engine_ids, run_tag)
         console.print(f"warmed the engines: {warmed} jobs (each profile on each engine)")
-        step_s = await calibrate_step_s(client, workload(args.seed + 1, 1, 1.0)[0], run_tag)
+        cal = await calibrate(client, workload(args.seed + 1, 1, 1.0)[0], run_tag)
+        step_s = cal.step_s
         mean_steps = 8.0  # workload(): 6-10 steps a job
-        gap = args.mean_gap_s or sized_gap_s(mean_steps, step_s, engines=args.engines,
-                                             utilization=args.utilization)
-        console.print(f"a quiet step takes {step_s * 1000:.0f} ms end to end; mean gap "
-                      f"between arrivals {gap:.2f} s"
-                      + ("" if args.mean_gap_s else f" (utilization {args.utilization})"))
+        if args.mean_gap_s:
+            gap, sized_by = args.mean_gap_s, ""
+        elif args.pressure:
+            gap = in_flight_gap_s(workload(args.seed, args.jobs, 1.0), cal,
+                                  in_flight=PRESSURE_IN_FLIGHT)
+            sized_by = f" ({PRESSURE_IN_FLIGHT} jobs in flight)"
+        else:
+            gap = sized_gap_s(mean_steps, step_s, engines=args.engines,
+                              utilization=args.utilization)
+            sized_by = f" (utilization {args.utilization})"
+        console.print(f"a quiet step takes {step_s * 1000:.0f} ms end to end (and "
+                      f"{cal.between_steps_s * 1000:.0f} ms between steps); mean gap "
+                      f"between arrivals {gap:.2f} s{sized_by}")
         specs = workload(args.seed, args.jobs, gap)
         peer = PeerRouter(urls, args.peer_port, settings.state_dir / "logs" / "sglang-router.log")
         peer_inference = InferenceActivities(
