@@ -17,6 +17,7 @@ from bench.gateway import (
     oracle_hit_rate,
     policy_figures,
     result_json,
+    served_bound,
     session_headers,
     steady_ramp_s,
     workload,
@@ -105,6 +106,30 @@ def test_oracle_counts_each_full_block_once_and_partial_blocks_every_time() -> N
     assert oracle_hit_rate([[1, 2, 3, 4], [9, 9, 3, 4]], 2) == 0.0
     assert oracle_hit_rate([[1, 2]] * 4, 2) == pytest.approx(0.75)
     assert oracle_hit_rate([], 16) == 0.0
+
+
+def test_the_bound_follows_the_order_the_run_sent_the_prompts() -> None:
+    w = workload(3, 2)
+    calls = [(s.index, k) for s in w.sessions for k in range(s.calls)]
+    # block 2; session 0's calls share [1,2], session 1's share [5,6], all distinct after
+    prompts = [[1, 2, 10 + i] if s == w.sessions[0].index else [5, 6, 10 + i]
+               for i, (s, _) in enumerate(calls)]
+    total = sum(map(len, prompts))
+
+    def sent(order: list[tuple[int, int]]) -> list[CallRecord]:
+        return [CallRecord(session=s, call=k, sent=float(t)) for t, (s, k) in enumerate(order)]
+
+    # a one-block pool: session by session, each shared block misses once
+    one_by_one = served_bound(w, prompts, sent(calls), 2, 1)
+    assert one_by_one == pytest.approx(2 * (len(calls) - 2) / total)
+    # interleaved, the pool can still keep one of the two families between its uses
+    mixed = [c for pair in zip(calls[:len(calls) // 2], calls[len(calls) // 2:],
+                               strict=False) for c in pair]
+    mixed += [c for c in calls if c not in mixed]
+    assert served_bound(w, prompts, sent(mixed), 2, 1) < one_by_one
+    # a pool that holds both families: the unbounded oracle in any order
+    assert served_bound(w, prompts, sent(mixed), 2, 2) == pytest.approx(
+        oracle_hit_rate(prompts, 2))
 
 
 def _counters(queries: float, hits: float, prompt: float) -> dict[str, float]:

@@ -300,3 +300,19 @@ def test_the_bounded_oracle_never_beats_the_unbounded_one(chains: list[list[str]
     bounded = bounded_oracle_hit_rate(trace, 16, capacity)
     assert bounded <= oracle_hit_rate(trace, 16) + 1e-12
     assert bounded <= bounded_oracle_hit_rate(trace, 16, capacity + 1) + 1e-12
+
+
+def test_pressure_arrivals_keep_the_jobs_in_flight_whatever_the_host_speed() -> None:
+    from bench.routing import Calibration, in_flight_gap_s, scripted
+
+    specs = workload(7, 40, 1.0)
+    pauses = sum(sum(st.pause_s for st in scripted(s).steps) for s in specs) / len(specs)
+    steps = sum(s.steps for s in specs) / len(specs)
+    cal = Calibration(step_s=0.1, between_steps_s=0.4)
+    gap = in_flight_gap_s(specs, cal, in_flight=4.0)
+    # Little's law: jobs in flight = arrival rate x a job's time
+    assert (pauses + steps * 0.5) / gap == pytest.approx(4.0)
+    assert in_flight_gap_s(specs, cal, in_flight=2.0) == pytest.approx(2 * gap)
+    # a slower host's steps lengthen the jobs, so arrivals space out to hold 4 in flight
+    slow = Calibration(step_s=0.3, between_steps_s=0.4)
+    assert in_flight_gap_s(specs, slow, in_flight=4.0) > gap
