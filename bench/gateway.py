@@ -557,6 +557,9 @@ def policy_figures(run: PolicyRun) -> dict[str, Any]:
         out["hold_decisions"] = run.gateway["hold_decisions"]
         out["learn_skipped"] = run.gateway["learn_skipped"]
         out["failovers"] = run.gateway["failovers"]
+        # its own time before each call left for the engine, under the run's load: the
+        # part of warmloop's TTFT that no engine and no peer router adds
+        out["own_added_mean_ms"] = run.gateway["own_added_mean_ms"]
     return out
 
 
@@ -877,7 +880,9 @@ def report(m: dict[str, Any], rg: dict[str, Any], n: int, console: Console) -> N
                       f"{wl.get('touch_computed_tokens', 0):,.0f} tokens (in its prefill); "
                       f"routes {wl.get('route_reasons')}; hold decisions "
                       f"{wl.get('hold_decisions')}; prompts not learned "
-                      f"{wl.get('learn_skipped', 0):.0f}; failovers {wl.get('failovers', 0):.0f}")
+                      f"{wl.get('learn_skipped', 0):.0f}; failovers {wl.get('failovers', 0):.0f}; "
+                      f"its own time before sending under load, mean "
+                      f"{wl.get('own_added_mean_ms')} ms")
     if m.get("overhead_p50_ms") is not None:
         console.print(
             f"gateway added latency on a quiet fleet: p50 "
