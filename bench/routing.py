@@ -501,6 +501,19 @@ def job_rows_of(run: PolicyRun) -> list[dict[str, Any]]:
     return rows
 
 
+def paired_job_diff_ms(runs: dict[str, PolicyRun]) -> dict[str, float]:
+    """Each policy's mean job time minus warmloop's, job by job: every policy runs the
+    same scripted jobs at the same arrival times, so a job's twin differs only by
+    routing. A p95 over 40 jobs is the second-slowest job and moves with it; the paired
+    mean moves only with what every job pays."""
+    wl = runs.get("warmloop")
+    if wl is None:
+        return {}
+    return {name: round(1000 * statistics.mean(o - w for o, w in zip(
+                run.durations, wl.durations, strict=True)), 1)
+            for name, run in runs.items() if name != "warmloop" and run.durations}
+
+
 def figures(runs: dict[str, PolicyRun], direct: list[float],
             quiet: list[JobResult]) -> dict[str, Any]:
     """One repeat's figures (the JSON keys; the medians over repeats are reported)."""
@@ -546,6 +559,7 @@ def figures(runs: dict[str, PolicyRun], direct: list[float],
         "prefill_ms_per_1k": by_policy("prefill_ms_per_1k"),
         "decode_ms_per_token": by_policy("decode_ms_per_token"),
         "top_engine_share": by_policy("top_engine_share"),
+        "paired_job_diff_ms": paired_job_diff_ms(runs),
         "overhead_p50_ms": round(pct(dispatch, .5), 2),
         "overhead_p95_ms": round(pct(dispatch, .95), 2),
         "route_p50_ms": round(pct(route, .5), 2),
@@ -624,6 +638,11 @@ def report(m: dict[str, Any], rg: dict[str, Any], n: int, console: Console, *,
         p95 = m["job_p95_s"]
         checks.append(f"job p95 {p95['warmloop'] / max(1e-9, p95['peer']):.2f}x the peer's "
                       "(target <= 1.00)")
+        paired = m.get("paired_job_diff_ms", {}).get("peer")
+        if paired is not None:
+            span = rg.get("paired_job_diff_ms", {}).get("peer")
+            checks.append(f"the peer's jobs took {fmt_range(paired, span, '+.0f')} ms longer "
+                          "than their warmloop twins on average")
     if rr:
         checks.append(f"prefill {m['prefill_tokens']['warmloop'] / rr:.2f}x round-robin's")
     checks.append(f"overhead p50 {m['overhead_p50_ms']:.1f} ms (target < 10), p95 "

@@ -316,3 +316,18 @@ def test_pressure_arrivals_keep_the_jobs_in_flight_whatever_the_host_speed() -> 
     # a slower host's steps lengthen the jobs, so arrivals space out to hold 4 in flight
     slow = Calibration(step_s=0.3, between_steps_s=0.4)
     assert in_flight_gap_s(specs, slow, in_flight=4.0) > gap
+
+
+def test_the_paired_job_time_compares_each_job_with_its_twin() -> None:
+    from bench.routing import PolicyRun, paired_job_diff_ms
+
+    def run(policy: str, durations: list[float]) -> PolicyRun:
+        return PolicyRun(policy=policy, hit_rate=0.0, prefill_tokens=0, prompt_tokens=0,
+                         job_p50_s=0.0, job_p95_s=0.0, makespan_s=0.0, states={}, steps=0,
+                         durations=durations)
+
+    runs = {"warmloop": run("warmloop", [1.0, 2.0, 9.0]),
+            "peer": run("peer", [1.1, 2.3, 8.5])}
+    # +100, +300, -500 ms: the peer's jobs took 33 ms less on average
+    assert paired_job_diff_ms(runs) == {"peer": -33.3}
+    assert paired_job_diff_ms({"peer": runs["peer"]}) == {}
