@@ -25,6 +25,7 @@ from temporalio.client import Client
 
 from bench.plugin import PAUSES_ENV
 from bench.synthetic_pauses import SyntheticPauses
+from warmloop.activities.registry import parse_cache_config
 from warmloop.infra.stack import Stack
 from warmloop.workers.clients import connect, redis_options
 from warmloop.workers.engine_metrics import (  # noqa: F401 - the benchmarks import them from here
@@ -203,6 +204,13 @@ async def bench_stack(settings: Settings, console: Console, *,
 
 
 # ---- the oracle under pressure ------------------------------------------------------------
+
+
+async def cache_geometry(http: httpx.AsyncClient, urls: list[str]) -> tuple[int, int]:
+    """(block size, blocks in all the engines' pools), from the first engine's cache
+    config (the bench's engines are alike); (0, 0) when it does not say."""
+    block_size, pool_tokens = parse_cache_config((await http.get(f"{urls[0]}/metrics")).text)
+    return block_size, len(urls) * pool_tokens // block_size if block_size else 0
 
 
 def bounded_oracle_hit_rate(trace: list[dict[str, Any]], block_size: int,

@@ -65,6 +65,7 @@ from bench.common import (
     bench_settings,
     bench_stack,
     bounded_oracle_hit_rate,
+    cache_geometry,
     counters_of,
     fmt_range,
     histogram_quantile_ms,
@@ -78,7 +79,6 @@ from bench.common import (
 from bench.synthetic_profiles import LOOKUP_KEYS, SYNTHETIC_DOMAINS, WORDS
 from warmloop.activities.holds import hold_stats
 from warmloop.activities.pauses import PAUSES_INDEX
-from warmloop.activities.registry import parse_cache_config
 from warmloop.infra.stack import settings_env
 from warmloop.workers.settings import Settings
 from warmloop.workflows.routing import block_hashes
@@ -274,18 +274,16 @@ def oracle_hit_rate(prompts: list[list[int]], block_size: int) -> float:
     return 1 - (len(unique) * block_size + partial) / total
 
 
-def served_bound(w: Workload, prompts: list[list[int]], records: list[CallRecord],
+def served_bound(w: Workload, chains: list[dict[str, Any]], records: list[CallRecord],
                  block_size: int, fleet_blocks: int) -> float:
-    """The most the fleet's pools could hit (``bounded_oracle_hit_rate``) over the
-    prompts in the order a run sent them (``prompts`` is in the workload's order:
-    session by session, call by call)."""
+    """The most the fleet's pools could hit (``bounded_oracle_hit_rate``) over the calls
+    in the order a run sent them. ``chains`` are the calls' prompts as ``{"tokens",
+    "hashes"}``, in the workload's order: session by session, call by call."""
     at: dict[tuple[int, int], int] = {}
     for s in w.sessions:
         for k in range(s.calls):
             at[(s.index, k)] = len(at)
-    order = [at[(r.session, r.call)] for r in sorted(records, key=lambda r: r.sent)]
-    trace = [{"tokens": len(prompts[i]), "hashes": block_hashes(prompts[i], block_size)}
-             for i in order]
+    trace = [chains[at[(r.session, r.call)]] for r in sorted(records, key=lambda r: r.sent)]
     return bounded_oracle_hit_rate(trace, block_size, fleet_blocks)
 
 
@@ -710,12 +708,12 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
                                   limits=httpx.Limits(max_connections=256)) as http):
         urls = fleet.urls
         by_id = dict(zip(fleet.engine_ids, urls, strict=True))
-        block_size, pool_tokens = parse_cache_config(
-            (await http.get(f"{urls[0]}/metrics")).text)
+        block_size, fleet_blocks = await cache_geometry(http, urls)
         console.print("tokenizing every call's prompt for the oracle ...")
         prompts = await tokenized_prompts(http, urls[0], w, model)
         oracle = oracle_hit_rate(prompts, block_size)
-        fleet_blocks = len(urls) * pool_tokens // block_size if block_size else 0
+        # each call's block chain, hashed once for every repeat's bound
+        chains = [{"tokens": len(p), "hashes": block_hashes(p, block_size)} for p in prompts]
         console.print(f"oracle hit rate {oracle:.4f} over {sum(map(len, prompts)):,} prompt "
                       f"tokens (block {block_size})")
         gateway = gateway_server(settings, len(urls))
@@ -784,7 +782,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
                     f = figures[policy] = policy_figures(run)
                     if policy == "warmloop" and fleet_blocks:
                         figures["bounded_oracle_hit_rate"] = round(served_bound(
-                            w, prompts, run.records, block_size, fleet_blocks), 4)
+                            w, chains, run.records, block_size, fleet_blocks), 4)
                     console.print(
                         f"  hit rate {f['hit_rate']:.3f} (usage {f['usage_hit_rate']:.3f}), "
                         f"prefill {f['prefill_tokens']:,}, TTFT p50/p95 "

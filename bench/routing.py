@@ -49,6 +49,7 @@ from bench.common import (
     bench_settings,
     bench_stack,
     bounded_oracle_hit_rate,
+    cache_geometry,
     counters_of,
     fmt_range,
     medians_and_ranges,
@@ -64,7 +65,6 @@ from bench.synthetic_profiles import LOOKUP_KEYS, SYNTHETIC_DOMAINS, WORDS
 from bench.synthetic_tools import SyntheticTools
 from warmloop.activities.directory import PrefixDirectory
 from warmloop.activities.inference import InferenceActivities
-from warmloop.activities.registry import parse_cache_config
 from warmloop.activities.transcripts import TranscriptStore
 from warmloop.workers.clients import build_s3
 from warmloop.workers.report import breakdown_table, step_breakdown
@@ -136,6 +136,11 @@ def scripted(spec: JobSpec, output_tokens: int = 12) -> ReplayScript:
             result=tools.run(req).result.output, pause_s=0.0 if last else tools.pause_s(req),
             output_tokens=output_tokens, pause_kind="" if last else "tool:lookup"))
     return ReplayScript(steps=steps)
+
+
+def scripted_pause_s(spec: JobSpec) -> float:
+    """The job's tool pauses in all, as ``scripted`` replays them."""
+    return sum(step.pause_s for step in scripted(spec).steps)
 
 
 def job_input(spec: JobSpec, *, live: bool, **options: Any) -> JobInput:
@@ -346,7 +351,7 @@ async def calibrate(client: Client, spec: JobSpec, tag: str) -> Calibration:
     if not walls:
         raise RuntimeError("the calibration job's steps carry no timing")
     step_s = statistics.mean(walls) / 1000
-    pauses = sum(st.pause_s for st in scripted(spec).steps)
+    pauses = scripted_pause_s(spec)
     return Calibration(step_s=step_s, between_steps_s=max(
         0.0, (wall - pauses) / max(1, len(res.steps)) - step_s))
 
@@ -365,7 +370,7 @@ def in_flight_gap_s(specs: list[JobSpec], cal: Calibration, *, in_flight: float)
     KV pressure follows the jobs in flight, not the engines' speed: sized from step
     time alone, a faster host would run more jobs at once (a job is mostly its tool
     pauses) and thrash pools a slower one holds."""
-    job_s = statistics.mean(sum(st.pause_s for st in scripted(spec).steps)
+    job_s = statistics.mean(scripted_pause_s(spec)
                             + spec.steps * (cal.step_s + cal.between_steps_s)
                             for spec in specs)
     return job_s / in_flight
@@ -406,9 +411,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
     async with (bench_stack(settings, console, keep=args.keep_stack) as fleet,
                 httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=5.0)) as http):
         client, urls = fleet.client, fleet.urls
-        block_size, pool_tokens = parse_cache_config(
-            (await http.get(f"{urls[0]}/metrics")).text)
-        fleet_blocks = len(urls) * pool_tokens // block_size if block_size else 0
+        block_size, fleet_blocks = await cache_geometry(http, urls)
         warmed = await warm_engines(client, workload(args.seed, args.jobs, 1.0),
                                     fleet.engine_ids, run_tag)
         console.print(f"warmed the engines: {warmed} jobs (each profile on each engine)")

@@ -22,6 +22,7 @@ from bench.gateway import (
     steady_ramp_s,
     workload,
 )
+from warmloop.workflows.routing import block_hashes
 
 
 def test_workload_is_seeded_and_session_i_does_not_depend_on_the_count() -> None:
@@ -115,20 +116,21 @@ def test_the_bound_follows_the_order_the_run_sent_the_prompts() -> None:
     prompts = [[1, 2, 10 + i] if s == w.sessions[0].index else [5, 6, 10 + i]
                for i, (s, _) in enumerate(calls)]
     total = sum(map(len, prompts))
+    chains = [{"tokens": len(p), "hashes": block_hashes(p, 2)} for p in prompts]
 
     def sent(order: list[tuple[int, int]]) -> list[CallRecord]:
         return [CallRecord(session=s, call=k, sent=float(t)) for t, (s, k) in enumerate(order)]
 
     # a one-block pool: session by session, each shared block misses once
-    one_by_one = served_bound(w, prompts, sent(calls), 2, 1)
+    one_by_one = served_bound(w, chains, sent(calls), 2, 1)
     assert one_by_one == pytest.approx(2 * (len(calls) - 2) / total)
     # interleaved, the pool can still keep one of the two families between its uses
     mixed = [c for pair in zip(calls[:len(calls) // 2], calls[len(calls) // 2:],
                                strict=False) for c in pair]
     mixed += [c for c in calls if c not in mixed]
-    assert served_bound(w, prompts, sent(mixed), 2, 1) < one_by_one
+    assert served_bound(w, chains, sent(mixed), 2, 1) < one_by_one
     # a pool that holds both families: the unbounded oracle in any order
-    assert served_bound(w, prompts, sent(mixed), 2, 2) == pytest.approx(
+    assert served_bound(w, chains, sent(mixed), 2, 2) == pytest.approx(
         oracle_hit_rate(prompts, 2))
 
 

@@ -331,3 +331,17 @@ def test_the_paired_job_time_compares_each_job_with_its_twin() -> None:
     # +100, +300, -500 ms: the peer's jobs took 33 ms less on average
     assert paired_job_diff_ms(runs) == {"peer": -33.3}
     assert paired_job_diff_ms({"peer": runs["peer"]}) == {}
+
+
+async def test_the_fleets_cache_geometry_comes_from_an_engines_cache_config() -> None:
+    import httpx
+
+    from bench.common import cache_geometry
+
+    page = 'vllm:cache_config_info{block_size="16",kv_cache_size_tokens="4096"} 1.0\n'
+    transport = httpx.MockTransport(lambda req: httpx.Response(200, text=page))
+    async with httpx.AsyncClient(transport=transport) as http:
+        assert await cache_geometry(http, ["http://e0", "http://e1"]) == (16, 512)
+    silent = httpx.MockTransport(lambda req: httpx.Response(200, text=""))
+    async with httpx.AsyncClient(transport=silent) as http:
+        assert await cache_geometry(http, ["http://e0"]) == (0, 0)
