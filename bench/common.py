@@ -248,6 +248,22 @@ def bounded_oracle_hit_rate(trace: list[dict[str, Any]], block_size: int,
     return hits * block_size / total if total else 0.0
 
 
+def placement_bound_hit_rate(trace: list[dict[str, Any]], block_size: int,
+                             engine_blocks: int) -> float:
+    """The most a router's placement allowed: Belady's MIN on each engine's own pool
+    over the prompts that engine served (the trace's ``engine``). Between
+    ``bounded_oracle_hit_rate`` and this lies what the placement cost; between this and
+    the hit rate reached, what the engines' LRU evicted that a perfect eviction order
+    would have kept (the loss holds can recover)."""
+    by_engine: dict[str, list[dict[str, Any]]] = {}
+    for t in trace:
+        by_engine.setdefault(t["engine"], []).append(t)
+    total = sum(t["tokens"] for t in trace)
+    hit_tokens = sum(bounded_oracle_hit_rate(sub, block_size, engine_blocks)
+                     * sum(t["tokens"] for t in sub) for sub in by_engine.values())
+    return hit_tokens / total if total else 0.0
+
+
 
 # ---- repeats: medians and ranges ---------------------------------------------------------
 

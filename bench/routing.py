@@ -33,7 +33,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import httpx
 import redis.asyncio as aioredis
@@ -55,6 +55,7 @@ from bench.common import (
     medians_and_ranges,
     overlaps,
     pct,
+    placement_bound_hit_rate,
     policy_cell,
     reset_caches,
     rotated,
@@ -64,6 +65,7 @@ from bench.common import (
 from bench.synthetic_profiles import LOOKUP_KEYS, SYNTHETIC_DOMAINS, WORDS
 from bench.synthetic_tools import SyntheticTools
 from warmloop.activities.directory import PrefixDirectory
+from warmloop.activities.holds import hold_stats
 from warmloop.activities.inference import InferenceActivities
 from warmloop.activities.transcripts import TranscriptStore
 from warmloop.workers.clients import build_s3
@@ -82,6 +84,7 @@ from warmloop.workflows.contracts import (
     ToolRequest,
     engine_task_queue,
 )
+from warmloop.workflows.holding import HoldPolicy
 
 POLICIES = ("warmloop", "round_robin", "least_loaded", "peer")
 EASY_KV_BYTES = 16 * 1024 * 1024
@@ -143,11 +146,13 @@ def scripted_pause_s(spec: JobSpec) -> float:
     return sum(step.pause_s for step in scripted(spec).steps)
 
 
-def job_input(spec: JobSpec, *, live: bool, **options: Any) -> JobInput:
-    """The spec's job: scripted unless ``live``, and never holding (holds' touches would
-    show in the engines' counters, and this bench measures routing alone)."""
+def job_input(spec: JobSpec, *, live: bool, hold_policy: HoldPolicy = "never",
+              **options: Any) -> JobInput:
+    """The spec's job: scripted unless ``live``; by default never holding, to measure
+    routing alone (``--hold-policy`` lets warmloop's jobs hold through their tool pauses,
+    as a user's jobs do; the touches are then taken out of the hit rate)."""
     return JobInput(profile=spec.profile, task=spec.task, max_steps=spec.steps,
-                    tools=["lookup"], hold_policy="never",
+                    tools=["lookup"], hold_policy=hold_policy,
                     replay=None if live else scripted(spec), **options)
 
 
@@ -183,6 +188,8 @@ class PolicyRun:
     oracle_hit_rate: float | None = None
     bounded_oracle_hit_rate: float | None = None
     """The most a fleet of these pools could hit (``bounded_oracle_hit_rate``)."""
+    placement_bound_hit_rate: float | None = None
+    """The most this policy's placement allowed (``placement_bound_hit_rate``)."""
     engine_queue_ms: float = 0.0
     """Mean time a request waited in the engine's queue (its own histogram)."""
     engine_prefill_ms: float = 0.0
@@ -199,9 +206,27 @@ class PolicyRun:
     """The busiest engine's share of the prompt tokens (its own counter): how much a
     policy packs the work onto one engine (on a 2-core host, the other core then serves
     Temporal and the workers)."""
+    touches: int = 0
+    """Requests that kept a held prefix warm (only warmloop holds, and only with
+    ``--hold-policy``); their prompts are out of ``hit_rate``, their computed tokens in
+    ``prefill_tokens``."""
+    touch_computed_tokens: int = 0
     results: list[JobResult] = field(default_factory=list)
     durations: list[float] = field(default_factory=list)
     """Each job's wall time from its start, in ``results``' order."""
+
+
+HOLD_COUNTERS = ("touches", "touch_prompt_tokens", "touch_computed_tokens")
+
+
+def steps_hit_rate(queries: float, hits: float, touches: dict[str, float]) -> float:
+    """The steps' hit rate from the engines' counters, which also count the touches that
+    keep held prefixes warm: a touch's prompt was served from cache but what it computed
+    (its uncached prompt and its one output token), so take both out."""
+    touch_hits = touches.get("touch_prompt_tokens", 0) - touches.get(
+        "touch_computed_tokens", 0) + touches.get("touches", 0)
+    q = queries - touches.get("touch_prompt_tokens", 0)
+    return max(0.0, hits - touch_hits) / q if q > 0 else 0.0
 
 
 def oracle_hit_rate(trace: list[dict[str, Any]], block_size: int) -> float:
@@ -216,14 +241,16 @@ def oracle_hit_rate(trace: list[dict[str, Any]], block_size: int) -> float:
 async def run_policy(client: Client, policy: str, specs: list[JobSpec], run_tag: str,
                      http: httpx.AsyncClient, urls: list[str], redis: aioredis.Redis,
                      engine_ids: list[str], block_size: int, *, live: bool,
-                     fleet_blocks: int = 0) -> PolicyRun:
+                     fleet_blocks: int = 0, hold_policy: HoldPolicy = "never") -> PolicyRun:
     await reset_caches(http, urls, redis, engine_ids)
     before_each = [counters_of([page]) for page in await scrape(http, urls)]
+    holds_before = [await hold_stats(redis, e) for e in engine_ids]
     t0 = time.monotonic()
 
     async def one(spec: JobSpec) -> tuple[JobResult, float]:
         await asyncio.sleep(max(0.0, spec.arrival_s - (time.monotonic() - t0)))
         job = job_input(spec, live=live,
+                        hold_policy=hold_policy if policy == "warmloop" else "never",
                         routing="cache_aware" if policy in ("warmloop", "peer") else policy,
                         engine_id=PEER_ENGINE if policy == "peer" else None)
         started = time.monotonic()
@@ -240,6 +267,10 @@ async def run_policy(client: Client, policy: str, specs: list[JobSpec], run_tag:
     queried = [a["vllm:prefix_cache_queries_total"] - b["vllm:prefix_cache_queries_total"]
                for a, b in zip(after_each, before_each, strict=True)]
     queries, hits = d["vllm:prefix_cache_queries_total"], d["vllm:prefix_cache_hits_total"]
+    holds_after = [await hold_stats(redis, e) for e in engine_ids]
+    touches = {k: float(sum(a.get(k, 0) - b.get(k, 0)
+                            for a, b in zip(holds_after, holds_before, strict=True)))
+               for k in HOLD_COUNTERS}
     durations = [t for _, t in done]
     results = [r for r, _ in done]
     states: dict[str, int] = {}
@@ -255,13 +286,18 @@ async def run_policy(client: Client, policy: str, specs: list[JobSpec], run_tag:
         engine_queue_ms=1000 * d["vllm:request_queue_time_seconds_sum"] / requests,
         engine_prefill_ms=1000 * d["vllm:request_prefill_time_seconds_sum"] / requests,
         top_engine_share=max(queried) / sum(queried) if sum(queried) else 0.0,
-        policy=policy, hit_rate=hits / queries if queries else 0.0,
+        policy=policy, hit_rate=steps_hit_rate(queries, hits, touches),
+        touches=int(touches["touches"]),
+        touch_computed_tokens=int(touches["touch_computed_tokens"]),
         prefill_tokens=int(queries - hits), prompt_tokens=int(queries),
         job_p50_s=pct(durations, 0.5), job_p95_s=pct(durations, 0.95), makespan_s=makespan,
         states=states, steps=sum(len(r.steps) for r in results),
         oracle_hit_rate=oracle_hit_rate(trace, block_size) if trace else None,
         bounded_oracle_hit_rate=bounded_oracle_hit_rate(trace, block_size, fleet_blocks)
         if trace and fleet_blocks else None,
+        placement_bound_hit_rate=placement_bound_hit_rate(
+            trace, block_size, fleet_blocks // len(engine_ids))
+        if trace and fleet_blocks and policy != "peer" else None,
         results=results, durations=durations,
     )
 
@@ -440,7 +476,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
         async def run(policy: str, tag: str) -> PolicyRun:
             return await run_policy(client, policy, specs, tag, http, urls, fleet.redis,
                                     fleet.engine_ids, block_size, live=args.live,
-                                    fleet_blocks=fleet_blocks)
+                                    fleet_blocks=fleet_blocks, hold_policy=args.hold_policy)
 
         try:
             for rep in range(args.repeat):
@@ -488,7 +524,8 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
     return {**medians, "ranges": ranges, "repeats": len(repeats),
             "quiet_step_s": round(step_s, 4),
             "mean_gap_s": round(gap, 3), "workload": "live" if args.live else "scripted",
-            "pressure": args.pressure, "kv_pool_tokens": kv_bytes // TINY_KV_BYTES_PER_TOKEN}
+            "pressure": args.pressure, "hold_policy": args.hold_policy,
+            "kv_pool_tokens": kv_bytes // TINY_KV_BYTES_PER_TOKEN}
 
 
 def job_rows_of(run: PolicyRun) -> list[dict[str, Any]]:
@@ -562,6 +599,11 @@ def figures(runs: dict[str, PolicyRun], direct: list[float],
         "prefill_ms_per_1k": by_policy("prefill_ms_per_1k"),
         "decode_ms_per_token": by_policy("decode_ms_per_token"),
         "top_engine_share": by_policy("top_engine_share"),
+        "placement_bound_hit_rate": {k: round(v.placement_bound_hit_rate, 4)
+                                     for k, v in runs.items()
+                                     if v.placement_bound_hit_rate is not None},
+        "touches": by_policy("touches"),
+        "touch_computed_tokens": by_policy("touch_computed_tokens"),
         "paired_job_diff_ms": paired_job_diff_ms(runs),
         "overhead_p50_ms": round(pct(dispatch, .5), 2),
         "overhead_p95_ms": round(pct(dispatch, .95), 2),
@@ -611,6 +653,12 @@ def report(m: dict[str, Any], rg: dict[str, Any], n: int, console: Console, *,
         console.print("the most these pools could hit (Belady's MIN on one pool the "
                       "fleet's size): "
                       f"{fmt_range(bounded, rg.get('bounded_oracle_hit_rate'))}")
+    placed = m.get("placement_bound_hit_rate", {})
+    if placed:
+        console.print("the most each policy's placement allowed (Belady's MIN on each "
+                      "engine's pool over what it served): " + ", ".join(
+                          f"{k} {fmt_range(v, rg.get('placement_bound_hit_rate', {}).get(k))}"
+                          for k, v in placed.items()))
     console.print(f"warmloop route reasons (last repeat): {m.get('route_reasons')}")
     console.print(
         f"orchestration overhead per step on a quiet fleet (Temporal schedules generate -> "
@@ -624,6 +672,11 @@ def report(m: dict[str, Any], rg: dict[str, Any], n: int, console: Console, *,
     wl = m["hit_rate"].get("warmloop")
     if wl is None:
         return
+    touches = m.get("touches", {}).get("warmloop", 0)
+    if touches:
+        console.print(f"warmloop held prefixes through tool pauses: {touches:.0f} touches "
+                      f"computed {m['touch_computed_tokens']['warmloop']:,.0f} tokens (in its "
+                      "prefill tokens; their prompts are out of its hit rate)")
     checks = []
     if oracle:
         checks.append(f"hit rate {wl / oracle:.3f}x oracle " + (
@@ -676,6 +729,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="the workload where routing shows: pools that hold only part of "
                         "the profiles, so a router blind to evictions sends steps to "
                         "prefixes that are gone")
+    p.add_argument("--hold-policy", default="never", choices=get_args(HoldPolicy),
+                   help="warmloop's jobs hold their prefixes through tool pauses by this "
+                        "policy (the routers hold nothing); default never: routing alone")
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     p.add_argument("--peer-port", type=int, default=8290)
     p.add_argument("--keep-stack", action="store_true", help="leave the bench stack running")

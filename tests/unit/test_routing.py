@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.common import bounded_oracle_hit_rate
-from bench.routing import oracle_hit_rate, workload
+from bench.common import bounded_oracle_hit_rate, placement_bound_hit_rate
+from bench.routing import oracle_hit_rate, steps_hit_rate, workload
 from warmloop.activities.directory import KvEventApplier, prompt_chain
 from warmloop.activities.registry import parse_cache_config
 from warmloop.workflows.routing import (
@@ -345,3 +345,24 @@ async def test_the_fleets_cache_geometry_comes_from_an_engines_cache_config() ->
     silent = httpx.MockTransport(lambda req: httpx.Response(200, text=""))
     async with httpx.AsyncClient(transport=silent) as http:
         assert await cache_geometry(http, ["http://e0"]) == (0, 0)
+
+
+def test_touches_are_taken_out_of_the_steps_hit_rate() -> None:
+    # Steps: 1,000 prompt tokens, 800 cached. Two touches of 300-token held prompts, each
+    # computing its last token and one output token (2 tokens): 296 of their 600 hit.
+    touches = {"touches": 2, "touch_prompt_tokens": 600, "touch_computed_tokens": 4}
+    assert steps_hit_rate(1600, 800 + 598, touches) == pytest.approx(0.8)
+    assert steps_hit_rate(1000, 800, {}) == pytest.approx(0.8)
+    assert steps_hit_rate(600, 598, touches) == 0.0  # nothing but touches: no steps
+
+
+def test_the_placement_bound_is_beladys_min_on_each_engines_own_pool() -> None:
+    # Two engines of one block each. Together (a 2-block pool) a and b both stay; split
+    # as served, e0 alternates a and b in one block and keeps neither.
+    trace = [{"engine": e, "tokens": 16, "hashes": [h]}
+             for e, h in [("e0", "a"), ("e0", "b"), ("e1", "c"), ("e0", "a"), ("e0", "b"),
+                          ("e1", "c")]]
+    assert bounded_oracle_hit_rate(trace, 16, 2) == pytest.approx(2 / 6)
+    # e0: a, b, a, b in one block: Belady keeps a (used next) over b: one hit; e1: one.
+    assert placement_bound_hit_rate(trace, 16, 1) == pytest.approx(2 / 6)
+    assert placement_bound_hit_rate(trace, 16, 2) == pytest.approx(3 / 6)
