@@ -71,6 +71,7 @@ from bench.common import (
     histogram_quantile_ms,
     medians_and_ranges,
     pct,
+    placement_bound_hit_rate,
     reset_caches,
     rotated,
     run_main,
@@ -274,17 +275,39 @@ def oracle_hit_rate(prompts: list[list[int]], block_size: int) -> float:
     return 1 - (len(unique) * block_size + partial) / total
 
 
+HOLD_FIGURES = ("touches", "touch_prompt_tokens", "touch_computed_tokens", "holds",
+                "released_for_room", "released_lost")
+"""The hold statistics a run's figures take (``activities.holds.hold_stats``)."""
+
+
 def served_bound(w: Workload, chains: list[dict[str, Any]], records: list[CallRecord],
                  block_size: int, fleet_blocks: int) -> float:
     """The most the fleet's pools could hit (``bounded_oracle_hit_rate``) over the calls
     in the order a run sent them. ``chains`` are the calls' prompts as ``{"tokens",
     "hashes"}``, in the workload's order: session by session, call by call."""
+    return bounded_oracle_hit_rate(served_trace(w, chains, records), block_size, fleet_blocks)
+
+
+def served_placement_bound(w: Workload, chains: list[dict[str, Any]],
+                           records: list[CallRecord], block_size: int,
+                           engine_blocks: int) -> float | None:
+    """The most the run's placement allowed (``placement_bound_hit_rate``: each engine's
+    own pool over the calls it served); None when a call's engine is unknown."""
+    if any(r.engine is None for r in records):
+        return None
+    return placement_bound_hit_rate(served_trace(w, chains, records), block_size,
+                                    engine_blocks)
+
+
+def served_trace(w: Workload, chains: list[dict[str, Any]],
+                 records: list[CallRecord]) -> list[dict[str, Any]]:
+    """The calls' chains in the order the run sent them, each with its engine."""
     at: dict[tuple[int, int], int] = {}
     for s in w.sessions:
         for k in range(s.calls):
             at[(s.index, k)] = len(at)
-    trace = [chains[at[(r.session, r.call)]] for r in sorted(records, key=lambda r: r.sent)]
-    return bounded_oracle_hit_rate(trace, block_size, fleet_blocks)
+    return [{**chains[at[(r.session, r.call)]], "engine": r.engine}
+            for r in sorted(records, key=lambda r: r.sent)]
 
 
 async def tokenized_prompts(http: httpx.AsyncClient, url: str, w: Workload, model: str,
@@ -507,8 +530,7 @@ def policy_figures(run: PolicyRun) -> dict[str, Any]:
     ok = [r for r in recs if r.error is None]
     queries = sum(e["vllm:prefix_cache_queries_total"] for e in run.engines.values())
     hits = sum(e["vllm:prefix_cache_hits_total"] for e in run.engines.values())
-    t = {k: sum(v.get(k, 0) for v in run.touches.values())
-         for k in ("touches", "touch_prompt_tokens", "touch_computed_tokens")}
+    t = {k: sum(v.get(k, 0) for v in run.touches.values()) for k in HOLD_FIGURES}
     # A touch's prompt minus what it computed (its uncached prompt and one output token)
     # was served from cache: take touches out of the hit rate, which is the workload's.
     touch_hits = t["touch_prompt_tokens"] - t["touch_computed_tokens"] + t["touches"]
@@ -541,6 +563,9 @@ def policy_figures(run: PolicyRun) -> dict[str, Any]:
                           for e, v in sorted(per_engine.items())},
         "touches": t["touches"],
         "touch_computed_tokens": t["touch_computed_tokens"],
+        "holds": t["holds"],
+        "holds_released_for_room": t["released_for_room"],
+        "holds_lost": t["released_lost"],
         "requests": len(recs),
         "errors": len(recs) - len(ok),
         "served_by": run.served_by,
@@ -631,7 +656,7 @@ async def run_policy(policy: str, target: Target, served_by: str, w: Workload, *
     holds_after = {e: await hold_stats(fleet.redis, e) for e in fleet.engine_ids}
     engines = {e: {k: after[e][k] - before[e][k] for k in after[e]} for e in fleet.engine_ids}
     touches = {e: {k: holds_after[e].get(k, 0) - holds_before[e].get(k, 0)
-                   for k in ("touches", "touch_prompt_tokens", "touch_computed_tokens")}
+                   for k in HOLD_FIGURES}
                for e in fleet.engine_ids}
     return PolicyRun(policy=policy, records=records, engines=engines, touches=touches,
                      makespan_s=makespan, served_by=served_by, gateway=gateway)
@@ -783,6 +808,10 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
                     if policy == "warmloop" and fleet_blocks:
                         figures["bounded_oracle_hit_rate"] = round(served_bound(
                             w, chains, run.records, block_size, fleet_blocks), 4)
+                        placed = served_placement_bound(w, chains, run.records, block_size,
+                                                        fleet_blocks // len(urls))
+                        if placed is not None:
+                            figures["placement_bound_hit_rate"] = round(placed, 4)
                     console.print(
                         f"  hit rate {f['hit_rate']:.3f} (usage {f['usage_hit_rate']:.3f}), "
                         f"prefill {f['prefill_tokens']:,}, TTFT p50/p95 "
@@ -808,7 +837,8 @@ def result_json(medians: dict[str, Any], ranges: dict[str, Any], n: int, *,
                 block_size: int) -> dict[str, Any]:
     """The last line: the medians (policies keyed by name), ranges with the same keys."""
     out: dict[str, Any] = {"oracle_hit_rate": medians.get("oracle_hit_rate"),
-                           "bounded_oracle_hit_rate": medians.get("bounded_oracle_hit_rate")}
+                           "bounded_oracle_hit_rate": medians.get("bounded_oracle_hit_rate"),
+                           "placement_bound_hit_rate": medians.get("placement_bound_hit_rate")}
     for p in POLICIES:
         if p in medians:
             out[p] = medians[p]
@@ -876,6 +906,8 @@ def report(m: dict[str, Any], rg: dict[str, Any], n: int, console: Console) -> N
     if isinstance(wl, dict) and "hit_rate" in wl:
         console.print(f"warmloop: {wl.get('touches', 0):.0f} hold touches computed "
                       f"{wl.get('touch_computed_tokens', 0):,.0f} tokens (in its prefill); "
+                      f"{wl.get('holds', 0):.0f} holds, {wl.get('holds_released_for_room', 0):.0f} "
+                      f"released for room, {wl.get('holds_lost', 0):.0f} lost; "
                       f"routes {wl.get('route_reasons')}; hold decisions "
                       f"{wl.get('hold_decisions')}; prompts not learned "
                       f"{wl.get('learn_skipped', 0):.0f}; failovers {wl.get('failovers', 0):.0f}; "
@@ -900,6 +932,9 @@ def report(m: dict[str, Any], rg: dict[str, Any], n: int, console: Console) -> N
     if bounded := m.get("bounded_oracle_hit_rate"):
         checks.append(f"{wl['hit_rate'] / bounded:.3f}x the most these pools could hit "
                       f"({bounded:.4f}, Belady's MIN on one pool the fleet's size)")
+    if placed := m.get("placement_bound_hit_rate"):
+        checks.append(f"{wl['hit_rate'] / placed:.3f}x the most its placement allowed "
+                      f"({placed:.4f}, Belady's MIN on each engine's pool over its calls)")
     if bp_hit:
         checks.append(f"{wl['hit_rate'] / max(1e-9, bp_hit[1]):.3f}x the best peer's hit rate "
                       f"({bp_hit[0]})")

@@ -18,6 +18,7 @@ from bench.gateway import (
     policy_figures,
     result_json,
     served_bound,
+    served_placement_bound,
     session_headers,
     steady_ramp_s,
     workload,
@@ -132,6 +133,15 @@ def test_the_bound_follows_the_order_the_run_sent_the_prompts() -> None:
     # a pool that holds both families: the unbounded oracle in any order
     assert served_bound(w, chains, sent(mixed), 2, 2) == pytest.approx(
         oracle_hit_rate(prompts, 2))
+    # interleaved but each family on its own engine (one block each): every shared
+    # block misses once, as sent one by one; unknown engines give no placement bound
+    def on(order: list[tuple[int, int]]) -> list[CallRecord]:
+        return [CallRecord(session=s, call=k, sent=float(t),
+                           engine="e0" if s == w.sessions[0].index else "e1")
+                for t, (s, k) in enumerate(order)]
+
+    assert served_placement_bound(w, chains, on(mixed), 2, 1) == pytest.approx(one_by_one)
+    assert served_placement_bound(w, chains, sent(mixed), 2, 1) is None
 
 
 def _counters(queries: float, hits: float, prompt: float) -> dict[str, float]:
