@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import math
@@ -727,6 +728,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
     model = settings.engine_endpoints[0].model
     missing = vllm_router_missing()
     repeats: list[dict[str, Any]] = []
+    call_rows: list[dict[str, Any]] = []
     run_tag = f"{int(time.time()) % 100000}"
     async with (bench_stack(settings, console, keep=args.keep_stack) as fleet,
                 httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=5.0),
@@ -805,6 +807,8 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
                         if server is not None:
                             server.stop()
                     f = figures[policy] = policy_figures(run)
+                    call_rows += [{"repeat": rep, "policy": policy, **dataclasses.asdict(r)}
+                                  for r in run.records]
                     if policy == "warmloop" and fleet_blocks:
                         figures["bounded_oracle_hit_rate"] = round(served_bound(
                             w, chains, run.records, block_size, fleet_blocks), 4)
@@ -823,6 +827,8 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
         finally:
             gateway.stop()
             sglang.stop()
+    if args.calls_json:
+        args.calls_json.write_text(json.dumps(call_rows))
     medians, ranges = medians_and_ranges(repeats)
     wall = time.monotonic() - started
     report(medians, ranges, len(repeats), console)
@@ -966,6 +972,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--overhead-calls", type=int, default=100)
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     p.add_argument("--keep-stack", action="store_true", help="leave the bench stack running")
+    p.add_argument("--calls-json", type=Path, default=None,
+                   help="write every policy's calls (session, engine, TTFT, tokens) here")
     run_main(p, main_async, argv,
              console=Console(stderr=True, width=None if sys.stderr.isatty() else 180))
 
