@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args
@@ -219,7 +220,7 @@ class PolicyRun:
 HOLD_COUNTERS = ("touches", "touch_prompt_tokens", "touch_computed_tokens")
 
 
-def steps_hit_rate(queries: float, hits: float, touches: dict[str, float]) -> float:
+def steps_hit_rate(queries: float, hits: float, touches: Mapping[str, float]) -> float:
     """The steps' hit rate from the engines' counters, which also count the touches that
     keep held prefixes warm: a touch's prompt was served from cache but what it computed
     (its uncached prompt and its one output token), so take both out."""
