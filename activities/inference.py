@@ -445,11 +445,17 @@ class InferenceActivities:
             return None
         routed = req.model_copy(update={"last_engine": self._engine_id,
                                         "mark_in_flight": False})
+        chain: PromptChain | None = None
+        if chain_ready is not None:
+            # The chain waits on the tail's tokenize (an engine call, not Redis): bounded
+            # as the records are, and outside the route's own budget.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(RECORD_TIMEOUT_S):
+                    chain = await asyncio.shield(chain_ready)
         try:
             async with asyncio.timeout(ROUTE_NEXT_BUDGET_S):
                 if chain_ready is None:
                     return await self._router.route_step(routed)
-                chain = await chain_ready
                 return await self._router.route_after_step(routed, JustServed(
                     engine_id=self._engine_id, step_key=settled,
                     hashes=chain.hashes[:chain.reusable_blocks] if chain is not None

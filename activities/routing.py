@@ -228,10 +228,14 @@ class RoutingActivities:
             if served.step_key is not None and served.engine_id in steps:
                 steps[served.engine_id] = [k for k in steps[served.engine_id]
                                            if k != served.step_key]
-            if known is not None and served.engine_id in matched:
-                # what the record on its way will say: the engine holds the whole chain
-                matched[served.engine_id] = max(matched[served.engine_id],
-                                                min(len(chain), MAX_WALK_BLOCKS))
+            engine = next((e for e in live if e.engine_id == served.engine_id), None)
+            if known is not None and engine is not None:
+                # What the record on its way will say: the engine holds the chain, but
+                # no more than its pool where the directory trims to it (no KV events).
+                held = min(len(chain), MAX_WALK_BLOCKS)
+                if not engine.precise and engine.kv_capacity_tokens and engine.block_size:
+                    held = min(held, engine.kv_capacity_tokens // engine.block_size)
+                matched[served.engine_id] = max(matched[served.engine_id], held)
         expected = {e: 0 for e in ids}
         if cache_aware:
             if job is not None:

@@ -46,6 +46,9 @@ class Router:
         assert self.answer is not None
         return self.answer
 
+    async def route_after_step(self, req: RouteRequest, served: JustServed) -> RouteDecision:
+        return await self.route_step(req)
+
 
 SOMEWHERE = RouteDecision(engine_id="e0", reason="sticky", expected_cached_tokens=256)
 
@@ -112,7 +115,7 @@ async def test_a_hung_router_costs_the_step_its_budget_and_no_more() -> None:
 class BesideRouter(Router):
     """Records what the worker said it had just served."""
 
-    def __init__(self, answer: RouteDecision) -> None:
+    def __init__(self, answer: RouteDecision | BaseException | None) -> None:
         super().__init__(answer)
         self.served: list[JustServed] = []
 
@@ -175,3 +178,14 @@ async def test_a_route_beside_the_records_sees_what_they_are_writing(
     # and without being told, the same moment reads the stale chain
     stale = await acts.route_step(req)
     assert stale.expected_cached_tokens != 640
+
+
+async def test_beside_the_records_a_failing_or_hung_router_costs_only_the_next_route(
+        redis: aioredis.Redis) -> None:
+    for router in (BesideRouter(RedisConnectionError("connection refused")),
+                   BesideRouter(None)):  # hangs: generate() bounds the step at 10 s
+        directory = PrefixDirectory(redis)
+        res = await generate(inference(engine(), router=router, directory=directory),
+                             step_request(route_next=NEXT))
+        assert res.next_route is None and res.tool_calls and len(router.served) == 1
+        assert await directory.job_chain("j1") is not None  # the records landed

@@ -46,7 +46,6 @@ _KIND = re.compile(r"^[A-Za-z0-9_.:@-]{1,64}$")
 TEXT_CHUNK_CHARS = 1024
 """A text prompt's prefix keys fall every this many characters."""
 _SALT_CONTEXT = b"warmloop-gateway-salt-v1\x00"
-_MODEL_TURN_ROLES = frozenset({"assistant", "tool", "function"})
 
 
 class BadCall(ValueError):
@@ -96,16 +95,6 @@ class Call:
         if body.get("cache_salt") is None:
             body.pop("cache_salt", None)
         return json.dumps(body, ensure_ascii=False).encode()
-
-    @property
-    def opens_conversation(self) -> bool:
-        """A chat call with no model turn yet (no assistant or tool message): no earlier
-        call of its conversation can have been served anywhere, so there is nothing to
-        look up about it (a completions call cannot tell: False)."""
-        if self.endpoint != "chat":
-            return False
-        return not any(isinstance(m, dict) and m.get("role") in _MODEL_TURN_ROLES
-                       for m in self.body.get("messages") or ())
 
     def prompt_ids(self) -> list[int] | None:
         """The prompt's token ids when the client sent ids (completions), else None."""

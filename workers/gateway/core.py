@@ -327,9 +327,7 @@ class Gateway:
         chain = self.index.longest(call.prefix_keys)
         if chain is None and session is not None:
             chain = session.chain
-            # A conversation's opening call has no earlier call to find: skip the
-            # directory's round trip (it is on the call's path).
-            if chain is None and session.generation == 1 and not call.opens_conversation:
+            if chain is None and session.generation == 1:
                 chain, last = await self._known_elsewhere(session)
         return chain, last
 
