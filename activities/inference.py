@@ -28,7 +28,6 @@ from warmloop.activities.registry import (
     TenantUsage,
     step_key,
 )
-from warmloop.activities.routing import JustServed
 from warmloop.activities.trace_prompts import TracePromptStore
 from warmloop.activities.transcripts import TranscriptStore
 from warmloop.workflows import tool_loading
@@ -95,9 +94,6 @@ class StepRouter(Protocol):
     the agent worker's own routing code, built once per worker)."""
 
     async def route_step(self, req: RouteRequest) -> RouteDecision: ...
-
-    async def route_after_step(self, req: RouteRequest, served: JustServed
-                               ) -> RouteDecision: ...
 
 
 class InferenceActivities:
@@ -407,59 +403,31 @@ class InferenceActivities:
         # not see this step as load. The hold decision runs after the step returns.
         off_flight = ([self._step_done(self._registry, in_flight, after=counted)]
                       if self._registry is not None and in_flight is not None else [])
-        route_next = (req.route_next if req.route_next is not None
-                      and not finishes_job(profile, tool_calls) else None)
         if tail_tokens is not None and prompt_ids:
-            # The next step's route runs beside the records, told the chain they write
-            # and that this step is off its engine's in-flight set (``JustServed``).
-            chain_ready: asyncio.Future[PromptChain | None] = \
-                asyncio.get_running_loop().create_future()
-            routed = ([self._route_next(route_next, chain_ready=chain_ready,
-                                        settled=in_flight)]
-                      if route_next is not None else [])
-            gathered = await asyncio.gather(stored, *off_flight, self._record_and_hold(
-                req, profile, body, prompt_ids, tail_tokens, result,
-                chain_ready=chain_ready), *routed)
-            if route_next is not None:
-                result.next_route = gathered[-1]
+            await asyncio.gather(stored, *off_flight, self._record_and_hold(
+                req, profile, body, prompt_ids, tail_tokens, result))
         else:
             if tail_tokens is not None:
                 tail_tokens.cancel()
             # the step's new messages are in S3 before it counts as done
             await asyncio.gather(stored, *off_flight)
-            if route_next is not None:
-                # no chain to tell: after the records, it reads this step's from Redis
-                result.next_route = await self._route_next(route_next)
+        if req.route_next is not None and not finishes_job(profile, tool_calls):
+            # after the directory records: the route must find this prompt's chain
+            result.next_route = await self._route_next(req.route_next)
         return result, last_token
 
-    async def _route_next(self, req: RouteRequest, *,
-                          chain_ready: asyncio.Future[PromptChain | None] | None = None,
-                          settled: str | None = None) -> RouteDecision | None:
+    async def _route_next(self, req: RouteRequest) -> RouteDecision | None:
         """The job's next step's route, from this worker's registry and directory reads
         (the same ``route_step`` the agent worker runs), or None for the step to route
         itself: no router here, Redis away or slow, or the step refused (a tenant's spent
-        hour, no engine): the step asks again and waits or ends as it should.
-        ``chain_ready``: the step's chain as its records write it (they run beside);
-        ``settled``: the step's in-flight key, being taken off."""
+        hour, no engine): the step asks again and waits or ends as it should."""
         if self._router is None or self._outage.away:
             return None
-        routed = req.model_copy(update={"last_engine": self._engine_id,
-                                        "mark_in_flight": False})
-        chain: PromptChain | None = None
-        if chain_ready is not None:
-            # The chain waits on the tail's tokenize (an engine call, not Redis): bounded
-            # as the records are, and outside the route's own budget.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(RECORD_TIMEOUT_S):
-                    chain = await asyncio.shield(chain_ready)
         try:
             async with asyncio.timeout(ROUTE_NEXT_BUDGET_S):
-                if chain_ready is None:
-                    return await self._router.route_step(routed)
-                return await self._router.route_after_step(routed, JustServed(
-                    engine_id=self._engine_id, step_key=settled,
-                    hashes=chain.hashes[:chain.reusable_blocks] if chain is not None
-                    else None))
+                return await self._router.route_step(
+                    req.model_copy(update={"last_engine": self._engine_id,
+                                           "mark_in_flight": False}))
         except NEXT_ROUTE_ERRORS as e:
             log.info("next_route_skipped", job_id=req.job_id, step=req.step,
                      why=type(e).__name__)
@@ -477,30 +445,17 @@ class InferenceActivities:
     async def _record_and_hold(self, req: GenerateRequest, profile: Profile,
                                body: dict[str, Any], prompt_ids: list[int],
                                tail_tokens: asyncio.Future[int],
-                               result: GenerateResult, *,
-                               chain_ready: asyncio.Future[PromptChain | None] | None = None
-                               ) -> None:
+                               result: GenerateResult) -> None:
         """The step's prefix into the directory and the cache-bust detector (Redis),
         then the hold decision (kept in this process; made after the step returns). All
         advice: losing one costs a cache hit, not the step, so nothing here fails it.
         While Redis is away the records are skipped (logged once per outage) and the
-        hold is still kept. ``chain_ready`` gets the chain as soon as it is known (None
-        if it cannot be), for the next step's route running beside."""
-        known: PromptChain | None = None
+        hold is still kept."""
         try:
             info = self._engine_info()
             block_size = info.block_size if info else 16
-            chain = known = prompt_chain(prompt_ids, block_size,
-                                         tail_tokens=await tail_tokens,
-                                         salt=cache_salt(req.tenant))
-        except (httpx.HTTPError, OSError, ValueError, KeyError) as e:
-            log.warning("prefix_record_failed", error=str(e))
-            _prefix_record_skipped(req.profile, "engine")
-            return
-        finally:
-            if chain_ready is not None and not chain_ready.done():
-                chain_ready.set_result(known)
-        try:
+            chain = prompt_chain(prompt_ids, block_size, tail_tokens=await tail_tokens,
+                                 salt=cache_salt(req.tenant))
             stable = (await self._stable_prefix_tokens(profile, body)
                       if self._detector is not None else None)
         except (httpx.HTTPError, OSError, ValueError, KeyError) as e:

@@ -21,7 +21,6 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import TypeVar
 
 import redis.asyncio as aioredis
@@ -29,7 +28,7 @@ import structlog
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from warmloop.activities.directory import MAX_WALK_BLOCKS, PrefixDirectory
+from warmloop.activities.directory import PrefixDirectory
 from warmloop.activities.registry import (
     REDIS_ERRORS,
     EngineHeartbeat,
@@ -74,21 +73,6 @@ timeout; a hung Redis then leaves time to route by the snapshot."""
 AWAY_LOAD_WINDOW_S = 30.0
 """While routing by the snapshot (its loads frozen), steps sent to an engine in this
 window count as its load, so that new jobs spread instead of all going to one."""
-
-
-@dataclass(frozen=True)
-class JustServed:
-    """What the inference worker knows of the step it has just served while its records
-    are still on their way to Redis: lets the job's next step be routed beside them
-    instead of after them (``RoutingActivities.route_after_step``)."""
-
-    engine_id: str
-    """The engine that served the step: the job's chain is cached there now."""
-    hashes: list[str] | None
-    """The job's chain as the directory is being told (its prompt's reusable blocks);
-    None: unknown (its tokens could not be had), read the directory's."""
-    step_key: str | None = None
-    """The step's in-flight key, being taken off the engine's in-flight set: not load."""
 
 
 class RoutingActivities:
@@ -142,24 +126,13 @@ class RoutingActivities:
 
     @activity.defn(name="route_step")
     async def route_step(self, req: RouteRequest) -> RouteDecision:
-        return await self._route(req, None)
-
-    async def route_after_step(self, req: RouteRequest, served: JustServed) -> RouteDecision:
-        """``route_step`` for a job's next step from the worker that has just served its
-        step, run beside that step's records: the directory may not have the job's new
-        chain yet, nor the registry the step off its in-flight set, so ``served`` says
-        both. Hazard: ``served.hashes`` must be the chain the worker is recording (the
-        same blocks, the same tenant salt); a wrong one routes the step by it."""
-        return await self._route(req, served)
-
-    async def _route(self, req: RouteRequest, served: JustServed | None) -> RouteDecision:
         started = time.perf_counter()
         decision: RouteDecision | None = None
         if self._outage.should_try():
             try:
                 async with asyncio.timeout(self._budget_s):
                     await self._check_quota(req)
-                    decision = await self._decide(req, served)
+                    decision = await self._decide(req)
             except REDIS_ERRORS as e:
                 self._outage.failed(e, what="route_step")
             except ApplicationError:
@@ -194,21 +167,16 @@ class RoutingActivities:
             raise ApplicationError(why, {"retry_after_s": wait}, type=TENANT_QUOTA_EXCEEDED,
                                    non_retryable=True)
 
-    async def _decide(self, req: RouteRequest, served: JustServed | None = None
-                      ) -> RouteDecision:
-        """The engine for the step from the registry and the directory (Redis), and
-        what ``served`` says they are being told."""
+    async def _decide(self, req: RouteRequest) -> RouteDecision:
+        """The engine for the step from the registry and the directory (Redis)."""
         # Two rounds of Redis reads, each sent at once: what does not depend on the live
         # engines goes with the registry read (a step's route is on its critical path).
         cache_aware = req.policy == "cache_aware"
         batch = req.lane == Lane.BATCH
         family = scoped(req.tenant, prefix_family(req.profile, req.tools))
-        known = (served.hashes, served.engine_id) if served is not None and \
-            served.hashes is not None else None
         live, job, stable = await asyncio.gather(
             self._live(req.exclude, model=req.model, require_price=req.require_price),
-            self._dir.job_chain(req.job_id) if cache_aware and known is None
-            else _value(known if cache_aware else None),
+            self._dir.job_chain(req.job_id) if cache_aware else nothing(),
             # the profile's prefix matters to a job with no chain yet: its first step
             self._dir.profile_chain(family) if cache_aware and req.last_engine is None
             else nothing())
@@ -224,18 +192,6 @@ class RoutingActivities:
             else _value(dict.fromkeys(ids, 0)),
             self._dir.matched_blocks(chain, ids) if cache_aware
             else _value(dict.fromkeys(ids, 0)))
-        if served is not None:
-            if served.step_key is not None and served.engine_id in steps:
-                steps[served.engine_id] = [k for k in steps[served.engine_id]
-                                           if k != served.step_key]
-            engine = next((e for e in live if e.engine_id == served.engine_id), None)
-            if known is not None and engine is not None:
-                # What the record on its way will say: the engine holds the chain, but
-                # no more than its pool where the directory trims to it (no KV events).
-                held = min(len(chain), MAX_WALK_BLOCKS)
-                if not engine.precise and engine.kv_capacity_tokens and engine.block_size:
-                    held = min(held, engine.kv_capacity_tokens // engine.block_size)
-                matched[served.engine_id] = max(matched[served.engine_id], held)
         expected = {e: 0 for e in ids}
         if cache_aware:
             if job is not None:
