@@ -75,10 +75,14 @@ async def test_every_step_after_the_first_reads_its_prefix_from_the_engine_cache
         for s in res.steps:
             assert s.prompt_tokens > 0 and s.completion_tokens > 0
             assert s.ttft_ms > 0 and s.latency_ms >= s.ttft_ms
-        # ... and every later step found the job's prefix warm, by vLLM's own usage figures
+        # ... and every later step found the job's prefix warm, by vLLM's own usage
+        # figures, but one the router knowingly moved for load to an engine holding
+        # nothing of it (a slow host's queue outweighed the saving: seen in CI)
         for s in res.steps[1:]:
-            assert s.cached_tokens > 0, (res.job_id, s)
             assert s.cached_tokens <= s.prompt_tokens
+            if s.route_reason == "least_loaded" and s.predicted_cached_tokens == 0:
+                continue
+            assert s.cached_tokens > 0, (res.job_id, s)
     later = [s for r in results for s in r.steps[1:]]
     assert sum(s.route_reason == "sticky" for s in later) >= 0.7 * len(later)
     # every job is accounted for in the engines actually configured
