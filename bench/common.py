@@ -13,7 +13,7 @@ import signal
 import socket
 import statistics
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -246,6 +246,18 @@ def bounded_oracle_hit_rate(trace: list[dict[str, Any]], block_size: int,
                 del cached[victim]
     total = sum(t["tokens"] for t in trace)
     return hits * block_size / total if total else 0.0
+
+
+def steps_hit_rate(queries: float, hits: float, touches: Mapping[str, float]) -> float:
+    """The steps' hit rate from the engines' counters, which also count the touches that
+    keep held prefixes warm (``touches``: the hold statistics' ``touches``,
+    ``touch_prompt_tokens``, ``touch_computed_tokens``): a touch's prompt was served from
+    cache but what it computed (its uncached prompt and its one output token), so take
+    both out."""
+    touch_hits = touches.get("touch_prompt_tokens", 0) - touches.get(
+        "touch_computed_tokens", 0) + touches.get("touches", 0)
+    q = queries - touches.get("touch_prompt_tokens", 0)
+    return max(0.0, hits - touch_hits) / q if q > 0 else 0.0
 
 
 def placement_bound_hit_rate(trace: list[dict[str, Any]], block_size: int,

@@ -77,6 +77,7 @@ from bench.common import (
     rotated,
     run_main,
     scrape,
+    steps_hit_rate,
 )
 from bench.synthetic_profiles import LOOKUP_KEYS, SYNTHETIC_DOMAINS, WORDS
 from warmloop.activities.holds import hold_stats
@@ -532,11 +533,6 @@ def policy_figures(run: PolicyRun) -> dict[str, Any]:
     queries = sum(e["vllm:prefix_cache_queries_total"] for e in run.engines.values())
     hits = sum(e["vllm:prefix_cache_hits_total"] for e in run.engines.values())
     t = {k: sum(v.get(k, 0) for v in run.touches.values()) for k in HOLD_FIGURES}
-    # A touch's prompt minus what it computed (its uncached prompt and one output token)
-    # was served from cache: take touches out of the hit rate, which is the workload's.
-    touch_hits = t["touch_prompt_tokens"] - t["touch_computed_tokens"] + t["touches"]
-    w_queries = max(0.0, queries - t["touch_prompt_tokens"])
-    w_hits = max(0.0, hits - touch_hits)
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
     per_engine = {e: max(0.0, c["vllm:prompt_tokens_total"]
@@ -550,7 +546,8 @@ def policy_figures(run: PolicyRun) -> dict[str, Any]:
                  for rs in sessions.values()]
     ttft = [r.ttft_ms for r in ok if r.ttft_ms is not None]
     out: dict[str, Any] = {
-        "hit_rate": round(w_hits / w_queries, 4) if w_queries else 0.0,
+        # the workload's: the touches' prompts are out (``steps_hit_rate``)
+        "hit_rate": round(steps_hit_rate(queries, hits, t), 4),
         "usage_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
         "prefill_tokens": int(queries - hits),
         "workload_prefill_tokens": prompt - cached,

@@ -31,7 +31,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args
@@ -62,6 +61,7 @@ from bench.common import (
     rotated,
     run_main,
     scrape,
+    steps_hit_rate,
 )
 from bench.synthetic_profiles import LOOKUP_KEYS, SYNTHETIC_DOMAINS, WORDS
 from bench.synthetic_tools import SyntheticTools
@@ -218,16 +218,6 @@ class PolicyRun:
 
 
 HOLD_COUNTERS = ("touches", "touch_prompt_tokens", "touch_computed_tokens")
-
-
-def steps_hit_rate(queries: float, hits: float, touches: Mapping[str, float]) -> float:
-    """The steps' hit rate from the engines' counters, which also count the touches that
-    keep held prefixes warm: a touch's prompt was served from cache but what it computed
-    (its uncached prompt and its one output token), so take both out."""
-    touch_hits = touches.get("touch_prompt_tokens", 0) - touches.get(
-        "touch_computed_tokens", 0) + touches.get("touches", 0)
-    q = queries - touches.get("touch_prompt_tokens", 0)
-    return max(0.0, hits - touch_hits) / q if q > 0 else 0.0
 
 
 def oracle_hit_rate(trace: list[dict[str, Any]], block_size: int) -> float:

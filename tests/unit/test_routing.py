@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.common import bounded_oracle_hit_rate, placement_bound_hit_rate
-from bench.routing import oracle_hit_rate, steps_hit_rate, workload
+from bench.common import bounded_oracle_hit_rate, placement_bound_hit_rate, steps_hit_rate
+from bench.routing import oracle_hit_rate, workload
 from warmloop.activities.directory import KvEventApplier, prompt_chain
 from warmloop.activities.registry import parse_cache_config
 from warmloop.workflows.routing import (
