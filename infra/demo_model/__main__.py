@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--lr", type=float, default=None)
             p.add_argument("--full-prefix-share", type=float, default=None)
             p.add_argument("--syntax-weight", type=float, default=None)
+            p.add_argument("--context-weight", type=float, default=None)
             p.add_argument("--widen-noise", type=float, default=None)
             p.add_argument("--warmup", type=int, default=None)
             p.add_argument("--init-from", type=str, default=None)

@@ -274,19 +274,26 @@ class PackedJob:
     targets: list[int]
     """Per token: the next token to predict from it, or -1 (no loss)."""
     weights: list[float]
+    """Per token: the weight of its target in the call loss (0: not a call token)."""
+    context: list[bool] | None = None
+    """Per token: its target is the next prompt token (the auxiliary context loss)."""
 
 
 def pack_job(trunk: list[int], branches: list[tuple[int, list[int], list[int]]],
-             weight_of: Any = None) -> PackedJob:
-    """``branches``: (trunk tokens the step sees, tail ids, target ids)."""
-    ids, pos, parent, branch, targets, weights = [], [], [], [], [], []
+             weight_of: Any = None, *, context_targets: bool = False) -> PackedJob:
+    """``branches``: (trunk tokens the step sees, tail ids, target ids). With
+    ``context_targets`` each trunk token also predicts the next trunk token (the task,
+    earlier calls and tool results), for ``packed_loss``'s context term."""
+    ids, pos, parent, branch, targets, weights, context = [], [], [], [], [], [], []
     for i, t in enumerate(trunk):
         ids.append(t)
         pos.append(i)
         parent.append(i + 1)
         branch.append(-1)
-        targets.append(-1)
+        lm = context_targets and i + 1 < len(trunk)
+        targets.append(trunk[i + 1] if lm else -1)
         weights.append(0.0)
+        context.append(lm)
     for bi, (at, tail, target) in enumerate(branches):
         seq = tail + target
         for j, t in enumerate(seq):
@@ -295,13 +302,15 @@ def pack_job(trunk: list[int], branches: list[tuple[int, list[int], list[int]]],
             parent.append(at)
             branch.append(bi)
             nxt = j + 1 - len(tail)  # index into target of the token this one predicts
+            context.append(False)
             if 0 <= nxt < len(target):
                 targets.append(target[nxt])
                 weights.append(1.0 if weight_of is None else weight_of(target, nxt))
             else:
                 targets.append(-1)
                 weights.append(0.0)
-    return PackedJob(ids, pos, parent, branch, targets, weights)
+    return PackedJob(ids, pos, parent, branch, targets, weights,
+                     context if context_targets else None)
 
 
 def batch_tensors(jobs: list[PackedJob], prefix_len: int, pad_id: int,
@@ -315,6 +324,7 @@ def batch_tensors(jobs: list[PackedJob], prefix_len: int, pad_id: int,
     pos = torch.zeros((b, n), dtype=torch.long)
     targets = torch.full((b, n), -1, dtype=torch.long)
     weights = torch.zeros((b, n), dtype=torch.float32)
+    context = torch.zeros((b, n), dtype=torch.bool)
     mask = torch.zeros((b, 1, n, prefix_len + n), dtype=torch.bool)
     mask[:, :, :, :prefix_len] = True
     for r, j in enumerate(jobs):
@@ -324,6 +334,8 @@ def batch_tensors(jobs: list[PackedJob], prefix_len: int, pad_id: int,
         pos[r, m:] = offset
         targets[r, :m] = torch.tensor(j.targets)
         weights[r, :m] = torch.tensor(j.weights)
+        if j.context is not None:
+            context[r, :m] = torch.tensor(j.context)
         parent = torch.tensor(j.parent)
         branch = torch.tensor(j.branch)
         idx = torch.arange(m)
@@ -335,25 +347,35 @@ def batch_tensors(jobs: list[PackedJob], prefix_len: int, pad_id: int,
         own = same & (idx.unsqueeze(0) <= idx.unsqueeze(1))
         mask[r, 0, :m, prefix_len:prefix_len + m] = sees_trunk | own
     return {"ids": ids, "positions": pos, "mask": mask, "targets": targets,
-            "weights": weights}
+            "weights": weights, "context": context}
 
 
 def packed_loss(model: DemoLlama, prefix_ids: torch.Tensor, prefix_positions: torch.Tensor,
-                batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-    """Weighted cross-entropy on the targets of a batch that shares ``prefix_ids`` (at
-    ``prefix_positions``: the whole prefix, or a stub of it at its real positions)."""
+                batch: dict[str, torch.Tensor], context_weight: float = 0.0
+                ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Weighted cross-entropy on the call targets of a batch that shares ``prefix_ids``
+    (at ``prefix_positions``: the whole prefix, or a stub of it at its real positions),
+    plus ``context_weight`` times the mean cross-entropy of the context targets (the
+    next prompt token, where ``pack_job`` set them): a from-scratch model learns to read
+    the task and tool results from every token of them, not only from the calls."""
     _, past = model.hidden(prefix_ids.unsqueeze(0), prefix_positions.unsqueeze(0), None)
     h, _ = model.hidden(batch["ids"], batch["positions"], batch["mask"], past)
-    sel = batch["targets"] >= 0
+    ctx_sel = batch["context"] if context_weight > 0 else torch.zeros_like(batch["context"])
+    sel = (batch["targets"] >= 0) & ~batch["context"]
     logits = model.logits(h[sel]).float()
     tgt = batch["targets"][sel]
     w = batch["weights"][sel]
     ce = F.cross_entropy(logits, tgt, reduction="none")
     loss = (ce * w).sum() / w.sum().clamp_min(1e-6)
+    stats = {}
+    if bool(ctx_sel.any()):
+        ctx_ce = F.cross_entropy(model.logits(h[ctx_sel]).float(), batch["targets"][ctx_sel])
+        loss = loss + context_weight * ctx_ce
+        stats["context_loss"] = float(ctx_ce.detach())
     with torch.no_grad():
         correct = (logits.argmax(-1) == tgt).float()
     return loss, {"loss": float(loss.detach()), "tokens": float(sel.sum()),
-                  "token_acc": float(correct.mean()), "nll_max": float(ce.max())}
+                  "token_acc": float(correct.mean()), "nll_max": float(ce.max()), **stats}
 
 
 def hf_logits_match(model: DemoLlama, hf_dir: str, ids: list[int], atol: float = 2e-3

@@ -38,6 +38,10 @@ class TrainConfig:
     """Loss weight of a call's punctuation and spaces (its names, ids, digits and enum
     words weigh 1): the guided-decoding grammar fixes them at serving time, so a low
     weight spends the model's capacity on its decisions."""
+    context_weight: float = 0.0
+    """Weight of the auxiliary loss on predicting each next token of the job's own prompt
+    (task, earlier calls, tool results; not the shared system prompt): reading practice
+    from every token, where the call loss teaches from a few per step. 0: calls only."""
     init_from: str | None = None
     """Continue from an exported model (a second stage with a fresh schedule and other
     batches): its tokenizer must be the one the data rebuilds."""
@@ -81,7 +85,7 @@ def tokenizer_corpus(prefixes: dict[str, str], transcripts: list[Transcript]
 
 
 def encode(tok: Any, prefixes: dict[str, str], transcripts: list[Transcript],
-           verify: int = 50, syntax_weight: float = 0.3
+           verify: int = 50, syntax_weight: float = 0.3, context_targets: bool = False
            ) -> tuple[dict[str, list[int]], list[Encoded]]:
     """Token ids of each profile's prefix and each job packed as a tree. The first
     ``verify`` jobs are checked: pieces tokenised apart equal each whole prompt."""
@@ -112,7 +116,7 @@ def encode(tok: Any, prefixes: dict[str, str], transcripts: list[Transcript],
                 if whole != prefix_ids[t.profile] + trunk[:at] + tail + target:
                     raise AssertionError(f"{t.case_id}: pieces tokenise differently")
             branches.append((at, tail, target))
-        job = pack_job(trunk, branches, weight_of)
+        job = pack_job(trunk, branches, weight_of, context_targets=context_targets)
         out.append(Encoded(t.profile, job, len(job.ids)))
     return prefix_ids, out
 
@@ -163,7 +167,8 @@ def train(data_dir: Path, out_dir: Path, cfg: TrainConfig,
     prefixes: dict[str, str] = json.loads((data_dir / "prefixes.json").read_text())
     transcripts = list(read_transcripts(data_dir / "train.jsonl"))
     tok = build_tokenizer(tokenizer_corpus(prefixes, transcripts), vocab_size=cfg.vocab_size)
-    prefix_ids, jobs = encode(tok, prefixes, transcripts, syntax_weight=cfg.syntax_weight)
+    prefix_ids, jobs = encode(tok, prefixes, transcripts, syntax_weight=cfg.syntax_weight,
+                              context_targets=cfg.context_weight > 0)
     log(f"tokenizer: {len(tok)} tokens; prefixes "
         + ", ".join(f"{p} {len(v)}" for p, v in prefix_ids.items())
         + f"; {len(jobs)} jobs, {sum(j.size for j in jobs):,} job tokens "
@@ -215,7 +220,7 @@ def train(data_dir: Path, out_dir: Path, cfg: TrainConfig,
             pre, pre_pos = full[keep], keep
         bt = batch_tensors([e.job for e in group], pre.shape[0], pad, position_offset=p)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, stats = packed_loss(model, pre, pre_pos, bt)
+            loss, stats = packed_loss(model, pre, pre_pos, bt, cfg.context_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -227,7 +232,9 @@ def train(data_dir: Path, out_dir: Path, cfg: TrainConfig,
                 f"loss {sum(s['loss'] for s in window) / n:.4f} "
                 f"token acc {sum(s['token_acc'] for s in window) / n:.4f} "
                 f"max nll {max(s['nll_max'] for s in window):.2f} "
-                f"({time.time() - started:.0f}s)")
+                + (f"context loss {sum(s.get('context_loss', 0.0) for s in window) / n:.3f} "
+                   if cfg.context_weight > 0 else "")
+                + f"({time.time() - started:.0f}s)")
             window = []
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 \
                 and step + 1 < cfg.steps:

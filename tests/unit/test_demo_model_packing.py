@@ -1,0 +1,62 @@
+"""The demo model's training batches: a job packed as a tree, and the context loss."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from warmloop.infra.demo_model.model import (  # noqa: E402
+    DemoLlama,
+    ModelConfig,
+    batch_tensors,
+    pack_job,
+    packed_loss,
+)
+
+TRUNK = [5, 6, 7, 8, 9]
+BRANCHES = [(2, [10], [11, 12]), (5, [10], [13])]
+
+
+def test_without_context_targets_only_call_tokens_are_targets() -> None:
+    job = pack_job(TRUNK, BRANCHES)
+    assert job.context is None
+    assert job.targets[:len(TRUNK)] == [-1] * len(TRUNK)
+    # a branch's tail predicts the call's first token, each call token the next
+    assert [t for t in job.targets if t >= 0] == [11, 12, 13]
+
+
+def test_context_targets_predict_the_next_trunk_token_and_nothing_in_branches() -> None:
+    job = pack_job(TRUNK, BRANCHES, context_targets=True)
+    assert job.context is not None
+    assert job.targets[:len(TRUNK)] == [6, 7, 8, 9, -1]
+    assert job.context[:len(TRUNK)] == [True, True, True, True, False]
+    assert not any(job.context[len(TRUNK):])
+    assert job.weights[:len(TRUNK)] == [0.0] * len(TRUNK)
+    # the call targets are the same with or without the context ones
+    plain = pack_job(TRUNK, BRANCHES)
+    assert job.targets[len(TRUNK):] == plain.targets[len(TRUNK):]
+    assert job.weights == plain.weights
+
+
+def _loss(job_ctx: bool, weight: float) -> tuple[float, dict[str, float]]:
+    torch.manual_seed(0)
+    model = DemoLlama(ModelConfig(vocab_size=16, hidden_size=16, intermediate_size=32,
+                                  num_hidden_layers=1, num_attention_heads=2))
+    job = pack_job(TRUNK, BRANCHES, context_targets=job_ctx)
+    bt = batch_tensors([job], 1, pad_id=0)
+    with torch.no_grad():
+        loss, stats = packed_loss(model, torch.tensor([1]), torch.tensor([0]), bt, weight)
+    return float(loss), stats
+
+
+def test_context_loss_adds_its_weighted_mean_and_leaves_the_call_loss_alone() -> None:
+    call_only, stats0 = _loss(False, 0.0)
+    same_targets_no_weight, stats1 = _loss(True, 0.0)
+    with_context, stats2 = _loss(True, 0.5)
+    # context targets never leak into the call loss or its accuracy
+    assert same_targets_no_weight == pytest.approx(call_only)
+    assert stats1["tokens"] == stats0["tokens"] == 3
+    assert "context_loss" not in stats1
+    assert with_context == pytest.approx(call_only + 0.5 * stats2["context_loss"], rel=1e-5)
+    assert stats2["context_loss"] > 0
