@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--invoices", type=int, default=None)
             p.add_argument("--concurrency", type=int, default=4)
             p.add_argument("--json-out", type=Path, default=None)
+            p.add_argument("--temperature", type=float, default=None,
+                           help="sample every step at this temperature instead of the "
+                                "profile's (0: greedy; a diagnostic)")
             p.add_argument("--ungrounded", action="store_true",
                            help="let the model write id arguments freely (no grounding)")
             p.add_argument("--split", choices=("heldout", "bundled", "fresh"),
@@ -128,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             heldout = split_cases_file(args.split, args.data_dir)
         result = evaluate(args.model, heldout, port=args.port, n_tickets=args.tickets,
                           n_invoices=args.invoices, concurrency=args.concurrency,
-                          grounded=not args.ungrounded,
+                          grounded=not args.ungrounded, temperature=args.temperature,
                           log=lambda m: print(m, flush=True))
         if args.json_out:
             args.json_out.write_text(json.dumps(result, indent=1))

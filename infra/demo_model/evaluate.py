@@ -79,9 +79,11 @@ def stop_engine(proc: subprocess.Popen[bytes]) -> None:
 class EnginePolicy:
     """A step on the engine, as ``InferenceActivities._generate`` sends and reads it."""
 
-    def __init__(self, url: str, tokenizer: Any) -> None:
+    def __init__(self, url: str, tokenizer: Any, temperature: float | None = None) -> None:
         import httpx
 
+        self._temperature = temperature
+        """None: the profile's; a number overrides every step's (a diagnostic)."""
         self._url = url.rstrip("/") + "/v1/chat/completions"
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=5.0))
         self._tok = tokenizer
@@ -95,6 +97,8 @@ class EnginePolicy:
         from warmloop.workflows.contracts import FunctionCall, ToolCall
 
         sent = {**body, "return_token_ids": True}  # to check the prompt; no effect on output
+        if self._temperature is not None:
+            sent["temperature"] = self._temperature
         stream = StepStream()
         async with self._http.stream("POST", self._url, json=sent) as resp:
             if resp.status_code != 200:
@@ -128,10 +132,11 @@ class EnginePolicy:
 
 
 async def _evaluate_cases(cases: list[Case], url: str, tokenizer: Any, concurrency: int,
-                          log: Any, grounded: bool = True) -> dict[str, Any]:
+                          log: Any, grounded: bool = True,
+                          temperature: float | None = None) -> dict[str, Any]:
     base = W.bundled_world()
     builder = RequestBuilder(grounded=grounded)
-    policy = EnginePolicy(url, tokenizer)
+    policy = EnginePolicy(url, tokenizer, temperature)
     sem = asyncio.Semaphore(concurrency)
     per_field: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
     steps = valid = 0
@@ -176,8 +181,8 @@ async def _evaluate_cases(cases: list[Case], url: str, tokenizer: Any, concurren
 
 def evaluate(model_dir: Path, heldout: Path, *, port: int = EVAL_PORT,
              n_tickets: int | None = None, n_invoices: int | None = None,
-             concurrency: int = 4, grounded: bool = True, log: Any = print
-             ) -> dict[str, Any]:
+             concurrency: int = 4, grounded: bool = True, log: Any = print,
+             temperature: float | None = None) -> dict[str, Any]:
     """Run the held-out cases on a fresh engine; returns the figures."""
     from transformers import AutoTokenizer
 
@@ -195,8 +200,9 @@ def evaluate(model_dir: Path, heldout: Path, *, port: int = EVAL_PORT,
     try:
         t0 = time.time()
         result = asyncio.run(_evaluate_cases(tickets + invoices, url, tokenizer, concurrency,
-                                             log, grounded))
+                                             log, grounded, temperature))
         result["grounded_arguments"] = grounded
+        result["temperature"] = temperature
         result["eval_wall_s"] = round(time.time() - t0, 1)
     finally:
         stop_engine(proc)
