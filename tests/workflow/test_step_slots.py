@@ -170,7 +170,10 @@ async def test_a_worker_takes_no_more_steps_at_once_than_its_engine_allows(
         async def started(n: int) -> bool:
             d = await handle.describe()
             states = [p.state for p in d.raw_description.pending_activities]
-            return len(states) == 6 and sum(s == 2 for s in states) == n  # 2: STARTED
+            # 2: STARTED. The server marks an activity started when a worker takes its
+            # task, a moment before the activity's body runs: wait for both.
+            return (len(states) == 6 and sum(s == 2 for s in states) == n
+                    and _running == n)
 
         await eventually(lambda: started(2), attempts=600)
         assert _running == 2 and slots.in_use == 2
