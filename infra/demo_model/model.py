@@ -360,15 +360,15 @@ def packed_loss(model: DemoLlama, prefix_ids: torch.Tensor, prefix_positions: to
     the task and tool results from every token of them, not only from the calls."""
     _, past = model.hidden(prefix_ids.unsqueeze(0), prefix_positions.unsqueeze(0), None)
     h, _ = model.hidden(batch["ids"], batch["positions"], batch["mask"], past)
-    ctx_sel = batch["context"] if context_weight > 0 else torch.zeros_like(batch["context"])
-    sel = (batch["targets"] >= 0) & ~batch["context"]
+    ctx_sel = batch["context"]
+    sel = (batch["targets"] >= 0) & ~ctx_sel
     logits = model.logits(h[sel]).float()
     tgt = batch["targets"][sel]
     w = batch["weights"][sel]
     ce = F.cross_entropy(logits, tgt, reduction="none")
     loss = (ce * w).sum() / w.sum().clamp_min(1e-6)
     stats = {}
-    if bool(ctx_sel.any()):
+    if context_weight > 0 and bool(ctx_sel.any()):
         ctx_ce = F.cross_entropy(model.logits(h[ctx_sel]).float(), batch["targets"][ctx_sel])
         loss = loss + context_weight * ctx_ce
         stats["context_loss"] = float(ctx_ce.detach())
