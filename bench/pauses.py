@@ -8,10 +8,11 @@ come from the engines' own usage (cached tokens per step), the touch requests' u
 and the background traffic's own TTFT.
 
 The policies run interleaved, ``--repeat`` times (the order rotated each repeat); each
-figure is reported as the median with its range. The background traffic is sized from
-an engine's measured time for one background request (``--bg-utilization``), so a
-slower or faster machine runs the same regime. The last line of output is one JSON
-object: the medians, and ``ranges`` with the same keys.
+figure is reported as the median with its range. The background traffic is sized by
+the churn it makes, from its measured prompt tokens: 0.68 pools of fresh blocks per
+median pause (``bg_rate``), so a slower or faster machine runs the same cache regime
+while its engines can (the utilisation it costs is reported, and capped). The last
+line of output is one JSON object: the medians, and ``ranges`` with the same keys.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
 
 from bench.common import (
+    TINY_KV_BYTES_PER_TOKEN,
     bench_settings,
     bench_stack,
     calibrate_fleet,
@@ -198,19 +200,50 @@ async def run_policy(name: str, policy: HoldPolicy, client: Client, http: httpx.
     return out
 
 
-async def bg_request_s(http: httpx.AsyncClient, url: str, words: int, n: int = 5) -> float:
-    """An engine's time for one background request (fresh prompt, 4 tokens): median of
-    ``n``. The background rate is sized from it."""
+async def bg_request(http: httpx.AsyncClient, url: str, words: int, n: int = 5
+                     ) -> tuple[float, int]:
+    """An engine's time for one background request (fresh prompt, 4 tokens) and its
+    prompt tokens: medians of ``n``. The background rate is sized from them."""
     rng = random.Random(3)
-    times = []
+    times, tokens = [], []
     for _ in range(n):
         text = f"{uuid.uuid4()} " + " ".join(rng.choice(WORDS) for _ in range(words))
         t = time.perf_counter()
-        (await http.post(f"{url}/v1/chat/completions", json={
+        r = await http.post(f"{url}/v1/chat/completions", json={
             "model": "tiny", "max_tokens": 4,
-            "messages": [{"role": "user", "content": text}]})).raise_for_status()
+            "messages": [{"role": "user", "content": text}]})
+        r.raise_for_status()
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        tokens.append(int(r.json()["usage"]["prompt_tokens"]))
+    return statistics.median(times), int(statistics.median(tokens))
+
+
+def bg_rate(args: argparse.Namespace, request_s: float, prompt_tokens: int
+            ) -> tuple[float, str]:
+    """Background requests a second per engine, and how they were sized.
+
+    The regime bench-pauses measures is how much of a pool other traffic overwrites
+    during a pause, so by default the rate is sized from the pool: ``--bg-pools-per-
+    pause`` pools of fresh blocks written per median tool pause (0.68: what the
+    reference host's 15 % utilisation gave, 3.5 requests/s of 530 prompt tokens over
+    8,192-token pools and 3 s pauses). Sizing by utilisation instead gives a host whose
+    prefill is slower less churn, and no pressure: on an AVX2 host (2,000 tokens/s)
+    always-release lost 6,090 tokens where the reference lost 46,764. The utilisation
+    that rate costs is capped at ``--bg-max-utilization``; ``--bg-utilization`` sizes
+    by utilisation alone, ``--bg-rate`` fixes the rate."""
+    if args.bg_rate is not None:
+        return args.bg_rate, "fixed (--bg-rate)"
+    if args.bg_utilization is not None:
+        return args.bg_utilization / request_s, f"utilization {args.bg_utilization}"
+    pool_tokens = args.kv_cache_bytes // TINY_KV_BYTES_PER_TOKEN
+    rate = args.bg_pools_per_pause * pool_tokens / max(1, prompt_tokens) / args.pause_median_s
+    how = (f"{args.bg_pools_per_pause} pools of {pool_tokens:,} tokens per "
+           f"{args.pause_median_s:g} s pause")
+    if rate * request_s > args.bg_max_utilization:
+        rate = args.bg_max_utilization / request_s
+        how += (f", capped at utilization {args.bg_max_utilization}: this host's engines "
+                "are too slow for the regime, pools see less churn than the reference")
+    return rate, f"{how} (utilization {rate * request_s:.2f})"
 
 
 async def main_async(args: argparse.Namespace, console: Console) -> dict[str, Any]:
@@ -227,12 +260,10 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
         if args.calibrate:
             calibrations = await calibrate_fleet(
                 settings, http, fleet.redis, console)
-        if args.bg_rate is None:
-            one = await bg_request_s(http, fleet.urls[0], args.bg_words)
-            args.bg_rate = args.bg_utilization / one
-            console.print(f"a background request takes {one * 1000:.0f} ms: "
-                          f"{args.bg_rate:.2f} requests/s per engine "
-                          f"(utilization {args.bg_utilization})")
+        one, bg_tokens = await bg_request(http, fleet.urls[0], args.bg_words)
+        args.bg_rate, sized = bg_rate(args, one, bg_tokens)
+        console.print(f"a background request takes {one * 1000:.0f} ms for {bg_tokens} "
+                      f"prompt tokens: {args.bg_rate:.2f} requests/s per engine ({sized})")
         for rep in range(args.repeat):
             runs: dict[str, PolicyRun] = {}
             for name in rotated(list(args.policies), rep):
@@ -251,6 +282,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
     report(medians, ranges, len(repeats), console)
     return {**medians, "ranges": ranges, "repeats": len(repeats),
             "bg_rate_per_engine": round(args.bg_rate, 3),
+            "bg_utilization": round(args.bg_rate * one, 3), "bg_sized": sized,
             "calibration": calibrations}
 
 
@@ -341,10 +373,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--approval-max-s", type=float, default=20.0)
     p.add_argument("--repeat", type=int, default=3,
                    help="interleaved repeats; figures are medians with ranges")
-    p.add_argument("--bg-utilization", type=float, default=0.15,
-                   help="background traffic as a share of one engine's measured capacity "
-                        "(measured alone; both engines and the stack share the host's "
-                        "cores: 0.15 gives ~3.4 requests/s per engine here)")
+    p.add_argument("--bg-pools-per-pause", type=float, default=0.68,
+                   help="background traffic sized by the churn it makes: KV pools of "
+                        "fresh blocks written per median tool pause (see bg_rate)")
+    p.add_argument("--bg-max-utilization", type=float, default=0.5,
+                   help="the most of one engine's measured capacity that rate may take")
+    p.add_argument("--bg-utilization", type=float, default=None,
+                   help="size background traffic as a share of one engine's measured "
+                        "capacity instead (the sizing before 2026-12-03: 0.15)")
     p.add_argument("--bg-rate", type=float, default=None,
                    help="fix the background requests per second per engine instead")
     p.add_argument("--bg-words", type=int, default=500)

@@ -32,6 +32,37 @@ from warmloop.workers.identity import ensure_dev_identities
 from warmloop.workers.settings import KV_EVENTS_TOPIC, EngineEndpoint, Settings
 
 BIN = Path(sys.executable).parent
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+"""/proc/cpuinfo flags (x86 ``flags``, Arm ``Features``) of native bfloat16 arithmetic."""
+
+
+def native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes bfloat16 natively (``cpuinfo``: /proc/cpuinfo's text;
+    read when None). Unreadable (not Linux): assume it does, vLLM's own default."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return True
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):
+            return bool(NATIVE_BF16_FLAGS & set(value.split()))
+    return True
+
+
+def engine_dtype(settings: Settings, cpuinfo: str | None = None) -> str:
+    """The embedded engines' dtype (``Settings.engine_dtype``, ``auto`` resolved)."""
+    if settings.engine_dtype != "auto":
+        return settings.engine_dtype
+    return "bfloat16" if native_bf16(cpuinfo) else "float32"
+
+
+def engine_kv_bytes(settings: Settings, dtype: str) -> int | None:
+    """``Settings.engine_kv_cache_bytes`` for an engine computing in ``dtype``: the same
+    tokens whatever the dtype (the setting is sized at bfloat16's 2 bytes a value)."""
+    kv = settings.engine_kv_cache_bytes
+    return None if kv is None else kv * (2 if dtype == "float32" else 1)
 GUIDED_DECODING_CONFIG = json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})
 
 
@@ -274,6 +305,7 @@ class Stack:
         s = self.settings
         url = urlparse(e.url)
         port = url.port
+        dtype = engine_dtype(s)
         argv = [
             # vLLM's server, its worker's one-second idle spin cut short (see the module)
             sys.executable, "-m", "warmloop.infra.vllm_cpu_server",
@@ -285,7 +317,7 @@ class Stack:
             # Guided JSON without free whitespace: a weak model otherwise pads a
             # tool call with blanks until max_tokens cuts it into invalid JSON.
             "--structured-outputs-config", GUIDED_DECODING_CONFIG,
-            "--enforce-eager", "--dtype", "bfloat16",
+            "--enforce-eager", "--dtype", dtype,
             "--max-model-len", str(s.engine_max_model_len),
         ]
         env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1",
@@ -295,8 +327,8 @@ class Stack:
             argv += ["--kv-events-config", json.dumps({
                 "enable_kv_cache_events": True, "publisher": "zmq",
                 "endpoint": e.kv_events, "topic": KV_EVENTS_TOPIC})]
-        if s.engine_kv_cache_bytes:
-            argv += ["--kv-cache-memory-bytes", str(s.engine_kv_cache_bytes)]
+        if kv_bytes := engine_kv_bytes(s, dtype):
+            argv += ["--kv-cache-memory-bytes", str(kv_bytes)]
         else:
             env["VLLM_CPU_KVCACHE_SPACE"] = "1"
         return Part(

@@ -224,7 +224,15 @@ class Settings(BaseSettings):
         "and are not measured yet (`warmloop calibrate ENGINE` replaces it with the "
         "engine's own figures). One of warmloop.workflows.calibration.PRESETS.")
     engine_kv_cache_bytes: int | None = Field(default=None, ge=4 * 1024 * 1024)
-    """Explicit KV pool per embedded engine (vLLM --kv-cache-memory-bytes); None: 1 GiB."""
+    """Explicit KV pool per embedded engine (vLLM --kv-cache-memory-bytes) at bfloat16's
+    2 bytes a value; an engine computing in float32 (``engine_dtype``) gets twice the
+    bytes, so every engine's pool holds the same tokens. None: 1 GiB."""
+    engine_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """What the embedded engines compute in. ``auto``: bfloat16 on a CPU with native
+    bfloat16 arithmetic (AVX512-BF16 or AMX; Arm's BF16), float32 elsewhere. On a CPU
+    without it (an AVX2-only host) PyTorch emulates bfloat16 and a matmul runs ~50x
+    slower than in float32: prefill fell from 13-25k to ~2k tokens/s, which changed
+    every benchmark's regime and slowed the tests."""
     engine_kv_events_base_port: int | None = Field(default=5557, ge=1024, le=65000)
     """Embedded engine i publishes KV events to tcp://127.0.0.1:(this + i); None: off."""
     engine_compute_nice: int = Field(default=10, ge=0, le=19)

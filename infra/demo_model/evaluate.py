@@ -2,7 +2,8 @@
 
 One engine is started on a private port with the embedded stack's own command line
 (``Stack.engine_parts``: the same flags, hermes tool parser, xgrammar guided decoding
-without free whitespace, bfloat16, prefix caching) and warmed up as the stack does.
+without free whitespace, the dtype ``Settings.engine_dtype`` picks, prefix caching) and
+warmed up as the stack does.
 Each held-out case runs its whole job (``runtime.run_job``): every step's request is
 the inference worker's own body (``InferenceActivities._body``: real prompt,
 ``tool_choice: required``, strict tool schemas, the profile's temperature and output
