@@ -32,17 +32,26 @@ from warmloop.workers.identity import ensure_dev_identities
 from warmloop.workers.settings import KV_EVENTS_TOPIC, EngineEndpoint, Settings
 
 BIN = Path(sys.executable).parent
+GUIDED_DECODING_CONFIG = json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 """/proc/cpuinfo flags (x86 ``flags``, Arm ``Features``) of native bfloat16 arithmetic."""
 
 
+@functools.cache
+def _host_cpuinfo() -> str | None:
+    """/proc/cpuinfo's text, read once (every engine part asks); None where unreadable."""
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+
+
 def native_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this CPU computes bfloat16 natively (``cpuinfo``: /proc/cpuinfo's text;
-    read when None). Unreadable (not Linux): assume it does, vLLM's own default."""
+    this host's when None). Unreadable (not Linux): assume it does, vLLM's own default."""
     if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
+        cpuinfo = _host_cpuinfo()
+        if cpuinfo is None:
             return True
     for line in cpuinfo.splitlines():
         name, _, value = line.partition(":")
@@ -63,7 +72,6 @@ def engine_kv_bytes(settings: Settings, dtype: str) -> int | None:
     tokens whatever the dtype (the setting is sized at bfloat16's 2 bytes a value)."""
     kv = settings.engine_kv_cache_bytes
     return None if kv is None else kv * (2 if dtype == "float32" else 1)
-GUIDED_DECODING_CONFIG = json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})
 
 
 async def register_search_attributes(client: Any) -> None:

@@ -226,7 +226,8 @@ class Settings(BaseSettings):
     engine_kv_cache_bytes: int | None = Field(default=None, ge=4 * 1024 * 1024)
     """Explicit KV pool per embedded engine (vLLM --kv-cache-memory-bytes) at bfloat16's
     2 bytes a value; an engine computing in float32 (``engine_dtype``) gets twice the
-    bytes, so every engine's pool holds the same tokens. None: 1 GiB."""
+    bytes, so every engine's pool holds the same tokens. None: vLLM's 1 GiB CPU KV space,
+    whatever the dtype (half the tokens in float32)."""
     engine_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """What the embedded engines compute in. ``auto``: bfloat16 on a CPU with native
     bfloat16 arithmetic (AVX512-BF16 or AMX; Arm's BF16), float32 elsewhere. On a CPU
