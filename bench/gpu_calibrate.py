@@ -33,7 +33,9 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -132,6 +134,33 @@ class Model:
             x = x + self.mlp(self.rms(x, layer["norm2"]), layer)
         return self.rms(x[-1:], self.norm) @ self.lm_head
 
+    def prefill_on_cache(self, tokens: torch.Tensor, k_cache: list[torch.Tensor],
+                         v_cache: list[torch.Tensor]) -> torch.Tensor:
+        """Prefill ``tokens`` [n] after a cached prefix: each layer's cache is
+        [kv_heads, cached + n, head_dim], the new K/V written into its last n slots (as
+        vLLM writes into its blocks) and every new token attending to the whole of it.
+        Not causal among the n new tokens: at most n^2/2 extra scores, small beside
+        n x cached when the prefix is long, and the timing stays an upper bound."""
+        s = self.s
+        n = tokens.shape[0]
+        total = k_cache[0].shape[1]
+        x = self.embed[tokens]
+        cos, sin = self.rope(torch.arange(total - n, total, device=tokens.device))
+        qd, kd = s.heads * s.head_dim, s.kv_heads * s.head_dim
+        for layer, kc, vc in zip(self.layers, k_cache, v_cache, strict=True):
+            qkv = self.rms(x, layer["norm1"]) @ layer["qkv"]
+            q = self.rotate(qkv[:, :qd].view(n, s.heads, s.head_dim), cos[:, None], sin[:, None])
+            k = self.rotate(qkv[:, qd:qd + kd].view(n, s.kv_heads, s.head_dim), cos[:, None],
+                            sin[:, None])
+            kc[:, total - n:].copy_(k.transpose(0, 1))
+            vc[:, total - n:].copy_(qkv[:, qd + kd:].view(n, s.kv_heads, s.head_dim)
+                                    .transpose(0, 1))
+            a = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None], vc[None],
+                                               enable_gqa=True)
+            x = x + a[0].transpose(0, 1).reshape(n, qd) @ layer["o"]
+            x = x + self.mlp(self.rms(x, layer["norm2"]), layer)
+        return self.rms(x[-1:], self.norm) @ self.lm_head
+
     def decode(self, tokens: torch.Tensor, k_cache: list[torch.Tensor],
                v_cache: list[torch.Tensor]) -> torch.Tensor:
         """One decode step for ``tokens`` [b], each sequence attending to its whole cache
@@ -159,7 +188,8 @@ class Model:
         return self.rms(x, self.norm) @ self.lm_head
 
 
-def graphed(fn, device: torch.device):
+def graphed(fn: Callable[[], object], device: torch.device
+            ) -> tuple[Callable[[], object], bool]:
     """``fn`` replayed from a CUDA graph (warmed on a side stream first, as capture needs);
     ``fn`` itself on a CPU. Returns the callable and whether it is graphed."""
     if device.type != "cuda":
@@ -196,13 +226,41 @@ def timed(fn, device: torch.device, *, warmup: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def compare_sim(cached_file: Path, preset_name: str) -> list[dict[str, float]]:
+    """The simulator's step time (``sim/engine.py``: a decode step of the batch plus the
+    new tokens at the prompt length's prefill rate) for each measured warm prefill of
+    ``cached_file`` (``--cached``), by ``preset_name``'s calibration; prints the table.
+    Runs here (it needs warmloop), not on the device."""
+    from warmloop.workflows.calibration import preset
+
+    cal = preset(preset_name)
+    rows = []
+    print("| cached | new | measured ms | simulated ms | simulated / measured |")
+    print("| --- | --- | --- | --- | --- |")
+    for pt in json.loads(cached_file.read_text())["cached_prefill_raw"]:
+        c, n = pt["cached_tokens"], pt["new_tokens"]
+        sim_s = cal.decode_step_seconds(1) + n / cal.prefill_tokens_per_s(c + n)
+        rows.append({"cached": c, "new": n, "measured_s": pt["seconds"], "simulated_s": sim_s})
+        print(f"| {c:,} | {n:,} | {pt['seconds'] * 1000:.1f} | {sim_s * 1000:.1f} | "
+              f"{sim_s / pt['seconds']:.2f} |")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True, help="calibration JSON written here")
+    p.add_argument("--compare-sim", type=Path, default=None, metavar="CACHED_JSON",
+                   help="run nothing: compare the simulator's step model with a --cached "
+                        "run's figures (by --preset's calibration)")
+    p.add_argument("--preset", default="h200-llama-3.1-8b-bf16")
+    p.add_argument("--out", type=Path, help="calibration JSON written here")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model (tests, CPUs)")
-    p.add_argument("--prompt-lengths", type=int, nargs="+",
+    p.add_argument("--prompt-lengths", type=int, nargs="*",
                    default=[64, 256, 1_024, 2_048, 4_096, 8_192, 16_384, 32_768])
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    p.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32, 64, 128, 256])
+    p.add_argument("--cached", type=int, nargs="*", default=[],
+                   help="also time prefills of --cached-new tokens after a cached prefix of "
+                        "each of these lengths (what a warm agent step costs)")
+    p.add_argument("--cached-new", type=int, nargs="+", default=[64, 256, 1_024])
     p.add_argument("--decode-context", type=int, default=1_024,
                    help="KV tokens each decoding sequence attends to")
     p.add_argument("--repeats", type=int, default=5)
@@ -217,6 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-hour-usd", type=float, default=3.50,
                    help="assumed price of the card an hour (not measured)")
     args = p.parse_args(argv)
+    if args.compare_sim is not None:
+        compare_sim(args.compare_sim, args.preset)
+        return 0
+    if args.out is None:
+        p.error("--out is required (or --compare-sim)")
 
     t_start = time.monotonic()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -251,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             reps = args.repeats if n <= 8_192 else max(2, args.repeats // 2)
-            run = lambda t=tokens: prefill_fn(t)  # noqa: E731
+            run: Callable[[], object] = partial(prefill_fn, tokens)
             is_graphed = False
             if n <= args.graph_prefill_max:
                 run, is_graphed = graphed(run, device)
@@ -268,9 +331,33 @@ def main(argv: list[str] | None = None) -> int:
             result["prefill_raw"] = prefill_points
             _write(args.out, result)
 
-        decode_points = []
         kv_dtype_bytes = 2 if dtype == torch.bfloat16 else 4
-        max_b = max(args.batches)
+        cached_points = []
+        for c in sorted(args.cached):
+            for n in sorted(args.cached_new):
+                if over_budget():
+                    break
+                kc = [torch.randn(shape.kv_heads, c + n, shape.head_dim, device=device,
+                                  dtype=dtype) for _ in range(shape.layers)]
+                vc = [torch.randn_like(k) for k in kc]
+                tokens = torch.randint(0, shape.vocab, (n,), device=device)
+                warm_run: Callable[[], object] = partial(model.prefill_on_cache, tokens, kc, vc)
+                is_graphed = False
+                if n <= args.graph_prefill_max:
+                    warm_run, is_graphed = graphed(warm_run, device)
+                sec = timed(warm_run, device, warmup=2, repeats=args.repeats)
+                print(f"prefill {n:>6} new tokens on {c:>6} cached: {sec * 1000:8.2f} ms, "
+                      f"{n / sec:12,.0f} new tokens/s{' (CUDA graph)' if is_graphed else ''}",
+                      flush=True)
+                cached_points.append({"cached_tokens": c, "new_tokens": n,
+                                      "seconds": round(sec, 6),
+                                      "new_tokens_per_s": round(n / sec, 1)})
+                result["cached_prefill_raw"] = cached_points
+                _write(args.out, result)
+                del kc, vc
+
+        decode_points = []
+        max_b = max(args.batches, default=1)
         ctx = args.decode_context
         kv_alloc_bytes = 2 * shape.layers * max_b * shape.kv_heads * ctx * shape.head_dim \
             * kv_dtype_bytes
@@ -287,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
             vc = [v[:b] for v in v_full]
             tokens = torch.randint(0, shape.vocab, (b,), device=device)
             decode_fn(tokens, kc, vc)  # compiles here when --compile (not timed)
-            step, is_graphed = graphed(lambda t=tokens, k=kc, v=vc: decode_fn(t, k, v), device)
+            step, is_graphed = graphed(partial(decode_fn, tokens, kc, vc), device)
             sec = timed(step, device, warmup=3, repeats=max(10, args.repeats * 4))
             print(f"decode batch {b:>4}: {sec * 1000:8.3f} ms a step, {b / sec:10,.0f} "
                   f"tokens/s{' (CUDA graph)' if is_graphed else ''}", flush=True)
@@ -302,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
         blocks = max(1, int(free_for_kv // (kv_tok * 16)))
     else:
         blocks = 64
+    if not prefill_points or not decode_points:
+        print("no calibration: it needs prefill and decode points", flush=True)
+        return 0
     # The calibration schema wants step time never falling with batch: smooth noise up.
     steps, monotone = [], 0.0
     for d in decode_points:

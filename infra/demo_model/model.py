@@ -66,7 +66,8 @@ class RMSNorm(nn.Module):
 def rope(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin for ``positions`` (any shape), as Hugging Face's default rotary."""
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32,
+                                                 device=positions.device) / d))
     freqs = positions.float().unsqueeze(-1) * inv
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
@@ -375,7 +376,7 @@ def packed_loss(model: DemoLlama, prefix_ids: torch.Tensor, prefix_positions: to
     with torch.no_grad():
         correct = (logits.argmax(-1) == tgt).float()
     return loss, {"loss": float(loss.detach()), "tokens": float(sel.sum()),
-                  "token_acc": float(correct.mean()), "nll_max": float(ce.max()), **stats}
+                  "token_acc": float(correct.mean()), "nll_max": float(ce.detach().max()), **stats}
 
 
 def hf_logits_match(model: DemoLlama, hf_dir: str, ids: list[int], atol: float = 2e-3

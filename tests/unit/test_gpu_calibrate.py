@@ -69,3 +69,22 @@ def test_the_h200_preset_is_the_measured_file() -> None:
     assert (h200.kv_pool_blocks, h200.block_size, h200.kv_bytes_per_token) == (
         measured.kv_pool_blocks, measured.block_size, measured.kv_bytes_per_token)
     assert h200.measured_at == measured.measured_at
+
+
+def test_the_simulators_step_model_is_compared_with_every_measured_warm_prefill(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import gpu_calibrate
+
+    cached = REPO / "bench" / "measured" / "h200_cached_prefill.json"
+    rows = gpu_calibrate.compare_sim(cached, "h200-llama-3.1-8b-bf16")
+    measured = json.loads(cached.read_text())["cached_prefill_raw"]
+    assert [(r["cached"], r["new"]) for r in rows] == [
+        (m["cached_tokens"], m["new_tokens"]) for m in measured]
+    cal = preset("h200-llama-3.1-8b-bf16")
+    # A warm agent step (hundreds of new tokens on thousands cached) is where the
+    # simulator's figures come from: its step model must stay near the measurement.
+    for r in rows:
+        assert r["simulated_s"] >= cal.decode_step_seconds(1)
+        if r["new"] >= 256 and 0 < r["cached"] <= 8_192:
+            assert 0.8 <= r["simulated_s"] / r["measured_s"] <= 1.25, r
+    assert "| 2,048 | 256 |" in capsys.readouterr().out
