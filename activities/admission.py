@@ -63,7 +63,9 @@ class BatchAdmission:
         """Start K where the engine's calibration says interactive TTFT holds
         (``calibrated_k_start`` at its reference prompt). Only before any interactive
         step is measured here: after that, AIMD on what the engine does rules. Only
-        with ``AdmissionConfig.k_start_from_calibration``."""
+        with ``AdmissionConfig.k_start_from_calibration``. The calibration's
+        ``batch_k_max`` becomes K's ceiling unless the settings set ``k_max``."""
+        self.config = calibration.admission_config(self.config)
         if not self.config.k_start_from_calibration or self._ttfts \
                 or self._last_interactive is not None:
             return

@@ -112,6 +112,9 @@ class _Hold:
 @dataclass
 class _Admission:
     k: int
+    cfg: AdmissionConfig
+    """The fleet's admission settings with this engine's calibration applied
+    (``EngineCalibration.admission_config``), as the engine's worker applies them."""
     running: int = 0
     seq: int = 0
     queue: list[tuple[int, float, int, _Job, Request]] = field(default_factory=list)
@@ -223,8 +226,10 @@ class Fleet:
         for e in self.engines:
             e.changed = self._changed
         self.batch_seen = {e.engine_id: _RecentJobs() for e in self.engines}
-        self.admission = {e.engine_id: _Admission(k=self.cfg.admission.k_start)
-                          for e in self.engines}
+        self.admission = {}
+        for e in self.engines:
+            adm_cfg = e.cal.admission_config(self.cfg.admission)
+            self.admission[e.engine_id] = _Admission(k=adm_cfg.k_start, cfg=adm_cfg)
         self.holds: dict[str, deque[_Hold]] = {e.engine_id: deque() for e in self.engines}
         self.held_tokens = {e.engine_id: 0 for e in self.engines}
         self.pause_samples: dict[str, deque[float]] = {}
@@ -521,7 +526,7 @@ class Fleet:
     def _limit(self, engine: Engine, adm: _Admission) -> int:
         if adm.fit_version != adm.version:  # a pure function of the samples: once each
             adm.fit = lanes.kv_fit_limit(engine.cal.kv_pool_tokens, list(adm.samples),
-                                         self.cfg.admission)
+                                         adm.cfg)
             adm.fit_version = adm.version
         fit = adm.fit
         return min(adm.k, fit) if fit > 0 else adm.k
@@ -536,7 +541,7 @@ class Fleet:
 
     def _drain(self, engine: Engine, adm: _Admission) -> None:
         now = self.clock.now
-        cfg = self.cfg.admission
+        cfg = adm.cfg
         if now - adm.last_interactive_s > cfg.idle_grow_s and now - adm.last_grow_s > \
                 cfg.idle_grow_s:
             adm.k = lanes.next_batch_limit(adm.k, None, cfg)
@@ -557,7 +562,7 @@ class Fleet:
             adm.fresh = 0
             ordered = sorted(adm.ttfts)
             p95 = ordered[min(len(ordered) - 1, int(math.ceil(0.95 * len(ordered))) - 1)]
-            adm.k = lanes.next_batch_limit(adm.k, p95, self.cfg.admission)
+            adm.k = lanes.next_batch_limit(adm.k, p95, adm.cfg)
 
     # --- step results --------------------------------------------------------------------
 

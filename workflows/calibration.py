@@ -20,6 +20,7 @@ from typing import Self
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from warmloop.workflows.holding import HoldConfig, HoldCosts
+from warmloop.workflows.lanes import AdmissionConfig
 from warmloop.workflows.pricing import EnginePrice
 from warmloop.workflows.routing import RoutingConfig
 
@@ -87,6 +88,13 @@ class EngineCalibration(BaseModel):
     max_batched_tokens: int = Field(default=8_192, ge=1, le=10_000_000)
     """Tokens one engine step computes at most: chunked prefill splits longer prompts
     (vLLM's ``max_num_batched_tokens``)."""
+    batch_k_max: int | None = Field(default=None, ge=1, le=100_000)
+    """Most batch-lane steps batch admission runs at once on this engine, where the
+    admission settings leave ``k_max`` unset (``admission_config``); None:
+    ``AdmissionConfig.k_max`` (16, sized on the 2-core CPU engines). A GPU engine decodes
+    hundreds of sequences a step for little more time than sixteen, so 16 there leaves
+    most of a burst's throughput unused. The GPU presets take a quarter of ``max_batch``:
+    the other slots stay for interactive steps."""
     cached_fraction: float = Field(default=0.1, ge=0, le=1)
     """A cached prompt token's price as a share of an uncached one's (``EnginePrice``)."""
     reference_prompt_tokens: int = Field(default=2_048, gt=0)
@@ -236,6 +244,15 @@ class EngineCalibration(BaseModel):
                          prefill_s_per_token=self.prefill_s_per_token(max(1, prefix_tokens)),
                          gpu_usd_per_s=self.gpu_usd_per_s, latency_usd_per_s=latency_usd_per_s)
 
+    def admission_config(self, base: AdmissionConfig) -> AdmissionConfig:
+        """``base`` with this engine's ``batch_k_max`` as its ``k_max``, unless ``base``
+        sets ``k_max`` itself (an operator's explicit cap wins); ``k_start`` is held to
+        it."""
+        if self.batch_k_max is None or "k_max" in base.model_fields_set:
+            return base
+        return base.model_copy(update={"k_max": self.batch_k_max,
+                                       "k_start": min(base.k_start, self.batch_k_max)})
+
     def routing_config(self, base: RoutingConfig | None = None, *,
                        output_tokens: int = 32) -> RoutingConfig:
         """``base`` (or the defaults) with this engine's prefill rate and per-request
@@ -302,7 +319,7 @@ H100_LLAMA_8B = EngineCalibration(
             "and 80 GB; price assumed ($2.99/h on-demand)"),
     prefill=_prefill_points(989), decode=_decode_points(1.0), step_overhead_s=0.005,
     kv_pool_blocks=_kv_blocks(80, 4.0), block_size=16, kv_bytes_per_token=_LLAMA_8B_KV_BYTES,
-    gpu_hour_usd=2.99, max_batch=256, max_batched_tokens=8_192)
+    gpu_hour_usd=2.99, batch_k_max=64, max_batch=256, max_batched_tokens=8_192)
 
 A100_LLAMA_8B = EngineCalibration(
     model="meta-llama/Llama-3.1-8B-Instruct", hardware="1x A100 80GB SXM, bf16",
@@ -312,7 +329,7 @@ A100_LLAMA_8B = EngineCalibration(
             "($1.79/h on-demand)"),
     prefill=_prefill_points(312), decode=_decode_points(3.35 / 2.04), step_overhead_s=0.007,
     kv_pool_blocks=_kv_blocks(80, 4.0), block_size=16, kv_bytes_per_token=_LLAMA_8B_KV_BYTES,
-    gpu_hour_usd=1.79, max_batch=256, max_batched_tokens=8_192)
+    gpu_hour_usd=1.79, batch_k_max=64, max_batch=256, max_batched_tokens=8_192)
 
 L4_LLAMA_8B = EngineCalibration(
     model="meta-llama/Llama-3.1-8B-Instruct", hardware="1x L4 24GB, bf16",
@@ -322,7 +339,7 @@ L4_LLAMA_8B = EngineCalibration(
             "weights); price assumed ($0.70/h on-demand)"),
     prefill=_prefill_points(121), decode=_decode_points(3.35 / 0.30), step_overhead_s=0.01,
     kv_pool_blocks=_kv_blocks(24, 1.5), block_size=16, kv_bytes_per_token=_LLAMA_8B_KV_BYTES,
-    gpu_hour_usd=0.70, max_batch=64, max_batched_tokens=4_096)
+    gpu_hour_usd=0.70, batch_k_max=16, max_batch=64, max_batched_tokens=4_096)
 
 # [H200] Measured in this project, 2026-12-04, on one NVIDIA H200 (143,771 MiB, driver
 #        580.159.04) lent to a session: ``bench/gpu_calibrate.py --compile`` (PyTorch
@@ -341,7 +358,8 @@ L4_LLAMA_8B = EngineCalibration(
 
 H200_LLAMA_8B = EngineCalibration(
     model="meta-llama/Llama-3.1-8B-Instruct", hardware="1x NVIDIA H200 141GB, bf16",
-    source=("measured 2026-12-04T06:56Z on a lent H200 by bench/gpu_calibrate.py --compile "
+    source=("preset measured 2026-12-04T06:56Z on a lent H200 by bench/gpu_calibrate.py "
+            "--compile "
             "(PyTorch 2.11 forward of Llama-3.1-8B's shapes with random weights; no vLLM "
             "there): prefill one prompt alone, decode a compiled CUDA-graphed step at 1,024 "
             "tokens of context with dense GQA attention (an upper bound on vLLM's paged "
@@ -361,7 +379,7 @@ H200_LLAMA_8B = EngineCalibration(
             DecodePoint(batch_size=128, step_s=0.011157),
             DecodePoint(batch_size=256, step_s=0.016488)),
     step_overhead_s=0.005, kv_pool_blocks=54_165, block_size=16,
-    kv_bytes_per_token=_LLAMA_8B_KV_BYTES, gpu_hour_usd=3.50, max_batch=256,
+    kv_bytes_per_token=_LLAMA_8B_KV_BYTES, gpu_hour_usd=3.50, batch_k_max=64, max_batch=256,
     max_batched_tokens=8_192, measured_at="2026-12-04T06:56:23+00:00")
 
 CPU_TINY = EngineCalibration(

@@ -84,3 +84,31 @@ def test_presets_cite_their_sources() -> None:
     assert CPU_TINY.block_size == 128 and CPU_TINY.kv_bytes_per_token == 2_048
     with pytest.raises(ValueError, match="known: "):
         preset("tpu")
+
+
+def test_a_gpu_engines_batch_lane_is_capped_by_its_calibration_not_the_cpu_default() -> None:
+    """K's ceiling: the preset's batch_k_max unless the operator sets k_max; the CPU
+    engines keep AdmissionConfig's 16. The worker and the simulator apply it alike."""
+    from warmloop.activities.admission import BatchAdmission
+    from warmloop.sim.core import Clock
+    from warmloop.sim.fleet import POLICIES, Fleet
+    from warmloop.workflows.lanes import AdmissionConfig
+
+    h100 = preset("h100-llama-3.1-8b-bf16")
+    assert h100.batch_k_max == h100.max_batch // 4
+    assert h100.admission_config(AdmissionConfig()).k_max == 64
+    assert h100.admission_config(AdmissionConfig(k_max=8)).k_max == 8
+    assert h100.admission_config(AdmissionConfig(k_start=100, k_max=200)).k_max == 200
+    assert preset("cpu-tiny").admission_config(AdmissionConfig()).k_max == 16
+    assert preset("l4-llama-3.1-8b-bf16").admission_config(
+        AdmissionConfig(k_start=32)).k_start == 16
+
+    worker = BatchAdmission(AdmissionConfig())
+    worker.calibrate(h100)
+    assert worker.config.k_max == 64
+    explicit = BatchAdmission(AdmissionConfig(k_max=8))
+    explicit.calibrate(h100)
+    assert explicit.config.k_max == 8
+
+    fleet = Fleet(Clock(), [h100, preset("cpu-tiny")], POLICIES["warmloop"])
+    assert [a.cfg.k_max for a in fleet.admission.values()] == [64, 16]

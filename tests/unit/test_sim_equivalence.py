@@ -79,7 +79,10 @@ def run_fleet_case(key: str) -> dict[str, Any]:
     if burst == "True":
         jobs += burst_jobs(mix, n=int(10 * rate * h / 5), at_s=h / 5, over_s=h / 5, rng=rng)
     clock = Clock()
-    fleet = Fleet(clock, [preset("h100-llama-3.1-8b-bf16")] * g, POLICIES[policy])
+    # Recorded when batch admission capped K at AdmissionConfig.k_max (16) on every
+    # engine; the preset's batch_k_max (64) came later and changes what a burst does.
+    cal = preset("h100-llama-3.1-8b-bf16").model_copy(update={"batch_k_max": None})
+    fleet = Fleet(clock, [cal] * g, POLICIES[policy])
     fleet.add_jobs(jobs)
     clock.run(h)
     return {**summarize(fleet, clock).as_dict(), "digest": digest(fleet)}
