@@ -24,12 +24,22 @@ import math
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 FIELDS = ("ids", "positions", "parent", "branch", "targets")
+
+
+@dataclass
+class _Job:
+    """A packed job with what ``batches`` groups by (``train.Encoded`` without warmloop)."""
+
+    profile: int
+    job: Any
+    size: int
 
 
 def pack(data_dir: Path, out: Path, *, vocab_size: int, syntax_weight: float) -> None:
@@ -75,6 +85,7 @@ def train(pack_dir: Path, out: Path, *, seconds: float, lr_peak: float, warmup: 
         ModelConfig,
         PackedJob,
         batch_tensors,
+        batches,
         packed_loss,
         param_count,
     )
@@ -85,12 +96,13 @@ def train(pack_dir: Path, out: Path, *, seconds: float, lr_peak: float, warmup: 
     with np.load(pack_dir / "jobs.npz") as npz:  # each lookup decompresses: once each
         z = {k: npz[k] for k in npz.files}
     ends = np.cumsum(z["lengths"])
-    jobs: list[tuple[int, PackedJob]] = []
+    jobs: list[_Job] = []
     for i, end in enumerate(ends):
         start = end - z["lengths"][i]
         fields = {f: z[f][start:end].tolist() for f in FIELDS}
-        jobs.append((int(z["profile"][i]), PackedJob(
-            weights=z["weights"][start:end].astype(np.float32).tolist(), **fields)))
+        jobs.append(_Job(int(z["profile"][i]), PackedJob(
+            weights=z["weights"][start:end].astype(np.float32).tolist(), **fields),
+            int(z["lengths"][i])))
     torch.manual_seed(seed)
     cfg = ModelConfig(vocab_size=meta["vocab"], hidden_size=hidden,
                       intermediate_size=3 * hidden, num_hidden_layers=layers,
@@ -108,34 +120,14 @@ def train(pack_dir: Path, out: Path, *, seconds: float, lr_peak: float, warmup: 
           f"{torch.cuda.get_device_name(0) if dev.type == 'cuda' else 'cpu'} "
           f"({time.time() - t0:.0f} s)", flush=True)
 
-    def epoch_batches() -> list[list[int]]:
-        # one profile per batch, similar lengths together (train.py's ``batches``)
-        out_b: list[list[int]] = []
-        for prof in sorted({p for p, _ in jobs}):
-            mine = [i for i, (p, _) in enumerate(jobs) if p == prof]
-            rng.shuffle(mine)
-            for w in range(0, len(mine), 64):
-                window = sorted(mine[w:w + 64], key=lambda i: len(jobs[i][1].ids))
-                cur: list[int] = []
-                for i in window:
-                    n = len(jobs[i][1].ids)
-                    if cur and (len(cur) + 1) * max(n, len(jobs[cur[-1]][1].ids)) > batch_tokens:
-                        out_b.append(cur)
-                        cur = []
-                    cur.append(i)
-                if cur:
-                    out_b.append(cur)
-        rng.shuffle(out_b)
-        return out_b
-
     started = time.time()
-    queue: list[list[int]] = []
+    queue: list[list[_Job]] = []
     step = epoch = 0
     window: list[dict[str, float]] = []
     log: list[dict[str, Any]] = []
     while (elapsed := time.time() - started) < seconds:
         if not queue:
-            queue = epoch_batches()
+            queue = batches(jobs, batch_tokens, rng)  # train.py's batching
             epoch += 1
         group = queue.pop()
         # cosine over the time budget (the step count is not known in advance)
@@ -144,10 +136,10 @@ def train(pack_dir: Path, out: Path, *, seconds: float, lr_peak: float, warmup: 
             1 + math.cos(math.pi * frac)))
         for g in opt.param_groups:
             g["lr"] = lr
-        prof = jobs[group[0]][0]
+        prof = group[0].profile
         pre = prefix_t[prof]
         p = pre.shape[0]
-        bt = batch_tensors([jobs[i][1] for i in group], p, meta["pad"], position_offset=p)
+        bt = batch_tensors([j.job for j in group], p, meta["pad"], position_offset=p)
         bt = {k: v.to(dev, non_blocking=True) for k, v in bt.items()}
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             loss, stats = packed_loss(model, pre, torch.arange(p, device=dev), bt)

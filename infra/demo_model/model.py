@@ -18,8 +18,9 @@ cheaper and need control over attention.
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -312,6 +313,39 @@ def pack_job(trunk: list[int], branches: list[tuple[int, list[int], list[int]]],
                 weights.append(0.0)
     return PackedJob(ids, pos, parent, branch, targets, weights,
                      context if context_targets else None)
+
+
+class Sized(Protocol):
+    """A packed job as ``batches`` sees it (``train.Encoded``; the GPU bench's jobs)."""
+
+    @property
+    def profile(self) -> Any: ...
+    @property
+    def size(self) -> int: ...
+
+
+_Sized = TypeVar("_Sized", bound=Sized)
+
+
+def batches(jobs: list[_Sized], budget: int, rng: random.Random) -> list[list[_Sized]]:
+    """Jobs of one profile per batch, similar lengths together, ``budget`` tokens each."""
+    out = []
+    for profile in sorted({j.profile for j in jobs}):
+        mine = [j for j in jobs if j.profile == profile]
+        rng.shuffle(mine)
+        # sort within windows of 64 jobs: little padding, still shuffled across windows
+        for w in range(0, len(mine), 64):
+            window = sorted(mine[w:w + 64], key=lambda j: j.size)
+            cur: list[_Sized] = []
+            for j in window:
+                if cur and (len(cur) + 1) * max(j.size, cur[-1].size) > budget:
+                    out.append(cur)
+                    cur = []
+                cur.append(j)
+            if cur:
+                out.append(cur)
+    rng.shuffle(out)
+    return out
 
 
 def batch_tensors(jobs: list[PackedJob], prefix_len: int, pad_id: int,

@@ -121,27 +121,6 @@ def encode(tok: Any, prefixes: dict[str, str], transcripts: list[Transcript],
     return prefix_ids, out
 
 
-def batches(jobs: list[Encoded], budget: int, rng: random.Random) -> list[list[Encoded]]:
-    """Jobs of one profile per batch, similar lengths together, ``budget`` tokens each."""
-    out = []
-    for profile in sorted({j.profile for j in jobs}):
-        mine = [j for j in jobs if j.profile == profile]
-        rng.shuffle(mine)
-        # sort within windows of 64 jobs: little padding, still shuffled across windows
-        for w in range(0, len(mine), 64):
-            window = sorted(mine[w:w + 64], key=lambda j: j.size)
-            cur: list[Encoded] = []
-            for j in window:
-                if cur and (len(cur) + 1) * max(j.size, cur[-1].size) > budget:
-                    out.append(cur)
-                    cur = []
-                cur.append(j)
-            if cur:
-                out.append(cur)
-    rng.shuffle(out)
-    return out
-
-
 def train(data_dir: Path, out_dir: Path, cfg: TrainConfig,
           log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train, export to ``out_dir``; returns the figures PROVENANCE.json records."""
@@ -152,6 +131,7 @@ def train(data_dir: Path, out_dir: Path, cfg: TrainConfig,
         DemoLlama,
         ModelConfig,
         batch_tensors,
+        batches,
         cosine_lr,
         deepened,
         packed_loss,
