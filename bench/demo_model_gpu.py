@@ -84,10 +84,9 @@ def train(pack_dir: Path, out: Path, *, seconds: float, lr_peak: float, warmup: 
         DemoLlama,
         ModelConfig,
         PackedJob,
-        batch_tensors,
         batches,
-        packed_loss,
         param_count,
+        train_step,
     )
 
     t0 = time.time()
@@ -139,14 +138,9 @@ def train(pack_dir: Path, out: Path, *, seconds: float, lr_peak: float, warmup: 
         prof = group[0].profile
         pre = prefix_t[prof]
         p = pre.shape[0]
-        bt = batch_tensors([j.job for j in group], p, meta["pad"], position_offset=p)
-        bt = {k: v.to(dev, non_blocking=True) for k, v in bt.items()}
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            loss, stats = packed_loss(model, pre, torch.arange(p, device=dev), bt)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        stats = train_step(model, opt, pre, torch.arange(p, device=dev),
+                           [j.job for j in group], meta["pad"], position_offset=p,
+                           bf16=dev.type == "cuda")
         step += 1
         window.append(stats)
         if step % 100 == 0:

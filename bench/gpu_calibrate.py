@@ -231,6 +231,7 @@ def compare_sim(cached_file: Path, preset_name: str) -> list[dict[str, float]]:
     new tokens at the prompt length's prefill rate) for each measured warm prefill of
     ``cached_file`` (``--cached``), by ``preset_name``'s calibration; prints the table.
     Runs here (it needs warmloop), not on the device."""
+    from warmloop.sim.engine import prefill_step_seconds
     from warmloop.workflows.calibration import preset
 
     cal = preset(preset_name)
@@ -239,7 +240,7 @@ def compare_sim(cached_file: Path, preset_name: str) -> list[dict[str, float]]:
     print("| --- | --- | --- | --- | --- |")
     for pt in json.loads(cached_file.read_text())["cached_prefill_raw"]:
         c, n = pt["cached_tokens"], pt["new_tokens"]
-        sim_s = cal.decode_step_seconds(1) + n / cal.prefill_tokens_per_s(c + n)
+        sim_s = prefill_step_seconds(cal, 1, n, c + n)
         rows.append({"cached": c, "new": n, "measured_s": pt["seconds"], "simulated_s": sim_s})
         print(f"| {c:,} | {n:,} | {pt['seconds'] * 1000:.1f} | {sim_s * 1000:.1f} | "
               f"{sim_s / pt['seconds']:.2f} |")
@@ -357,31 +358,32 @@ def main(argv: list[str] | None = None) -> int:
                 del kc, vc
 
         decode_points = []
-        max_b = max(args.batches, default=1)
-        ctx = args.decode_context
-        kv_alloc_bytes = 2 * shape.layers * max_b * shape.kv_heads * ctx * shape.head_dim \
-            * kv_dtype_bytes
-        print(f"decode cache {kv_alloc_bytes / 2**30:.1f} GiB for batch {max_b} x {ctx} "
-              "tokens", flush=True)
-        k_full = [torch.randn(max_b, shape.kv_heads, ctx, shape.head_dim, device=device,
-                              dtype=dtype) for _ in range(shape.layers)]
-        v_full = [torch.randn_like(k) for k in k_full]
-        for b in sorted(args.batches):
-            if over_budget():
-                print(f"budget spent: decode stops before batch {b}", flush=True)
-                break
-            kc = [k[:b] for k in k_full]
-            vc = [v[:b] for v in v_full]
-            tokens = torch.randint(0, shape.vocab, (b,), device=device)
-            decode_fn(tokens, kc, vc)  # compiles here when --compile (not timed)
-            step, is_graphed = graphed(partial(decode_fn, tokens, kc, vc), device)
-            sec = timed(step, device, warmup=3, repeats=max(10, args.repeats * 4))
-            print(f"decode batch {b:>4}: {sec * 1000:8.3f} ms a step, {b / sec:10,.0f} "
-                  f"tokens/s{' (CUDA graph)' if is_graphed else ''}", flush=True)
-            decode_points.append({"batch_size": b, "step_s": round(sec, 6)})
-            result["decode_raw"] = decode_points
-            _write(args.out, result)
-        del k_full, v_full
+        if args.batches:  # no decode cache for a prefill-only run
+            max_b = max(args.batches)
+            ctx = args.decode_context
+            kv_alloc_bytes = 2 * shape.layers * max_b * shape.kv_heads * ctx * shape.head_dim \
+                * kv_dtype_bytes
+            print(f"decode cache {kv_alloc_bytes / 2**30:.1f} GiB for batch {max_b} x {ctx} "
+                  "tokens", flush=True)
+            k_full = [torch.randn(max_b, shape.kv_heads, ctx, shape.head_dim, device=device,
+                                  dtype=dtype) for _ in range(shape.layers)]
+            v_full = [torch.randn_like(k) for k in k_full]
+            for b in sorted(args.batches):
+                if over_budget():
+                    print(f"budget spent: decode stops before batch {b}", flush=True)
+                    break
+                kc = [k[:b] for k in k_full]
+                vc = [v[:b] for v in v_full]
+                tokens = torch.randint(0, shape.vocab, (b,), device=device)
+                decode_fn(tokens, kc, vc)  # compiles here when --compile (not timed)
+                step, is_graphed = graphed(partial(decode_fn, tokens, kc, vc), device)
+                sec = timed(step, device, warmup=3, repeats=max(10, args.repeats * 4))
+                print(f"decode batch {b:>4}: {sec * 1000:8.3f} ms a step, {b / sec:10,.0f} "
+                      f"tokens/s{' (CUDA graph)' if is_graphed else ''}", flush=True)
+                decode_points.append({"batch_size": b, "step_s": round(sec, 6)})
+                result["decode_raw"] = decode_points
+                _write(args.out, result)
+            del k_full, v_full
 
     kv_tok = shape.kv_bytes_per_token(kv_dtype_bytes)
     if device.type == "cuda":

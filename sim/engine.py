@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
+from typing import Protocol
 
 from warmloop.sim.core import Clock
 from warmloop.workflows.calibration import EngineCalibration
@@ -306,6 +307,24 @@ class PrefixCache:
         self._note_usage()
 
 
+class StepCurves(Protocol):
+    """What a step's duration reads: an ``EngineCalibration`` or an ``Engine`` (its
+    memoised copies of the same curves)."""
+
+    def decode_step_seconds(self, batch: int) -> float: ...
+    def prefill_tokens_per_s(self, prompt_tokens: int) -> float: ...
+
+
+def prefill_step_seconds(curves: StepCurves, sequences: int, tokens: int,
+                         longest_prompt: int) -> float:
+    """An engine step that prefills ``tokens`` (of prompts up to ``longest_prompt``)
+    among ``sequences`` running ones: a decode step of them all plus the new tokens at
+    the longest prompt's prefill rate. The simulator's step model, also what
+    ``bench.gpu_calibrate --compare-sim`` holds against measured warm prefills."""
+    return (curves.decode_step_seconds(max(1, sequences))
+            + tokens / curves.prefill_tokens_per_s(longest_prompt))
+
+
 class Engine:
     """One engine: its cache, its queues and its scheduler."""
 
@@ -462,8 +481,8 @@ class Engine:
                 budget -= n
                 tokens += n
                 longest = max(longest, req.prompt_tokens)
-            duration = (self.decode_step_seconds(max(1, len(self.running) + len(plan)))
-                        + tokens / self.prefill_tokens_per_s(longest))
+            duration = prefill_step_seconds(self, len(self.running) + len(plan), tokens,
+                                            longest)
             self.busy_s += duration
             self.clock.at(now + duration, self._prefill_step_end, plan)
         elif self.running:

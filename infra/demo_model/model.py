@@ -413,6 +413,25 @@ def packed_loss(model: DemoLlama, prefix_ids: torch.Tensor, prefix_positions: to
                   "token_acc": float(correct.mean()), "nll_max": float(ce.detach().max()), **stats}
 
 
+def train_step(model: DemoLlama, opt: torch.optim.Optimizer, prefix_ids: torch.Tensor,
+               prefix_positions: torch.Tensor, jobs: list[PackedJob], pad_id: int, *,
+               position_offset: int, context_weight: float = 0.0,
+               bf16: bool = False) -> dict[str, float]:
+    """One optimizer step on a batch of packed jobs after a shared prefix, on the
+    prefix's device (the CPU trainer and the GPU bench alike): the batch's tensors,
+    ``packed_loss`` (bfloat16 autocast when ``bf16``), gradients clipped to 1."""
+    dev = prefix_ids.device
+    bt = batch_tensors(jobs, prefix_ids.shape[0], pad_id, position_offset=position_offset)
+    bt = {k: v.to(dev, non_blocking=True) for k, v in bt.items()}
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
+        loss, stats = packed_loss(model, prefix_ids, prefix_positions, bt, context_weight)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return stats
+
+
 def hf_logits_match(model: DemoLlama, hf_dir: str, ids: list[int], atol: float = 2e-3
                     ) -> float:
     """Largest difference between this model's logits and the exported HF model's."""

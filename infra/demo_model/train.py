@@ -130,12 +130,11 @@ def train(data_dir: Path, out_dir: Path, cfg: TrainConfig,
     from warmloop.infra.demo_model.model import (
         DemoLlama,
         ModelConfig,
-        batch_tensors,
         batches,
         cosine_lr,
         deepened,
-        packed_loss,
         param_count,
+        train_step,
         widened,
     )
     from warmloop.infra.demo_model.tokenizer import build_tokenizer
@@ -202,13 +201,8 @@ def train(data_dir: Path, out_dir: Path, cfg: TrainConfig,
         else:
             keep = torch.cat([torch.tensor([0]), torch.arange(p - cfg.stub_tokens, p)])
             pre, pre_pos = full[keep], keep
-        bt = batch_tensors([e.job for e in group], pre.shape[0], pad, position_offset=p)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss, stats = packed_loss(model, pre, pre_pos, bt, cfg.context_weight)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        stats = train_step(model, opt, pre, pre_pos, [e.job for e in group], pad,
+                           position_offset=p, context_weight=cfg.context_weight, bf16=bf16)
         window.append(stats)
         if (step + 1) % 10 == 0 or step + 1 == cfg.steps:
             n = len(window)
