@@ -42,6 +42,7 @@ from warmloop.workflows.contracts import (
     StepTiming,
     ToolCall,
 )
+from warmloop.workflows.holding import PREWARM_SKIPPED, prewarm_worthwhile
 from warmloop.workflows.pricing import EnginePrice
 from warmloop.workflows.profiles import Profile, get_profile
 from warmloop.workflows.prompt import (
@@ -307,7 +308,16 @@ class InferenceActivities:
     async def prewarm(self, req: GenerateRequest) -> GenerateResult:
         """Prefill a paused job's prompt again (one output token) so that its next step,
         routed here, finds it cached: sent when an approver opens or decides the job's
-        pending approval. The workflow does not count it as a step."""
+        pending approval. The workflow does not count it as a step.
+
+        Skipped (nothing sent; ``finish_reason`` ``PREWARM_SKIPPED``) while the engine
+        reports requests waiting: ``holding.prewarm_worthwhile``."""
+        info = self._engine_info()
+        if info is not None and not prewarm_worthwhile(info.waiting):
+            return GenerateResult(engine_id=self._engine_id, model=self._model,
+                                  finish_reason=PREWARM_SKIPPED, prompt_tokens=0,
+                                  cached_tokens=0, completion_tokens=0, ttft_ms=0.0,
+                                  latency_ms=0.0)
         result = await self.generate(req)
         if self._holds is not None:
             await self._holds.record_prewarm(result.prompt_tokens, result.cached_tokens)

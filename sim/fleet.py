@@ -651,6 +651,8 @@ class Fleet:
         chain = self._chain(job)
         engine = self.route(job.spec.job_id, chain, job.last_engine,
                             job.spec.lane == Lane.BATCH and self.policy.lanes)
+        if not holding.prewarm_worthwhile(len(engine.waiting)):
+            return  # the worker's prewarm activity skips it too
         if job.hold is not None and job.hold.engine is not engine:
             self._end_hold(job.hold)
         prompt = job.transcript + job.spec.tail_tokens

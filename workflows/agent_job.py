@@ -73,6 +73,7 @@ from warmloop.workflows.contracts import (
     engine_task_queue,
     id_problem,
 )
+from warmloop.workflows.holding import PREWARM_SKIPPED
 from warmloop.workflows.hygiene import (
     PATCH_CONTEXT_HYGIENE,
     PATCH_SHORT_ARCHIVE_REFS,
@@ -1284,14 +1285,17 @@ class AgentJob:
         if routed is None:
             return
         try:
-            await workflow.execute_activity(
+            warmed = await workflow.execute_activity(
                 "prewarm", request, task_queue=engine_task_queue(routed.engine_id),
                 start_to_close_timeout=PREWARM_TIMEOUT,
                 schedule_to_start_timeout=timedelta(seconds=job.step_pickup_timeout_s),
                 retry_policy=RetryPolicy(maximum_attempts=1), result_type=GenerateResult,
                 priority=Priority(priority_key=task_priority(job.lane, request.step + 1)),
             )
-            workflow.logger.info("prefix prewarmed on %s (%s)", routed.engine_id, why)
+            workflow.logger.info("prefix %s on %s (%s)",
+                                 "not prewarmed (engine queue)"
+                                 if warmed.finish_reason == PREWARM_SKIPPED else "prewarmed",
+                                 routed.engine_id, why)
         except ActivityError as e:
             _if_cancelled(e)
             workflow.logger.warning("prewarm on %s failed (%s)", routed.engine_id, why)

@@ -135,3 +135,10 @@ def test_the_one_sweep_search_chooses_what_the_definition_chooses(
     assert cost == pytest.approx(want, rel=1e-9)
     if ttl != want_ttl:  # only a tie to rounding may choose differently
         assert expected_hold_usd(c, points, ttl) == pytest.approx(want, rel=1e-9)
+
+
+def test_a_prewarm_is_worth_it_only_on_an_engine_without_a_queue() -> None:
+    from warmloop.workflows.holding import prewarm_worthwhile
+    assert prewarm_worthwhile(0)
+    assert not prewarm_worthwhile(1)
+    assert not prewarm_worthwhile(40)

@@ -96,3 +96,32 @@ def test_holds_keep_prefixes_through_pauses() -> None:
                     setup=lambda f: f.background(rate_per_engine_s=3.5, prompt_tokens=640,
                                                  output_tokens=4, until_s=120))
     assert hold.post_pause_recomputed < release.post_pause_recomputed
+
+
+def test_prewarms_ask_the_workflows_policy_and_skip_engines_with_a_queue(
+        monkeypatch: object) -> None:
+    """The simulator's prewarm asks ``holding.prewarm_worthwhile`` with the engine's
+    queue, as the worker's prewarm activity does; told no, it sends nothing."""
+    import pytest
+    fleets: list[sim_fleet.Fleet] = []
+    asked: list[int] = []
+    real = holding.prewarm_worthwhile
+
+    def run() -> int:
+        fleets.clear()
+        simulate(scenarios.pauses_jobs(n_jobs=8), scenarios.cpu_engines(16 * scenarios.MIB),
+                 scenarios.PAUSES_POLICIES["release"], config=scenarios.CPU_FLEET,
+                 setup=fleets.append)
+        return fleets[0].prewarm_computed
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(holding, "prewarm_worthwhile", lambda waiting: asked.append(waiting) or real(waiting))
+    try:
+        warmed = run()
+        assert asked, "no prewarm asked the policy"
+        mp.setattr(holding, "prewarm_worthwhile", lambda waiting: False)
+        skipped = run()
+    finally:
+        mp.undo()
+    assert warmed > 0
+    assert skipped == 0

@@ -503,3 +503,19 @@ async def test_submit_refuses_a_tenant_that_spent_its_hour_and_fails_open_withou
     assert "tokens_per_hour" in str(err.value)
     away = JobClient(temporal, tenants=quota, usage=StubUsage(None))  # type: ignore[arg-type]
     assert await away.submit(TRIAGE, TASK, tenant="acme", job_id="y") == "acme/y"
+
+
+async def test_a_prewarm_is_skipped_while_the_engine_reports_a_queue() -> None:
+    from warmloop.workflows.holding import PREWARM_SKIPPED
+    sent: list[httpx.Request] = []
+    hb = EngineHeartbeat(engine_id="e0", task_queue="engine.e0", model="tiny", url="u",
+                         healthy=True, at=0, waiting=3)
+    inf = inference(engine(requests=sent), engine_info=lambda: hb)
+    req = step_request().model_copy(update={"max_tokens": 1, "tail": ""})
+    skipped = await asyncio.wait_for(ActivityEnvironment().run(inf.prewarm, req), 10)
+    assert skipped.finish_reason == PREWARM_SKIPPED
+    assert not [r for r in sent if r.url.path == "/v1/chat/completions"]
+    hb.waiting = 0  # the queue drained: the next prewarm goes
+    warmed = await asyncio.wait_for(ActivityEnvironment().run(inf.prewarm, req), 10)
+    assert warmed.finish_reason != PREWARM_SKIPPED
+    assert [r for r in sent if r.url.path == "/v1/chat/completions"]

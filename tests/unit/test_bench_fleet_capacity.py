@@ -1,0 +1,26 @@
+"""bench-fleet's offered load: a share of what the fleet can do at saturation."""
+
+from __future__ import annotations
+
+from bench.fleet import capacity_jobs_per_s, saturation_batch
+from warmloop.sim.workload import WORKLOADS
+from warmloop.workflows.calibration import preset
+
+
+def test_a_saturated_engine_decodes_its_largest_batch_its_pool_holds() -> None:
+    bundled, agentic = WORKLOADS["bundled"](), WORKLOADS["agentic"]()
+    h200, h100 = preset("h200-llama-3.1-8b-bf16"), preset("h100-llama-3.1-8b-bf16")
+    assert saturation_batch(bundled, h200) == h200.max_batch  # 866k tokens hold 256 steps
+    assert saturation_batch(bundled, h100) < h100.max_batch  # 396k tokens do not
+    # the agentic mix's long contexts fill the pool sooner
+    assert saturation_batch(agentic, h200) < saturation_batch(bundled, h200)
+
+
+def test_capacity_prices_decode_at_the_saturation_batch_not_the_reference_one() -> None:
+    mix, cal = WORKLOADS["bundled"](), preset("h200-llama-3.1-8b-bf16")
+    one = capacity_jobs_per_s(mix, cal, 1)
+    assert capacity_jobs_per_s(mix, cal, 8) == 8 * one
+    # decode of a saturated batch costs a third of batch 32's a token: more jobs fit
+    at_reference = cal.model_copy(update={"max_batch": cal.reference_batch})
+    assert saturation_batch(mix, at_reference) == cal.reference_batch
+    assert one > 1.5 * capacity_jobs_per_s(mix, at_reference, 1)
