@@ -115,7 +115,8 @@ def test_prewarms_ask_the_workflows_policy_and_skip_engines_with_a_queue(
         return fleets[0].prewarm_computed
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(holding, "prewarm_worthwhile", lambda waiting: asked.append(waiting) or real(waiting))
+    mp.setattr(holding, "prewarm_worthwhile",
+               lambda waiting: asked.append(waiting) or real(waiting))
     try:
         warmed = run()
         assert asked, "no prewarm asked the policy"
