@@ -114,9 +114,12 @@ def test_prewarms_ask_the_workflows_policy_and_skip_engines_with_a_queue(
                  setup=fleets.append)
         return fleets[0].prewarm_computed
 
+    def spy(waiting: int) -> bool:
+        asked.append(waiting)
+        return real(waiting)
+
     mp = pytest.MonkeyPatch()
-    mp.setattr(holding, "prewarm_worthwhile",
-               lambda waiting: asked.append(waiting) or real(waiting))
+    mp.setattr(holding, "prewarm_worthwhile", spy)
     try:
         warmed = run()
         assert asked, "no prewarm asked the policy"
