@@ -126,6 +126,15 @@ async def test_opening_a_pending_approval_prewarms_the_prompt_on_an_engine(
     async with httpx.AsyncClient() as http:
         for e in settings.engine_endpoints:
             (await http.post(f"{e.url}/reset_prefix_cache")).raise_for_status()
+
+    async def no_queue() -> bool:
+        out = warmloop("engines", "--json")
+        rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+        return bool(rows) and all(row["waiting"] == 0 for row in rows)
+
+    # A prewarm goes only to an engine that reports no queue (holding.prewarm_worthwhile):
+    # let other tests' leftover requests drain first.
+    await eventually(no_queue, attempts=120)
     out = warmloop("view", job_id, token=dev_token(settings, "erin"))
     assert out.returncode == 0, out.stderr
     assert approval.approval_id in out.stdout
