@@ -339,7 +339,15 @@ async def test_the_prefix_directory_predicts_cached_tokens_of_sticky_steps(
 ) -> None:
     before = await PrefixDirectory(redis).accuracy()
     skipped_before = await _prefix_records_skipped(settings)
-    results = await _run_jobs(client, n=3, max_steps=4)
+    # The random model ends some jobs early (invalid output): run more jobs, up to three
+    # rounds, until four steps have stuck to their job's engine.
+    results: list[JobResult] = []
+    for _ in range(3):
+        results += await _run_jobs(client, n=3, max_steps=4)
+        sticky = [s for r in results for s in r.steps
+                  if s.step > 1 and s.route_reason == "sticky"]
+        if len(sticky) >= 4:
+            break
     ids = {r.job_id for r in results}
     block = max(e.block_size for e in await EngineRegistry(
         redis, ttl_s=settings.engine_ttl_s).live())
@@ -349,8 +357,7 @@ async def test_the_prefix_directory_predicts_cached_tokens_of_sticky_steps(
         assert [s.step for s in r.steps] == list(range(1, len(r.steps) + 1))
     # every routed step carries the router's prediction
     assert all(s.predicted_cached_tokens is not None for s in steps), steps
-    sticky = [s for s in steps if s.step > 1 and s.route_reason == "sticky"]
-    assert len(sticky) >= 4, steps
+    assert len(sticky) >= 4, [(s.step, s.route_reason) for s in steps]
     close = [s for s in sticky
              if abs((s.predicted_cached_tokens or 0) - s.cached_tokens) <= block]
     print(f"{len(close)}/{len(sticky)} sticky steps predicted within a block: "
