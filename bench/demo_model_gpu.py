@@ -35,10 +35,10 @@ FIELDS = ("ids", "positions", "parent", "branch", "targets")
 
 @dataclass
 class _Job:
-    """A packed job with what ``batches`` groups by (``train.Encoded`` without warmloop)."""
+    """A packed job's row in ``FlatJobs`` and what ``batches`` groups by."""
 
     profile: int
-    job: Any
+    row: int
     size: int
 
 
@@ -76,17 +76,18 @@ def pack(data_dir: Path, out: Path, *, vocab_size: int, syntax_weight: float) ->
 
 
 def train(pack_dir: Path, out: Path, *, seconds: float, lr_peak: float, warmup: int,
-          batch_tokens: int, hidden: int, layers: int, heads: int, seed: int) -> None:
+          batch_tokens: int, hidden: int, layers: int, heads: int, seed: int,
+          half_weights: bool = False) -> None:
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from infra.demo_model.model import (  # the repository's own, without warmloop's deps
         DemoLlama,
+        FlatJobs,
         ModelConfig,
-        PackedJob,
         batches,
+        optimizer_step,
         param_count,
-        train_step,
     )
 
     t0 = time.time()
@@ -94,14 +95,10 @@ def train(pack_dir: Path, out: Path, *, seconds: float, lr_peak: float, warmup: 
     meta = json.loads((pack_dir / "meta.json").read_text())
     with np.load(pack_dir / "jobs.npz") as npz:  # each lookup decompresses: once each
         z = {k: npz[k] for k in npz.files}
-    ends = np.cumsum(z["lengths"])
-    jobs: list[_Job] = []
-    for i, end in enumerate(ends):
-        start = end - z["lengths"][i]
-        fields = {f: z[f][start:end].tolist() for f in FIELDS}
-        jobs.append(_Job(int(z["profile"][i]), PackedJob(
-            weights=z["weights"][start:end].astype(np.float32).tolist(), **fields),
-            int(z["lengths"][i])))
+    # the jobs live on the device; a batch is gathered there (FlatJobs), where the first
+    # run built each batch on the host and spent 146 ms a step doing it
+    flat = FlatJobs({f: z[f] for f in (*FIELDS, "weights")}, z["lengths"], dev)
+    jobs = [_Job(int(z["profile"][i]), i, int(n)) for i, n in enumerate(z["lengths"])]
     torch.manual_seed(seed)
     cfg = ModelConfig(vocab_size=meta["vocab"], hidden_size=hidden,
                       intermediate_size=3 * hidden, num_hidden_layers=layers,
@@ -138,9 +135,9 @@ def train(pack_dir: Path, out: Path, *, seconds: float, lr_peak: float, warmup: 
         prof = group[0].profile
         pre = prefix_t[prof]
         p = pre.shape[0]
-        stats = train_step(model, opt, pre, torch.arange(p, device=dev),
-                           [j.job for j in group], meta["pad"], position_offset=p,
-                           bf16=dev.type == "cuda")
+        bt = flat.batch([j.row for j in group], p, meta["pad"], position_offset=p)
+        stats = optimizer_step(model, opt, pre, torch.arange(p, device=dev), bt,
+                               bf16=dev.type == "cuda")
         step += 1
         window.append(stats)
         if step % 100 == 0:
@@ -152,8 +149,9 @@ def train(pack_dir: Path, out: Path, *, seconds: float, lr_peak: float, warmup: 
             print(json.dumps(row), flush=True)
             window = []
     out.mkdir(parents=True, exist_ok=True)
-    torch.save({k: v.detach().float().cpu() for k, v in model.state_dict().items()},
-               out / "model.pt")
+    # bfloat16 halves what comes back from the device (the export serves float32)
+    torch.save({k: v.detach().to(torch.bfloat16 if half_weights else torch.float32).cpu()
+                for k, v in model.state_dict().items()}, out / "model.pt")
     summary = {"steps": step, "epochs_started": epoch, "seconds": round(time.time() - started),
                "batch_tokens": batch_tokens, "lr": lr_peak, "warmup": warmup,
                "model_config": {"hidden_size": hidden, "layers": layers, "heads": heads,
@@ -178,7 +176,7 @@ def export(pack_dir: Path, weights_dir: Path, out: Path) -> None:
                                   intermediate_size=3 * mc["hidden_size"],
                                   num_hidden_layers=mc["layers"],
                                   num_attention_heads=mc["heads"]))
-    model.load_state_dict(torch.load(weights_dir / "model.pt"))
+    model.load_state_dict({k: v.float() for k, v in torch.load(weights_dir / "model.pt").items()})
     tok = AutoTokenizer.from_pretrained(pack_dir / "tokenizer")
     export_artifact(model, tok, out)
     from dataclasses import asdict
@@ -209,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--layers", type=int, default=4)
     b.add_argument("--heads", type=int, default=6)
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--half-weights", action="store_true",
+                   help="save the weights in bfloat16 (half the bytes to bring back)")
     c = sub.add_parser("export")
     c.add_argument("--dir", type=Path, required=True)
     c.add_argument("--weights", type=Path, required=True)
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.cmd == "train":
         train(args.dir, args.out, seconds=args.seconds, lr_peak=args.lr, warmup=args.warmup,
               batch_tokens=args.batch_tokens, hidden=args.hidden, layers=args.layers,
-              heads=args.heads, seed=args.seed)
+              heads=args.heads, seed=args.seed, half_weights=args.half_weights)
     else:
         export(args.dir, args.weights, args.out)
     return 0

@@ -413,23 +413,89 @@ def packed_loss(model: DemoLlama, prefix_ids: torch.Tensor, prefix_positions: to
                   "token_acc": float(correct.mean()), "nll_max": float(ce.detach().max()), **stats}
 
 
-def train_step(model: DemoLlama, opt: torch.optim.Optimizer, prefix_ids: torch.Tensor,
-               prefix_positions: torch.Tensor, jobs: list[PackedJob], pad_id: int, *,
-               position_offset: int, context_weight: float = 0.0,
-               bf16: bool = False) -> dict[str, float]:
-    """One optimizer step on a batch of packed jobs after a shared prefix, on the
-    prefix's device (the CPU trainer and the GPU bench alike): the batch's tensors,
-    ``packed_loss`` (bfloat16 autocast when ``bf16``), gradients clipped to 1."""
+class FlatJobs:
+    """Packed jobs as flat tensors on one device, whose batches are gathered there.
+
+    Why: ``batch_tensors`` builds each batch's tree mask job by job on the host (146 ms
+    a step for 12,000 tokens), which on a GPU costs more than the step itself; here a
+    batch is a few gathers and one broadcast comparison on the device. The result
+    equals ``batch_tensors``'s (without the context targets)."""
+
+    def __init__(self, fields: dict[str, Any], lengths: Any, device: torch.device) -> None:
+        """``fields``: ``ids``, ``positions``, ``parent``, ``branch``, ``targets`` and
+        ``weights`` of every job, concatenated (arrays or tensors); ``lengths``: each
+        job's token count, in order."""
+        def flat(name: str, dtype: torch.dtype) -> torch.Tensor:
+            return torch.as_tensor(fields[name]).to(device=device, dtype=dtype)
+
+        self.ids = flat("ids", torch.long)
+        self.positions = flat("positions", torch.long)
+        self.parent = flat("parent", torch.long)
+        self.branch = flat("branch", torch.long)
+        self.targets = flat("targets", torch.long)
+        self.weights = flat("weights", torch.float32)
+        self.lengths = [int(n) for n in lengths]
+        ends = torch.cumsum(torch.as_tensor(self.lengths, dtype=torch.long), 0)
+        self.starts = (ends - torch.as_tensor(self.lengths, dtype=torch.long)).to(device)
+        self.device = device
+
+    def batch(self, rows: list[int], prefix_len: int, pad_id: int,
+              position_offset: int | None = None) -> dict[str, torch.Tensor]:
+        """``batch_tensors`` for the jobs at ``rows``, built on the device."""
+        offset = prefix_len if position_offset is None else position_offset
+        dev = self.device
+        n = max(self.lengths[r] for r in rows)
+        b = len(rows)
+        lengths = torch.as_tensor([self.lengths[r] for r in rows], device=dev)
+        ar = torch.arange(n, device=dev)
+        valid = ar.unsqueeze(0) < lengths.unsqueeze(1)
+        at = torch.where(valid, self.starts[torch.as_tensor(rows, device=dev)]
+                         .unsqueeze(1) + ar.unsqueeze(0), 0)
+        ids = torch.where(valid, self.ids[at], pad_id)
+        pos = torch.where(valid, self.positions[at], 0) + offset
+        targets = torch.where(valid, self.targets[at], -1)
+        weights = torch.where(valid, self.weights[at], 0.0)
+        parent = torch.where(valid, self.parent[at], 0)
+        branch = torch.where(valid, self.branch[at], -2)  # -2: padding, on no branch
+        # [b, query, key], as batch_tensors: trunk keys before the query's parent point,
+        # and its own branch's keys up to itself
+        sees_trunk = ((branch == -1).unsqueeze(1)
+                      & (ar.view(1, 1, n) < parent.unsqueeze(2)))
+        own = ((branch.unsqueeze(1) == branch.unsqueeze(2)) & (branch.unsqueeze(2) >= 0)
+               & (ar.view(1, 1, n) <= ar.view(1, n, 1)))
+        mask = torch.cat([torch.ones((b, n, prefix_len), dtype=torch.bool, device=dev),
+                          sees_trunk | own], dim=2).unsqueeze(1)
+        return {"ids": ids, "positions": pos, "mask": mask, "targets": targets,
+                "weights": weights, "context": torch.zeros((b, n), dtype=torch.bool,
+                                                           device=dev)}
+
+
+def optimizer_step(model: DemoLlama, opt: torch.optim.Optimizer, prefix_ids: torch.Tensor,
+                   prefix_positions: torch.Tensor, batch: dict[str, torch.Tensor], *,
+                   context_weight: float = 0.0, bf16: bool = False) -> dict[str, float]:
+    """One optimizer step on a batch already on the prefix's device: ``packed_loss``
+    (bfloat16 autocast when ``bf16``), gradients clipped to 1."""
     dev = prefix_ids.device
-    bt = batch_tensors(jobs, prefix_ids.shape[0], pad_id, position_offset=position_offset)
-    bt = {k: v.to(dev, non_blocking=True) for k, v in bt.items()}
     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
-        loss, stats = packed_loss(model, prefix_ids, prefix_positions, bt, context_weight)
+        loss, stats = packed_loss(model, prefix_ids, prefix_positions, batch, context_weight)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     return stats
+
+
+def train_step(model: DemoLlama, opt: torch.optim.Optimizer, prefix_ids: torch.Tensor,
+               prefix_positions: torch.Tensor, jobs: list[PackedJob], pad_id: int, *,
+               position_offset: int, context_weight: float = 0.0,
+               bf16: bool = False) -> dict[str, float]:
+    """``optimizer_step`` on a batch of packed jobs built on the host (``batch_tensors``)
+    and moved to the prefix's device: the CPU trainer's step."""
+    dev = prefix_ids.device
+    bt = batch_tensors(jobs, prefix_ids.shape[0], pad_id, position_offset=position_offset)
+    bt = {k: v.to(dev, non_blocking=True) for k, v in bt.items()}
+    return optimizer_step(model, opt, prefix_ids, prefix_positions, bt,
+                          context_weight=context_weight, bf16=bf16)
 
 
 def hf_logits_match(model: DemoLlama, hf_dir: str, ids: list[int], atol: float = 2e-3

@@ -8,6 +8,7 @@ torch = pytest.importorskip("torch")
 
 from warmloop.infra.demo_model.model import (  # noqa: E402
     DemoLlama,
+    FlatJobs,
     ModelConfig,
     batch_tensors,
     pack_job,
@@ -60,3 +61,19 @@ def test_context_loss_adds_its_weighted_mean_and_leaves_the_call_loss_alone() ->
     assert "context_loss" not in stats1
     assert with_context == pytest.approx(call_only + 0.5 * stats2["context_loss"], rel=1e-5)
     assert stats2["context_loss"] > 0
+
+
+def test_flat_jobs_gather_the_same_batch_as_batch_tensors() -> None:
+    """The GPU bench's device-side batches equal the host-built ones, padding included
+    (jobs of different lengths, in another order than stored)."""
+    jobs = [pack_job(TRUNK, BRANCHES), pack_job([3, 4], [(1, [10], [11])]),
+            pack_job(TRUNK + [1, 2], BRANCHES + [(7, [10, 10], [12, 13, 14])])]
+    fields = {f: [x for j in jobs for x in getattr(j, f)]
+              for f in ("ids", "positions", "parent", "branch", "targets", "weights")}
+    flat = FlatJobs(fields, [len(j.ids) for j in jobs], torch.device("cpu"))
+    rows = [2, 0, 1]
+    want = batch_tensors([jobs[r] for r in rows], 3, pad_id=0, position_offset=4)
+    got = flat.batch(rows, 3, pad_id=0, position_offset=4)
+    assert set(got) == set(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
