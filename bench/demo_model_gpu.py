@@ -77,7 +77,7 @@ def pack(data_dir: Path, out: Path, *, vocab_size: int, syntax_weight: float) ->
 
 def train(pack_dir: Path, out: Path, *, seconds: float, lr_peak: float, warmup: int,
           batch_tokens: int, hidden: int, layers: int, heads: int, seed: int,
-          half_weights: bool = False) -> None:
+          half_weights: bool = False, init: Path | None = None) -> None:
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -103,7 +103,10 @@ def train(pack_dir: Path, out: Path, *, seconds: float, lr_peak: float, warmup: 
     cfg = ModelConfig(vocab_size=meta["vocab"], hidden_size=hidden,
                       intermediate_size=3 * hidden, num_hidden_layers=layers,
                       num_attention_heads=heads)
-    model = DemoLlama(cfg).to(dev)
+    model = DemoLlama(cfg)
+    if init is not None:  # go on from an earlier run's weights (a fresh optimizer)
+        model.load_state_dict({k: v.float() for k, v in torch.load(init / "model.pt").items()})
+    model = model.to(dev)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05},
@@ -158,6 +161,9 @@ def train(pack_dir: Path, out: Path, *, seconds: float, lr_peak: float, warmup: 
                                 "vocab_size": meta["vocab"]},
                "parameters": param_count(model), "data_sha256": meta["data_sha256"],
                "syntax_weight": meta["syntax_weight"], "torch": torch.__version__,
+               "init": None if init is None else {  # the run this one went on from
+                   k: v for k, v in json.loads((init / "train.json").read_text()).items()
+                   if k != "log"},
                "log": log}
     (out / "train.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps({k: v for k, v in summary.items() if k != "log"}), flush=True)
@@ -207,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--layers", type=int, default=4)
     b.add_argument("--heads", type=int, default=6)
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--init", type=Path, default=None,
+                   help="start from an earlier run's --out (same model shape)")
     b.add_argument("--half-weights", action="store_true",
                    help="save the weights in bfloat16 (half the bytes to bring back)")
     c = sub.add_parser("export")
@@ -220,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.cmd == "train":
         train(args.dir, args.out, seconds=args.seconds, lr_peak=args.lr, warmup=args.warmup,
               batch_tokens=args.batch_tokens, hidden=args.hidden, layers=args.layers,
-              heads=args.heads, seed=args.seed, half_weights=args.half_weights)
+              heads=args.heads, seed=args.seed, half_weights=args.half_weights,
+              init=args.init)
     else:
         export(args.dir, args.weights, args.out)
     return 0
