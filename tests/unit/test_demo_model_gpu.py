@@ -35,3 +35,15 @@ def test_pack_train_export_round_trip(tmp_path: Path) -> None:
     config = json.loads((art / "config.json").read_text())
     assert config["hidden_size"] == 32 and config["vocab_size"] == meta["vocab"]
     assert (art / "model.safetensors").exists() and (art / "tokenizer.json").exists()
+
+    # half-precision weights, and a second run going on from them, export the same way
+    half = tmp_path / "half"
+    demo_model_gpu.main(["train", "--dir", str(packed), "--out", str(half),
+                         "--seconds", "1", "--batch-tokens", "4000", "--hidden", "32",
+                         "--layers", "1", "--heads", "2", "--half-weights",
+                         "--init", str(weights)])
+    again = json.loads((half / "train.json").read_text())
+    assert again["init"]["steps"] == summary["steps"]  # it names the run it went on from
+    demo_model_gpu.main(["export", "--dir", str(packed), "--weights", str(half),
+                         "--out", str(tmp_path / "artifact-half")])
+    assert (tmp_path / "artifact-half" / "model.safetensors").exists()
