@@ -21,8 +21,9 @@ $(INSTALLED): pyproject.toml
 	touch $@
 
 ## Start the embedded stack, run 20 ticket-triage jobs, print the report (graded). The
-## engines serve the trained demo model; DEMO_MODEL=tiny serves the random-weight one.
-DEMO_MODEL ?= demo
+## engines serve the demo model trained on a lent GPU (infra/demo_model/artifact-gpu);
+## DEMO_MODEL=demo serves the CPU recipe's (make model), DEMO_MODEL=tiny the random one.
+DEMO_MODEL ?= demo-gpu
 demo: install
 	WARMLOOP_ENGINE_MODEL=$(DEMO_MODEL) $(BIN)/warmloop dev up
 	WARMLOOP_ENGINE_MODEL=$(DEMO_MODEL) $(BIN)/warmloop demo --jobs 20

@@ -524,8 +524,8 @@ class Stack:
             self._stop_engines("the engines' model changed")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         served.write_text(now + "\n")
-        if self.settings.model_path is None and self.settings.engine_model == "demo":
-            # the trained demo model ships in the repository: nothing to build
+        if self.settings.serves_demo_model:
+            # the trained demo models ship in the repository: nothing to build
             if not (path / "config.json").exists():
                 raise StackError(f"the demo model is missing at {path}; rebuild it with "
                                  "`make model`, or serve the random one with "

@@ -120,8 +120,10 @@ async def run_demo(settings: Settings, *, n_jobs: int, max_steps: int, console: 
         n = correct[profile][1]
         console.print(f"{profile} graded against its ground truth: "
                       + ", ".join(f"{f} {k}/{n}" for f, k in per.items()))
-    if settings.model_path is None and settings.engine_model == "demo":
-        console.print("The demo model is a small Llama trained on this machine's kind of CPU "
+    if settings.serves_demo_model:
+        where = ("on 2 CPU cores (make model)" if settings.engine_model == "demo" else
+                 "24 times longer on a lent GPU (bench/demo_model_gpu.py)")
+        console.print(f"The demo model is a small Llama (2.4M parameters) trained {where} "
                       "from generated transcripts of the bundled agents (infra/demo_model): a "
                       "demo model, not a product model. The bundled tickets and invoices are "
                       "among its training cases; its held-out accuracy is in the README.")

@@ -196,11 +196,14 @@ class Settings(BaseSettings):
     """Pids, logs, the dev server's database and the built model live here."""
     model_path: Path | None = None
     """Model directory served by embedded engines; default: per ``engine_model``."""
-    engine_model: Literal["tiny", "demo"] = "tiny"
+    engine_model: Literal["tiny", "demo", "demo-gpu"] = "tiny"
     """What embedded engines serve when ``model_path`` is unset: ``tiny``, the
     random-weight model built at ``dev up`` into <state_dir>/models/tiny-llama (caching
-    and routing work; its decisions are chance), or ``demo``, the small model trained to
-    run the bundled agents, shipped in ``infra/demo_model/artifact`` (``make demo``)."""
+    and routing work; its decisions are chance); ``demo``, the small model trained on 2
+    CPU cores to run the bundled agents (``make model``), shipped in
+    ``infra/demo_model/artifact``; or ``demo-gpu``, the same model trained 24 times
+    longer on a lent GPU (``bench/demo_model_gpu.py``), shipped in
+    ``infra/demo_model/artifact-gpu`` (``make demo``'s default)."""
     grounded_arguments: bool | None = None
     """Id arguments (patterned strings, such as ``customer_id``) may only name values the
     job's task, calls and tool results contain: guided decoding lists them
@@ -508,7 +511,12 @@ class Settings(BaseSettings):
         """``grounded_arguments`` with its default resolved."""
         if self.grounded_arguments is not None:
             return self.grounded_arguments
-        return self.model_path is None and self.engine_model == "demo"
+        return self.serves_demo_model
+
+    @property
+    def serves_demo_model(self) -> bool:
+        """The embedded engines serve one of the shipped trained demo models."""
+        return self.model_path is None and self.engine_model in ("demo", "demo-gpu")
 
     @property
     def manages_engines(self) -> bool:
@@ -553,6 +561,10 @@ class Settings(BaseSettings):
             from warmloop.infra.demo_model import ARTIFACT_DIR
 
             return ARTIFACT_DIR
+        if self.engine_model == "demo-gpu":
+            from warmloop.infra.demo_model import GPU_ARTIFACT_DIR
+
+            return GPU_ARTIFACT_DIR
         return self.state_dir / "models" / "tiny-llama"
 
 

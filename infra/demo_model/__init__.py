@@ -20,4 +20,8 @@ from pathlib import Path
 ARTIFACT_DIR = Path(__file__).resolve().parent / "artifact"
 """The shipped model: config, safetensors, tokenizer, generation config, PROVENANCE.json."""
 
-__all__ = ["ARTIFACT_DIR"]
+GPU_ARTIFACT_DIR = Path(__file__).resolve().parent / "artifact-gpu"
+"""The same model trained longer on a lent GPU (``bench/demo_model_gpu.py``; PROVENANCE.json
+says how): what ``make demo`` serves."""
+
+__all__ = ["ARTIFACT_DIR", "GPU_ARTIFACT_DIR"]

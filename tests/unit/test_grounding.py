@@ -169,3 +169,16 @@ def test_grounding_is_on_by_default_only_for_the_demo_model() -> None:
     assert not Settings(engine_model="demo", model_path=Path("/m")).grounds_arguments
     assert Settings(engine_model="tiny", grounded_arguments=True).grounds_arguments
     assert not Settings(engine_model="demo", grounded_arguments=False).grounds_arguments
+
+
+def test_the_gpu_trained_demo_model_is_served_from_its_artifact_and_grounded() -> None:
+    from pathlib import Path
+
+    from warmloop.infra.demo_model import ARTIFACT_DIR, GPU_ARTIFACT_DIR
+    from warmloop.workers.settings import Settings
+
+    gpu = Settings(engine_model="demo-gpu")
+    assert gpu.resolved_model_path == GPU_ARTIFACT_DIR != ARTIFACT_DIR
+    assert gpu.serves_demo_model and gpu.grounds_arguments
+    assert Settings(engine_model="demo").resolved_model_path == ARTIFACT_DIR
+    assert not Settings(engine_model="demo-gpu", model_path=Path("/m")).serves_demo_model
