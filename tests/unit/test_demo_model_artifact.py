@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
-
-from pathlib import Path
 
 from warmloop.infra.demo_model import ARTIFACT_DIR, GPU_ARTIFACT_DIR
 
