@@ -77,3 +77,43 @@ def test_flat_jobs_gather_the_same_batch_as_batch_tensors() -> None:
     assert set(got) == set(want)
     for k in want:
         assert torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.parametrize("gather", ["host", "device"])
+def test_a_packed_step_computes_what_its_real_prompt_does(gather: str) -> None:
+    """The tree packing's promise: each branch token's logits equal those of the same
+    token in the step's real prompt (prefix, the trunk up to the branch point, tail,
+    call) run plainly causal; padding and the other branches change nothing. Both batch
+    builders (the host's ``batch_tensors``, the device's ``FlatJobs``) keep it."""
+    torch.manual_seed(0)
+    model = DemoLlama(ModelConfig(vocab_size=16, hidden_size=16, intermediate_size=32,
+                                  num_hidden_layers=2, num_attention_heads=2))
+    prefix = [1, 2, 3]
+    short = pack_job([3, 4], [(1, [10], [11])])
+    job = pack_job(TRUNK, BRANCHES)
+    if gather == "host":
+        bt = batch_tensors([job, short], len(prefix), pad_id=0)
+    else:
+        fields = {f: [x for j in (job, short) for x in getattr(j, f)]
+                  for f in ("ids", "positions", "parent", "branch", "targets", "weights")}
+        bt = FlatJobs(fields, [len(job.ids), len(short.ids)], torch.device("cpu")).batch(
+            [0, 1], len(prefix), pad_id=0)
+    with torch.no_grad():
+        _, past = model.hidden(torch.tensor([prefix]), torch.arange(3).unsqueeze(0), None)
+        h, _ = model.hidden(bt["ids"], bt["positions"], bt["mask"], past)
+        packed = model.logits(h[0])
+        at_index = len(TRUNK)
+        for at, tail, target in BRANCHES:
+            seq = prefix + TRUNK[:at] + tail + target
+            plain = model.logits(model.hidden(torch.tensor([seq]),
+                                              torch.arange(len(seq)).unsqueeze(0), None)[0])[0]
+            n = len(tail) + len(target)
+            torch.testing.assert_close(packed[at_index:at_index + n], plain[-n:],
+                                       rtol=1e-4, atol=1e-5)
+            at_index += n
+        # the trunk itself reads as the plain prompt without any branch
+        seq = prefix + TRUNK
+        plain = model.logits(model.hidden(torch.tensor([seq]),
+                                          torch.arange(len(seq)).unsqueeze(0), None)[0])[0]
+        torch.testing.assert_close(packed[:len(TRUNK)], plain[len(prefix):],
+                                   rtol=1e-4, atol=1e-5)
