@@ -20,13 +20,14 @@ $(INSTALLED): pyproject.toml
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 	touch $@
 
-## Start the embedded stack, run 20 ticket-triage jobs, print the report (graded). The
-## engines serve the demo model trained on a lent GPU (infra/demo_model/artifact-gpu);
-## DEMO_MODEL=demo serves the CPU recipe's (make model), DEMO_MODEL=tiny the random one.
+## Start the embedded stack, run 20 ticket-triage and 10 invoice-reconciliation jobs, print
+## the report (graded). The engines serve the demo model trained on a lent GPU
+## (infra/demo_model/artifact-gpu); DEMO_MODEL=demo serves the CPU recipe's (make model),
+## DEMO_MODEL=tiny the random one.
 DEMO_MODEL ?= demo-gpu
 demo: install
 	WARMLOOP_ENGINE_MODEL=$(DEMO_MODEL) $(BIN)/warmloop dev up
-	WARMLOOP_ENGINE_MODEL=$(DEMO_MODEL) $(BIN)/warmloop demo --jobs 20
+	WARMLOOP_ENGINE_MODEL=$(DEMO_MODEL) $(BIN)/warmloop demo --jobs 20 --invoices 10
 
 ## The demo model (infra/demo_model): generated transcripts of the bundled agents, CPU
 ## training, export to infra/demo_model/artifact (make demo never trains). Serve it with
