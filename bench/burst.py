@@ -73,6 +73,13 @@ class Phase:
     batch_prefill_tokens: int
     """The burst's steps, from the engines' per-request usage."""
     batch_steps: int
+    batch_prompt_tokens: int
+    """The burst's steps' prompt tokens (computed or cached), from their usage."""
+    batch_prompt_by_step: list[float]
+    """Mean prompt tokens of the burst's k-th steps: the simulator's job sizes
+    (``sim/scenarios.py: bench_burst``) are checked against them."""
+    batch_completion_by_step: list[float]
+    """Mean completion tokens of the burst's k-th steps (the calls' lengths)."""
     makespan_s: float
     batch_states: dict[str, int]
     interactive_jobs: int
@@ -104,6 +111,15 @@ def computed(results: list[JobResult]) -> int:
     """Prompt tokens the engines computed for these jobs' steps (their usage's
     ``prompt_tokens - cached_tokens``)."""
     return sum(s.prompt_tokens - s.cached_tokens for r in results for s in r.steps)
+
+
+def by_step(results: list[JobResult], field: str = "prompt_tokens") -> list[float]:
+    """The mean of a step's ``field`` (its usage's tokens) at each step index."""
+    by: dict[int, list[int]] = {}
+    for r in results:
+        for k, st in enumerate(r.steps):
+            by.setdefault(k, []).append(getattr(st, field))
+    return [round(sum(v) / len(v), 1) for _, v in sorted(by.items())]
 
 
 def reasons(results: list[JobResult]) -> dict[str, int]:
@@ -181,6 +197,9 @@ async def phase(name: str, client: Client, http: httpx.AsyncClient, urls: list[s
                  engine_ttft_p95_ms=engine_p95, interactive_prefill_tokens=computed(inter),
                  batch_prefill_tokens=computed(batch),
                  batch_steps=sum(len(r.steps) for r in batch),
+                 batch_prompt_tokens=sum(st.prompt_tokens for r in batch for st in r.steps),
+                 batch_prompt_by_step=by_step(batch),
+                 batch_completion_by_step=by_step(batch, "completion_tokens"),
                  makespan_s=makespan if burst else 0.0, batch_states=states(batch),
                  interactive_jobs=len(inter), route_reasons=reasons(batch))
 
@@ -226,7 +245,11 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
     if set(phases) != {"idle", "naive", "lanes"}:
         return {k: {"ttft_p50_ms": pct(v.interactive_ttfts, .5),
                     "ttft_p95_ms": pct(v.interactive_ttfts, .95), "makespan_s": v.makespan_s,
-                    "burst_prefill_tokens": v.batch_prefill_tokens} for k, v in phases.items()}
+                    "burst_prefill_tokens": v.batch_prefill_tokens,
+                    "burst_prompt_tokens": v.batch_prompt_tokens,
+                    "burst_prompt_tokens_by_step": v.batch_prompt_by_step,
+                    "burst_completion_tokens_by_step": v.batch_completion_by_step}
+                for k, v in phases.items()}
     return summarize(phases, console)
 
 
@@ -276,6 +299,12 @@ def summarize(ph: dict[str, Phase], console: Console) -> dict[str, Any]:
                                     for k, v in ph.items()},
         "interactive_steps": {k: len(v.interactive_ttfts) for k, v in ph.items()},
         "burst_steps": {"naive": naive.batch_steps, "warmloop": lanes.batch_steps},
+        "burst_prompt_tokens": {"naive": naive.batch_prompt_tokens,
+                                "warmloop": lanes.batch_prompt_tokens},
+        "burst_prompt_tokens_by_step": {"naive": naive.batch_prompt_by_step,
+                                        "warmloop": lanes.batch_prompt_by_step},
+        "burst_completion_tokens_by_step": {"naive": naive.batch_completion_by_step,
+                                            "warmloop": lanes.batch_completion_by_step},
         "burst_states": {"naive": naive.batch_states, "warmloop": lanes.batch_states},
         "burst_route_reasons": {"naive": naive.route_reasons, "warmloop": lanes.route_reasons},
     }

@@ -177,10 +177,20 @@ BURST_POLICIES = {
 }
 
 
+# bench-burst's jobs on the tiny random model, measured 2026-12-04 (`make bench-burst`, its
+# JSON's per-step means): each step decodes ~68 tokens (66.6-70.8 by step) and the call
+# and the tool's answer add ~57 to the transcript (prompts 1,632, 1,688, 1,745, 1,808,
+# 1,866 tokens by step).
+BURST_OUTPUT_TOKENS = (52, 84)
+BURST_RESULT_TOKENS = (41, 73)
+
+
 def _bundled_job(job_id: str, profile: str, steps: int, rng: random.Random, lane: Lane,
-                 arrival_s: float = 0.0) -> JobSpec:
-    specs = [StepSpec(output_tokens=int(rng.uniform(48, 112)),
-                      result_tokens=int(rng.uniform(60, 260)),
+                 arrival_s: float = 0.0, *,
+                 output_tokens: tuple[int, int] = BURST_OUTPUT_TOKENS,
+                 result_tokens: tuple[int, int] = BURST_RESULT_TOKENS) -> JobSpec:
+    specs = [StepSpec(output_tokens=int(rng.uniform(*output_tokens)),
+                      result_tokens=int(rng.uniform(*result_tokens)),
                       pause_kind="" if k == steps - 1 else "tool:call",
                       pause_s=0.0 if k == steps - 1 else rng.uniform(0.01, 0.1))
              for k in range(steps)]
@@ -190,24 +200,31 @@ def _bundled_job(job_id: str, profile: str, steps: int, rng: random.Random, lane
 
 
 def bench_burst(n_jobs: int = 100, steps: int = 5, window: int = 16, trickle_gap_s: float = 2.0,
-                ttft_target_ms: float = 300.0) -> dict[str, Summary]:
+                ttft_target_ms: float = 300.0, *,
+                output_tokens: tuple[int, int] = BURST_OUTPUT_TOKENS,
+                result_tokens: tuple[int, int] = BURST_RESULT_TOKENS) -> dict[str, Summary]:
     """100 ticket+invoice jobs of 5 steps on 24 MiB pools: naive (all at once,
     round-robin, no lanes) vs two BatchRuns of window 16 in the batch lane; a trickle of
-    interactive 3-step ticket jobs every 2 s alongside. Figures are the burst's."""
+    interactive 3-step ticket jobs every 2 s alongside. Figures are the burst's.
+    ``output_tokens`` / ``result_tokens``: the uniform ranges of a step's decoded tokens
+    and of what it adds to the transcript."""
     engines = cpu_engines(24 * MIB)
     cfg = replace(CPU_FLEET, admission=AdmissionConfig(
         interactive_ttft_target_ms=ttft_target_ms, k_min=1, k_start=4, k_max=16))
-    return {name: _burst_run(name, pol, engines, cfg, n_jobs, steps, window, trickle_gap_s)
+    sizes = {"output_tokens": output_tokens, "result_tokens": result_tokens}
+    return {name: _burst_run(name, pol, engines, cfg, n_jobs, steps, window, trickle_gap_s,
+                             sizes)
             for name, pol in BURST_POLICIES.items()}
 
 
 def _burst_run(name: str, pol: Policy, engines: list[EngineCalibration], cfg: FleetConfig,
-               n_jobs: int, steps: int, window: int, trickle_gap_s: float) -> Summary:
+               n_jobs: int, steps: int, window: int, trickle_gap_s: float,
+               sizes: dict[str, tuple[int, int]]) -> Summary:
     rng = random.Random(5)
     half = n_jobs // 2
     burst = [_bundled_job(f"b{i:03d}", "ticket-triage" if i < half else
                           "invoice-reconciliation", steps, rng,
-                          Lane.BATCH if name == "lanes" else Lane.INTERACTIVE)
+                          Lane.BATCH if name == "lanes" else Lane.INTERACTIVE, **sizes)
              for i in range(n_jobs)]
     clock = Clock()
     fleet = Fleet(clock, engines, pol, cfg)
@@ -223,7 +240,7 @@ def _burst_run(name: str, pol: Policy, engines: list[EngineCalibration], cfg: Fl
         if not state["open"]:
             return
         fleet.add_jobs([_bundled_job(f"i{k:04d}", "ticket-triage", 3, rng,
-                                     Lane.INTERACTIVE, clock.now)])
+                                     Lane.INTERACTIVE, clock.now, **sizes)])
         clock.after(trickle_gap_s, trickle, k + 1)
 
     def ended(_stat: object) -> None:
