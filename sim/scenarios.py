@@ -211,20 +211,20 @@ def bench_burst(n_jobs: int = 100, steps: int = 5, window: int = 16, trickle_gap
     engines = cpu_engines(24 * MIB)
     cfg = replace(CPU_FLEET, admission=AdmissionConfig(
         interactive_ttft_target_ms=ttft_target_ms, k_min=1, k_start=4, k_max=16))
-    sizes = {"output_tokens": output_tokens, "result_tokens": result_tokens}
     return {name: _burst_run(name, pol, engines, cfg, n_jobs, steps, window, trickle_gap_s,
-                             sizes)
+                             output_tokens, result_tokens)
             for name, pol in BURST_POLICIES.items()}
 
 
 def _burst_run(name: str, pol: Policy, engines: list[EngineCalibration], cfg: FleetConfig,
                n_jobs: int, steps: int, window: int, trickle_gap_s: float,
-               sizes: dict[str, tuple[int, int]]) -> Summary:
+               output_tokens: tuple[int, int], result_tokens: tuple[int, int]) -> Summary:
     rng = random.Random(5)
     half = n_jobs // 2
     burst = [_bundled_job(f"b{i:03d}", "ticket-triage" if i < half else
                           "invoice-reconciliation", steps, rng,
-                          Lane.BATCH if name == "lanes" else Lane.INTERACTIVE, **sizes)
+                          Lane.BATCH if name == "lanes" else Lane.INTERACTIVE,
+                          output_tokens=output_tokens, result_tokens=result_tokens)
              for i in range(n_jobs)]
     clock = Clock()
     fleet = Fleet(clock, engines, pol, cfg)
@@ -240,7 +240,8 @@ def _burst_run(name: str, pol: Policy, engines: list[EngineCalibration], cfg: Fl
         if not state["open"]:
             return
         fleet.add_jobs([_bundled_job(f"i{k:04d}", "ticket-triage", 3, rng,
-                                     Lane.INTERACTIVE, clock.now, **sizes)])
+                                     Lane.INTERACTIVE, clock.now, output_tokens=output_tokens,
+                                     result_tokens=result_tokens)])
         clock.after(trickle_gap_s, trickle, k + 1)
 
     def ended(_stat: object) -> None:
