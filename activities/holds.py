@@ -32,7 +32,12 @@ import structlog
 
 from warmloop.activities.directory import PrefixDirectory
 from warmloop.activities.pauses import PauseStats, approval_kind, tool_kind
-from warmloop.activities.registry import REDIS_ERRORS, EngineHeartbeat, RedisOutage
+from warmloop.activities.registry import (
+    REDIS_ERRORS,
+    EngineHeartbeat,
+    RedisOutage,
+    stop_if_cancelled,
+)
 from warmloop.workflows.holding import (
     HoldAction,
     HoldChoice,
@@ -263,6 +268,7 @@ class HoldManager:
         they are still touched (their bookkeeping waits), and nothing stops the loop,
         which would leave the worker's task group and stop the worker."""
         while True:
+            stop_if_cancelled()
             try:
                 await self.tick()
             except REDIS_ERRORS as e:  # the bookkeeping is best effort; should not come here

@@ -29,6 +29,20 @@ REDIS_ERRORS: tuple[type[Exception], ...] = (RedisError, OSError)
 (``OSError``, which includes ``TimeoutError``, the ``asyncio.timeout`` of a hung one)."""
 
 
+def stop_if_cancelled() -> None:
+    """Raise ``CancelledError`` when this task was asked to stop and the request got lost.
+
+    Hazard: redis-py (8.1 here) sometimes swallows a task's cancellation when it lands
+    inside a command (the gateway measured a few in a hundred). A loop that goes on then
+    never stops, and a worker's task group waits on it for good at shutdown, skipping
+    its clean-up (the registry's leave, the steps' bookkeeping). The request is still
+    counted (``Task.cancelling``) after the error was eaten, so loops that call Redis
+    call this once a turn."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 class RedisOutage:
     """One process's view of whether Redis is away, for the callers to whom it is an
     optimisation (the registry, the prefix directory, holds, statistics).

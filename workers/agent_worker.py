@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 import structlog
 from temporalio.worker import Worker
 
-from warmloop.activities.registry import RedisOutage
+from warmloop.activities.registry import RedisOutage, stop_if_cancelled
 from warmloop.workers.clients import REDIS_SOCKET_TIMEOUT_S, build_redis, connect, use_io_threads
 from warmloop.workers.identity import install_verify_keys_from_settings
 from warmloop.workers.logging import configure_logging
@@ -85,6 +85,7 @@ async def beat(redis: aioredis.Redis, key: str, *, ttl_s: float, interval_s: flo
     on (it would otherwise leave the worker's task group and stop the worker)."""
     outage = outage or RedisOutage()
     while True:
+        stop_if_cancelled()
         await outage.attempt("agent worker heartbeat",
                              lambda: redis.set(key, "1", px=int(ttl_s * 1000)), None,
                              timeout_s=REDIS_SOCKET_TIMEOUT_S, probe=True)

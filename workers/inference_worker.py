@@ -33,6 +33,7 @@ from warmloop.activities.registry import (
     TenantUsage,
     parse_cache_config,
     parse_vllm_metrics,
+    stop_if_cancelled,
 )
 from warmloop.activities.routing import RoutingActivities
 from warmloop.activities.trace_prompts import TracePromptStore
@@ -136,6 +137,7 @@ async def heartbeat_loop(registry: EngineRegistry, http: httpx.AsyncClient,
 
     try:
         while True:
+            stop_if_cancelled()
             hb = await probe_engine(http, engine)
             if calibration is not None:
                 hb.calibration = await calibration.refresh()
@@ -212,6 +214,7 @@ async def kv_event_loop(endpoint: str, applier: KvEventApplier,
     log.info("kv_events_listening", endpoint=endpoint)
     try:
         while True:
+            stop_if_cancelled()
             events: list[Any] = []
             if await sock.poll(int(idle_s * 1000)):
                 frames = await sock.recv_multipart()
