@@ -527,8 +527,11 @@ class Stack:
         if self.settings.serves_demo_model:
             # the trained demo models ship in the repository: nothing to build
             if not (path / "config.json").exists():
+                rebuild = ("`make model`" if self.settings.engine_model == "demo" else
+                           "the commands in its PROVENANCE.json (git shows the file), or "
+                           "serve the CPU one with WARMLOOP_ENGINE_MODEL=demo")
                 raise StackError(f"the demo model is missing at {path}; rebuild it with "
-                                 "`make model`, or serve the random one with "
+                                 f"{rebuild}, or serve the random one with "
                                  "WARMLOOP_ENGINE_MODEL=tiny")
             return
         if model_is_built(path):

@@ -39,6 +39,15 @@ def bundled_tasks(profile: str = "ticket-triage") -> list[dict[str, object]]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
+def _parameters(settings: Settings) -> str:
+    """The served demo model's size, from its PROVENANCE.json."""
+    try:
+        prov = json.loads((settings.resolved_model_path / "PROVENANCE.json").read_text())
+        return f"{int(prov['parameters']) / 1e6:.1f}M parameters"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a few million parameters"
+
+
 def bundled_tickets() -> list[dict[str, object]]:
     return bundled_tasks("ticket-triage")
 
@@ -123,7 +132,7 @@ async def run_demo(settings: Settings, *, n_jobs: int, max_steps: int, console: 
     if settings.serves_demo_model:
         where = ("on 2 CPU cores (make model)" if settings.engine_model == "demo" else
                  "24 times longer on a lent GPU (bench/demo_model_gpu.py)")
-        console.print(f"The demo model is a small Llama (2.4M parameters) trained {where} "
+        console.print(f"The demo model is a small Llama ({_parameters(settings)}) trained {where} "
                       "from generated transcripts of the bundled agents (infra/demo_model): a "
                       "demo model, not a product model. The bundled tickets and invoices are "
                       "among its training cases; its held-out accuracy is in the README.")

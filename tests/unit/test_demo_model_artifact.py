@@ -64,3 +64,16 @@ def test_provenance_heldout_hash_matches_regenerated_cases(artifact: Path) -> No
     held = D.cases("heldout", d["n_heldout_tickets"], d["n_heldout_invoices"], d["seed"])
     digest = hashlib.sha256(D.cases_jsonl(held).encode()).hexdigest()
     assert digest == d["heldout_sha256"]
+
+
+def test_the_demo_names_the_served_models_size_from_its_provenance(tmp_path: Path) -> None:
+    from warmloop.workers.demo import _parameters
+    from warmloop.workers.settings import Settings
+
+    for model in ("demo", "demo-gpu"):
+        settings = Settings(engine_model=model)
+        prov = json.loads((settings.resolved_model_path / "PROVENANCE.json").read_text())
+        want = f"{prov['parameters'] / 1e6:.1f}M parameters"
+        assert _parameters(settings) == want
+    # a model directory without provenance still gets a sentence, not an error
+    assert _parameters(Settings(model_path=tmp_path)) == "a few million parameters"
