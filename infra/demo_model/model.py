@@ -348,41 +348,24 @@ def batches(jobs: list[_Sized], budget: int, rng: random.Random) -> list[list[_S
     return out
 
 
+PACKED_FIELDS = ("ids", "positions", "parent", "branch", "targets", "weights")
+"""The per-token fields of a ``PackedJob`` a batch is built from (and ``context``)."""
+
+
 def batch_tensors(jobs: list[PackedJob], prefix_len: int, pad_id: int,
                   position_offset: int | None = None) -> dict[str, torch.Tensor]:
     """Tensors for a batch of packed jobs after a shared prefix of ``prefix_len`` tokens
-    whose last one sits at position ``position_offset - 1`` (default: ``prefix_len``)."""
-    offset = prefix_len if position_offset is None else position_offset
-    n = max(len(j.ids) for j in jobs)
-    b = len(jobs)
-    ids = torch.full((b, n), pad_id, dtype=torch.long)
-    pos = torch.zeros((b, n), dtype=torch.long)
-    targets = torch.full((b, n), -1, dtype=torch.long)
-    weights = torch.zeros((b, n), dtype=torch.float32)
-    context = torch.zeros((b, n), dtype=torch.bool)
-    mask = torch.zeros((b, 1, n, prefix_len + n), dtype=torch.bool)
-    mask[:, :, :, :prefix_len] = True
-    for r, j in enumerate(jobs):
-        m = len(j.ids)
-        ids[r, :m] = torch.tensor(j.ids)
-        pos[r, :m] = torch.tensor(j.positions) + offset
-        pos[r, m:] = offset
-        targets[r, :m] = torch.tensor(j.targets)
-        weights[r, :m] = torch.tensor(j.weights)
-        if j.context is not None:
-            context[r, :m] = torch.tensor(j.context)
-        parent = torch.tensor(j.parent)
-        branch = torch.tensor(j.branch)
-        idx = torch.arange(m)
-        trunk_key = (branch == -1)
-        # a token sees trunk keys before its parent point ...
-        sees_trunk = trunk_key.unsqueeze(0) & (idx.unsqueeze(0) < parent.unsqueeze(1))
-        # ... and the keys of its own branch up to itself
-        same = (branch.unsqueeze(0) == branch.unsqueeze(1)) & (branch.unsqueeze(1) >= 0)
-        own = same & (idx.unsqueeze(0) <= idx.unsqueeze(1))
-        mask[r, 0, :m, prefix_len:prefix_len + m] = sees_trunk | own
-    return {"ids": ids, "positions": pos, "mask": mask, "targets": targets,
-            "weights": weights, "context": context}
+    whose last one sits at position ``position_offset - 1`` (default: ``prefix_len``),
+    on the host: ``FlatJobs`` over these jobs alone (one tree-mask rule for the CPU
+    trainer and the GPU bench)."""
+    fields: dict[str, Any] = {f: [x for j in jobs for x in getattr(j, f)]
+                              for f in PACKED_FIELDS}
+    if any(j.context is not None for j in jobs):
+        fields["context"] = [x for j in jobs
+                             for x in (j.context if j.context is not None
+                                       else [False] * len(j.ids))]
+    flat = FlatJobs(fields, [len(j.ids) for j in jobs], torch.device("cpu"))
+    return flat.batch(list(range(len(jobs))), prefix_len, pad_id, position_offset)
 
 
 def packed_loss(model: DemoLlama, prefix_ids: torch.Tensor, prefix_positions: torch.Tensor,
@@ -416,15 +399,14 @@ def packed_loss(model: DemoLlama, prefix_ids: torch.Tensor, prefix_positions: to
 class FlatJobs:
     """Packed jobs as flat tensors on one device, whose batches are gathered there.
 
-    Why: ``batch_tensors`` builds each batch's tree mask job by job on the host (146 ms
-    a step for 12,000 tokens), which on a GPU costs more than the step itself; here a
-    batch is a few gathers and one broadcast comparison on the device. The result
-    equals ``batch_tensors``'s (without the context targets)."""
+    Why: building each batch's tree mask job by job on the host cost 146 ms a step for
+    12,000 tokens, more than a GPU's step itself; here a batch is a few gathers and one
+    broadcast comparison on the device (the GPU bench keeps every job there;
+    ``batch_tensors`` makes one of a batch's jobs on the host)."""
 
     def __init__(self, fields: dict[str, Any], lengths: Any, device: torch.device) -> None:
-        """``fields``: ``ids``, ``positions``, ``parent``, ``branch``, ``targets`` and
-        ``weights`` of every job, concatenated (arrays or tensors); ``lengths``: each
-        job's token count, in order."""
+        """``fields``: ``PACKED_FIELDS`` of every job, concatenated (arrays or tensors),
+        and optionally ``context``; ``lengths``: each job's token count, in order."""
         def flat(name: str, dtype: torch.dtype) -> torch.Tensor:
             return torch.as_tensor(fields[name]).to(device=device, dtype=dtype)
 
@@ -434,6 +416,7 @@ class FlatJobs:
         self.branch = flat("branch", torch.long)
         self.targets = flat("targets", torch.long)
         self.weights = flat("weights", torch.float32)
+        self.context = flat("context", torch.bool) if "context" in fields else None
         self.lengths = [int(n) for n in lengths]
         ends = torch.cumsum(torch.as_tensor(self.lengths, dtype=torch.long), 0)
         self.starts = (ends - torch.as_tensor(self.lengths, dtype=torch.long)).to(device)
@@ -441,7 +424,10 @@ class FlatJobs:
 
     def batch(self, rows: list[int], prefix_len: int, pad_id: int,
               position_offset: int | None = None) -> dict[str, torch.Tensor]:
-        """``batch_tensors`` for the jobs at ``rows``, built on the device."""
+        """The batch of the jobs at ``rows``, after a shared prefix of ``prefix_len``
+        tokens whose last one sits at position ``position_offset - 1`` (default:
+        ``prefix_len``): ids, positions, the tree mask [b, 1, n, prefix_len + n],
+        targets, weights and context, padded to the longest job."""
         offset = prefix_len if position_offset is None else position_offset
         dev = self.device
         n = max(self.lengths[r] for r in rows)
@@ -465,9 +451,10 @@ class FlatJobs:
                & (ar.view(1, 1, n) <= ar.view(1, n, 1)))
         mask = torch.cat([torch.ones((b, n, prefix_len), dtype=torch.bool, device=dev),
                           sees_trunk | own], dim=2).unsqueeze(1)
+        context = (torch.where(valid, self.context[at], False) if self.context is not None
+                   else torch.zeros((b, n), dtype=torch.bool, device=dev))
         return {"ids": ids, "positions": pos, "mask": mask, "targets": targets,
-                "weights": weights, "context": torch.zeros((b, n), dtype=torch.bool,
-                                                           device=dev)}
+                "weights": weights, "context": context}
 
 
 def optimizer_step(model: DemoLlama, opt: torch.optim.Optimizer, prefix_ids: torch.Tensor,

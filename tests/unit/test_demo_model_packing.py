@@ -7,6 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from warmloop.infra.demo_model.model import (  # noqa: E402
+    PACKED_FIELDS,
     DemoLlama,
     FlatJobs,
     ModelConfig,
@@ -64,12 +65,12 @@ def test_context_loss_adds_its_weighted_mean_and_leaves_the_call_loss_alone() ->
 
 
 def test_flat_jobs_gather_the_same_batch_as_batch_tensors() -> None:
-    """The GPU bench's device-side batches equal the host-built ones, padding included
-    (jobs of different lengths, in another order than stored)."""
+    """Gathering rows out of order from a store of many jobs (the GPU bench) gives the
+    batch those jobs make alone (the CPU trainer's ``batch_tensors``), padding
+    included."""
     jobs = [pack_job(TRUNK, BRANCHES), pack_job([3, 4], [(1, [10], [11])]),
             pack_job(TRUNK + [1, 2], BRANCHES + [(7, [10, 10], [12, 13, 14])])]
-    fields = {f: [x for j in jobs for x in getattr(j, f)]
-              for f in ("ids", "positions", "parent", "branch", "targets", "weights")}
+    fields = {f: [x for j in jobs for x in getattr(j, f)] for f in PACKED_FIELDS}
     flat = FlatJobs(fields, [len(j.ids) for j in jobs], torch.device("cpu"))
     rows = [2, 0, 1]
     want = batch_tensors([jobs[r] for r in rows], 3, pad_id=0, position_offset=4)
@@ -94,8 +95,7 @@ def test_a_packed_step_computes_what_its_real_prompt_does(gather: str) -> None:
     if gather == "host":
         bt = batch_tensors([job, short], len(prefix), pad_id=0)
     else:
-        fields = {f: [x for j in (job, short) for x in getattr(j, f)]
-                  for f in ("ids", "positions", "parent", "branch", "targets", "weights")}
+        fields = {f: [x for j in (job, short) for x in getattr(j, f)] for f in PACKED_FIELDS}
         bt = FlatJobs(fields, [len(job.ids), len(short.ids)], torch.device("cpu")).batch(
             [0, 1], len(prefix), pad_id=0)
     with torch.no_grad():
