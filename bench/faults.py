@@ -272,7 +272,7 @@ async def approver(run: Run, stop: asyncio.Event) -> None:
         with contextlib.suppress(RPCError, WorkflowQueryFailedError, WorkflowUpdateFailedError,
                                  asyncio.TimeoutError):
             async for wf in run.client.list_workflows(query):
-                h = run.client.get_workflow_handle_for(AgentJob.run, wf.id)
+                h = run.client.get_workflow_handle(wf.id, result_type=JobResult)
                 for p in await h.query(AgentJob.pending_approvals):
                     if p.approval_id not in first_seen:
                         first_seen[p.approval_id] = time.monotonic()
@@ -293,7 +293,7 @@ async def pending_approvals(run: Run) -> int:
     query = f"{PENDING_QUERY} AND WorkflowId STARTS_WITH '{run.prefix}'"
     n = 0
     async for wf in run.client.list_workflows(query):
-        h = run.client.get_workflow_handle_for(AgentJob.run, wf.id)
+        h = run.client.get_workflow_handle(wf.id, result_type=JobResult)
         with contextlib.suppress(WorkflowQueryFailedError):
             n += len(await h.query(AgentJob.pending_approvals))
     return n
@@ -418,7 +418,7 @@ async def fault_redis_kill(run: Run) -> float:
 
 async def fault_s3_page(run: Run) -> float:
     """Restart S3 as soon as a batch's second page has children running."""
-    handle = run.client.get_workflow_handle_for(BatchRun.run, run.batches[0])
+    handle = run.client.get_workflow_handle(run.batches[0], result_type=BatchResult)
     until = time.monotonic() + 600
     while time.monotonic() < until:
         with contextlib.suppress(RPCError, WorkflowQueryFailedError):

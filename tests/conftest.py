@@ -18,7 +18,7 @@ from temporalio.testing import WorkflowEnvironment
 from bench.hedge import TOOL_URL as HEDGE_TOOL_URL
 from bench.hedge_plugin import URL_ENV as HEDGE_URL_ENV
 from tests.approvers import Approvers
-from warmloop.infra.stack import Stack, register_search_attributes
+from warmloop.infra.stack import TEMPORAL_DEV_TUNING, Stack, register_search_attributes
 from warmloop.workers.clients import connect
 from warmloop.workers.plugins import LoadedPlugins, load_plugins
 from warmloop.workers.settings import Settings
@@ -62,10 +62,10 @@ async def time_skipping_env() -> AsyncIterator[WorkflowEnvironment]:
 async def dev_server_env() -> AsyncIterator[WorkflowEnvironment]:
     """A real Temporal dev server (the `temporal` CLI) on a free port, for workflow tests
     that need the server's own limits (the 2 MB payload limit): the time-skipping test
-    server does not enforce them."""
+    server does not enforce them. Tuned as the embedded stack's server is."""
     env = await WorkflowEnvironment.start_local(
         dev_server_existing_path=_bin("temporal"), data_converter=pydantic_data_converter,
-        dev_server_log_level="error")
+        dev_server_log_level="error", dev_server_extra_args=list(TEMPORAL_DEV_TUNING))
     await register_search_attributes(env.client)
     try:
         yield env

@@ -469,7 +469,6 @@ def report(
 
     async def go() -> None:
         from warmloop.workers.report import breakdown_table, report_table
-        from warmloop.workflows.agent_job import AgentJob
 
         client = await connect(_settings())
         after = (datetime.now(UTC) - parse_since(since)).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -481,7 +480,7 @@ def report(
 
         async def fetch(wid: str) -> JobResult:
             async with sem:
-                return await client.get_workflow_handle_for(AgentJob.run, wid).result()
+                return await client.get_workflow_handle(wid, result_type=JobResult).result()
 
         results = list(await asyncio.gather(*(fetch(w) for w in ids)))
         if not results:

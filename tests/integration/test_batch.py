@@ -18,7 +18,7 @@ from warmloop.infra.stack import Stack
 from warmloop.workers.approvals import ApprovalRefused, dev_approver, list_pending
 from warmloop.workers.demo import bundled_tickets
 from warmloop.workers.settings import Settings
-from warmloop.workflows.batch_run import BatchResult, BatchRun
+from warmloop.workflows.batch_run import BatchResult
 
 pytestmark = pytest.mark.integration
 
@@ -89,7 +89,7 @@ async def test_a_schedule_triggers_a_batch(client: Client, stack: Stack, tmp_pat
                 return None
 
             wid = await eventually(started_batch, attempts=200, interval_s=0.1)
-            res = await client.get_workflow_handle_for(BatchRun.run, wid).result()
+            res = await client.get_workflow_handle(wid, result_type=BatchResult).result()
         assert res.records == 1 and res.done == 1
     finally:
         await asyncio.to_thread(warmloop, "schedule", "delete", name)
