@@ -83,10 +83,12 @@ def routing_jobs(seed: int = 7, n_jobs: int = 40, mean_gap_s: float = 1.9) -> li
         words = rng.randint(30, 50)
         _ = [rng.choice(WORDS) for _ in range(words)]
         steps = rng.randint(6, 10)
-        script = random.Random(f"script/S{i:04d}")
+        # the lookup's pause as bench/synthetic_tools.py draws it: seeded by (profile,
+        # case, step, tool), so each job pauses exactly as in the bench
         specs = [StepSpec(output_tokens=12, result_tokens=SYNTHETIC_GROWTH,
                           pause_kind="" if k == steps - 1 else "tool:lookup",
-                          pause_s=0.0 if k == steps - 1 else pauses.draw(script))
+                          pause_s=0.0 if k == steps - 1 else pauses.draw(
+                              random.Random(f"{profile}/S{i:04d}/{k + 1}/lookup")))
                  for k in range(steps)]
         out.append(JobSpec(job_id=f"r{i:03d}", family=profile, prefix_tokens=SYNTHETIC_PREFIX,
                            task_tokens=SYNTHETIC_TASK + (words - 40), steps=specs,

@@ -129,3 +129,15 @@ def test_prewarms_ask_the_workflows_policy_and_skip_engines_with_a_queue(
         mp.undo()
     assert warmed > 0
     assert skipped == 0
+
+
+def test_bench_routing_scenario_pauses_as_the_bench_does() -> None:
+    """The simulated bench-routing jobs have the bench's own steps and tool pauses, job
+    by job (a job's p95 follows its slowest jobs, so equal totals are not enough)."""
+    from bench.routing import scripted_pause_s, workload
+
+    bench = workload(7, 40, 1.9)
+    sim = scenarios.routing_jobs(mean_gap_s=1.9)
+    assert [b.steps for b in bench] == [len(j.steps) for j in sim]
+    assert [round(scripted_pause_s(b), 9) for b in bench] == [
+        round(sum(st.pause_s for st in j.steps), 9) for j in sim]
