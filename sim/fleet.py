@@ -174,6 +174,10 @@ class FleetConfig:
     """Route local activity + workflow task + schedule-to-start + pickup."""
     post_step_s: float = 0.01
     """Work after the last token and the result's return to the workflow."""
+    between_steps_s: float = 0.0
+    """The workflow's own time from a step's result to the next step's start beyond the
+    pause itself: its workflow tasks around the pause and the pause timer's lateness
+    (bench-routing measures it: a job's wall time less its stages and scripted pauses)."""
     routing: RoutingConfig | None = None
     """None: from the engines' calibration (``EngineCalibration.routing_config``)."""
     hold: HoldConfig | None = None
@@ -611,7 +615,8 @@ class Fleet:
         if step.approval and self.policy.prewarm and step.viewed_after_s is not None:
             self.clock.after(self.cfg.post_step_s + step.viewed_after_s, self._prewarm, job,
                              True)
-        self.clock.after(self.cfg.post_step_s + pause, self._resume, job, step.approval)
+        self.clock.after(self.cfg.post_step_s + pause + self.cfg.between_steps_s, self._resume,
+                         job, step.approval)
 
     def _resume(self, job: _Job, approval: bool) -> None:
         if approval and self.policy.prewarm:

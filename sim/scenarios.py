@@ -24,22 +24,26 @@ from warmloop.workflows.lanes import AdmissionConfig
 from warmloop.workflows.routing import RoutingConfig
 
 MIB = 1024 * 1024
-CPU_FLEET = FleetConfig(pre_step_s=0.075, post_step_s=0.09, routing=RoutingConfig(),
-                        hold=None)
-"""warmloop's own stages per step under bench-routing's load (README, issue 13: 1.41 s a
-job over ~8 steps: routing 0.46 s, after the last token 0.35 s, the return 0.32 s),
-not the quiet fleet's 19 + 9 ms: on two shared cores the stack's own work queues behind
-the engines'. The routing and hold configs are the defaults the benches ran with."""
+CPU_FLEET = FleetConfig(pre_step_s=0.020, post_step_s=0.013, between_steps_s=0.155,
+                        routing=RoutingConfig(), hold=None)
+"""warmloop's own stages per step under bench-routing's load (2026-12-04, after sub-second
+timers were fixed; `make bench-routing`'s step breakdown, means over 945 steps): routing
+10.8 + schedule-to-start 3.4 + pickup 5.6 + prompt 0.3 ms before the engine, after-token
+7.1 + return 5.8 ms after it, and 0.155 s a pause beyond the pause itself (a job's wall
+time less its stages and scripted pauses, median over 120 jobs; 0.60 s while every
+sub-second timer fired ~1 s late). The routing and hold configs are the defaults the
+benches ran with."""
 
 CPU_TINY_LOADED = CPU_TINY.model_copy(update={
     "source": ("derived for the benches' load from the inference workers' step_generated "
-               "logs of bench-routing/pauses (2026-12-01): median TTFT 62 ms fully cached, "
-               "132 ms at 1,536-1,792 uncached tokens (~22k tokens/s past a ~60 ms floor); "
-               "decode ~12 ms a token at the benches' batch sizes (engine TTFT + decode "
-               "1.77 s a job of ~8 steps of 12 tokens, README issue 13)"),
-    "step_overhead_s": 0.055,
+               "logs of two bench-routing runs (2026-12-04, 2,840-2,919 steps each): TTFT "
+               "~41 ms past the step's own decode at ~150 uncached tokens, +1 ms per "
+               "24-28 uncached tokens beyond (95-108 ms at ~1,550); decode 4.4-5.8 ms a "
+               "token at the bench's batch sizes (medians); larger batches from the "
+               "engines' own logs under bench-burst (~300-400 tokens/s at 8-16 running)"),
+    "step_overhead_s": 0.036,
     "decode": CPU_TINY.decode[:1] and (
-        DecodePoint(batch_size=1, step_s=0.012), DecodePoint(batch_size=8, step_s=0.022),
+        DecodePoint(batch_size=1, step_s=0.005), DecodePoint(batch_size=8, step_s=0.022),
         DecodePoint(batch_size=32, step_s=0.06), DecodePoint(batch_size=64, step_s=0.11)),
 })
 """The embedded engines as the benchmarks load them: two engines, the workers, Temporal,
