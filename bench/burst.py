@@ -44,9 +44,10 @@ from bench.common import (
 )
 from warmloop.workers.clients import build_s3
 from warmloop.workers.demo import bundled_tasks
+from warmloop.workers.report import breakdown_table, step_breakdown
 from warmloop.workflows.agent_job import AgentJob
 from warmloop.workflows.batch_run import BatchInput, BatchResult, BatchRun
-from warmloop.workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult, Lane
+from warmloop.workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult, Lane, StepRecord
 from warmloop.workflows.lanes import AdmissionConfig
 
 # Tools that never wait for a human (urgent priorities and large payments do).
@@ -84,6 +85,8 @@ class Phase:
     batch_states: dict[str, int]
     interactive_jobs: int
     route_reasons: dict[str, int]
+    batch_step_records: list[StepRecord]
+    """The burst's steps as recorded, with where each step's time went (``StepTiming``)."""
 
 
 async def trickle(client: Client, stop: asyncio.Event, tag: str, gap_s: float,
@@ -201,7 +204,8 @@ async def phase(name: str, client: Client, http: httpx.AsyncClient, urls: list[s
                  batch_prompt_by_step=by_step(batch),
                  batch_completion_by_step=by_step(batch, "completion_tokens"),
                  makespan_s=makespan if burst else 0.0, batch_states=states(batch),
-                 interactive_jobs=len(inter), route_reasons=reasons(batch))
+                 interactive_jobs=len(inter), route_reasons=reasons(batch),
+                 batch_step_records=[st for r in batch for st in r.steps])
 
 
 async def main_async(args: argparse.Namespace, console: Console) -> dict[str, Any]:
@@ -242,6 +246,9 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
                           f"{len(p.interactive_ttfts)} steps; prefill {p.prefill_tokens:,};"
                           f" makespan {p.makespan_s:.1f}s; {p.batch_states};"
                           f" routes {p.route_reasons}")
+            if p.batch_step_records:
+                console.print(breakdown_table(p.batch_step_records,
+                                              title=f"the burst's steps, {name}"))
     if set(phases) != {"idle", "naive", "lanes"}:
         return {k: {"ttft_p50_ms": pct(v.interactive_ttfts, .5),
                     "ttft_p95_ms": pct(v.interactive_ttfts, .95), "makespan_s": v.makespan_s,
@@ -307,6 +314,10 @@ def summarize(ph: dict[str, Phase], console: Console) -> dict[str, Any]:
                                             "warmloop": lanes.batch_completion_by_step},
         "burst_states": {"naive": naive.batch_states, "warmloop": lanes.batch_states},
         "burst_route_reasons": {"naive": naive.route_reasons, "warmloop": lanes.route_reasons},
+        "burst_stage_mean_ms": {
+            k: {stage: round(f["mean"], 1)
+                for stage, f in step_breakdown(v.batch_step_records).items()}
+            for k, v in (("naive", naive), ("warmloop", lanes))},
     }
 
 
