@@ -3,8 +3,9 @@ of simulated engines, with warmloop's own policies deciding.
 
 Per step, as ``AgentJob`` and the workers do: the route local activity and the workflow
 task (``pre_step_s``), ``workflows.routing.choose_engine`` over the live engines (the
-engines' exact cache contents stand in for the precise prefix directory), the batch
-lane's admission on the engine's worker (``workflows.lanes``: AIMD ``next_batch_limit``
+engines' exact cache contents stand in for the precise prefix directory), the engine's
+worker taking as many steps at once as ``workers.step_slots`` gives it (the rest wait
+in its task queue, in order), the batch lane's admission on that worker (``workflows.lanes``: AIMD ``next_batch_limit``
 on interactive TTFT and ``kv_fit_limit``), the engine, the result's return
 (``post_step_s``), the step's price (the engine calibration's ``EnginePrice``), then the
 pause: a tool or a human approval. After a step that pauses, the engine's hold manager
@@ -23,9 +24,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from warmloop.activities.registry import EngineHeartbeat
 from warmloop.sim.core import Clock
 from warmloop.sim.engine import BlockKey, Engine, Request
 from warmloop.sim.workload import JobSpec
+from warmloop.workers.step_slots import StepSlotConfig, step_slots
 from warmloop.workflows import holding, lanes, routing
 from warmloop.workflows.calibration import EngineCalibration
 from warmloop.workflows.contracts import Lane
@@ -187,6 +190,10 @@ class FleetConfig:
     candidates: int = 4
     """Cold engines offered to the router besides those caching the prompt: the least
     loaded (the rest can only lose to them, but for exact ties of load)."""
+    step_slots: StepSlotConfig | None = field(default_factory=StepSlotConfig)
+    """The inference workers' step slots (``workers.step_slots``): how many steps an
+    engine's worker takes at once; the rest wait in its task queue, in order. None: no
+    limit (every routed step goes to the engine at once)."""
     decision_refresh: int = 1000
     """Pause samples between refreshes of a kind's distribution, once it has this many
     (before: at every doubling from 20)."""
@@ -234,6 +241,12 @@ class Fleet:
         for e in self.engines:
             adm_cfg = e.cal.admission_config(self.cfg.admission)
             self.admission[e.engine_id] = _Admission(k=adm_cfg.k_start, cfg=adm_cfg)
+        self.slots_in_use = [0] * len(self.engines)
+        """Steps each engine's worker has taken: at the engine or held by admission."""
+        self.slot_queue: list[deque[tuple[_Job, Request, bool]]] = [
+            deque() for _ in self.engines]
+        """Steps routed to an engine waiting for a slot (its Temporal task queue)."""
+        self._slot_limits: dict[tuple[int, int, int], int] = {}
         self.holds: dict[str, deque[_Hold]] = {e.engine_id: deque() for e in self.engines}
         self.held_tokens = {e.engine_id: 0 for e in self.engines}
         self.pause_samples: dict[str, deque[float]] = {}
@@ -520,10 +533,41 @@ class Fleet:
         job.pending = engine
         if job.hold is not None and job.hold.engine is not engine:
             self._end_hold(job.hold)
-        if batch:
-            self._admit_batch(engine, job, req)
-        else:
-            engine.submit(req)
+        self.slot_queue[engine.owner].append((job, req, batch))
+        self._fill_slots(engine)
+
+    # --- step slots (workers.step_slots) ------------------------------------------------
+
+    def _slot_limit(self, engine: Engine) -> int:
+        """``step_slots`` of the engine's worker as its heartbeat would describe it now
+        (its calibration, KV size and batch admission), memoised on what it reads."""
+        adm = self.admission[engine.engine_id]
+        batch_limit = adm.k if self.policy.lanes else 0
+        key = (id(engine.cal), batch_limit, len(adm.queue))
+        got = self._slot_limits.get(key)
+        if got is None:
+            hb = EngineHeartbeat(
+                engine_id=engine.engine_id, task_queue="", model="", url="", healthy=True,
+                block_size=engine.block, kv_capacity_tokens=engine.cal.kv_pool_tokens,
+                batch_limit=batch_limit if self.policy.lanes else None,
+                batch_waiting=len(adm.queue), calibration=engine.cal, at=0.0)
+            assert self.cfg.step_slots is not None
+            got = self._slot_limits[key] = step_slots(hb, self.cfg.step_slots).slots
+            if len(self._slot_limits) > 100_000:
+                self._slot_limits.clear()
+        return got
+
+    def _fill_slots(self, engine: Engine) -> None:
+        """Start the engine's waiting steps while its worker has slots, in order."""
+        waiting = self.slot_queue[engine.owner]
+        while waiting and (self.cfg.step_slots is None
+                           or self.slots_in_use[engine.owner] < self._slot_limit(engine)):
+            job, req, batch = waiting.popleft()
+            self.slots_in_use[engine.owner] += 1
+            if batch:
+                self._admit_batch(engine, job, req)
+            else:
+                engine.submit(req)
 
     # --- batch admission (workflows.lanes) ----------------------------------------------
 
@@ -583,6 +627,7 @@ class Fleet:
         assert engine is not None, "a step finished on no engine"
         self.in_flight[engine.engine_id] -= 1
         self._changed.add(engine.owner)
+        self.slots_in_use[engine.owner] -= 1
         spec = job.spec
         batch = spec.lane == Lane.BATCH and self.policy.lanes
         if batch:
@@ -591,6 +636,7 @@ class Fleet:
             adm.samples.append((req.prompt_tokens, spec.prefix_tokens))
             adm.version += 1
             self._drain(engine, adm)
+        self._fill_slots(engine)
         price = self.prices[engine.engine_id]
         cost = price.cost(prompt_tokens=req.prompt_tokens, cached_tokens=req.cached_tokens,
                           completion_tokens=req.output_tokens)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import ast
 import inspect
+from collections.abc import Callable
 from pathlib import Path
 
 from warmloop.sim import fleet as sim_fleet
 from warmloop.sim import scenarios
+from warmloop.sim.engine import Request
+from warmloop.sim.fleet import Fleet, FleetConfig
 from warmloop.sim.run import simulate
 from warmloop.workflows import holding, lanes, routing
 
@@ -141,3 +144,61 @@ def test_bench_routing_scenario_pauses_as_the_bench_does() -> None:
     assert [b.steps for b in bench] == [len(j.steps) for j in sim]
     assert [round(scripted_pause_s(b), 9) for b in bench] == [
         round(sum(st.pause_s for st in j.steps), 9) for j in sim]
+
+
+def _burst_fleet(cfg: FleetConfig, jobs: int = 40) -> tuple[Fleet, list[int]]:
+    """A naive burst on two CPU engines; returns the fleet and the most steps each
+    engine's worker had taken at once."""
+    import random
+
+    from warmloop.sim.core import Clock
+    from warmloop.workflows.contracts import Lane
+
+    rng = random.Random(3)
+    specs = [scenarios._bundled_job(f"b{i:03d}", "ticket-triage", 3, rng, Lane.INTERACTIVE)
+             for i in range(jobs)]
+    clock = Clock()
+    fleet = Fleet(clock, scenarios.cpu_engines(24 * scenarios.MIB),
+                  scenarios.BURST_POLICIES["naive"], cfg)
+    peak = [0, 0]
+    real_submit = [e.submit for e in fleet.engines]
+
+    def watch(i: int) -> Callable[[Request], None]:
+        def submit(req: Request) -> None:
+            peak[i] = max(peak[i], fleet.slots_in_use[i])
+            real_submit[i](req)
+        return submit
+
+    for i, e in enumerate(fleet.engines):
+        e.submit = watch(i)  # type: ignore[method-assign,assignment]
+    fleet.add_jobs(specs)
+    clock.run()
+    assert all(j.steps == 3 for j in fleet.jobs) and len(fleet.jobs) == jobs
+    return fleet, peak
+
+
+def test_an_engines_worker_takes_no_more_steps_than_its_step_slots() -> None:
+    """The simulated workers take steps as ``workers.step_slots`` says (24 MiB pools
+    hold 6 reference prompts: 12 slots, raised to the floor of 16); the rest wait."""
+    from warmloop.workers import step_slots as slots_module
+
+    fleet, peak = _burst_fleet(scenarios.CPU_FLEET)
+    limit = fleet._slot_limit(fleet.engines[0])
+    assert limit == slots_module.StepSlotConfig().floor == 16
+    assert max(peak) == limit
+
+
+def test_the_fleet_reads_the_workers_step_slots(monkeypatch: object) -> None:
+    import pytest
+
+    from warmloop.sim import fleet as fleet_module
+    from warmloop.workers.step_slots import StepSlots
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(fleet_module, "step_slots",
+               lambda hb, cfg: StepSlots(2, None, None, 0, "a test's two"))
+    try:
+        _, peak = _burst_fleet(scenarios.CPU_FLEET)
+    finally:
+        mp.undo()
+    assert max(peak) == 2
