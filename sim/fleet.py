@@ -5,8 +5,9 @@ Per step, as ``AgentJob`` and the workers do: the route local activity and the w
 task (``pre_step_s``), ``workflows.routing.choose_engine`` over the live engines (the
 engines' exact cache contents stand in for the precise prefix directory), the engine's
 worker taking as many steps at once as ``workers.step_slots`` gives it (the rest wait
-in its task queue, in order), the batch lane's admission on that worker (``workflows.lanes``: AIMD ``next_batch_limit``
-on interactive TTFT and ``kv_fit_limit``), the engine, the result's return
+in its task queue, in order), the batch lane's admission on that worker
+(``workflows.lanes``: AIMD ``next_batch_limit`` on interactive TTFT and
+``kv_fit_limit``), the engine, the result's return
 (``post_step_s``), the step's price (the engine calibration's ``EnginePrice``), then the
 pause: a tool or a human approval. After a step that pauses, the engine's hold manager
 asks ``workflows.holding.decide_hold`` (costs from the engine calibration, the pause
@@ -247,6 +248,8 @@ class Fleet:
             deque() for _ in self.engines]
         """Steps routed to an engine waiting for a slot (its Temporal task queue)."""
         self._slot_limits: dict[tuple[int, int, int], int] = {}
+        self._fixed_slots = [0] * len(self.engines)
+        """Each engine's slot limit where it cannot change (no lanes); 0 until read."""
         self.holds: dict[str, deque[_Hold]] = {e.engine_id: deque() for e in self.engines}
         self.held_tokens = {e.engine_id: 0 for e in self.engines}
         self.pause_samples: dict[str, deque[float]] = {}
@@ -541,6 +544,8 @@ class Fleet:
     def _slot_limit(self, engine: Engine) -> int:
         """``step_slots`` of the engine's worker as its heartbeat would describe it now
         (its calibration, KV size and batch admission), memoised on what it reads."""
+        if self.cfg.step_slots is None:
+            return 1 << 62
         adm = self.admission[engine.engine_id]
         batch_limit = adm.k if self.policy.lanes else 0
         key = (id(engine.cal), batch_limit, len(adm.queue))
@@ -551,7 +556,6 @@ class Fleet:
                 block_size=engine.block, kv_capacity_tokens=engine.cal.kv_pool_tokens,
                 batch_limit=batch_limit if self.policy.lanes else None,
                 batch_waiting=len(adm.queue), calibration=engine.cal, at=0.0)
-            assert self.cfg.step_slots is not None
             got = self._slot_limits[key] = step_slots(hb, self.cfg.step_slots).slots
             if len(self._slot_limits) > 100_000:
                 self._slot_limits.clear()
@@ -559,11 +563,17 @@ class Fleet:
 
     def _fill_slots(self, engine: Engine) -> None:
         """Start the engine's waiting steps while its worker has slots, in order."""
-        waiting = self.slot_queue[engine.owner]
-        while waiting and (self.cfg.step_slots is None
-                           or self.slots_in_use[engine.owner] < self._slot_limit(engine)):
+        owner = engine.owner
+        waiting = self.slot_queue[owner]
+        in_use = self.slots_in_use
+        # without lanes the limit reads nothing that changes: once an engine
+        limit = self._fixed_slots[owner] if not self.policy.lanes else -1
+        if limit == 0:
+            limit = self._fixed_slots[owner] = (
+                self._slot_limit(engine) if self.cfg.step_slots is not None else 1 << 62)
+        while waiting and in_use[owner] < (limit if limit > 0 else self._slot_limit(engine)):
             job, req, batch = waiting.popleft()
-            self.slots_in_use[engine.owner] += 1
+            in_use[owner] += 1
             if batch:
                 self._admit_batch(engine, job, req)
             else:
