@@ -24,15 +24,16 @@ from warmloop.workflows.lanes import AdmissionConfig
 from warmloop.workflows.routing import RoutingConfig
 
 MIB = 1024 * 1024
-CPU_FLEET = FleetConfig(pre_step_s=0.020, post_step_s=0.013, between_steps_s=0.155,
+CPU_FLEET = FleetConfig(pre_step_s=0.021, post_step_s=0.013, between_steps_s=0.023,
                         routing=RoutingConfig(), hold=None)
-"""warmloop's own stages per step under bench-routing's load (2026-12-04, after sub-second
-timers were fixed; `make bench-routing`'s step breakdown, means over 945 steps): routing
-10.8 + schedule-to-start 3.4 + pickup 5.6 + prompt 0.3 ms before the engine, after-token
-7.1 + return 5.8 ms after it, and 0.155 s a pause beyond the pause itself (a job's wall
-time less its stages and scripted pauses, median over 120 jobs; 0.60 s while every
-sub-second timer fired ~1 s late). The routing and hold configs are the defaults the
-benches ran with."""
+"""warmloop's own stages per step under bench-routing's load (2026-12-04, the embedded
+Temporal tuned for sub-second timers; `make bench-routing`'s step breakdown, means over
+the warmloop runs' steps): routing 11.9 + schedule-to-start 4.0 + pickup 5.0 + prompt
+0.3 ms before the engine, after-token 6.5 + return 6.4 ms after it, and 0.023 s a pause
+beyond the pause itself (a job's wall time less its stages and scripted pauses, median
+over 120 jobs; 0.60 s while every sub-second timer fired ~1 s late, 0.155 s while the
+timer queue's reads were rate-limited). The routing and hold configs are the defaults
+the benches ran with."""
 
 CPU_TINY_LOADED = CPU_TINY.model_copy(update={
     "source": ("derived for the benches' load from the inference workers' step_generated "
