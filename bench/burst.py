@@ -73,9 +73,6 @@ class Phase:
     """The trickle's steps, from the engines' per-request usage."""
     batch_prefill_tokens: int
     """The burst's steps, from the engines' per-request usage."""
-    batch_steps: int
-    batch_prompt_tokens: int
-    """The burst's steps' prompt tokens (computed or cached), from their usage."""
     batch_prompt_by_step: list[float]
     """Mean prompt tokens of the burst's k-th steps: the simulator's job sizes
     (``sim/scenarios.py: bench_burst``) are checked against them."""
@@ -87,6 +84,15 @@ class Phase:
     route_reasons: dict[str, int]
     batch_step_records: list[StepRecord]
     """The burst's steps as recorded, with where each step's time went (``StepTiming``)."""
+
+    @property
+    def batch_steps(self) -> int:
+        return len(self.batch_step_records)
+
+    @property
+    def batch_prompt_tokens(self) -> int:
+        """The burst's steps' prompt tokens (computed or cached), from their usage."""
+        return sum(st.prompt_tokens for st in self.batch_step_records)
 
 
 async def trickle(client: Client, stop: asyncio.Event, tag: str, gap_s: float,
@@ -199,8 +205,6 @@ async def phase(name: str, client: Client, http: httpx.AsyncClient, urls: list[s
     return Phase(name=name, interactive_ttfts=ttfts(inter), prefill_tokens=prefill_computed(d),
                  engine_ttft_p95_ms=engine_p95, interactive_prefill_tokens=computed(inter),
                  batch_prefill_tokens=computed(batch),
-                 batch_steps=sum(len(r.steps) for r in batch),
-                 batch_prompt_tokens=sum(st.prompt_tokens for r in batch for st in r.steps),
                  batch_prompt_by_step=by_step(batch),
                  batch_completion_by_step=by_step(batch, "completion_tokens"),
                  makespan_s=makespan if burst else 0.0, batch_states=states(batch),

@@ -248,8 +248,6 @@ class Fleet:
             deque() for _ in self.engines]
         """Steps routed to an engine waiting for a slot (its Temporal task queue)."""
         self._slot_limits: dict[tuple[int, int, int], int] = {}
-        self._fixed_slots = [0] * len(self.engines)
-        """Each engine's slot limit where it cannot change (no lanes); 0 until read."""
         self.holds: dict[str, deque[_Hold]] = {e.engine_id: deque() for e in self.engines}
         self.held_tokens = {e.engine_id: 0 for e in self.engines}
         self.pause_samples: dict[str, deque[float]] = {}
@@ -547,15 +545,15 @@ class Fleet:
         if self.cfg.step_slots is None:
             return 1 << 62
         adm = self.admission[engine.engine_id]
-        batch_limit = adm.k if self.policy.lanes else 0
-        key = (id(engine.cal), batch_limit, len(adm.queue))
+        batch_limit = adm.k if self.policy.lanes else None
+        key = (id(engine.cal), batch_limit or 0, len(adm.queue))
         got = self._slot_limits.get(key)
         if got is None:
             hb = EngineHeartbeat(
                 engine_id=engine.engine_id, task_queue="", model="", url="", healthy=True,
                 block_size=engine.block, kv_capacity_tokens=engine.cal.kv_pool_tokens,
-                batch_limit=batch_limit if self.policy.lanes else None,
-                batch_waiting=len(adm.queue), calibration=engine.cal, at=0.0)
+                batch_limit=batch_limit, batch_waiting=len(adm.queue),
+                calibration=engine.cal, at=0.0)
             got = self._slot_limits[key] = step_slots(hb, self.cfg.step_slots).slots
             if len(self._slot_limits) > 100_000:
                 self._slot_limits.clear()
@@ -566,12 +564,7 @@ class Fleet:
         owner = engine.owner
         waiting = self.slot_queue[owner]
         in_use = self.slots_in_use
-        # without lanes the limit reads nothing that changes: once an engine
-        limit = self._fixed_slots[owner] if not self.policy.lanes else -1
-        if limit == 0:
-            limit = self._fixed_slots[owner] = (
-                self._slot_limit(engine) if self.cfg.step_slots is not None else 1 << 62)
-        while waiting and in_use[owner] < (limit if limit > 0 else self._slot_limit(engine)):
+        while waiting and in_use[owner] < self._slot_limit(engine):
             job, req, batch = waiting.popleft()
             in_use[owner] += 1
             if batch:
