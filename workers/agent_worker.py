@@ -18,6 +18,7 @@ from warmloop.workers.logging import configure_logging
 from warmloop.workers.plugins import PluginError
 from warmloop.workers.settings import Settings
 from warmloop.workers.temporal_plugin import WarmloopPlugin
+from warmloop.workers.timer_check import warn_if_timers_late
 from warmloop.workflows.agent_job import SEARCH_ATTRIBUTES
 from warmloop.workflows.contracts import AGENT_TASK_QUEUE
 
@@ -113,6 +114,8 @@ async def run_agent_worker(settings: Settings) -> None:
         tg.create_task(beat(redis, me, ttl_s=settings.engine_ttl_s,
                             interval_s=settings.engine_heartbeat_s))
         tg.create_task(worker.run())
+        if settings.timer_check:  # served by this worker (or another on the queue)
+            tg.create_task(warn_if_timers_late(client))
 
 
 def main() -> None:

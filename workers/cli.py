@@ -951,10 +951,37 @@ def view(job_id: str, approval_id: str = typer.Argument(None)) -> None:
         _api(settings, "POST", _approval_path(job_id, p.approval_id, "viewed"))
 
 
+async def _doctor_timers(settings: Settings) -> bool:
+    """Print whether the Temporal server fires a short timer when due; True if late."""
+    from warmloop.workers.timer_check import TIMER_SETTINGS_HINT, check_timers
+
+    try:
+        client = await connect(settings)
+    except RuntimeError as err:
+        console.print(f"temporal timers: not checked (cannot reach Temporal: {err})")
+        return False
+    check = await check_timers(client, timeout_s=20.0)
+    if check.late_s is None:
+        console.print("temporal timers: not checked (no agent worker ran the probe within "
+                      f"20 s: {check.error})")
+        return False
+    if check.late:
+        console.print(f"[bold red]temporal timers[/]: a {check.sleep_s:.1f} s timer fired "
+                      f"{check.late_s * 1000:.0f} ms late; {TIMER_SETTINGS_HINT}")
+        return True
+    console.print(f"temporal timers: a {check.sleep_s:.1f} s timer fired "
+                  f"{check.late_s * 1000:.0f} ms after due")
+    return False
+
+
 @app.command()
-def doctor() -> None:
-    """Check what costs cache hits: prompt prefixes that changed where they should not
-    (cache busts) and how well the prefix directory predicts the engines' caches."""
+def doctor(timers: bool = typer.Option(
+        True, "--timers/--no-timers",
+        help="Time one short Temporal timer (an agent worker must be up; up to 20 s).")
+           ) -> None:
+    """Check what costs cache hits and time: prompt prefixes that changed where they
+    should not (cache busts), how well the prefix directory predicts the engines'
+    caches, and whether the Temporal server fires short timers when due."""
 
     async def go() -> None:
         import redis.asyncio as aioredis
@@ -992,7 +1019,8 @@ def doctor() -> None:
                 f"{acc['abs_error'] / steps:.0f} tokens")
         else:
             console.print("prefix directory: no routed steps yet")
-        if counts:
+        late = timers and await _doctor_timers(s)
+        if counts or late:
             raise typer.Exit(1)
 
     run(go())

@@ -248,6 +248,9 @@ class Settings(BaseSettings):
     engines: list[EngineEndpoint] | None = None
     """External engines. When set, `dev up` starts no engines of its own."""
     engine_heartbeat_s: float = Field(default=1.0, gt=0)
+    timer_check: bool = True
+    """The agent worker times one short Temporal timer at start and warns
+    (``temporal_timers_late``) when the server fires it late (``workers.timer_check``)."""
     inference_max_steps: int = Field(default=1024, ge=1, le=4096)
     """Steps one inference worker takes from its queue at once, at most. Within
     [``inference_min_steps``, this] the count follows the engine's capacity

@@ -104,8 +104,8 @@ def build_agent_activities(settings: Settings, loaded: LoadedPlugins) -> AgentAc
 
 
 class WarmloopPlugin(SimplePlugin):
-    """Adds ``AgentJob`` and ``BatchRun``, the agent activities (routing, tools,
-    storage) and the sandbox passthrough to a worker.
+    """Adds ``AgentJob``, ``BatchRun`` and ``TimerProbe``, the agent activities
+    (routing, tools, storage) and the sandbox passthrough to a worker.
 
     Give it to the worker that polls ``warmloop.AGENT_TASK_QUEUE`` (where the workflows
     schedule their activities): ``Worker(client, task_queue=AGENT_TASK_QUEUE,
@@ -124,6 +124,7 @@ class WarmloopPlugin(SimplePlugin):
         activities, or a replayer)."""
         from warmloop.workflows.agent_job import AgentJob
         from warmloop.workflows.batch_run import BatchRun
+        from warmloop.workflows.timer_probe import TimerProbe
 
         self.settings = settings or Settings()
         self.loaded = load_plugins(plugins=self.settings.plugins,
@@ -142,7 +143,7 @@ class WarmloopPlugin(SimplePlugin):
                     await self.agent_activities.aclose()
 
         super().__init__(
-            "warmloop.WarmloopPlugin", workflows=[AgentJob, BatchRun],
+            "warmloop.WarmloopPlugin", workflows=[AgentJob, BatchRun, TimerProbe],
             activities=self.agent_activities.activities if self.agent_activities else None,
             workflow_runner=passthrough_runner(self.loaded.modules), run_context=closing)
 

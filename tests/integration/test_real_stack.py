@@ -13,6 +13,7 @@ import pytest
 from temporalio.client import Client
 
 from tests.integration.cli import warmloop
+from tests.polling import eventually
 from warmloop.activities.storage import StorageActivities
 from warmloop.infra.stack import Stack
 from warmloop.workers.approvals import dev_approver
@@ -126,6 +127,23 @@ async def test_cli_submit_status_and_result(client: Client, settings: Settings,
     unknown = warmloop("status", "no-such-job")
     assert unknown.returncode == 1 and "unknown job no-such-job" in unknown.stderr
     assert "Traceback" not in unknown.stderr
+
+
+async def test_the_agent_worker_timed_the_servers_timers_at_start(stack: Stack) -> None:
+    """The stack's server is tuned, so the worker's start-up probe says so (and would
+    have warned, ``temporal_timers_late``, on a server with the default time shift:
+    ``tests/workflow/test_timer_probe.py``)."""
+    log = stack.log_dir / "agent-worker.log"
+
+    async def verdict() -> dict[str, Any] | None:
+        for line in (await asyncio.to_thread(log.read_text)).splitlines():
+            if "temporal_timers_" in line and line.startswith("{"):
+                return dict(json.loads(line))
+        return None
+
+    event = await eventually(verdict)
+    assert event["event"] == "temporal_timers_ok", event
+    assert 0 <= event["late_ms"] < 300
 
 
 def test_dev_up_is_idempotent_and_status_shows_every_part(stack: Stack) -> None:

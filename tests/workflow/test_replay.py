@@ -37,6 +37,7 @@ from warmloop.workflows.contracts import (
     GenerateResult,
     JobInput,
 )
+from warmloop.workflows.timer_probe import TimerProbe
 
 HISTORIES = Path(__file__).parent / "histories"
 RECORDED_IDS = {"batch_run_with_bad_line": "replay-batch",
@@ -57,8 +58,8 @@ def _script(req: GenerateRequest) -> GenerateResult:
 
 
 def _replayer() -> Replayer:
-    return Replayer(workflows=[AgentJob, BatchRun], data_converter=pydantic_data_converter,
-                    workflow_runner=sandbox_runner())
+    return Replayer(workflows=[AgentJob, BatchRun, TimerProbe],
+                    data_converter=pydantic_data_converter, workflow_runner=sandbox_runner())
 
 
 def _record(name: str, history: WorkflowHistory) -> None:
