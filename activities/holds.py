@@ -135,7 +135,25 @@ class HoldManager:
 
     @property
     def held_tokens(self) -> int:
-        return sum(len(h.tokens) for h in self.holds.values())
+        """Tokens of KV the holds keep, each block once: what the cap
+        (``HoldConfig.max_held_fraction``) bounds.
+
+        Holds of one profile share its system prompt and tools (most of a prompt): summed
+        per hold, 30 % of an 8,192-token pool took one job's 2,000-token prompt and left
+        the next hold to evict it, though the second kept only its ~600 tokens of its own.
+        Blocks are told apart by their hashes in the prefix directory's chain (a hold
+        without them counts whole)."""
+        blocks: set[str] = set()
+        tokens = 0
+        for h in self.holds.values():
+            if h.hashes:
+                blocks.update(h.hashes)
+                # the token past the last full block (the touch computes it)
+                tokens += max(0, len(h.tokens) - len(h.hashes) * h.block_size)
+            else:
+                tokens += len(h.tokens)
+        block_size = next((h.block_size for h in self.holds.values() if h.hashes), 0)
+        return tokens + len(blocks) * block_size
 
     # ---- decisions ----------------------------------------------------------------------
 

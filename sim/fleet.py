@@ -108,9 +108,51 @@ class _Job:
 class _Hold:
     engine: Engine
     keys: list[BlockKey]
-    tokens: int
     job: _Job
     active: bool = True
+
+
+class _HeldBlocks:
+    """The blocks an engine's holds keep, each counted once (what the holds' cap
+    bounds, as ``HoldManager.held_tokens`` counts them): a job's own blocks are its
+    alone, and a family's shared prefix is one chain, so the holds of a family keep
+    its longest held run of it."""
+
+    __slots__ = ("own", "shared")
+
+    def __init__(self) -> None:
+        self.own = 0
+        self.shared: dict[BlockKey, dict[int, int]] = {}
+        """Family (its first block's key) -> {shared blocks a hold keeps: holds}."""
+
+    @staticmethod
+    def _split(hold: _Hold) -> tuple[int, int]:
+        shared = min(len(hold.keys), hold.job.spec.prefix_tokens // hold.engine.block)
+        return shared, len(hold.keys) - shared
+
+    def add(self, hold: _Hold) -> None:
+        shared, own = self._split(hold)
+        self.own += own
+        if shared:
+            runs = self.shared.setdefault(hold.keys[0], {})
+            runs[shared] = runs.get(shared, 0) + 1
+
+    def remove(self, hold: _Hold) -> None:
+        shared, own = self._split(hold)
+        self.own -= own
+        if shared:
+            family = hold.keys[0]
+            runs = self.shared[family]
+            if runs[shared] > 1:
+                runs[shared] -= 1
+            else:
+                del runs[shared]
+                if not runs:
+                    del self.shared[family]
+
+    @property
+    def blocks(self) -> int:
+        return self.own + sum(max(runs) for runs in self.shared.values())
 
 
 @dataclass
@@ -249,7 +291,7 @@ class Fleet:
         """Steps routed to an engine waiting for a slot (its Temporal task queue)."""
         self._slot_limits: dict[tuple[int, int, int], int] = {}
         self.holds: dict[str, deque[_Hold]] = {e.engine_id: deque() for e in self.engines}
-        self.held_tokens = {e.engine_id: 0 for e in self.engines}
+        self.held = {e.engine_id: _HeldBlocks() for e in self.engines}
         self.pause_samples: dict[str, deque[float]] = {}
         """The last 400 pauses of each kind (all ``_distribution`` reads)."""
         self.pause_counts: dict[str, int] = {}
@@ -783,13 +825,14 @@ class Fleet:
         keys = engine.pin(self._chain(job))
         if not keys:
             return
-        hold = _Hold(engine, keys, len(keys) * engine.block, job)
+        hold = _Hold(engine, keys, job)
         job.hold = hold
         eid = engine.engine_id
         self.holds[eid].append(hold)
-        self.held_tokens[eid] += hold.tokens
+        held = self.held[eid]
+        held.add(hold)
         cap = self.hold_cfg.max_held_fraction * engine.cal.kv_pool_tokens
-        while self.held_tokens[eid] > cap and self.holds[eid]:
+        while held.blocks * engine.block > cap and self.holds[eid]:
             self._end_hold(self.holds[eid][0])
         self.clock.after(ttl_s, self._expire, hold)
 
@@ -802,7 +845,7 @@ class Fleet:
             return
         hold.active = False
         eid = hold.engine.engine_id
-        self.held_tokens[eid] -= hold.tokens
+        self.held[eid].remove(hold)
         with contextlib.suppress(ValueError):
             self.holds[eid].remove(hold)
         if hold.job.hold is hold:

@@ -161,6 +161,32 @@ async def test_baselines_and_ttl_and_the_cap() -> None:
     assert redis.hashes["warmloop:holds:stats:e0"]["released_on_ttl"] == 2
 
 
+async def test_holds_sharing_a_profiles_prompt_count_it_once_under_the_cap() -> None:
+    """The cap bounds the KV the holds keep: three jobs of one profile share its
+    1,280-token system prompt and each keeps 512 tokens of its own, 2,816 + 3 tokens in
+    all, not 3 x 1,793 (which a 3,000-token cap would have cut to one hold)."""
+    m, redis, clock = manager(StubPauses(2.0, 6.0), [], capacity=10_000)
+    triage = get_profile("ticket-triage")
+    shared = [f"s{i}" for i in range(10)]
+    for i in range(3):
+        clock.t += 1
+        await m.after_step(job_id=f"j{i}", profile=triage, kind="tool:search_kb",
+                           prefix_tokens=list(range(14 * 128 + 1)), policy="always_hold",
+                           interactive=True, block_size=128,
+                           block_hashes=shared + [f"j{i}-{k}" for k in range(4)])
+    assert sorted(m.holds) == ["j0", "j1", "j2"]
+    assert m.held_tokens == (10 + 3 * 4) * 128 + 3
+    assert "released_for_room" not in redis.hashes["warmloop:holds:stats:e0"]
+    clock.t += 1  # a fourth job's blocks of its own take the union past 30 %
+    await m.after_step(job_id="j3", profile=triage, kind="tool:search_kb",
+                       prefix_tokens=list(range(14 * 128 + 1)), policy="always_hold",
+                       interactive=True, block_size=128,
+                       block_hashes=shared + [f"j3-{k}" for k in range(4)])
+    assert sorted(m.holds) == ["j1", "j2", "j3"]  # the oldest went
+    assert m.held_tokens == (10 + 3 * 4) * 128 + 3
+    assert redis.hashes["warmloop:holds:stats:e0"]["released_for_room"] == 1
+
+
 def test_touch_interval_follows_the_engines_churn() -> None:
     m, _, clock = manager(StubPauses(2, 6), [], kv_usage=0.5, capacity=16384)
     assert m.touch_interval_s() == HoldConfig().max_touch_interval_s  # no churn seen yet

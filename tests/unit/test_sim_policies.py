@@ -6,6 +6,7 @@ import ast
 import inspect
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from warmloop.sim import fleet as sim_fleet
 from warmloop.sim import scenarios
@@ -13,6 +14,7 @@ from warmloop.sim.engine import Request
 from warmloop.sim.fleet import Fleet, FleetConfig
 from warmloop.sim.run import simulate
 from warmloop.workflows import holding, lanes, routing
+from warmloop.workflows.holding import HoldConfig
 
 SIM = Path(sim_fleet.__file__).resolve().parent
 POLICY_NAMES = {
@@ -99,6 +101,39 @@ def test_holds_keep_prefixes_through_pauses() -> None:
                     setup=lambda f: f.background(rate_per_engine_s=3.5, prompt_tokens=640,
                                                  output_tokens=4, until_s=120))
     assert hold.post_pause_recomputed < release.post_pause_recomputed
+
+
+def test_the_holds_cap_counts_each_held_block_once() -> None:
+    """The simulated cap bounds what ``HoldManager.held_tokens`` bounds: the union of
+    the holds' blocks (a profile's shared prompt once), checked at every hold of a run
+    against a plain set union; and the union lets more holds stand than a per-hold sum
+    would (bench-pauses: 16 jobs of two profiles sharing ~1,400 tokens)."""
+    checked, most, biggest = [0], [0], [0]
+    real_pin = sim_fleet.Fleet._pin
+
+    def pin(self: sim_fleet.Fleet, job: Any, engine: Any, ttl_s: float) -> None:
+        real_pin(self, job, engine, ttl_s)
+        for eid, holds in self.holds.items():
+            union: set[Any] = set().union(*(h.keys for h in holds))
+            assert self.held[eid].blocks == len(union)
+            assert len(union) * self.block <= (self.hold_cfg.max_held_fraction
+                                               * self.by_id[eid].cal.kv_pool_tokens)
+            checked[0] += 1
+            most[0] = max(most[0], len(holds))
+            biggest[0] = max([biggest[0], *(len(h.keys) * self.block for h in holds)])
+
+    import pytest
+    mp = pytest.MonkeyPatch()
+    mp.setattr(sim_fleet.Fleet, "_pin", pin)
+    try:
+        engines = scenarios.cpu_engines(16 * scenarios.MIB)
+        simulate(scenarios.pauses_jobs(), engines, scenarios.PAUSES_POLICIES["hold"],
+                 config=scenarios.CPU_FLEET)
+    finally:
+        mp.undo()
+    assert checked[0] > 50
+    cap = HoldConfig().max_held_fraction * engines[0].kv_pool_tokens
+    assert cap // biggest[0] <= 1 < 3 <= most[0]  # a per-hold sum would allow one
 
 
 def test_prewarms_ask_the_workflows_policy_and_skip_engines_with_a_queue(
