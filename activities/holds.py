@@ -143,17 +143,16 @@ class HoldManager:
         the next hold to evict it, though the second kept only its ~600 tokens of its own.
         Blocks are told apart by their hashes in the prefix directory's chain (a hold
         without them counts whole)."""
-        blocks: set[str] = set()
+        blocks: dict[str, int] = {}  # hash -> its block's tokens
         tokens = 0
         for h in self.holds.values():
             if h.hashes:
-                blocks.update(h.hashes)
-                # the token past the last full block (the touch computes it)
+                blocks.update(dict.fromkeys(h.hashes, h.block_size))
+                # the token past the last full block (not cached: the touch computes it)
                 tokens += max(0, len(h.tokens) - len(h.hashes) * h.block_size)
             else:
                 tokens += len(h.tokens)
-        block_size = next((h.block_size for h in self.holds.values() if h.hashes), 0)
-        return tokens + len(blocks) * block_size
+        return tokens + sum(blocks.values())
 
     # ---- decisions ----------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ cap, oldest first. An approval opened half-way, and its decision, prewarm the pr
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import heapq
 import math
@@ -127,7 +128,9 @@ class _HeldBlocks:
 
     @staticmethod
     def _split(hold: _Hold) -> tuple[int, int]:
-        shared = min(len(hold.keys), hold.job.spec.prefix_tokens // hold.engine.block)
+        """(shared blocks, own blocks): a chain's keys ascend, the family's (negative)
+        before the job's own (``FAMILY_KEY_SHIFT``)."""
+        shared = bisect.bisect_left(hold.keys, 0)
         return shared, len(hold.keys) - shared
 
     def add(self, hold: _Hold) -> None:

@@ -962,8 +962,8 @@ async def _doctor_timers(settings: Settings) -> bool:
         return False
     check = await check_timers(client, timeout_s=20.0)
     if check.late_s is None:
-        console.print("temporal timers: not checked (no agent worker ran the probe within "
-                      f"20 s: {check.error})")
+        console.print("temporal timers: not checked (the probe did not finish within 20 s; "
+                      f"is an agent worker up? {check.error})")
         return False
     if check.late:
         console.print(f"[bold red]temporal timers[/]: a {check.sleep_s:.1f} s timer fired "

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import structlog
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowFailureError
 from temporalio.service import RPCError
 
@@ -24,8 +25,8 @@ TIMER_SETTINGS_HINT = (
     "set the Temporal server's dynamic config history.timerProcessorMaxTimeShift to "
     '"10ms" (default 1s: a timer under a second fires about a second late) and '
     "history.timerProcessorMaxPollRPS to 1000 (default 20: timers queue when dozens of "
-    "jobs pause at once); docs/cluster.md shows both for Helm, and the embedded stack "
-    "sets them")
+    "jobs pause at once); docs/cluster.md shows both for Helm, the embedded stack sets "
+    "them, and on Temporal Cloud they are the service's own")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +37,8 @@ class TimerCheck:
     sleep_s: float
     """The timer the probe set."""
     late_s: float | None
-    """How much after due it fired; None when the probe did not finish (``error``)."""
+    """How much after due it fired, on the server's clock (its history's TimerStarted
+    and TimerFired events); None when the probe did not finish (``error``)."""
     late_after_s: float
     """Lateness from which the server counts as untuned."""
     error: str | None = None
@@ -66,7 +68,31 @@ async def check_timers(client: Client, *, task_queue: str = AGENT_TASK_QUEUE,
         cause = getattr(e, "cause", None)
         why = f"{type(e).__name__}: {e}" + (f" ({cause})" if cause else "")
         return TimerCheck(sleep_s, None, late_after_s, error=why, workflow_id=wf_id)
-    return TimerCheck(sleep_s, res.late_s, late_after_s, workflow_id=wf_id)
+    late = await _server_lateness_s(client, wf_id, sleep_s)
+    return TimerCheck(sleep_s, res.late_s if late is None else late, late_after_s,
+                      workflow_id=wf_id)
+
+
+async def _server_lateness_s(client: Client, workflow_id: str, sleep_s: float
+                             ) -> float | None:
+    """The timer's lateness on the server's own clock: its TimerFired event's time less
+    its TimerStarted's, less the sleep. The probe's own figure also counts the worker's
+    time on the task that set the timer and the wait for the task it woke (a worker
+    replaying a backlog at start would read as a late server); None when the history
+    cannot be read (the probe's figure is used then)."""
+    try:
+        history = await client.get_workflow_handle(workflow_id).fetch_history()
+    except RPCError:
+        return None
+    started = fired = None
+    for event in history.events:
+        if event.event_type == EventType.EVENT_TYPE_TIMER_STARTED:
+            started = event.event_time.ToMicroseconds()
+        elif event.event_type == EventType.EVENT_TYPE_TIMER_FIRED:
+            fired = event.event_time.ToMicroseconds()
+    if started is None or fired is None:
+        return None
+    return max(0.0, (fired - started) / 1e6 - sleep_s)
 
 
 async def warn_if_timers_late(client: Client, *, task_queue: str = AGENT_TASK_QUEUE,

@@ -9,10 +9,11 @@ settings of the server, not of warmloop, so a team's own cluster may lack them; 
 agent worker runs this probe at start and warns when a timer fires late
 (``warmloop.workers.timer_check``), and ``warmloop doctor`` reports it.
 
-The probe sleeps ``sleep_s`` and reads the workflow clock before and after: the second
-reading is the start of the workflow task the timer woke, so the difference less the
-sleep is the timer's lateness plus the task's dispatch (a few milliseconds on a
-healthy server).
+The probe sleeps ``sleep_s`` and reads the workflow clock before and after (each
+reading is the start of a workflow task), so its own figure counts the worker's time on
+the first task and the dispatch of the second besides the timer's lateness; the check
+reads the lateness off the history's timer events instead (the server's clock) and keeps
+the probe's figure for when the history cannot be read.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ class TimerProbeInput(BaseModel):
 
 
 class TimerProbeResult(BaseModel):
-    """What the timer took, on the server's clock (why: a late timer is invisible in
-    any one job and costs every pause of every job)."""
+    """What the timer took, between the workflow tasks around it (why: a late timer is
+    invisible in any one job and costs every pause of every job)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")  # a newer probe may add fields
 
     sleep_s: float
     """The timer set."""
@@ -43,7 +44,8 @@ class TimerProbeResult(BaseModel):
 
     @property
     def late_s(self) -> float:
-        """How much later than due the timer fired (with the next task's dispatch)."""
+        """How much later than due the timer fired, with the worker's and the task
+        dispatch's time around it."""
         return max(0.0, self.slept_s - self.sleep_s)
 
 

@@ -136,10 +136,15 @@ async def test_the_agent_worker_timed_the_servers_timers_at_start(stack: Stack) 
     log = stack.log_dir / "agent-worker.log"
 
     async def verdict() -> dict[str, Any] | None:
+        # the log is appended to across restarts: this worker's lines follow its start
+        events = []
         for line in (await asyncio.to_thread(log.read_text)).splitlines():
-            if "temporal_timers_" in line and line.startswith("{"):
-                return dict(json.loads(line))
-        return None
+            if line.startswith("{") and line.endswith("}"):  # not a line being written
+                events.append(json.loads(line))
+        starts = [i for i, e in enumerate(events) if e.get("event") == "agent_worker_started"]
+        mine = events[starts[-1]:] if starts else []
+        return next((e for e in mine if e.get("event") in (
+            "temporal_timers_ok", "temporal_timers_late", "timer_probe_failed")), None)
 
     event = await eventually(verdict)
     assert event["event"] == "temporal_timers_ok", event

@@ -131,7 +131,9 @@ class GatewayHolds(HoldManager):
 
     @property
     def own_held_tokens(self) -> int:
-        return sum(len(h.tokens) for h in self.holds.values())
+        """The gateway's holds' blocks, each once (``HoldManager.held_tokens``); blocks
+        a worker's hold keeps too are counted on both sides (an overestimate)."""
+        return super().held_tokens
 
     async def tick(self) -> None:
         async with self._tick_lock:
