@@ -25,6 +25,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from warmloop.activities.registry import EngineHeartbeat
 from warmloop.sim.core import Clock
@@ -130,8 +131,9 @@ class _HeldBlocks:
     def _split(hold: _Hold) -> tuple[int, int]:
         """(shared blocks, own blocks): a chain's keys ascend, the family's (negative)
         before the job's own (``FAMILY_KEY_SHIFT``)."""
-        shared = bisect.bisect_left(hold.keys, 0)
-        return shared, len(hold.keys) - shared
+        keys = cast("list[int]", hold.keys)  # the fleet's keys are ints (``_chain``)
+        shared = bisect.bisect_left(keys, 0)
+        return shared, len(keys) - shared
 
     def add(self, hold: _Hold) -> None:
         shared, own = self._split(hold)
