@@ -103,7 +103,7 @@ class PrefixDirectory:
     async def record_step(self, engine_id: str, job_id: str, chain: PromptChain, *,
                           capacity_blocks: int | None, accuracy: tuple[int, int] | None = None,
                           read_previous: bool = False, family: str | None = None,
-                          now: float | None = None) -> ServedRecord:
+                          now: float | None = None, step: int | None = None) -> ServedRecord:
         """``record_served`` plus what the inference worker reads and counts around it, in
         one round trip (a step's records are on its path: its job's next step may be
         routed the moment it returns).
@@ -112,7 +112,8 @@ class PrefixDirectory:
         ``read_previous``: return the job's chain as it stood before this record (Redis
         runs a pipeline's commands in order, so the read sees the old value).
         ``family``: return that prefix family's stable chain (the cache-bust detector's
-        reference)."""
+        reference). ``step``: the job's step, kept with its chain (``job_engines``: a
+        hold on another engine learns the job has moved)."""
         now = time.time() if now is None else now
         key = ENGINE_BLOCKS.format(engine_id)
         job_key = JOB_CHAIN.format(job_id)
@@ -133,10 +134,11 @@ class PrefixDirectory:
             pipe.zadd(key, {h: now - (i / n) * 1e-3 for i, h in enumerate(chain.hashes)})
         if capacity_blocks is not None:
             pipe.zremrangebyrank(key, 0, -(capacity_blocks + 1))
-        pipe.set(job_key, json.dumps({
-            "engine": engine_id, "block_size": chain.block_size,
-            "hashes": chain.hashes[:chain.reusable_blocks],
-        }), ex=JOB_CHAIN_TTL_S)
+        record: dict[str, Any] = {"engine": engine_id, "block_size": chain.block_size,
+                                  "hashes": chain.hashes[:chain.reusable_blocks]}
+        if step is not None:
+            record["step"] = step
+        pipe.set(job_key, json.dumps(record), ex=JOB_CHAIN_TTL_S)
         if self._trace:
             pipe.rpush(TRACE, json.dumps({"job": job_id, "engine": engine_id,
                                           "tokens": chain.tokens, "hashes": chain.hashes}))
@@ -186,6 +188,22 @@ class PrefixDirectory:
             return None
         d = json.loads(raw)
         return list(d["hashes"]), str(d["engine"])
+
+    async def job_engines(self, job_ids: list[str]) -> dict[str, tuple[str, int | None]]:
+        """Each job's last recorded (engine, step), in one round trip; jobs without a
+        record are left out, a record without a step (the gateway's) has None."""
+        if not job_ids:
+            return {}
+        pipe = self._redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.get(JOB_CHAIN.format(job_id))
+        out: dict[str, tuple[str, int | None]] = {}
+        for job_id, raw in zip(job_ids, await pipe.execute(), strict=True):
+            if raw is not None:
+                d = json.loads(raw)
+                step = d.get("step")
+                out[job_id] = (str(d["engine"]), int(step) if step is not None else None)
+        return out
 
     async def matched_blocks(self, chain: list[str], engine_ids: list[str]) -> dict[str, int]:
         """For each engine, how many leading blocks of ``chain`` it holds."""

@@ -83,6 +83,9 @@ class Hold:
     salt: str | None = None
     """The ``cache_salt`` of the job's tenant: a touch without it would keep another
     chain warm (the unsalted one) and let the job's own blocks go."""
+    step: int | None = None
+    """The step after which the job paused (a later or equal step recorded on another
+    engine means the job went on there: the hold is dropped, ``_drop_moved``)."""
 
     def record(self) -> str:
         return json.dumps({"kind": self.kind, "tokens": len(self.tokens),
@@ -190,9 +193,12 @@ class HoldManager:
                          prefix_tokens: list[int], policy: HoldPolicy,
                          interactive: bool, body: dict[str, Any] | None = None,
                          block_hashes: list[str] | None = None, block_size: int = 16,
-                         salt: str | None = None) -> HoldChoice | None:
+                         salt: str | None = None, step: int | None = None
+                         ) -> HoldChoice | None:
         """The step's call pauses the job on ``kind``: hold its prefix or let it go.
-        ``salt``: the step's ``cache_salt`` (its tenant's), which every touch carries."""
+        ``salt``: the step's ``cache_salt`` (its tenant's), which every touch carries.
+        ``step``: the step's number (a hold learns from the prefix directory that its
+        job moved on to another engine by it)."""
         if kind is None or not prefix_tokens or policy == "never":
             return None
         if policy == "always_hold":
@@ -211,7 +217,7 @@ class HoldManager:
                         until=now + self._hold_for_s(choice, policy),
                         next_touch=now + self.touch_interval_s(),
                         created=now, hashes=list(block_hashes) if block_hashes else None,
-                        block_size=block_size, salt=salt)
+                        block_size=block_size, salt=salt, step=step)
             if self._ttl_cache is not None:
                 # the step itself just refreshed the TTL: ping only before each expiry
                 hold.body = body
@@ -267,6 +273,8 @@ class HoldManager:
                 await self._count(released_on_ttl=1)
         due = [h for h in self.holds.values() if h.next_touch <= now]
         if due:
+            due = await self._drop_moved(due)
+        if due:
             await asyncio.gather(*(self._touch(h) for h in due))
             interval = self.touch_interval_s()
             for h in due:
@@ -295,6 +303,35 @@ class HoldManager:
             except Exception:  # noqa: BLE001 - holds are advice; the worker serves steps
                 log.exception("hold_tick_failed")
             await asyncio.sleep(tick_s)
+
+    async def _drop_moved(self, due: list[Hold]) -> list[Hold]:
+        """Drop the holds whose job has since been served on another engine (the prefix
+        directory's record of the job: a step at or after the hold's, elsewhere); the
+        rest are returned. A job moves on failover, when the router picks another engine
+        for its next step, or when an approval's prewarm lands elsewhere, and only the
+        engine it went to resumes its own hold: the old one would otherwise keep
+        touching a prompt nobody will send here until its TTL (always-hold's is 10
+        minutes), in room the cap gives other holds. One round trip for all due holds;
+        with Redis away every hold is kept."""
+        directory = self._directory
+        known = [h for h in due if h.step is not None]
+        if directory is None or not known:
+            return due
+        records = await self._outage.attempt(
+            "prefix directory", lambda: directory.job_engines([h.job_id for h in known]),
+            None, timeout_s=REDIS_TIMEOUT_S)
+        if not records:
+            return due
+        kept = []
+        for h in due:
+            engine, step = records.get(h.job_id, (self._engine, None))
+            if (engine != self._engine and step is not None and h.step is not None
+                    and step >= h.step and self._forget(h)):
+                await self._count(released_moved=1)
+                log.info("hold_moved", job_id=h.job_id, to_engine=engine, step=step)
+            else:
+                kept.append(h)
+        return kept
 
     async def _touch(self, h: Hold) -> None:
         if h.body is not None:  # a managed API: resend the conversation, one output token

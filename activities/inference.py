@@ -523,7 +523,7 @@ class InferenceActivities:
             if chain.reusable_blocks else [],
             policy=req.hold_policy, interactive=req.lane == Lane.INTERACTIVE, body=body,
             block_hashes=chain.hashes[:chain.reusable_blocks], block_size=chain.block_size,
-            salt=cache_salt(req.tenant))
+            salt=cache_salt(req.tenant), step=req.step)
 
     async def _record_prefix(self, req: GenerateRequest, profile: Profile, chain: PromptChain,
                              stable_tokens: int | None, cached_tokens: int) -> None:
@@ -548,7 +548,7 @@ class InferenceActivities:
             self._engine_id, req.job_id, chain, capacity_blocks=capacity,
             accuracy=(req.expected_cached_tokens, cached_tokens)
             if req.expected_cached_tokens is not None else None,
-            read_previous=detect and req.step > 1, family=family)
+            read_previous=detect and req.step > 1, family=family, step=req.step)
         if self._detector is not None and stable_tokens is not None:
             await self._detector.judge(
                 profile=owner, job_id=req.job_id, step=req.step,

@@ -691,7 +691,9 @@ class AgentJob:
             max_tokens=step_output_budget(profile.budgets, kind, limits, self._usage),
             tools=job.tools,
             priority=VLLM_PRIORITY[job.lane], lane=job.lane,
-            hold_policy=job.hold_policy if hold else "never",
+            # the step cap ends the job after this step, whatever its call: a hold would
+            # keep the prompt warm for a step that never comes, until its TTL
+            hold_policy=job.hold_policy if hold and step < limits.max_steps else "never",
             tenant=job.tenant, model=model, logprobs=logprobs,
         )
         if replay is not None:  # the recorded output length; holds follow the recorded call

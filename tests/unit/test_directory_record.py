@@ -91,3 +91,14 @@ async def test_the_detector_judges_from_what_the_record_read(
     await step("j2", 1, chain("s1", "s9", "j2a"))  # a changed stable prefix
     assert [(b.kind, b.block) for b in busts[1:]] == [("stable_prefix", 1)]
     assert await d.profile_chain("p") == ["s1", "s9"]  # the newest is the reference
+
+
+async def test_a_jobs_engine_and_step_are_read_back_for_its_holds(redis: aioredis.Redis) -> None:
+    """What an engine's holds ask at each touch: where each job was last served, and at
+    which step (``HoldManager._drop_moved``), in one round trip."""
+    d = PrefixDirectory(redis)
+    await d.record_step("e0", "m1", chain("a"), capacity_blocks=None, step=2)
+    await d.record_step("e1", "m1", chain("a", "b"), capacity_blocks=None, step=3)
+    await d.record_served("e0", "m2", chain("a"), capacity_blocks=None)  # the gateway's
+    assert await d.job_engines(["m1", "m2", "m3"]) == {"m1": ("e1", 3), "m2": ("e0", None)}
+    assert await d.job_engines([]) == {}

@@ -236,13 +236,45 @@ async def test_a_ttl_cache_endpoint_is_kept_by_pings_just_before_expiry() -> Non
 
 
 class StubDirectory:
-    """The prefix directory's view of the engine: how many leading held blocks remain."""
+    """The prefix directory's view of the engine: how many leading held blocks remain,
+    and where each job was last served."""
 
-    def __init__(self, kept: int) -> None:
+    def __init__(self, kept: int, jobs: dict[str, tuple[str, int | None]] | None = None
+                 ) -> None:
         self.kept = kept
+        self.jobs = jobs or {}
 
     async def matched_blocks(self, chain: list[str], engine_ids: list[str]) -> dict[str, int]:
         return {e: min(self.kept, len(chain)) for e in engine_ids}
+
+    async def job_engines(self, job_ids: list[str]) -> dict[str, tuple[str, int | None]]:
+        return {j: self.jobs[j] for j in job_ids if j in self.jobs}
+
+
+async def test_a_hold_whose_job_went_on_elsewhere_is_dropped_at_its_touch() -> None:
+    """Only the engine a job's next step (or prewarm) reaches resumes its hold: the
+    engine it left learns from the prefix directory at the hold's next touch and drops
+    it untouched. A record of an earlier step elsewhere, or of this engine, keeps it."""
+    touches: list[dict[str, Any]] = []
+    m, redis, clock = manager(StubPauses(2.0, 6.0), touches)
+    directory = StubDirectory(kept=99, jobs={"moved": ("e1", 3), "stale": ("e1", 1),
+                                             "here": ("e0", 2)})
+    m._directory = directory  # type: ignore[assignment]
+    triage = get_profile("ticket-triage")
+    for job in ("moved", "stale", "here", "unknown"):
+        await m.after_step(job_id=job, profile=triage, kind="tool:search_kb",
+                           prefix_tokens=list(range(4 * 128 + 1)), policy="always_hold",
+                           interactive=True, block_size=128, step=2,
+                           block_hashes=[f"{job}-{k}" for k in range(4)])
+    clock.t = max(h.next_touch for h in m.holds.values())
+    await m.tick()
+    assert sorted(m.holds) == ["here", "stale", "unknown"]
+    assert len(touches) == 3  # the moved job's prompt was not touched
+    assert redis.hashes["warmloop:holds:stats:e0"]["released_moved"] == 1
+    directory.jobs["here"] = ("e1", 2)  # a step retried elsewhere (failover): gone too
+    clock.t = max(h.next_touch for h in m.holds.values())
+    await m.tick()
+    assert sorted(m.holds) == ["stale", "unknown"]
 
 
 async def test_a_touch_never_recomputes_blocks_the_engine_lost() -> None:

@@ -83,6 +83,8 @@ async def test_step_cap_ends_in_loop_cap_with_partial_result(
     assert [r.step for r in fakes.routes] == [1, 2, 3, 4]
     assert [r.last_engine for r in fakes.routes] == [None, "fake0", "fake0", "fake0"]
     assert [s.route_reason for s in res.steps] == ["least_loaded", "sticky", "sticky", "sticky"]
+    # the cap's step asks for no hold: no step follows it, whatever its call
+    assert [r.hold_policy for r in fakes.generate_requests] == ["cost_model"] * 3 + ["never"]
 
 
 async def test_finish_tool_ends_the_job_with_its_arguments(
