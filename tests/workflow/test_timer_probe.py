@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
-from structlog.testing import capture_logs
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from tests.conftest import _bin
 from tests.workflow.test_replay import _record, _replayer
+from warmloop.workers import timer_check
 from warmloop.workers.temporal_plugin import sandbox_runner
 from warmloop.workers.timer_check import (
     TIMER_SETTINGS_HINT,
@@ -44,24 +45,44 @@ def _queue() -> str:
     return f"timer-probe-{uuid.uuid4().hex[:8]}"
 
 
-async def test_a_tuned_server_passes(dev_server_env: WorkflowEnvironment) -> None:
+class _Log:
+    """The module's logger, recorded (structlog's ``capture_logs`` sees nothing once the
+    suite has configured a level filter or cached loggers)."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+
+    def info(self, event: str, **kw: Any) -> None:
+        self.events.append({"event": event, "log_level": "info", **kw})
+
+    def warning(self, event: str, **kw: Any) -> None:
+        self.events.append({"event": event, "log_level": "warning", **kw})
+
+
+@pytest.fixture
+def logs(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    recorder = _Log()
+    monkeypatch.setattr(timer_check, "log", recorder)
+    return recorder.events
+
+
+async def test_a_tuned_server_passes(dev_server_env: WorkflowEnvironment,
+                                     logs: list[dict[str, Any]]) -> None:
     queue = _queue()
     async with Worker(dev_server_env.client, task_queue=queue, workflows=[TimerProbe],
                       workflow_runner=sandbox_runner()):
-        with capture_logs() as logs:
-            check = await warn_if_timers_late(dev_server_env.client, task_queue=queue)
+        check = await warn_if_timers_late(dev_server_env.client, task_queue=queue)
     assert check.error is None and check.late_s is not None
     assert not check.late, f"a tuned server fired a 0.2 s timer {check.late_s:.3f} s late"
     assert [e["event"] for e in logs] == ["temporal_timers_ok"]
 
 
 async def test_the_default_time_shift_is_reported_with_the_settings_to_change(
-        untuned_env: WorkflowEnvironment) -> None:
+        untuned_env: WorkflowEnvironment, logs: list[dict[str, Any]]) -> None:
     queue = _queue()
     async with Worker(untuned_env.client, task_queue=queue, workflows=[TimerProbe],
                       workflow_runner=sandbox_runner()):
-        with capture_logs() as logs:
-            check = await warn_if_timers_late(untuned_env.client, task_queue=queue)
+        check = await warn_if_timers_late(untuned_env.client, task_queue=queue)
     assert check.late and check.late_s is not None
     # the default shift: a 0.2 s timer fires at about 1 s
     assert 0.5 <= check.late_s < 3.0
