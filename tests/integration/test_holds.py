@@ -40,14 +40,16 @@ def case(n: int) -> dict[str, str]:
 async def test_a_held_prefix_is_touched_while_the_job_waits_and_released_on_resume(
     stack: Stack, client: Client, settings: Settings, redis: aioredis.Redis,
 ) -> None:
-    # A review job offered only `escalate` waits for a reviewer after each step: with
-    # always_hold its prefix is held, and touched, for as long as the test waits.
+    # A review job offered only `escalate` waits for a reviewer after each step whose call
+    # is valid: with always_hold its prefix is held, and touched, for as long as the test
+    # waits. The random model's invalid calls are repaired at once (no pause, no hold),
+    # and the step cap's own step asks for no hold: four steps leave three that can.
     engines = [e.id for e in settings.engine_endpoints]
     before = {e: await hold_stats(redis, e) for e in engines}
     job_id = f"hold-{uuid.uuid4().hex[:6]}"
     handle = await client.start_workflow(
         AgentJob.run,
-        JobInput(profile="synthetic-review", task=case(1), max_steps=2, tools=["escalate"],
+        JobInput(profile="synthetic-review", task=case(1), max_steps=4, tools=["escalate"],
                  hold_policy="always_hold"),
         id=job_id, task_queue=AGENT_TASK_QUEUE)
 
@@ -79,8 +81,8 @@ async def test_a_held_prefix_is_touched_while_the_job_waits_and_released_on_resu
 
     p = (await eventually(pending, attempts=1200))[0]
     await dev_approver(settings, "erin").decide(client, job_id, p.approval_id, approve=True)
-    # The second step asks again only if the random model's call is valid (an invalid
-    # one is repaired, and the step cap ends the job): approve whatever it asks.
+    # Later steps ask again when the random model's call is valid: approve whatever they
+    # ask until the step cap ends the job.
     finished = asyncio.ensure_future(handle.result())
 
     async def approve_until_done() -> bool:
@@ -92,12 +94,12 @@ async def test_a_held_prefix_is_touched_while_the_job_waits_and_released_on_resu
 
     await eventually(approve_until_done, attempts=2400)
     res = finished.result()
-    assert res.state == JobState.LOOP_CAP and len(res.steps) == 2
+    assert res.state == JobState.LOOP_CAP and len(res.steps) == 4
     after = await hold_stats(redis, engine)
     assert after.get("released_on_resume", 0) - before[engine].get("released_on_resume", 0) \
         >= 1
-    # the step after the wait found its prefix warm
-    assert res.steps[1].cached_tokens >= 1024
+    # the step after the held wait found its prefix warm (steps count from 1)
+    assert res.steps[p.step - 1].valid and res.steps[p.step].cached_tokens >= 1024
 
 
 async def test_opening_a_pending_approval_prewarms_the_prompt_on_an_engine(
