@@ -7,6 +7,14 @@ always-release (vLLM's default LRU), always-hold, and warmloop's cost model. Fig
 come from the engines' own usage (cached tokens per step), the touch requests' usage
 and the background traffic's own TTFT.
 
+By default the workload is scripted: every job replays a seeded plan (the simulator's
+own ``pauses_jobs``: its calls, its tool pauses, which steps escalate and when the
+reviewer opens and decides each escalation), so every policy and every repeat sends the
+same prompts and waits the same pauses, and the policies differ only in what they hold.
+``--live`` lets the random model choose the calls instead (the bench before 2026-12-05:
+how many approvals a run asked, 12-18, and its pre-warms spread one policy 3x between
+repeats).
+
 The policies run interleaved, ``--repeat`` times (the order rotated each repeat); each
 figure is reported as the median with its range. The background traffic is sized by
 the churn it makes, from its measured prompt tokens: 0.68 pools of fresh blocks per
@@ -20,10 +28,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import random
 import statistics
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,15 +58,25 @@ from bench.common import (
     run_main,
 )
 from bench.synthetic_pauses import SyntheticPauses
-from bench.synthetic_profiles import WORDS
+from bench.synthetic_profiles import LOOKUP_KEYS, WORDS
+from bench.synthetic_tools import SyntheticTools
+from warmloop import ToolRequest
 from warmloop.activities.holds import hold_stats
+from warmloop.sim.scenarios import pauses_jobs
+from warmloop.sim.workload import JobSpec as JobPlan
+from warmloop.sim.workload import PauseModel
 from warmloop.workers.approvals import Approver, dev_approver
 from warmloop.workflows.agent_job import AgentJob
 from warmloop.workflows.contracts import (
     AGENT_TASK_QUEUE,
     ApprovalViewed,
+    FunctionCall,
     JobInput,
     JobResult,
+    PendingApproval,
+    ReplayScript,
+    ReplayStep,
+    ToolCall,
 )
 from warmloop.workflows.holding import HoldPolicy
 
@@ -114,11 +134,39 @@ async def background(http: httpx.AsyncClient, urls: list[str], stop: asyncio.Eve
     await asyncio.gather(*tasks)
 
 
-async def approver(client: Client, handles: list[WorkflowHandle[Any, Any]], done: asyncio.Event,
-                   delay_s: tuple[float, float], seed: int, bot: Approver) -> int:
-    """A time-compressed human: opens each pending approval half-way, decides at the end."""
+ReviewSchedule = Callable[[str, PendingApproval], tuple[float, float]]
+"""(workflow id, pending approval) -> seconds after it is first seen that the reviewer
+opens it, and decides it."""
+
+
+def random_reviews(delay_s: tuple[float, float], seed: int) -> ReviewSchedule:
+    """The live workload's reviewer: decides after a uniform delay, opens half-way."""
     rng = random.Random(seed)
-    seen: dict[str, float] = {}
+
+    def schedule(_workflow_id: str, _p: PendingApproval) -> tuple[float, float]:
+        due = rng.uniform(*delay_s)
+        return due - delay_s[0] / 2, due
+
+    return schedule
+
+
+def planned_reviews(plans: dict[str, JobPlan]) -> ReviewSchedule:
+    """The scripted workload's reviewer: each escalation opened and decided when its
+    job's plan says (the simulator's reviewer does the same)."""
+
+    def schedule(workflow_id: str, p: PendingApproval) -> tuple[float, float]:
+        step = plans[workflow_id].steps[p.step - 1]
+        return (step.pause_s if step.viewed_after_s is None else step.viewed_after_s,
+                step.pause_s)
+
+    return schedule
+
+
+async def approver(client: Client, handles: list[WorkflowHandle[Any, Any]], done: asyncio.Event,
+                   schedule: ReviewSchedule, bot: Approver) -> int:
+    """A time-compressed human: opens each pending approval, then decides it, when
+    ``schedule`` says (polling every half second)."""
+    seen: dict[str, tuple[float, float]] = {}
     viewed: set[str] = set()
     decided = 0
     while not done.is_set():
@@ -130,8 +178,11 @@ async def approver(client: Client, handles: list[WorkflowHandle[Any, Any]], done
             for p in pending:
                 key = f"{h.id}/{p.approval_id}"
                 now = time.monotonic()
-                due = seen.setdefault(key, now + rng.uniform(*delay_s))
-                if now >= due - delay_s[0] / 2 and key not in viewed:
+                if key not in seen:
+                    view_s, decide_s = schedule(h.id, p)
+                    seen[key] = (now + view_s, now + decide_s)
+                view_at, due = seen[key]
+                if now >= view_at and key not in viewed:
                     viewed.add(key)
                     with contextlib.suppress(RPCError):
                         await h.signal(AgentJob.viewed, ApprovalViewed(
@@ -143,6 +194,45 @@ async def approver(client: Client, handles: list[WorkflowHandle[Any, Any]], done
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(done.wait(), timeout=0.5)
     return decided
+
+
+def tool_pauses(args: argparse.Namespace) -> PauseModel:
+    """The tools' pauses (the agent worker's ``SyntheticPauses`` for live jobs)."""
+    return PauseModel(median_s=args.pause_median_s, sigma=0.5, long_share=args.long_share,
+                      long_min_s=20, long_max_s=60, max_s=60)
+
+
+def plans(args: argparse.Namespace) -> list[JobPlan]:
+    """The scripted workload's jobs, as the simulator runs them."""
+    return pauses_jobs(seed=args.seed, n_jobs=args.jobs, steps=args.steps,
+                       review_every=args.review_every, gap_s=args.gap_s,
+                       tool=tool_pauses(args),
+                       approval_s=(args.approval_min_s, args.approval_max_s),
+                       viewed_before_s=args.approval_min_s / 2)
+
+
+def script(plan: JobPlan, case_id: str, output_tokens: int = 12) -> ReplayScript:
+    """A plan as the job's recorded steps: a lookup (a seeded key, the synthetic tool's
+    seeded answer) on each tool step, an escalation (asked of the bench's reviewer) on
+    each approval step; the plan's pauses on workflow timers."""
+    tools = SyntheticTools(plan.family)
+    rng = random.Random(f"script/{case_id}")
+    steps = []
+    for k, st in enumerate(plan.steps, start=1):
+        if st.approval:
+            name, arguments = "escalate", {"reason": rng.choice(["unclear", "risky"])}
+            result, pause_s = "a reviewer approved the escalation", 0.0
+        else:
+            name, arguments = "lookup", {"key": rng.choice(LOOKUP_KEYS)}
+            req = ToolRequest(job_id="", step=k, profile=plan.family, task_id=case_id,
+                              name=name, arguments=arguments)
+            result, pause_s = tools.run(req).result.output, st.pause_s
+        steps.append(ReplayStep(
+            call=ToolCall(id=f"call-{k}", function=FunctionCall(
+                name=name, arguments=json.dumps(arguments))),
+            result=result, pause_s=pause_s, output_tokens=output_tokens,
+            pause_kind=st.pause_kind))
+    return ReplayScript(steps=steps, ask_approvals=True)
 
 
 async def run_policy(name: str, policy: HoldPolicy, client: Client, http: httpx.AsyncClient,
@@ -157,19 +247,27 @@ async def run_policy(name: str, policy: HoldPolicy, client: Client, http: httpx.
     rng = random.Random(args.seed)
     tag = f"{name}-{uuid.uuid4().hex[:6]}"
     handles: list[WorkflowHandle[Any, JobResult]] = []
-    for i in range(args.jobs):
-        review = i % args.review_every == 0
-        profile = "synthetic-review" if review else "synthetic-support"
+    planned: dict[str, JobPlan] = {}
+    # The reviewer watches from the first job on: a job started early asks before the
+    # last one starts.
+    schedule = (random_reviews((args.approval_min_s, args.approval_max_s), args.seed)
+                if args.live else planned_reviews(planned))
+    human = asyncio.ensure_future(approver(client, handles, done, schedule, bot))
+    t0 = time.monotonic()
+    for i, plan in enumerate(plans(args)):
+        review = plan.family == "synthetic-review"
         text = " ".join(rng.choice(WORDS) for _ in range(40))
-        job = JobInput(profile=profile, task={"case_id": f"S{i:04d}", "text": text},
+        case_id = f"S{i:04d}"
+        job = JobInput(profile=plan.family, task={"case_id": case_id, "text": text},
                        max_steps=args.steps, hold_policy=policy,
-                       tools=["lookup", "escalate"] if review else ["lookup"])
+                       tools=["lookup", "escalate"] if review else ["lookup"],
+                       replay=None if args.live else script(plan, case_id))
+        # the plan's arrivals (``--gap-s`` apart), whatever starting a job took
+        await asyncio.sleep(max(0.0, t0 + plan.arrival_s - time.monotonic()))
+        wf_id = f"pauses-{tag}-{i:03d}"
+        planned[wf_id] = plan
         handles.append(await client.start_workflow(
-            AgentJob.run, job, id=f"pauses-{tag}-{i:03d}", task_queue=AGENT_TASK_QUEUE))
-        await asyncio.sleep(args.gap_s)
-    human = asyncio.ensure_future(approver(client, handles, done,
-                                           (args.approval_min_s, args.approval_max_s),
-                                           args.seed, bot))
+            AgentJob.run, job, id=wf_id, task_queue=AGENT_TASK_QUEUE))
     results = []
     for h in handles:
         results.append(await h.result())
@@ -386,6 +484,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bg-words", type=int, default=500)
     p.add_argument("--kv-cache-bytes", type=int, default=16 * 1024 * 1024)
     p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--live", action="store_true",
+                   help="let the random model choose the calls (and how many approvals "
+                        "a run asks) instead of replaying the seeded plans")
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     p.add_argument("--keep-stack", action="store_true")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",

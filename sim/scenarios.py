@@ -117,14 +117,21 @@ PAUSES_POLICIES = {
 }
 
 
+PAUSES_TOOL = PauseModel(median_s=3.0, sigma=0.5, long_share=0.1, long_min_s=20,
+                         long_max_s=60, max_s=60)
+"""bench-pauses' tool pauses: lognormal, median 3 s, a tenth of them 20-60 s."""
+
+
 def pauses_jobs(seed: int = 11, n_jobs: int = 16, steps: int = 6, review_every: int = 4,
-                gap_s: float = 1.5) -> list[JobSpec]:
+                gap_s: float = 1.5, *, tool: PauseModel = PAUSES_TOOL,
+                approval_s: tuple[float, float] = (10.0, 20.0),
+                viewed_before_s: float = 5.0) -> list[JobSpec]:
     """bench-pauses' jobs: synthetic-support (lookups) and every 4th synthetic-review (an
-    escalation, waiting 10-20 s for a reviewer who opens it 5 s before deciding, on
-    about half its steps: the random model picks among its tools)."""
+    escalation on about half its steps, waiting ``approval_s`` for a reviewer who opens
+    it ``viewed_before_s`` before deciding). The bench replays these very plans (its
+    scripted workload, ``bench/pauses.py``), so the simulator and the engines see the same
+    calls, pauses and approvals."""
     rng = random.Random(seed)
-    tool = PauseModel(median_s=3.0, sigma=0.5, long_share=0.1, long_min_s=20, long_max_s=60,
-                      max_s=60)
     out = []
     for i in range(n_jobs):
         review = i % review_every == 0
@@ -133,10 +140,11 @@ def pauses_jobs(seed: int = 11, n_jobs: int = 16, steps: int = 6, review_every: 
             last = k == steps - 1
             approval = review and not last and rng.random() < 0.5
             if approval:
-                due = rng.uniform(10.0, 20.0)
+                due = rng.uniform(*approval_s)
                 specs.append(StepSpec(output_tokens=12, result_tokens=SYNTHETIC_GROWTH - 40,
                                       pause_kind="approval:escalation", pause_s=due,
-                                      approval=True, viewed_after_s=due - 5.0))
+                                      approval=True,
+                                      viewed_after_s=max(0.0, due - viewed_before_s)))
             else:
                 specs.append(StepSpec(output_tokens=12, result_tokens=SYNTHETIC_GROWTH,
                                       pause_kind="" if last else "tool:lookup",
