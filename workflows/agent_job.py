@@ -165,6 +165,10 @@ PATCH_ROUTE_AHEAD = "route-ahead"
 # +45-56 ms result return a job against the peer). Histories recorded with route ahead
 # still replay (histories/agent_job_route_ahead*).
 PATCH_ROUTE_NEXT_IN_WORKER = "route-next-in-worker"
+# A replayed step's recorded pause is recorded as a pause statistic too, as the live
+# tool's would be: a trace teaches the hold model its own pauses (histories of replays
+# recorded before it did not).
+PATCH_REPLAY_PAUSES = "replay-records-pauses"
 ROUTE_AHEAD_MAX_AGE = timedelta(seconds=2)
 """The oldest a route taken ahead may be when its step starts. Past it (a long tool), the
 fleet's load may have moved, and the step is routed again as before."""
@@ -501,7 +505,12 @@ class AgentJob:
         self._next_kind = StepKind.EXECUTE
         if recorded.pause_s > 0:
             self._route_ahead(job, profile)
-            await workflow.sleep(recorded.pause_s)
+            if recorded.pause_kind and workflow.patched(PATCH_REPLAY_PAUSES):
+                # the statistic beside the timer, not after it: off the next step's path
+                await asyncio.gather(workflow.sleep(recorded.pause_s), self._record_pause(
+                    recorded.pause_kind, seconds=recorded.pause_s))
+            else:
+                await workflow.sleep(recorded.pause_s)
 
     def _should_continue_as_new(self, job: JobInput, steps_this_run: int,
                                 profile: Profile | None = None,
@@ -1250,9 +1259,16 @@ class AgentJob:
         await self._record_pause(f"approval:{rule.kind}", asked_at)
         await self._prewarm("approval decided")
 
-    async def _record_pause(self, kind: str, since: datetime) -> None:
-        """How long the job waited on ``kind``: the hold/release cost model's input."""
-        waited = (workflow.now() - since).total_seconds()
+    async def _record_pause(self, kind: str, since: datetime | None = None, *,
+                            seconds: float | None = None) -> None:
+        """How long the job waited on ``kind`` (since ``since``, or ``seconds``, a
+        replayed step's recorded pause): the hold/release cost model's input."""
+        if seconds is not None:
+            waited = seconds
+        elif since is not None:
+            waited = (workflow.now() - since).total_seconds()
+        else:
+            raise ValueError("a pause needs its start or its length")
         try:
             await workflow.execute_local_activity(
                 "record_pause", RecordPauseRequest(profile=self._profile_name,

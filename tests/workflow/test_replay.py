@@ -173,8 +173,12 @@ async def test_a_fresh_replayed_trace_history_replays(
         res = await handle.result()
         history = await handle.fetch_history()
     assert res.state.value == "FINISHED" and len(res.steps) == 3
+    # the recorded pauses are recorded as pause statistics too (a local activity beside
+    # each timer); agent_job_replayed_trace.json is a replay from before they were
+    assert [(p.kind, p.seconds) for p in fakes.pauses] == [
+        ("tool:lookup_customer", 2.0), ("approval:urgent_priority", 5.0)]
     await _replayer().replay_workflow(history)
-    _record("agent_job_replayed_trace.json", history)
+    _record("agent_job_replayed_trace_pauses.json", history)
 
 
 @pytest.mark.parametrize("path", sorted(HISTORIES.glob("*.json")), ids=lambda p: p.stem)

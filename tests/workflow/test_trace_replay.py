@@ -147,8 +147,11 @@ async def test_a_replayed_job_appends_the_recorded_calls_whatever_the_engine_say
     ]
     assert json.loads(res.transcript[0].tool_calls[0].function.arguments) == {  # type: ignore[index]
         "customer_id": "C100"}
-    # no tool ran, no human was asked: the recorded results and pauses stand in for them
-    assert not fakes.tool_requests and not res.approvals and not fakes.pauses
+    # no tool ran, no human was asked: the recorded results and pauses stand in for them,
+    # and the pauses teach the hold model as a live tool's and reviewer's would
+    assert not fakes.tool_requests and not res.approvals
+    assert [(p.kind, p.seconds) for p in fakes.pauses] == [
+        ("tool:lookup_customer", 30.0), ("approval:urgent_priority", 3600.0)]
     # each step asked for the recorded length and told the worker what the job waits on
     assert [r.max_tokens for r in fakes.generate_requests] == [21, 12, 17]
     assert [r.pause_kind for r in fakes.generate_requests] == KINDS
