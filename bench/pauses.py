@@ -13,7 +13,9 @@ reviewer opens and decides each escalation), so every policy and every repeat se
 same prompts and waits the same pauses, and the policies differ only in what they hold.
 ``--live`` lets the random model choose the calls instead (the bench before 2026-12-05:
 how many approvals a run asked, 12-18, and its pre-warms spread one policy 3x between
-repeats).
+repeats). Every policy run starts from the same pause statistics: the plans' own pauses,
+recorded as many times over as the hold model needs to decide on them rather than on the
+profiles' priors (``learn_pauses``; the simulator's run starts the same way).
 
 The policies run interleaved, ``--repeat`` times (the order rotated each repeat); each
 figure is reported as the median with its range. The background traffic is sized by
@@ -62,7 +64,8 @@ from bench.synthetic_profiles import LOOKUP_KEYS, WORDS
 from bench.synthetic_tools import SyntheticTools
 from warmloop import ToolRequest
 from warmloop.activities.holds import hold_stats
-from warmloop.sim.scenarios import pauses_jobs
+from warmloop.activities.pauses import PAUSES_KEY, PauseStats
+from warmloop.sim.scenarios import pauses_jobs, plan_pauses
 from warmloop.sim.workload import JobSpec as JobPlan
 from warmloop.sim.workload import PauseModel
 from warmloop.workers.approvals import Approver, dev_approver
@@ -211,6 +214,23 @@ def plans(args: argparse.Namespace) -> list[JobPlan]:
                        viewed_before_s=args.approval_min_s / 2)
 
 
+async def learn_pauses(redis: aioredis.Redis, jobs: list[JobPlan]) -> int:
+    """Every policy starts from the same learned pauses: the plans' own, as many times
+    over as the hold model needs to stop deciding on the profiles' priors
+    (``plan_pauses``; the simulator starts from the same). Before, the statistics were
+    whatever earlier runs on the stack had left, and its first policy on a fresh stack
+    decided the escalations on the review profile's prior (a 2-minute median): released.
+    Returns the pauses recorded."""
+    pauses = plan_pauses(jobs)
+    keys = {PAUSES_KEY.format(family, kind) for family, kind, _ in pauses}
+    if keys:
+        await redis.delete(*keys)
+    stats = PauseStats(redis)
+    for family, kind, seconds in pauses:
+        await stats.record(family, kind, seconds)
+    return len(pauses)
+
+
 def script(plan: JobPlan, case_id: str, output_tokens: int = 12) -> ReplayScript:
     """A plan as the job's recorded steps: a lookup (a seeded key, the synthetic tool's
     seeded answer) on each tool step, an escalation (asked of the bench's reviewer) on
@@ -239,6 +259,7 @@ async def run_policy(name: str, policy: HoldPolicy, client: Client, http: httpx.
                      urls: list[str], redis: aioredis.Redis, engine_ids: list[str],
                      args: argparse.Namespace, bot: Approver) -> PolicyRun:
     await reset_caches(http, urls, redis, engine_ids)
+    await learn_pauses(redis, plans(args))
     before = {e: await hold_stats(redis, e) for e in engine_ids}
     out = PolicyRun(policy=name)
     stop_bg, done = asyncio.Event(), asyncio.Event()

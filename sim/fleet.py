@@ -23,7 +23,7 @@ import contextlib
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -768,6 +768,13 @@ class Fleet:
         job.last_engine = engine.engine_id
 
     # --- holds (workflows.holding) ---------------------------------------------------------
+
+    def learn_pauses(self, pauses: Iterable[tuple[str, float]]) -> None:
+        """Start from pauses already seen, ``(kind, seconds)`` each: a fleet whose
+        statistics hold the workload's pauses, as a bench stack's Redis does after its
+        first runs (``bench-pauses`` seeds it with the same plans)."""
+        for kind, seconds in pauses:
+            self._record_pause(kind, seconds)
 
     def _record_pause(self, kind: str, seconds: float) -> None:
         if kind:

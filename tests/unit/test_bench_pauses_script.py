@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 from datetime import UTC, datetime, timedelta
 
 from bench.pauses import planned_reviews, plans, script
 from bench.synthetic_profiles import SYNTHETIC_PROFILES
-from warmloop.sim.scenarios import pauses_jobs
+from warmloop.sim.scenarios import pauses_jobs, plan_pauses
 from warmloop.workflows.contracts import PendingApproval
 
 
@@ -65,3 +66,18 @@ def test_the_reviewer_opens_and_decides_each_escalation_when_its_plan_says() -> 
     view_s, decide_s = schedule("wf", pending)
     assert decide_s == plan.steps[k - 1].pause_s
     assert view_s == decide_s - 5.0 and 10.0 <= decide_s <= 20.0
+
+
+def test_every_policy_starts_from_pauses_the_hold_model_has_learned() -> None:
+    jobs = plans(args())
+    once = [(j.family, st.pause_kind, st.pause_s) for j in jobs for st in j.steps
+            if st.pause_kind]
+    learned = plan_pauses(jobs)
+    # whole copies of the plans' pauses, enough that no kind is decided on its prior
+    assert len(learned) % len(once) == 0 and learned[: len(once)] == once
+    counts = Counter((family, kind) for family, kind, _ in learned)
+    assert set(counts) == {("synthetic-support", "tool:lookup"),
+                           ("synthetic-review", "tool:lookup"),
+                           ("synthetic-review", "approval:escalation")}
+    copies, fewest = len(learned) // len(once), min(counts.values())
+    assert fewest >= 20 and fewest // copies * (copies - 1) < 20  # no more copies than that

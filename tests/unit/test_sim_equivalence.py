@@ -100,9 +100,15 @@ def _burst_as_recorded() -> dict[str, Any]:
     return scenarios.bench_burst(output_tokens=(48, 112), result_tokens=(60, 260))
 
 
+def _pauses_as_recorded() -> dict[str, Any]:
+    """bench-pauses' configuration as it was when ``BASELINE`` was recorded: each policy
+    starting from the profiles' priors (it now starts from the plans' pauses learned)."""
+    return scenarios.bench_pauses(learned=False)
+
+
 def _scenario_figures() -> dict[str, dict[str, Any]]:
     out = {}
-    for name, fn in (("routing", scenarios.bench_routing), ("pauses", scenarios.bench_pauses),
+    for name, fn in (("routing", scenarios.bench_routing), ("pauses", _pauses_as_recorded),
                      ("burst", _burst_as_recorded)):
         for pol, s in fn().items():
             out[f"{name}/{pol}"] = s.as_dict()
