@@ -37,6 +37,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -103,6 +104,9 @@ class PolicyRun:
     other_ttft_ms: list[float] = field(default_factory=list)
     states: dict[str, int] = field(default_factory=dict)
     approvals: int = 0
+    jobs: list[dict[str, Any]] = field(default_factory=list)
+    """Each job's steps as the engines served them (``--jobs-json``: set beside the
+    simulator's steps for the same plans, step by step)."""
 
     @property
     def recomputed(self) -> int:
@@ -296,8 +300,14 @@ async def run_policy(name: str, policy: HoldPolicy, client: Client, http: httpx.
     out.approvals = await human
     stop_bg.set()
     await bg
-    for r in results:
+    for wf_id, r in zip(planned, results, strict=True):
         out.states[r.state.value] = out.states.get(r.state.value, 0) + 1
+        out.jobs.append({"job": planned[wf_id].job_id, "workflow_id": wf_id,
+                         "state": r.state.value,
+                         "steps": [{"step": st.step, "engine": st.engine_id,
+                                    "prompt_tokens": st.prompt_tokens,
+                                    "cached_tokens": st.cached_tokens,
+                                    "tool": st.tool} for st in r.steps]})
         for prev, step in zip(r.steps, r.steps[1:], strict=False):
             # What the pause could have kept: the previous prompt's full blocks but the
             # last (which may hold the volatile tail). What the engine served from its
@@ -383,6 +393,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
         args.bg_rate, sized = bg_rate(args, one, bg_tokens)
         console.print(f"a background request takes {one * 1000:.0f} ms for {bg_tokens} "
                       f"prompt tokens: {args.bg_rate:.2f} requests/s per engine ({sized})")
+        job_rows: list[dict[str, Any]] = []
         for rep in range(args.repeat):
             runs: dict[str, PolicyRun] = {}
             for name in rotated(list(args.policies), rep):
@@ -396,11 +407,17 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
                               f"touch tokens {r.touch_tokens:,} ({r.touches} touches); "
                               f"completion p50 {pct(r.completion, .5):.1f}s; other TTFT p95 "
                               f"{pct(r.other_ttft_ms, .95):.0f} ms; {r.states}")
+                job_rows += [{"repeat": rep, "policy": name, **j} for j in r.jobs]
+                job_rows.append({"repeat": rep, "policy": name,
+                                 "prewarm_tokens": r.prewarm_tokens,
+                                 "recomputed": r.recomputed})
             repeats.append(figures(runs))
+            if args.jobs_json:  # as it goes: a stopped run keeps its finished repeats
+                args.jobs_json.write_text(json.dumps(job_rows, indent=1))
     medians, ranges = medians_and_ranges(repeats)
     report(medians, ranges, len(repeats), console)
     return {**medians, "ranges": ranges, "repeats": len(repeats),
-            "bg_rate_per_engine": round(args.bg_rate, 3),
+            "bg_rate_per_engine": round(args.bg_rate, 3), "bg_prompt_tokens": bg_tokens,
             "bg_utilization": round(args.bg_rate * one, 3), "bg_sized": sized,
             "calibration": calibrations}
 
@@ -510,6 +527,9 @@ def main(argv: list[str] | None = None) -> None:
                         "a run asks) instead of replaying the seeded plans")
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     p.add_argument("--keep-stack", action="store_true")
+    p.add_argument("--jobs-json", type=Path, default=None,
+                   help="write every job's steps (engine, prompt and cached tokens) and each "
+                        "policy run's pre-warm tokens here, per repeat")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                    help="hold by the engines' preset instead of measuring them first")
     run_main(p, main_async, argv)

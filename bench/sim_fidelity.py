@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -56,11 +57,25 @@ def within(measured: dict[str, float], simulated: dict[str, float]) -> dict[str,
     return out
 
 
+def _background(measured: dict[str, Any]) -> dict[str, Any]:
+    """The background traffic the measured bench-pauses run sized for itself (requests
+    a second per engine, prompt tokens each) and the engines' calibration its hold model
+    priced by, where it recorded them."""
+    out: dict[str, Any] = {}
+    if "bg_rate_per_engine" in measured:
+        out["bg_rate"] = float(measured["bg_rate_per_engine"])
+    if "bg_prompt_tokens" in measured:
+        out["bg_tokens"] = int(measured["bg_prompt_tokens"])
+    if measured.get("calibration"):  # what the workers' hold model priced by
+        out["hold_pricing"] = scenarios.measured_pricing(measured["calibration"])
+    return out
+
+
 def run(root: Path) -> dict[str, Any]:
     measured = measured_figures(root)
     sims = {"bench-routing": scenarios.bench_routing(
                 mean_gap_s=measured["bench-routing"].get("mean_gap_s", 1.9)),
-            "bench-pauses": scenarios.bench_pauses(),
+            "bench-pauses": scenarios.bench_pauses(**_background(measured["bench-pauses"])),
             "bench-burst": scenarios.bench_burst()}
     out: dict[str, Any] = {}
     for name, runs in sims.items():
@@ -73,6 +88,71 @@ def run(root: Path) -> dict[str, Any]:
         main = MAIN_POLICY[name]
         out[name] = {**by_policy[main], "policy": main, "by_policy": by_policy,
                      "measured_source": measured[name]["source"]}
+    return out
+
+
+BLOCK = 128
+"""The CPU engines' KV block size (bench-pauses' ``keepable`` is counted in it)."""
+
+
+def _recomputed(prev_prompt: int, prompt: int, cached: int) -> tuple[int, int]:
+    """bench-pauses' measure of one resumed step: what the pause could have kept (the
+    previous prompt's full blocks but its last) and how much of it was recomputed."""
+    keepable = max(0, (prev_prompt // BLOCK - 1) * BLOCK)
+    return keepable, keepable - min(cached, keepable)
+
+
+def pauses_by_step(jobs_json: Path, measured: dict[str, Any]) -> list[dict[str, Any]]:
+    """bench-pauses' resumed steps set beside the simulator's, by policy and by what the
+    job waited on before the step (a lookup, an approval): steps, prompt tokens,
+    recomputed tokens (medians over the measured repeats), and the pre-warms' tokens.
+    ``jobs_json``: the bench's ``--jobs-json`` file (the same plans, step by step)."""
+    rows = json.loads(jobs_json.read_text())
+    plans = {j.job_id: j for j in scenarios.pauses_jobs()}
+    fleets: dict[str, Any] = {}
+    sims = scenarios.bench_pauses(**_background(measured), on_fleet=fleets.__setitem__)
+    out = []
+    for policy in sims:
+        # measured: per repeat, sums by the pause kind before each step
+        per_rep: dict[int, dict[str, list[int]]] = {}
+        for r in rows:
+            if r["policy"] != policy:
+                continue
+            got = per_rep.setdefault(r["repeat"], {})
+            if "steps" not in r:
+                got.setdefault("prewarm", [0, 0, 0])[2] += r["prewarm_tokens"]
+                continue
+            plan = plans[r["job"]]
+            for prev, st in zip(r["steps"], r["steps"][1:], strict=False):
+                kind = plan.steps[prev["step"] - 1].pause_kind or "none"
+                _, rec = _recomputed(prev["prompt_tokens"], st["prompt_tokens"],
+                                     st["cached_tokens"])
+                acc = got.setdefault(kind, [0, 0, 0])
+                acc[0] += 1
+                acc[1] += st["prompt_tokens"]
+                acc[2] += rec
+        fleet = fleets[policy]
+        sim: dict[str, list[int]] = {"prewarm": [0, 0, fleet.prewarm_computed]}
+        for st in fleet.steps:
+            if st.step <= 1 or st.job_id not in plans:
+                continue
+            kind = plans[st.job_id].steps[st.step - 2].pause_kind or "none"
+            acc = sim.setdefault(kind, [0, 0, 0])
+            acc[0] += 1
+            acc[1] += st.prompt_tokens
+            acc[2] += st.keepable_tokens - min(st.cached_tokens, st.keepable_tokens)
+        for kind in sorted(set(sim) | {k for g in per_rep.values() for k in g}):
+            meas = [g.get(kind, [0, 0, 0]) for g in per_rep.values()]
+            med = [statistics.median(m[i] for m in meas) if meas else math.nan
+                   for i in range(3)]
+            out.append({"policy": policy, "after": kind,
+                        "measured": {"steps": med[0], "prompt_tokens": med[1],
+                                     "recomputed": med[2],
+                                     "recomputed_range": [min(m[2] for m in meas),
+                                                          max(m[2] for m in meas)]
+                                     if meas else None},
+                        "simulated": dict(zip(("steps", "prompt_tokens", "recomputed"),
+                                              sim.get(kind, [0, 0, 0]), strict=True))})
     return out
 
 
@@ -89,7 +169,23 @@ def fmt(v: Any) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--root", type=Path, default=Path.cwd())
+    p.add_argument("--pauses-jobs", type=Path, default=None,
+                   help="run nothing else: set bench-pauses' steps (its --jobs-json file) "
+                        "beside the simulator's, by policy and by the pause before each")
     args = p.parse_args(argv)
+    if args.pauses_jobs:
+        measured = measured_figures(args.root)["bench-pauses"]
+        print("| policy | after | steps | prompt tokens | recomputed: measured [range] | "
+              "simulated |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for r in pauses_by_step(args.pauses_jobs, measured):
+            m, sm = r["measured"], r["simulated"]
+            rg = m["recomputed_range"]
+            print(f"| {r['policy']} | {r['after']} | {fmt(m['steps'])} / {sm['steps']} | "
+                  f"{fmt(m['prompt_tokens'])} / {sm['prompt_tokens']:,} | "
+                  f"{fmt(m['recomputed'])} [{rg[0]:,}-{rg[1]:,}] | "
+                  f"{sm['recomputed']:,} |" if rg else f"| {r['policy']} | {r['after']} | -")
+        return
     t = time.monotonic()
     out = run(args.root)
     print("| benchmark | policy | figure | measured | simulated | error | target |")

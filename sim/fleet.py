@@ -104,6 +104,9 @@ class _Job:
     started_s: float = 0.0
     pending: Engine | None = None
     """The engine serving the job's step under way."""
+    unsent: int = -1
+    """While an approval waits: the transcript's tokens its pre-warms leave out (the
+    tool's result, not yet run); -1: the pre-warm sends the transcript and the tail."""
 
 
 @dataclass(eq=False, slots=True)
@@ -213,6 +216,9 @@ class _Candidate(EngineCandidate):
     __eq__ = object.__eq__
 
 
+PREWARM_TAIL_TOKENS = 6
+"""An approval's pre-warm ends in an empty user turn (``tail=""``) and the generation
+prompt: their chat-template tokens on the CPU engines' tiny model."""
 FAMILY_KEY_SHIFT = 32
 """Block keys are ints: a family's shared blocks ``-(family number + 1) << 32 | i``, a
 job's own ``(job number + 1) << 32 | i`` (smaller and faster to hash than tuples; any
@@ -245,6 +251,11 @@ class FleetConfig:
     decision_refresh: int = 1000
     """Pause samples between refreshes of a kind's distribution, once it has this many
     (before: at every doubling from 20)."""
+    hold_pricing: Sequence[EngineCalibration] | None = None
+    """Per engine, the calibration the workers' hold model prices re-prefill by: what
+    ``warmloop calibrate`` measured on the idle engine, where the engines' own curves say
+    how fast they run under the run's load (the CPU benches: the same engine prefills
+    ~55k tokens/s alone, ~26k beside the stack). None: the engines' own."""
 
 
 class Fleet:
@@ -260,6 +271,11 @@ class Fleet:
         self.engines = [Engine(clock, f"e{i:03d}", c, self.block_index, i)
                         for i, c in enumerate(calibrations)]
         self.by_id = {e.engine_id: e for e in self.engines}
+        if self.cfg.hold_pricing is not None and \
+                len(self.cfg.hold_pricing) != len(self.engines):
+            raise ValueError(f"FleetConfig.hold_pricing has {len(self.cfg.hold_pricing)} "
+                             f"calibrations for {len(self.engines)} engines: give one per "
+                             "engine, in order")
         self._caches = [e.cache for e in self.engines]
         """Each engine's cache, by engine number (``usage`` is its ``kv_usage``)."""
         cal = calibrations[0]
@@ -701,6 +717,8 @@ class Fleet:
         job.last_engine = engine.engine_id
         step = spec.steps[job.step]
         job.transcript += step.result_tokens
+        job.unsent = (step.result_tokens - step.call_tokens
+                      if step.approval and step.call_tokens is not None else -1)
         job.step += 1
         if job.step >= len(spec.steps):
             self.clock.after(self.cfg.post_step_s, self._end_job, job)
@@ -756,7 +774,11 @@ class Fleet:
             return  # the worker's prewarm activity skips it too
         if job.hold is not None and job.hold.engine is not engine:
             self._end_hold(job.hold)
-        prompt = job.transcript + job.spec.tail_tokens
+        if job.unsent >= 0:  # the transcript as it stands and the empty tail
+            prompt = job.transcript - job.unsent + PREWARM_TAIL_TOKENS
+            chain = chain[:(job.transcript - job.unsent) // self.block]
+        else:
+            prompt = job.transcript + job.spec.tail_tokens
 
         def done(req: Request) -> None:
             self.prewarm_computed += req.computed_tokens
@@ -812,14 +834,16 @@ class Fleet:
             self._pin(job, engine, self.hold_cfg.always_hold_ttl_s)
             return
         version, dist = self._distribution(job, kind)
+        cal = engine.cal if self.cfg.hold_pricing is None else \
+            self.cfg.hold_pricing[engine.owner]
         prefix = len(job.chain) * engine.block
         usage = round(min(0.95, engine.kv_usage) * 20) / 20
         lane_usd = (self.hold_cfg.batch_latency_usd_per_s if job.spec.lane == Lane.BATCH
                     else self.hold_cfg.interactive_latency_usd_per_s)
-        key = (kind, version, prefix // 256, usage, lane_usd, id(engine.cal))
+        key = (kind, version, prefix // 256, usage, lane_usd, id(cal))
         choice = self._decisions.get(key)
         if choice is None:
-            costs = engine.cal.hold_costs(prefix_tokens=max(1, prefix // 256 * 256 + 128),
+            costs = cal.hold_costs(prefix_tokens=max(1, prefix // 256 * 256 + 128),
                                           kv_usage=usage,
                                           latency_usd_per_s=lane_usd)
             choice = holding.decide_hold(costs, dist)

@@ -12,13 +12,20 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
 from warmloop.sim.core import Clock
 from warmloop.sim.fleet import Fleet, FleetConfig, Policy
 from warmloop.sim.run import Summary, pct, simulate, summarize
 from warmloop.sim.workload import JobSpec, PauseModel, StepSpec
-from warmloop.workflows.calibration import CPU_TINY, DecodePoint, EngineCalibration
+from warmloop.workflows.calibration import (
+    CPU_TINY,
+    DecodePoint,
+    EngineCalibration,
+    PrefillPoint,
+)
 from warmloop.workflows.contracts import Lane
 from warmloop.workflows.holding import HoldConfig
 from warmloop.workflows.lanes import AdmissionConfig
@@ -54,6 +61,38 @@ Redis and S3 on two cores, so every request waits behind the others' CPU work.""
 SYNTHETIC_PREFIX = 1_472
 SYNTHETIC_TASK = 77
 SYNTHETIC_GROWTH = 87
+
+
+@dataclass(frozen=True)
+class PausesSizes:
+    """bench-pauses' prompts in tokens, as the CPU engines' tiny model counts them. The
+    bench's task (a case id and 40 words) and its calls are not bench-routing's, and
+    which block a prompt ends in decides what a pre-warm or a resumed step recomputes:
+    a pre-warm recomputes its prompt's partial last block."""
+
+    task: int = 57
+    tail: int = 21
+    """The step's volatile tail (the budget line and the generation prompt)."""
+    review_extra: int = 56
+    """synthetic-review's prefix beyond synthetic-support's (its escalate tool)."""
+    lookup: int = 85
+    """A lookup's call and result (70-105 by key; the mean)."""
+    escalation: int = 33
+    """An escalation's call and the reviewer's answer (32-37)."""
+    escalate_call: int | None = 22
+    """Of ``escalation``, the call: what the approval's pre-warms send (None: not told
+    apart, the pre-warm sends the next step's whole prompt)."""
+
+
+PAUSES_SIZES = PausesSizes()
+"""Measured: bench-pauses' `--jobs-json` of 2026-12-05 (first steps 1,550 / 1,606 tokens,
+support / review; growth after a lookup 84.8 on average over 204 steps, after an
+escalation 33.3 over 36; an approval's pre-warm 7 tokens past the step before it: the
+call and an empty tail turn for the step's tail)."""
+PAUSES_SIZES_BEFORE = PausesSizes(task=SYNTHETIC_TASK, tail=24, review_extra=60,
+                                  lookup=SYNTHETIC_GROWTH, escalation=SYNTHETIC_GROWTH - 40,
+                                  escalate_call=None)
+"""bench-routing's sizes, which the simulated bench-pauses used before 2026-12-05."""
 BUNDLED_PREFIX = {"ticket-triage": 1_450, "invoice-reconciliation": 1_650}
 
 
@@ -126,12 +165,13 @@ PAUSES_TOOL = PauseModel(median_s=3.0, sigma=0.5, long_share=0.1, long_min_s=20,
 def pauses_jobs(seed: int = 11, n_jobs: int = 16, steps: int = 6, review_every: int = 4,
                 gap_s: float = 1.5, *, tool: PauseModel = PAUSES_TOOL,
                 approval_s: tuple[float, float] = (10.0, 20.0),
-                viewed_before_s: float = 5.0) -> list[JobSpec]:
+                viewed_before_s: float = 5.0,
+                sizes: PausesSizes = PAUSES_SIZES) -> list[JobSpec]:
     """bench-pauses' jobs: synthetic-support (lookups) and every 4th synthetic-review (an
     escalation on about half its steps, waiting ``approval_s`` for a reviewer who opens
     it ``viewed_before_s`` before deciding). The bench replays these very plans (its
     scripted workload, ``bench/pauses.py``), so the simulator and the engines see the same
-    calls, pauses and approvals."""
+    calls, pauses and approvals; ``sizes``, their prompts' tokens."""
     rng = random.Random(seed)
     out = []
     for i in range(n_jobs):
@@ -142,18 +182,18 @@ def pauses_jobs(seed: int = 11, n_jobs: int = 16, steps: int = 6, review_every: 
             approval = review and not last and rng.random() < 0.5
             if approval:
                 due = rng.uniform(*approval_s)
-                specs.append(StepSpec(output_tokens=12, result_tokens=SYNTHETIC_GROWTH - 40,
+                specs.append(StepSpec(output_tokens=12, result_tokens=sizes.escalation,
                                       pause_kind="approval:escalation", pause_s=due,
-                                      approval=True,
+                                      approval=True, call_tokens=sizes.escalate_call,
                                       viewed_after_s=max(0.0, due - viewed_before_s)))
             else:
-                specs.append(StepSpec(output_tokens=12, result_tokens=SYNTHETIC_GROWTH,
+                specs.append(StepSpec(output_tokens=12, result_tokens=sizes.lookup,
                                       pause_kind="" if last else "tool:lookup",
                                       pause_s=0.0 if last else tool.draw(rng)))
         family = "synthetic-review" if review else "synthetic-support"
         out.append(JobSpec(job_id=f"p{i:03d}", family=family, prefix_tokens=SYNTHETIC_PREFIX
-                           + (60 if review else 0), task_tokens=SYNTHETIC_TASK, steps=specs,
-                           arrival_s=i * gap_s, tail_tokens=24,
+                           + (sizes.review_extra if review else 0), task_tokens=sizes.task,
+                           steps=specs, arrival_s=i * gap_s, tail_tokens=sizes.tail,
                            prior={"tool:lookup": (1.0, 5.0),
                                   "approval:escalation": (120.0, 600.0)}))
     return out
@@ -161,29 +201,57 @@ def pauses_jobs(seed: int = 11, n_jobs: int = 16, steps: int = 6, review_every: 
 
 def bench_pauses(*, hold: HoldConfig | None = HoldConfig(),
                  calibration: EngineCalibration = CPU_TINY_LOADED,
-                 bg_rate: float = 3.5, bg_tokens: int = 640,
-                 learned: bool = True) -> dict[str, Summary]:
+                 bg_rate: float = 3.49, bg_tokens: int = 532,
+                 learned: bool = True,
+                 sizes: PausesSizes = PAUSES_SIZES,
+                 hold_pricing: Sequence[EngineCalibration] | None = None,
+                 on_fleet: Callable[[str, Fleet], None] | None = None) -> dict[str, Summary]:
     """The three hold policies; ``hold`` HoldConfig() (default): the hard-coded rates the
     bench ran with; None: the hold model priced by ``calibration`` (issue 19's change).
     ``learned``: every policy starts from the plans' own pauses already observed, as the
     bench seeds its stack's statistics (False: from the profiles' priors, the bench
-    before 2026-12-05 on a fresh stack)."""
+    before 2026-12-05 on a fresh stack). ``bg_rate`` / ``bg_tokens``: the background
+    traffic per engine as the bench sizes it (its JSON's ``bg_rate_per_engine`` and
+    ``bg_prompt_tokens``; 3.5 / 640 before 2026-12-05: 20 % more fresh blocks a second
+    than the bench wrote). ``sizes``: the prompts' tokens (``PAUSES_SIZES_BEFORE``: as
+    simulated before 2026-12-05). ``hold_pricing``: per engine, what the bench's
+    ``warmloop calibrate`` measured (``measured_pricing``), which the workers' hold model
+    prices by (None: the engines' loaded curves). ``on_fleet``: told each policy's fleet
+    before it runs (its steps, step by step, for ``bench.sim_fidelity --pauses-jobs``)."""
     engines = cpu_engines(16 * MIB, calibration=calibration)
-    cfg = replace(CPU_FLEET, hold=hold)
+    cfg = replace(CPU_FLEET, hold=hold, hold_pricing=hold_pricing)
     out = {}
     for name, pol in PAUSES_POLICIES.items():
-        jobs = pauses_jobs()
+        jobs = pauses_jobs(sizes=sizes)
         horizon = max(j.arrival_s for j in jobs) + 400.0
 
         def setup(fleet: Fleet, horizon: float = horizon,
-                  jobs: list[JobSpec] = jobs) -> None:
+                  jobs: list[JobSpec] = jobs, name: str = name) -> None:
             if learned:
                 fleet.learn_pauses((kind, sec) for _, kind, sec in plan_pauses(jobs))
             fleet.background(rate_per_engine_s=bg_rate, prompt_tokens=bg_tokens,
                              output_tokens=4, until_s=horizon)
             fleet.on_job_end.append(lambda _s: _stop_when_done(fleet))
+            if on_fleet is not None:
+                on_fleet(name, fleet)
 
         out[name] = simulate(jobs, engines, pol, config=cfg, setup=setup)
+    return out
+
+
+def measured_pricing(calibration: dict[str, Any], kv_bytes: int = 16 * MIB
+                     ) -> list[EngineCalibration]:
+    """The engines' calibrations as a bench measured them (its JSON's ``calibration``:
+    per engine, ``prefill_tokens_per_s`` by prompt length), in engine order, on the
+    embedded engines' preset for the rest (price, pool, block)."""
+    base = CPU_TINY.with_kv_pool_bytes(kv_bytes)
+    out = []
+    for engine in sorted(calibration):
+        rates = calibration[engine]["prefill_tokens_per_s"]
+        out.append(base.model_copy(update={
+            "source": f"{engine} as measured: {calibration[engine].get('source', '')}",
+            "prefill": tuple(PrefillPoint(prompt_tokens=int(n), tokens_per_s=float(r))
+                             for n, r in sorted(rates.items(), key=lambda kv: int(kv[0])))}))
     return out
 
 

@@ -37,6 +37,11 @@ class StepSpec:
     approval: bool = False
     viewed_after_s: float | None = None
     """An approval opened this long into its wait (the job prewarms then)."""
+    call_tokens: int | None = None
+    """Of ``result_tokens``, the call's own: what an approval's pre-warms add to the
+    prompt (the workflow sends the transcript as it stands, the call in, its result not
+    yet run, and an empty tail). None: not told apart (the pre-warm sends the whole
+    transcript and the step's tail, as before 2026-12-05)."""
 
 
 @dataclass

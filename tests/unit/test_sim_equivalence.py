@@ -102,8 +102,12 @@ def _burst_as_recorded() -> dict[str, Any]:
 
 def _pauses_as_recorded() -> dict[str, Any]:
     """bench-pauses' configuration as it was when ``BASELINE`` was recorded: each policy
-    starting from the profiles' priors (it now starts from the plans' pauses learned)."""
-    return scenarios.bench_pauses(learned=False)
+    starting from the profiles' priors (it now starts from the plans' pauses learned)
+    and 640-token background prompts (now the bench's measured 532), bench-routing's
+    prompt sizes and the approvals' pre-warms sending the next step's whole prompt (now
+    the bench's own sizes and the transcript as it stands)."""
+    return scenarios.bench_pauses(learned=False, bg_rate=3.5, bg_tokens=640,
+                                  sizes=scenarios.PAUSES_SIZES_BEFORE)
 
 
 def _scenario_figures() -> dict[str, dict[str, Any]]:

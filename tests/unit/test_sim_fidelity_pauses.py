@@ -1,0 +1,41 @@
+"""bench-sim-fidelity reads bench-pauses' own configuration and sets its steps beside the
+simulator's (``--pauses-jobs``)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from bench.sim_fidelity import _background, pauses_by_step
+from warmloop.sim import scenarios
+
+
+def test_the_simulated_background_is_the_one_the_bench_measured() -> None:
+    assert _background({"bg_rate_per_engine": 3.2, "bg_prompt_tokens": 530}) == {
+        "bg_rate": 3.2, "bg_tokens": 530}
+    assert _background({}) == {}  # published figures without them: the scenario's own
+
+
+def test_resumed_steps_are_summed_by_the_pause_before_them(tmp_path: Path) -> None:
+    plan = next(j for j in scenarios.pauses_jobs() if j.family == "synthetic-support")
+    assert plan.steps[0].pause_kind == "tool:lookup"
+    steps = [{"step": 1, "engine": "e0", "prompt_tokens": 1_550, "cached_tokens": 0},
+             # keepable: (1,550 // 128 - 1) * 128 = 1,408; 1,152 of it cached
+             {"step": 2, "engine": "e0", "prompt_tokens": 1_635, "cached_tokens": 1_152}]
+    rows = [{"repeat": r, "policy": "release", "job": plan.job_id, "steps": steps}
+            for r in (0, 1)]
+    rows += [{"repeat": 0, "policy": "release", "prewarm_tokens": 300, "recomputed": 428},
+             {"repeat": 1, "policy": "release", "prewarm_tokens": 500, "recomputed": 628}]
+    path = tmp_path / "jobs.json"
+    path.write_text(json.dumps(rows))
+    out = {(r["policy"], r["after"]): r for r in pauses_by_step(path, {})}
+    lookup = out[("release", "tool:lookup")]
+    assert lookup["measured"]["steps"] == 1
+    assert lookup["measured"]["recomputed"] == 256
+    assert out[("release", "prewarm")]["measured"]["recomputed"] == 400  # the median
+    assert out[("release", "prewarm")]["measured"]["recomputed_range"] == [300, 500]
+    # the simulator's side is its own run of the same plans: every step after a lookup
+    assert lookup["simulated"]["steps"] == sum(
+        st.pause_kind == "tool:lookup" for j in scenarios.pauses_jobs() for st in j.steps)
+    assert math.isnan(out[("hold", "tool:lookup")]["measured"]["steps"])  # not measured
