@@ -44,6 +44,7 @@ from warmloop.workflows.holding import (
     HoldConfig,
     HoldCosts,
     HoldPolicy,
+    ObservedPrefill,
     TtlCacheCosts,
     TtlCacheEndpoint,
     decide_hold,
@@ -133,6 +134,8 @@ class HoldManager:
         self.holds: dict[str, Hold] = {}
         self._last_probe: tuple[float, float] | None = None
         self.churn_tokens_per_s = 0.0
+        self.prefill = ObservedPrefill()
+        """Re-prefill's price as the engine's own steps show it (``observe_step``)."""
         self._resumed = 0
         """Holds ended by their job's next step since the last tick (counted there)."""
 
@@ -178,12 +181,16 @@ class HoldManager:
         c = self.config
         # The engine's calibration, where it has one: re-prefill at its measured rate for
         # this prompt's length, the GPU at its price. The config's flat rate otherwise.
+        # Slower where the engine's own steps show it slower now (measured alone, it
+        # prices re-prefill cheap under load).
         cal = info.calibration
+        rate = (1.0 / c.prefill_tokens_per_s if cal is None
+                else cal.prefill_s_per_token(max(1, prefix_tokens)))
+        observed = self.prefill.s_per_token()
         return HoldCosts(
             prefix_tokens=prefix_tokens, kv_capacity_tokens=info.kv_capacity_tokens,
             kv_usage=min(0.999, max(info.kv_usage, self.held_tokens / info.kv_capacity_tokens)),
-            prefill_s_per_token=(1.0 / c.prefill_tokens_per_s if cal is None
-                                 else cal.prefill_s_per_token(max(1, prefix_tokens))),
+            prefill_s_per_token=rate if observed is None else max(rate, observed),
             gpu_usd_per_s=c.gpu_usd_per_hour / 3600 if cal is None else cal.gpu_usd_per_s,
             latency_usd_per_s=(c.interactive_latency_usd_per_s if interactive
                                else c.batch_latency_usd_per_s),
@@ -255,6 +262,11 @@ class HoldManager:
         free = info.kv_capacity_tokens * (1 - info.kv_usage) - self.held_tokens
         interval = 0.5 * max(0.0, free) / self.churn_tokens_per_s
         return min(c.max_touch_interval_s, max(c.min_touch_interval_s, interval))
+
+    def observe_step(self, *, uncached_tokens: int, ttft_s: float) -> None:
+        """Feed one step the engine served (its uncached prompt tokens and TTFT): the hold
+        model prices re-prefill by what the engine shows now (``ObservedPrefill``)."""
+        self.prefill.observe(uncached_tokens, ttft_s)
 
     def observe_engine(self, computed_tokens_total: float, now: float | None = None) -> None:
         """Feed the engine's cumulative computed-prefill counter (queries - hits)."""

@@ -506,6 +506,8 @@ class InferenceActivities:
                                chain: PromptChain, body: dict[str, Any]) -> None:
         if self._holds is None:
             return
+        self._holds.observe_step(uncached_tokens=result.prompt_tokens - result.cached_tokens,
+                                 ttft_s=result.ttft_ms / 1000)
         if self._latest_step.get(req.job_id, req.step) > req.step:
             return  # the job's next step is already here: nothing to hold for
         if req.pause_kind is not None:  # replayed: the job waits on the recorded call

@@ -281,6 +281,54 @@ def decide_hold(costs: CostModel, pauses: PauseDistribution) -> HoldChoice:
                       f"re-prefill ${release:.2e} <= best hold ${best:.2e}")
 
 
+class ObservedPrefill:
+    """What a re-prefill costs on an engine now, from its own steps: the slope of their
+    time to first token over their uncached tokens (least squares over the last
+    ``window`` steps).
+
+    Why: ``warmloop calibrate`` measures an engine alone, and a hold priced by that idle
+    rate calls re-prefill cheap where the engine, busy beside other work, computes each
+    token slower (the CPU benches' engines prefill ~55k tokens/s alone, ~26k beside the
+    stack), so the hold model lets go of pauses always-hold would keep. The slope, not a
+    ratio: a step's fixed cost (scheduling, the first decode) does not grow with the
+    tokens a hold saves. None until ``min_steps`` steps spanning ``min_spread_tokens``
+    uncached tokens were seen (a slope needs different lengths); the caller keeps the
+    calibration's rate as a floor, since no load makes prefill faster than alone."""
+
+    def __init__(self, *, window: int = 64, min_steps: int = 16,
+                 min_spread_tokens: int = 512) -> None:
+        if window < min_steps or min_steps < 2:
+            raise ValueError(f"ObservedPrefill needs 2 <= min_steps ({min_steps}) <= window "
+                             f"({window})")
+        self._window = window
+        self._min_steps = min_steps
+        self._min_spread = min_spread_tokens
+        self._points: list[tuple[int, float]] = []
+
+    def observe(self, uncached_tokens: int, ttft_s: float) -> None:
+        """One step's uncached prompt tokens and its time to first token (seconds)."""
+        if uncached_tokens < 0 or not ttft_s > 0 or math.isinf(ttft_s):
+            return  # a cache-only step or a garbled report: no information
+        self._points.append((uncached_tokens, ttft_s))
+        if len(self._points) > self._window:
+            del self._points[0]
+
+    def s_per_token(self) -> float | None:
+        """Seconds each more uncached token adds to a step's TTFT here, or None."""
+        pts = self._points
+        n = len(pts)
+        if n < self._min_steps:
+            return None
+        xs = [x for x, _ in pts]
+        if max(xs) - min(xs) < self._min_spread:
+            return None
+        mx = sum(xs) / n
+        my = sum(y for _, y in pts) / n
+        var = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (y - my) for x, y in pts) / var
+        return slope if slope > 0 else None
+
+
 PREWARM_SKIPPED = "prewarm_skipped"
 """``GenerateResult.finish_reason`` of a prewarm the worker skipped (``prewarm_worthwhile``
 said no): nothing was sent to the engine."""

@@ -95,6 +95,29 @@ def test_the_hold_decision_prices_re_prefill_at_the_engines_measured_rate() -> N
     assert slow.prefill_s_per_token > 4 * flat.prefill_s_per_token
 
 
+def test_a_busy_engine_prices_re_prefill_at_the_rate_its_steps_show() -> None:
+    """Calibrated alone at 27k tokens/s (cpu-tiny at 2,048), the engine's steps now take
+    50 us more per uncached token: the hold model prices re-prefill at that."""
+    hm = hold_manager(heartbeat(TINY.model_dump()))
+    idle = hm.costs(2_048, interactive=True)
+    assert isinstance(idle, HoldCosts)
+    for i in range(40):  # TTFT = 40 ms + 50 us a token, whatever the order of lengths
+        tokens = [100, 1_600, 400, 900][i % 4]
+        hm.observe_step(uncached_tokens=tokens, ttft_s=0.040 + 50e-6 * tokens)
+    busy = hm.costs(2_048, interactive=True)
+    assert isinstance(busy, HoldCosts)
+    assert idle.prefill_s_per_token == pytest.approx(TINY.prefill_s_per_token(2_048))
+    assert busy.prefill_s_per_token == pytest.approx(50e-6)
+    # never cheaper than alone: steps faster than the calibration keep its rate
+    fast = hold_manager(heartbeat(TINY.model_dump()))
+    for i in range(40):
+        tokens = [100, 1_600][i % 2]
+        fast.observe_step(uncached_tokens=tokens, ttft_s=0.010 + 1e-6 * tokens)
+    kept = fast.costs(2_048, interactive=True)
+    assert isinstance(kept, HoldCosts)
+    assert kept.prefill_s_per_token == pytest.approx(idle.prefill_s_per_token)
+
+
 # ---- the routing score --------------------------------------------------------------------
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -9,6 +12,7 @@ from hypothesis import strategies as st
 from warmloop.workflows.holding import (
     HoldAction,
     HoldCosts,
+    ObservedPrefill,
     PauseDistribution,
     TtlCacheCosts,
     _best_hold,
@@ -142,3 +146,51 @@ def test_a_prewarm_is_worth_it_only_on_an_engine_without_a_queue() -> None:
     assert prewarm_worthwhile(0)
     assert not prewarm_worthwhile(1)
     assert not prewarm_worthwhile(40)
+
+
+# ---- the re-prefill price the engine's own steps show ----------------------------------
+
+
+def test_observed_prefill_is_the_slope_not_the_ratio() -> None:
+    """TTFT = 30 ms + 40 us a token: a ratio would put the fixed 30 ms on every token."""
+    seen = ObservedPrefill(window=32, min_steps=8, min_spread_tokens=512)
+    rng = random.Random(5)
+    for _ in range(32):
+        tokens = rng.randint(50, 1_800)
+        seen.observe(tokens, 0.030 + 40e-6 * tokens + rng.uniform(-0.002, 0.002))
+    got = seen.s_per_token()
+    assert got is not None and got == pytest.approx(40e-6, rel=0.15)
+
+
+def test_observed_prefill_waits_for_enough_different_steps() -> None:
+    seen = ObservedPrefill(window=32, min_steps=8, min_spread_tokens=512)
+    for _ in range(7):
+        seen.observe(1_000, 0.08)
+    assert seen.s_per_token() is None  # too few
+    for _ in range(20):
+        seen.observe(1_100, 0.09)
+    assert seen.s_per_token() is None  # all about one length: no slope to read
+    seen.observe(100, 0.02)
+    assert seen.s_per_token() is not None
+
+
+def test_observed_prefill_ignores_garbage_and_forgets_old_steps() -> None:
+    seen = ObservedPrefill(window=8, min_steps=4, min_spread_tokens=100)
+    for bad in ((-5, 0.1), (100, 0.0), (100, -1.0), (100, math.nan), (100, math.inf)):
+        seen.observe(*bad)
+    assert seen.s_per_token() is None
+    for tokens in (100, 1_000) * 4:  # an old, slow regime ...
+        seen.observe(tokens, 200e-6 * tokens)
+    for tokens in (100, 1_000) * 4:  # ... replaced by the window's last 8 steps
+        seen.observe(tokens, 20e-6 * tokens)
+    assert seen.s_per_token() == pytest.approx(20e-6)
+    # a slope that is not positive says nothing about re-prefill
+    flat = ObservedPrefill(window=8, min_steps=4, min_spread_tokens=100)
+    for tokens in (100, 1_000) * 4:
+        flat.observe(tokens, 0.05)
+    assert flat.s_per_token() is None
+
+
+def test_observed_prefill_refuses_a_window_smaller_than_its_minimum() -> None:
+    with pytest.raises(ValueError, match="min_steps"):
+        ObservedPrefill(window=4, min_steps=8)
