@@ -59,6 +59,10 @@ HOLDS_KEY = "warmloop:holds:{}"
 """Hash per engine: job id -> the hold (JSON)."""
 HOLD_STATS = "warmloop:holds:stats:{}"
 """Hash per engine: holds, touches, touch tokens, releases by cause."""
+MAX_LOADED_SLOWDOWN = 4.0
+"""The most the engine's own steps may raise re-prefill's price over its calibration: a
+slope read over a few steps with a queue in their TTFTs can claim anything (the CPU
+benches' engines run about 2x slower beside the stack than alone)."""
 REDIS_TIMEOUT_S = 1.0
 """Longest a tick waits on Redis for its bookkeeping: the touches are what keep holds
 warm, and Redis only records them."""
@@ -84,6 +88,9 @@ class Hold:
     salt: str | None = None
     """The ``cache_salt`` of the job's tenant: a touch without it would keep another
     chain warm (the unsalted one) and let the job's own blocks go."""
+    touched_at: float | None = None
+    """When last touched (None: not yet; the step that made it used the blocks at
+    ``created``)."""
     step: int | None = None
     """The step after which the job paused (a later or equal step recorded on another
     engine means the job went on there: the hold is dropped, ``_drop_moved``)."""
@@ -134,6 +141,8 @@ class HoldManager:
         self.holds: dict[str, Hold] = {}
         self._last_probe: tuple[float, float] | None = None
         self.churn_tokens_per_s = 0.0
+        self._last_churn = 0.0
+        """The last probe's churn (tokens computed a second), beside the smoothed one."""
         self.prefill = ObservedPrefill()
         """Re-prefill's price as the engine's own steps show it (``observe_step``)."""
         self._resumed = 0
@@ -187,10 +196,12 @@ class HoldManager:
         rate = (1.0 / c.prefill_tokens_per_s if cal is None
                 else cal.prefill_s_per_token(max(1, prefix_tokens)))
         observed = self.prefill.s_per_token()
+        if observed is not None:  # at least alone's, at most what a noisy slope may claim
+            rate = min(max(rate, observed), MAX_LOADED_SLOWDOWN * rate)
         return HoldCosts(
             prefix_tokens=prefix_tokens, kv_capacity_tokens=info.kv_capacity_tokens,
             kv_usage=min(0.999, max(info.kv_usage, self.held_tokens / info.kv_capacity_tokens)),
-            prefill_s_per_token=rate if observed is None else max(rate, observed),
+            prefill_s_per_token=rate,
             gpu_usd_per_s=c.gpu_usd_per_hour / 3600 if cal is None else cal.gpu_usd_per_s,
             latency_usd_per_s=(c.interactive_latency_usd_per_s if interactive
                                else c.batch_latency_usd_per_s),
@@ -208,6 +219,7 @@ class HoldManager:
         job moved on to another engine by it)."""
         if kind is None or not prefix_tokens or policy == "never":
             return None
+        costs: HoldCosts | TtlCacheCosts | None = None
         if policy == "always_hold":
             choice = HoldChoice(HoldAction.HOLD, self.config.always_hold_ttl_s, 0.0, 0.0,
                                 "always_hold policy")
@@ -237,7 +249,11 @@ class HoldManager:
             await self._make_room()
             await self._publish()
         log.info("hold_decision", job_id=job_id, kind=kind, action=choice.action.value,
-                 ttl_s=round(choice.ttl_s, 1), reason=choice.reason)
+                 ttl_s=round(choice.ttl_s, 1), reason=choice.reason,
+                 # what re-prefill was priced at (the calibration, or the engine's steps)
+                 prefill_us_per_token=round(costs.prefill_s_per_token * 1e6, 2)
+                 if costs is not None else None,
+                 kv_usage=round(costs.kv_usage, 3) if isinstance(costs, HoldCosts) else None)
         return choice
 
     def _hold_for_s(self, choice: HoldChoice, policy: HoldPolicy) -> float:
@@ -257,10 +273,13 @@ class HoldManager:
         blocks free for reuse ahead of them, over the rate other traffic uses blocks."""
         info = self._info()
         c = self.config
-        if info is None or not info.kv_capacity_tokens or self.churn_tokens_per_s <= 0:
+        # the smoothed churn, or the last probe's where it is higher: a burst after a
+        # quiet spell turns the pool over before the average catches up
+        churn = max(self.churn_tokens_per_s, self._last_churn)
+        if info is None or not info.kv_capacity_tokens or churn <= 0:
             return c.max_touch_interval_s
         free = info.kv_capacity_tokens * (1 - info.kv_usage) - self.held_tokens
-        interval = 0.5 * max(0.0, free) / self.churn_tokens_per_s
+        interval = 0.5 * max(0.0, free) / churn
         return min(c.max_touch_interval_s, max(c.min_touch_interval_s, interval))
 
     def observe_step(self, *, uncached_tokens: int, ttft_s: float) -> None:
@@ -276,6 +295,7 @@ class HoldManager:
             if now > t0 and computed_tokens_total >= v0:
                 rate = (computed_tokens_total - v0) / (now - t0)
                 self.churn_tokens_per_s = 0.7 * self.churn_tokens_per_s + 0.3 * rate
+                self._last_churn = rate
         self._last_probe = (now, computed_tokens_total)
 
     async def tick(self) -> None:
@@ -283,18 +303,29 @@ class HoldManager:
         for h in list(self.holds.values()):
             if now >= h.until and self._forget(h):
                 await self._count(released_on_ttl=1)
+        interval = self.touch_interval_s()
+        for h in self.holds.values():
+            if h.pings is None:
+                # The churn may have risen since this touch was scheduled (a hold made on
+                # a quiet engine waited the longest interval, 30 s, while a burst of
+                # other traffic turned the pool over in seconds): never wait longer than
+                # the interval the churn asks for now.
+                last = h.created if h.touched_at is None else h.touched_at
+                h.next_touch = min(h.next_touch, last + interval)
         due = [h for h in self.holds.values() if h.next_touch <= now]
         if due:
             due = await self._drop_moved(due)
         if due:
             await asyncio.gather(*(self._touch(h) for h in due))
             interval = self.touch_interval_s()
+            touched = self._clock()
             for h in due:
+                h.touched_at = touched
                 if h.pings is not None:
                     h.pings = [t for t in h.pings if t > now]
                     h.next_touch = h.pings[0] if h.pings else h.until
                 else:
-                    h.next_touch = self._clock() + interval
+                    h.next_touch = touched + interval
         if self._resumed:
             resumed, self._resumed = self._resumed, 0
             await self._count(released_on_resume=resumed)

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 
 from tests.unit.test_holds import StubPauses, StubRedis
 from warmloop.activities.admission import BatchAdmission
-from warmloop.activities.holds import HoldManager
+from warmloop.activities.holds import MAX_LOADED_SLOWDOWN, HoldManager
 from warmloop.activities.registry import EngineHeartbeat, calibrated_prefill_rate
 from warmloop.workers.calibrate import (
     CalibrationError,
@@ -116,6 +116,15 @@ def test_a_busy_engine_prices_re_prefill_at_the_rate_its_steps_show() -> None:
     kept = fast.costs(2_048, interactive=True)
     assert isinstance(kept, HoldCosts)
     assert kept.prefill_s_per_token == pytest.approx(idle.prefill_s_per_token)
+    # nor more than MAX_LOADED_SLOWDOWN times it, whatever a queue did to the slope
+    queued = hold_manager(heartbeat(TINY.model_dump()))
+    for i in range(40):
+        tokens = [100, 1_600][i % 2]
+        queued.observe_step(uncached_tokens=tokens, ttft_s=0.040 + 2e-3 * tokens)
+    capped = queued.costs(2_048, interactive=True)
+    assert isinstance(capped, HoldCosts)
+    assert capped.prefill_s_per_token == pytest.approx(
+        MAX_LOADED_SLOWDOWN * idle.prefill_s_per_token)
 
 
 # ---- the routing score --------------------------------------------------------------------

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import httpx
+import pytest
 
 from warmloop.activities.holds import HoldManager, pause_kind
 from warmloop.activities.pauses import bucket_mid, bucket_of, points, prior_for
@@ -185,6 +186,29 @@ async def test_holds_sharing_a_profiles_prompt_count_it_once_under_the_cap() -> 
     assert sorted(m.holds) == ["j1", "j2", "j3"]  # the oldest went
     assert m.held_tokens == (10 + 3 * 4) * 128 + 3
     assert redis.hashes["warmloop:holds:stats:e0"]["released_for_room"] == 1
+
+
+async def test_a_hold_made_on_a_quiet_engine_is_touched_when_a_burst_starts() -> None:
+    """Made with no churn seen, a hold's first touch is 30 s away; other traffic that
+    then turns the pool over in seconds must bring it forward (bench-pauses lost the
+    first job's held prompt this way, 12 s after its step, in two repeats of three)."""
+    touches: list[dict[str, Any]] = []
+    m, _, clock = manager(StubPauses(20.0, 30.0), touches, kv_usage=0.2)
+    m.observe_engine(0.0)
+    triage = get_profile("ticket-triage")
+    await m.after_step(job_id="j1", profile=triage, kind="tool:search_kb",
+                       prefix_tokens=list(range(2048)), policy="always_hold", interactive=True)
+    assert m.holds["j1"].next_touch == clock.t + HoldConfig().max_touch_interval_s
+    clock.t += 1
+    m.observe_engine(8_000.0)  # a burst: 8k tokens a second on a 16k-token pool
+    clock.t += 1
+    m.observe_engine(16_000.0)
+    await m.tick()
+    assert len(touches) == 1  # due one current interval after the step, not 30 s
+    assert m.holds["j1"].next_touch - clock.t <= m.touch_interval_s() < 2
+    # the last probe's churn counts where the smoothed one still lags
+    assert m.touch_interval_s() == pytest.approx(
+        0.5 * (16384 * 0.8 - m.held_tokens) / 8_000)
 
 
 def test_touch_interval_follows_the_engines_churn() -> None:
