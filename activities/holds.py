@@ -62,7 +62,7 @@ HOLD_STATS = "warmloop:holds:stats:{}"
 MAX_LOADED_SLOWDOWN = 4.0
 """The most the engine's own steps may raise re-prefill's price over its calibration: a
 slope read over a few steps with a queue in their TTFTs can claim anything (the CPU
-benches' engines run about 2x slower beside the stack than alone)."""
+benches' engines: up to ~3x slower beside the stack than alone)."""
 REDIS_TIMEOUT_S = 1.0
 """Longest a tick waits on Redis for its bookkeeping: the touches are what keep holds
 warm, and Redis only records them."""

@@ -254,8 +254,9 @@ class FleetConfig:
     hold_pricing: Sequence[EngineCalibration] | None = None
     """Per engine, the calibration the workers' hold model prices re-prefill by: what
     ``warmloop calibrate`` measured on the idle engine, where the engines' own curves say
-    how fast they run under the run's load (the CPU benches: the same engine prefills
-    ~55k tokens/s alone, ~26k beside the stack). None: the engines' own."""
+    how fast they run under the run's load (the CPU benches: an engine calibrates at
+    50-105k tokens/s alone; its steps under bench-routing's load show ~26k). None: the
+    engines' own."""
 
 
 class Fleet:

@@ -288,8 +288,9 @@ class ObservedPrefill:
 
     Why: ``warmloop calibrate`` measures an engine alone, and a hold priced by that idle
     rate calls re-prefill cheap where the engine, busy beside other work, computes each
-    token slower (the CPU benches' engines prefill ~55k tokens/s alone, ~26k beside the
-    stack), so the hold model lets go of pauses always-hold would keep. The slope, not a
+    token slower (the CPU benches' engines calibrate at 50-105k tokens/s alone; their
+    steps' slope under load was 22-58k, run to run), so the hold model lets go of pauses
+    always-hold would keep. The slope, not a
     ratio: a step's fixed cost (scheduling, the first decode) does not grow with the
     tokens a hold saves. None until ``min_steps`` steps spanning ``min_spread_tokens``
     uncached tokens were seen (a slope needs different lengths); the caller keeps the
