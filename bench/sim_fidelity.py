@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.pauses import keepable_tokens
 from warmloop.sim import scenarios
 from warmloop.sim.run import Summary
 
@@ -91,17 +92,6 @@ def run(root: Path) -> dict[str, Any]:
     return out
 
 
-BLOCK = 128
-"""The CPU engines' KV block size (bench-pauses' ``keepable`` is counted in it)."""
-
-
-def _recomputed(prev_prompt: int, prompt: int, cached: int) -> tuple[int, int]:
-    """bench-pauses' measure of one resumed step: what the pause could have kept (the
-    previous prompt's full blocks but its last) and how much of it was recomputed."""
-    keepable = max(0, (prev_prompt // BLOCK - 1) * BLOCK)
-    return keepable, keepable - min(cached, keepable)
-
-
 def pauses_by_step(jobs_json: Path, measured: dict[str, Any]) -> list[dict[str, Any]]:
     """bench-pauses' resumed steps set beside the simulator's, by policy and by what the
     job waited on before the step (a lookup, an approval): steps, prompt tokens,
@@ -125,8 +115,8 @@ def pauses_by_step(jobs_json: Path, measured: dict[str, Any]) -> list[dict[str, 
             plan = plans[r["job"]]
             for prev, st in zip(r["steps"], r["steps"][1:], strict=False):
                 kind = plan.steps[prev["step"] - 1].pause_kind or "none"
-                _, rec = _recomputed(prev["prompt_tokens"], st["prompt_tokens"],
-                                     st["cached_tokens"])
+                keep = keepable_tokens(prev["prompt_tokens"])
+                rec = keep - min(st["cached_tokens"], keep)  # bench-pauses' own measure
                 acc = got.setdefault(kind, [0, 0, 0])
                 acc[0] += 1
                 acc[1] += st["prompt_tokens"]

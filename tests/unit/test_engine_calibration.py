@@ -98,31 +98,27 @@ def test_the_hold_decision_prices_re_prefill_at_the_engines_measured_rate() -> N
 def test_a_busy_engine_prices_re_prefill_at_the_rate_its_steps_show() -> None:
     """Calibrated alone at 27k tokens/s (cpu-tiny at 2,048), the engine's steps now take
     50 us more per uncached token: the hold model prices re-prefill at that."""
-    hm = hold_manager(heartbeat(TINY.model_dump()))
-    idle = hm.costs(2_048, interactive=True)
+    def priced_after(lengths: list[int], fixed_s: float, per_token_s: float) -> HoldCosts:
+        """The price after 40 steps of TTFT = ``fixed_s`` + ``per_token_s`` a token."""
+        hm = hold_manager(heartbeat(TINY.model_dump()))
+        for i in range(40):
+            tokens = lengths[i % len(lengths)]
+            hm.observe_step(uncached_tokens=tokens, ttft_s=fixed_s + per_token_s * tokens)
+        costs = hm.costs(2_048, interactive=True)
+        assert isinstance(costs, HoldCosts)
+        return costs
+
+    idle = hold_manager(heartbeat(TINY.model_dump())).costs(2_048, interactive=True)
     assert isinstance(idle, HoldCosts)
-    for i in range(40):  # TTFT = 40 ms + 50 us a token, whatever the order of lengths
-        tokens = [100, 1_600, 400, 900][i % 4]
-        hm.observe_step(uncached_tokens=tokens, ttft_s=0.040 + 50e-6 * tokens)
-    busy = hm.costs(2_048, interactive=True)
-    assert isinstance(busy, HoldCosts)
     assert idle.prefill_s_per_token == pytest.approx(TINY.prefill_s_per_token(2_048))
+    # whatever the order of lengths
+    busy = priced_after([100, 1_600, 400, 900], 0.040, 50e-6)
     assert busy.prefill_s_per_token == pytest.approx(50e-6)
     # never cheaper than alone: steps faster than the calibration keep its rate
-    fast = hold_manager(heartbeat(TINY.model_dump()))
-    for i in range(40):
-        tokens = [100, 1_600][i % 2]
-        fast.observe_step(uncached_tokens=tokens, ttft_s=0.010 + 1e-6 * tokens)
-    kept = fast.costs(2_048, interactive=True)
-    assert isinstance(kept, HoldCosts)
+    kept = priced_after([100, 1_600], 0.010, 1e-6)
     assert kept.prefill_s_per_token == pytest.approx(idle.prefill_s_per_token)
     # nor more than MAX_LOADED_SLOWDOWN times it, whatever a queue did to the slope
-    queued = hold_manager(heartbeat(TINY.model_dump()))
-    for i in range(40):
-        tokens = [100, 1_600][i % 2]
-        queued.observe_step(uncached_tokens=tokens, ttft_s=0.040 + 2e-3 * tokens)
-    capped = queued.costs(2_048, interactive=True)
-    assert isinstance(capped, HoldCosts)
+    capped = priced_after([100, 1_600], 0.040, 2e-3)
     assert capped.prefill_s_per_token == pytest.approx(
         MAX_LOADED_SLOWDOWN * idle.prefill_s_per_token)
 
