@@ -24,13 +24,14 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
 
+from warmloop.workflows.holding import EvictionRegret
 from warmloop.workflows.routing import block_hashes
 
 log = structlog.get_logger(__name__)
@@ -250,9 +251,16 @@ class KvEventApplier:
     there for good: the engine never removes that block again).
     """
 
-    def __init__(self, directory: PrefixDirectory, engine_id: str) -> None:
+    def __init__(self, directory: PrefixDirectory, engine_id: str, *,
+                 regret: EvictionRegret | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        """``regret``: told every eviction and store the events show (the hold model's
+        rent, ``HoldManager``)."""
         self._dir = directory
         self._engine = engine_id
+        self._regret = regret
+        self._clock = clock
+        self._block_size: int | None = None
         self._ours: dict[Any, str] = {}
         self._stored: list[str] = []
         self._removed: list[str] = []
@@ -269,15 +277,23 @@ class KvEventApplier:
 
     def follow(self, events: list[Any]) -> None:
         """Take ``events`` into the map (no I/O); ``publish`` writes them."""
+        regret, now = self._regret, self._clock()
         for ev in events:
             kind, body = _event_kind(ev)
             if kind == "BlockStored":
-                self._stored.extend(self._on_stored(body))
+                stored = self._on_stored(body)
+                self._stored.extend(stored)
+                if regret is not None and stored and self._block_size:
+                    regret.stored(stored, self._block_size, now)
             elif kind == "BlockRemoved":
+                removed = []
                 for vh in body.get("block_hashes") or []:
                     ours = self._ours.pop(_key(vh), None)
                     if ours is not None:
-                        self._removed.append(ours)
+                        removed.append(ours)
+                self._removed.extend(removed)
+                if regret is not None and removed and self._block_size:
+                    regret.evicted(removed, self._block_size, now)
             elif kind == "AllBlocksCleared":
                 self._ours.clear()
                 self._stored, self._removed, self._cleared = [], [], True
@@ -308,7 +324,7 @@ class KvEventApplier:
     def _on_stored(self, body: dict[str, Any]) -> list[str]:
         if body.get("medium") not in (None, "GPU"):
             return []  # an offload tier, not the pool the engine serves prefixes from
-        bs = int(body["block_size"])
+        bs = self._block_size = int(body["block_size"])
         tokens = list(body.get("token_ids") or [])
         parent_vh = body.get("parent_block_hash")
         seed: bytes | None

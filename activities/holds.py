@@ -39,6 +39,7 @@ from warmloop.activities.registry import (
     stop_if_cancelled,
 )
 from warmloop.workflows.holding import (
+    EvictionRegret,
     HoldAction,
     HoldChoice,
     HoldConfig,
@@ -58,7 +59,8 @@ log = structlog.get_logger(__name__)
 HOLDS_KEY = "warmloop:holds:{}"
 """Hash per engine: job id -> the hold (JSON)."""
 HOLD_STATS = "warmloop:holds:stats:{}"
-"""Hash per engine: holds, touches, touch tokens, releases by cause."""
+"""Hash per engine: holds, touches, touch tokens, releases by cause, blocks computed again
+after eviction (``regretted_blocks``)."""
 MAX_LOADED_SLOWDOWN = 4.0
 """The most the engine's own steps may raise re-prefill's price over its calibration: a
 slope read over a few steps with a queue in their TTFTs can claim anything (the CPU
@@ -122,8 +124,14 @@ class HoldManager:
                  ttl_cache: TtlCacheEndpoint | None = None,
                  directory: PrefixDirectory | None = None,
                  clock: Callable[[], float] = time.time,
-                 outage: RedisOutage | None = None) -> None:
+                 outage: RedisOutage | None = None,
+                 regret: EvictionRegret | None = None) -> None:
+        """``regret``: the engine's evictions as its KV events show them (precise mode);
+        the rent of a hold is then the recomputes its room would cause, measured."""
         self._engine = engine_id
+        self.regret = regret
+        self._regretted = 0
+        """``regret.regretted`` as last counted in the hold statistics."""
         self._outage = outage or RedisOutage()
         self._uncounted: Counter[str] = Counter()
         """Statistics not yet written (Redis was away): they go with the next count."""
@@ -198,7 +206,13 @@ class HoldManager:
         observed = self.prefill.s_per_token()
         if observed is not None:  # at least alone's, at most what a noisy slope may claim
             rate = min(max(rate, observed), MAX_LOADED_SLOWDOWN * rate)
+        # What room is worth here now, where the evictions are followed: recomputes a
+        # pool smaller by this prefix would add (None before enough events: the model).
+        displaced = (None if self.regret is None
+                     else self.regret.displaced_tokens_per_s(prefix_tokens, self._clock()))
         return HoldCosts(
+            displaced_tokens_per_s=displaced,
+            displaced_latency_usd_per_s=c.interactive_latency_usd_per_s,
             prefix_tokens=prefix_tokens, kv_capacity_tokens=info.kv_capacity_tokens,
             kv_usage=min(0.999, max(info.kv_usage, self.held_tokens / info.kv_capacity_tokens)),
             prefill_s_per_token=rate,
@@ -253,7 +267,11 @@ class HoldManager:
                  # what re-prefill was priced at (the calibration, or the engine's steps)
                  prefill_us_per_token=round(costs.prefill_s_per_token * 1e6, 2)
                  if costs is not None else None,
-                 kv_usage=round(costs.kv_usage, 3) if isinstance(costs, HoldCosts) else None)
+                 kv_usage=round(costs.kv_usage, 3) if isinstance(costs, HoldCosts) else None,
+                 # the rent's measure (None: the contention model priced it)
+                 displaced_tokens_per_s=round(costs.displaced_tokens_per_s, 1)
+                 if isinstance(costs, HoldCosts) and costs.displaced_tokens_per_s is not None
+                 else None)
         return choice
 
     def _hold_for_s(self, choice: HoldChoice, policy: HoldPolicy) -> float:
@@ -326,9 +344,15 @@ class HoldManager:
                     h.next_touch = h.pings[0] if h.pings else h.until
                 else:
                     h.next_touch = touched + interval
+        counts: dict[str, int] = {}
         if self._resumed:
-            resumed, self._resumed = self._resumed, 0
-            await self._count(released_on_resume=resumed)
+            counts["released_on_resume"], self._resumed = self._resumed, 0
+        if self.regret is not None and self.regret.regretted > self._regretted:
+            # blocks the engine computed again after evicting them (what room is worth)
+            counts["regretted_blocks"] = self.regret.regretted - self._regretted
+            self._regretted = self.regret.regretted
+        if counts:
+            await self._count(**counts)
         await self._publish()
 
     async def run(self, tick_s: float = 0.25) -> None:

@@ -28,6 +28,7 @@ from typing import Protocol
 
 from warmloop.sim.core import Clock
 from warmloop.workflows.calibration import EngineCalibration
+from warmloop.workflows.holding import EvictionRegret
 
 BlockKey = Hashable
 _JOINED = itemgetter(1)
@@ -88,7 +89,16 @@ class PrefixCache:
     """
 
     def __init__(self, blocks: int, index: dict[BlockKey, int] | None = None,
-                 owner: int = 0) -> None:
+                 owner: int = 0, *, regret: EvictionRegret | None = None,
+                 block_tokens: int = 16, clock: Clock | None = None) -> None:
+        """``regret`` (with the ``clock`` and the blocks' ``block_tokens``): told every
+        eviction and every block computed, as a real engine's KV events tell the
+        inference worker (the hold model's rent)."""
+        if regret is not None and clock is None:
+            raise ValueError("PrefixCache: a regret needs the clock it is told the time by")
+        self.regret = regret
+        self._block_tokens = block_tokens
+        self._clock = clock
         self.capacity = blocks
         self.empty = blocks
         self.ref: dict[BlockKey, int] = {}
@@ -201,6 +211,8 @@ class PrefixCache:
                 if m > free:
                     self._evict(m - free)
                 ref.update(dict.fromkeys(new, 0))
+                if self.regret is not None:
+                    self.regret.stored(new, self._block_tokens, self._clock.now)  # type: ignore[union-attr]
                 index = self.index
                 if index is not None:
                     bit = self.bit
@@ -215,6 +227,9 @@ class PrefixCache:
     def _evict(self, n: int) -> None:
         """Free the ``n`` least recently used blocks."""
         lru, ref, index, bit = self.lru, self.ref, self.index, self.bit
+        if self.regret is not None:
+            self.regret.evicted(itertools.islice(lru, n), self._block_tokens,
+                                self._clock.now)  # type: ignore[union-attr]
         for _ in range(n):
             key, _ = lru.popitem(last=False)
             del ref[key]
@@ -329,13 +344,18 @@ class Engine:
     """One engine: its cache, its queues and its scheduler."""
 
     def __init__(self, clock: Clock, engine_id: str, calibration: EngineCalibration,
-                 index: dict[BlockKey, int] | None = None, owner: int = 0) -> None:
+                 index: dict[BlockKey, int] | None = None, owner: int = 0, *,
+                 regret: bool = False) -> None:
+        """``regret``: follow the pool's evictions (``EvictionRegret``, ``self.regret``)
+        for the hold model's rent, as an inference worker follows its engine's."""
         self.clock = clock
         self.engine_id = engine_id
         self.owner = owner
         self.cal = calibration
         self.block = calibration.block_size
-        self.cache = PrefixCache(calibration.kv_pool_blocks, index, owner)
+        self.regret = EvictionRegret() if regret else None
+        self.cache = PrefixCache(calibration.kv_pool_blocks, index, owner, regret=self.regret,
+                                 block_tokens=self.block, clock=clock)
         self._decode_s: dict[int, float] = {}
         self._prefill_rate: dict[int, float] = {}
         self.waiting: list[tuple[int, int, Request]] = []

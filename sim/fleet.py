@@ -216,6 +216,10 @@ class _Candidate(EngineCandidate):
     __eq__ = object.__eq__
 
 
+DISPLACED_REFRESH_S = 5.0
+"""How long a hold decision reuses an engine's rent measure (``EvictionRegret``): the
+workers read theirs at every decision, a sum over up to minutes of recomputes, which a
+fleet deciding hundreds of holds a second cannot afford."""
 PREWARM_TAIL_TOKENS = 6
 """An approval's pre-warm ends in an empty user turn (``tail=""``) and the generation
 prompt: their chat-template tokens on the CPU engines' tiny model."""
@@ -269,8 +273,14 @@ class Fleet:
         self.cfg = config or FleetConfig()
         self.block_index: dict[BlockKey, int] = {}
         """Each cached block key: a bit mask of the engines caching it."""
-        self.engines = [Engine(clock, f"e{i:03d}", c, self.block_index, i)
+        # The cost model's holds price their rent by each pool's evictions, as workers
+        # following their engines' KV events do.
+        self.engines = [Engine(clock, f"e{i:03d}", c, self.block_index, i,
+                               regret=policy.hold == "cost_model")
                         for i, c in enumerate(calibrations)]
+        self._displaced: dict[tuple[int, int], tuple[float, float | None]] = {}
+        """(engine, prefix bucket) -> (when read, the rent's measure): read at most every
+        ``DISPLACED_REFRESH_S`` (a sum over the engine's recent recomputes)."""
         self.by_id = {e.engine_id: e for e in self.engines}
         if self.cfg.hold_pricing is not None and \
                 len(self.cfg.hold_pricing) != len(self.engines):
@@ -841,12 +851,17 @@ class Fleet:
         usage = round(min(0.95, engine.kv_usage) * 20) / 20
         lane_usd = (self.hold_cfg.batch_latency_usd_per_s if job.spec.lane == Lane.BATCH
                     else self.hold_cfg.interactive_latency_usd_per_s)
-        key = (kind, version, prefix // 256, usage, lane_usd, id(cal))
+        displaced = self._displaced_level(engine, prefix)
+        key = (kind, version, prefix // 256, usage, lane_usd, id(cal), displaced)
         choice = self._decisions.get(key)
         if choice is None:
             costs = cal.hold_costs(prefix_tokens=max(1, prefix // 256 * 256 + 128),
-                                          kv_usage=usage,
-                                          latency_usd_per_s=lane_usd)
+                                   kv_usage=usage, latency_usd_per_s=lane_usd)
+            if displaced is not None:
+                costs = costs.model_copy(update={
+                    "displaced_tokens_per_s": 2 ** (displaced / 4) - 1,
+                    "displaced_latency_usd_per_s":
+                        self.hold_cfg.interactive_latency_usd_per_s})
             choice = holding.decide_hold(costs, dist)
             if len(self._decisions) > 200_000:
                 self._decisions.clear()
@@ -855,6 +870,21 @@ class Fleet:
             choice.action.value, 0) + 1
         if choice.action == holding.HoldAction.HOLD:
             self._pin(job, engine, choice.ttl_s * self.hold_cfg.ttl_slack)
+
+    def _displaced_level(self, engine: Engine, prefix_tokens: int) -> int | None:
+        """The engine's ``EvictionRegret`` for a hold of ``prefix_tokens``, in quarter
+        steps of log2(1 + tokens/s) (decisions are memoised by it); None before the
+        regret has a measure."""
+        if engine.regret is None:
+            return None
+        now = self.clock.now
+        key = (engine.owner, prefix_tokens // 256)
+        got = self._displaced.get(key)
+        if got is None or now - got[0] >= DISPLACED_REFRESH_S:
+            rate = engine.regret.displaced_tokens_per_s(prefix_tokens // 256 * 256 + 128, now)
+            got = self._displaced[key] = (now, rate)
+        rate = got[1]
+        return None if rate is None else round(math.log2(1 + rate) * 4)
 
     def _pin(self, job: _Job, engine: Engine, ttl_s: float) -> None:
         if job.hold is not None:

@@ -52,7 +52,7 @@ from warmloop.workers.settings import KV_EVENTS_TOPIC, EngineEndpoint, Settings
 from warmloop.workers.step_slots import EngineStepSlots, StepSlotConfig
 from warmloop.workflows.calibration import EngineCalibration
 from warmloop.workflows.contracts import engine_task_queue
-from warmloop.workflows.holding import TtlCacheEndpoint
+from warmloop.workflows.holding import EvictionRegret, TtlCacheEndpoint
 
 log = structlog.get_logger(__name__)
 
@@ -297,10 +297,12 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
         admission = BatchAdmission(
             settings.admission,
             kv_capacity_tokens=lambda: view.last.kv_capacity_tokens if view.last else 0)
+        # The engine's evictions (its KV events), for the hold model's rent.
+        regret = EvictionRegret() if engine.kv_events else None
         holds = HoldManager(engine_id=engine.id, base_url=engine.url, model=engine.model,
                             http=http, redis=redis, pauses=PauseStats(redis, outage=outage),
                             engine_info=view, config=settings.holding, directory=directory,
-                            ttl_cache=_ttl_cache(engine), outage=outage)
+                            ttl_cache=_ttl_cache(engine), outage=outage, regret=regret)
         inference = InferenceActivities(
             engine_id=engine.id, base_url=engine.url, model=engine.model, http=http,
             price=engine.price,
@@ -337,8 +339,8 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
                 tg.create_task(holds.run())
                 tg.create_task(loop_lag_monitor())
                 if engine.kv_events:
-                    tg.create_task(kv_event_loop(engine.kv_events,
-                                                 KvEventApplier(directory, engine.id), outage))
+                    applier = KvEventApplier(directory, engine.id, regret=regret)
+                    tg.create_task(kv_event_loop(engine.kv_events, applier, outage))
                 tg.create_task(worker.run())
         finally:
             # the directory and hold records of steps already returned

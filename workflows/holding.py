@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal, Protocol
@@ -145,16 +147,32 @@ class HoldCosts(BaseModel):
     offload_reload_s_per_token: float | None = Field(default=None, gt=0)
     """Seconds per token to bring an offloaded prefix back; None: no offload tier."""
 
+    displaced_tokens_per_s: float | None = Field(default=None, ge=0)
+    """Measured: tokens a second the engine would compute again had it this hold's room
+    less (``EvictionRegret``); the rent is their re-prefill. None: no measure (no KV
+    events, or too few yet), and the rent follows the contention model."""
+    displaced_latency_usd_per_s: float | None = Field(default=None, ge=0)
+    """What a second of latency is worth to the jobs a hold displaces (None: the
+    holder's ``latency_usd_per_s``). They may be interactive while the holder is not."""
+
     def reprefill_usd(self) -> float:
         seconds = self.prefix_tokens * self.prefill_s_per_token
         return seconds * (self.gpu_usd_per_s + self.latency_usd_per_s)
 
     def hold_usd_per_s(self) -> float:
-        """Rent of the held blocks: their share of the engine, scaled by contention.
+        """Rent of the held blocks: what the recomputes they cause other jobs cost.
 
-        At low pressure idle memory is nearly free; as usage nears 1, holding evicts
-        blocks other jobs need, so the price rises without bound (1 / (1 - usage)).
+        Measured where the engine's evictions are followed (``displaced_tokens_per_s``):
+        those recomputes, priced as re-prefill. Otherwise a model: the blocks' share of
+        the engine scaled by contention; at low pressure idle memory is nearly free, and
+        as usage nears 1 holding evicts blocks other jobs need, so the price rises
+        without bound (1 / (1 - usage)).
         """
+        if self.displaced_tokens_per_s is not None:
+            latency = (self.latency_usd_per_s if self.displaced_latency_usd_per_s is None
+                       else self.displaced_latency_usd_per_s)
+            return self.displaced_tokens_per_s * self.prefill_s_per_token \
+                * (self.gpu_usd_per_s + latency)
         share = self.prefix_tokens / self.kv_capacity_tokens
         contention = self.kv_usage / max(1e-6, 1.0 - self.kv_usage)
         return share * self.gpu_usd_per_s * contention
@@ -328,6 +346,89 @@ class ObservedPrefill:
         var = sum((x - mx) ** 2 for x in xs)
         slope = sum((x - mx) * (y - my) for x, y in pts) / var
         return slope if slope > 0 else None
+
+
+class EvictionRegret:
+    """What room in an engine's KV pool is worth now, from the engine's own evictions:
+    blocks it evicted and then computed again (a ghost list, as in ARC).
+
+    Why: a hold's rent is the recomputes it causes others. The contention model
+    (share x usage / (1 - usage)) assumes every held block displaces one someone
+    reuses; under churn of fresh prompts (bench-pauses' background: nothing evicted
+    ever comes back) holding costs nobody anything, and that rent made the cost model
+    let go of the one-in-ten long lookup pauses always-hold keeps (warmloop 1.07-2.21x
+    always-hold's post-pause prefill in three of four runs).
+
+    Each evicted block is remembered with the pool's eviction count at the time. When
+    the engine stores the same block again, the tokens evicted between the two are how
+    much larger the pool would have had to be to keep it (under LRU, evictions come in
+    the order of last use). So the recomputes whose distance is at most ``h`` tokens are
+    what ``h`` more tokens of room would have saved; the rent of holding ``h`` tokens is
+    taken as the same rate (the loss from ``h`` less room read off the gain from ``h``
+    more: one side of the engine's miss curve, a local linear reading).
+
+    Pure (the caller passes the clock): the inference worker feeds it the engine's KV
+    events, the simulator its engines' evictions."""
+
+    def __init__(self, *, horizon_s: float = 300.0, min_span_s: float = 30.0,
+                 max_ghosts: int = 65_536) -> None:
+        if not 0 < min_span_s <= horizon_s:
+            raise ValueError(f"EvictionRegret needs 0 < min_span_s ({min_span_s}) <= "
+                             f"horizon_s ({horizon_s})")
+        if max_ghosts < 1:
+            raise ValueError(f"EvictionRegret.max_ghosts must be >= 1, got {max_ghosts}")
+        self._horizon = horizon_s
+        self._min_span = min_span_s
+        self._max_ghosts = max_ghosts
+        self._ghosts: OrderedDict[Hashable, int] = OrderedDict()
+        """Evicted block -> tokens evicted before it (oldest eviction first)."""
+        self._evicted_tokens = 0
+        self._regrets: deque[tuple[float, int, int]] = deque()
+        """(when, distance in tokens, the block's tokens) of each block computed again."""
+        self._since: float | None = None
+        self.regretted = 0
+        """Blocks computed again after eviction, in all (for logs and tests)."""
+
+    def evicted(self, blocks: Iterable[Hashable], block_tokens: int, now: float) -> None:
+        """The engine evicted ``blocks`` (``block_tokens`` each) at ``now``."""
+        self._start(now)
+        ghosts = self._ghosts
+        for b in blocks:
+            ghosts.pop(b, None)
+            ghosts[b] = self._evicted_tokens
+            self._evicted_tokens += block_tokens
+        while len(ghosts) > self._max_ghosts:
+            ghosts.popitem(last=False)
+
+    def stored(self, blocks: Iterable[Hashable], block_tokens: int, now: float) -> None:
+        """The engine computed and cached ``blocks`` at ``now``."""
+        self._start(now)
+        ghosts = self._ghosts
+        for b in blocks:
+            mark = ghosts.pop(b, None)
+            if mark is not None:
+                self._regrets.append((now, self._evicted_tokens - mark, block_tokens))
+                self.regretted += 1
+        self._trim(now)
+
+    def displaced_tokens_per_s(self, room_tokens: int, now: float) -> float | None:
+        """Tokens a second the engine computed again that ``room_tokens`` more room
+        would have kept (over the last ``horizon_s``); None until ``min_span_s`` of
+        events were seen (zero is a measure: nothing evicted came back)."""
+        if self._since is None or now - self._since < self._min_span:
+            return None
+        self._trim(now)
+        tokens = sum(t for _, d, t in self._regrets if d <= room_tokens)
+        return tokens / min(self._horizon, now - self._since)
+
+    def _start(self, now: float) -> None:
+        if self._since is None:
+            self._since = now
+
+    def _trim(self, now: float) -> None:
+        regrets = self._regrets
+        while regrets and regrets[0][0] < now - self._horizon:
+            regrets.popleft()
 
 
 PREWARM_SKIPPED = "prewarm_skipped"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import uuid
 from typing import Any
 
@@ -17,6 +18,7 @@ from temporalio.client import Client
 from tests.integration.cli import warmloop
 from tests.polling import eventually
 from warmloop.activities.holds import HOLDS_KEY, hold_stats
+from warmloop.activities.registry import EngineRegistry
 from warmloop.infra.stack import Stack
 from warmloop.workers.approvals import dev_approver
 from warmloop.workers.identity import dev_token
@@ -186,3 +188,41 @@ async def test_engines_report_batch_admission_and_holds(stack: Stack) -> None:
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert rows and all(r["batch_limit"] >= 1 for r in rows)
     assert all("held_tokens" in r and "holds" in r for r in rows)
+
+
+async def test_a_block_the_engine_evicts_and_computes_again_is_counted_as_regret(
+    stack: Stack, settings: Settings, redis: aioredis.Redis,
+) -> None:
+    # The hold model's rent is what room is worth: blocks the engine evicted and then
+    # computed again, read from its real KV events by the inference worker. A prompt,
+    # then fresh prompts enough to turn the whole pool over, then the prompt again: its
+    # blocks come back as regret in the engine's hold statistics.
+    hb = next(h for h in await EngineRegistry(redis, ttl_s=settings.engine_ttl_s).live()
+              if h.engine_id == settings.engine_endpoints[0].id)
+    engine = next(e for e in settings.engine_endpoints if e.id == hb.engine_id)
+    assert engine.kv_events, "the test stack's engines publish KV events"
+    rng = random.Random(7)
+    piece = min(8_192, settings.engine_max_model_len // 2) // hb.block_size * hb.block_size
+
+    def fresh() -> list[int]:
+        return [rng.randrange(1_000, 30_000) for _ in range(piece)]
+
+    url = engine.url.rstrip("/") + "/v1/completions"
+    before = (await hold_stats(redis, engine.id)).get("regretted_blocks", 0)
+    prompt = fresh()
+    async with httpx.AsyncClient(timeout=120.0) as http:
+        async def send(tokens: list[int]) -> None:
+            r = await http.post(url, json={"model": engine.model, "prompt": tokens,
+                                           "max_tokens": 1})
+            assert r.status_code == 200, r.text
+        await send(prompt)
+        for _ in range(hb.kv_capacity_tokens // piece + 2):
+            await send(fresh())
+        await send(prompt)
+
+    async def regretted() -> int | None:
+        got = (await hold_stats(redis, engine.id)).get("regretted_blocks", 0) - before
+        return got if got >= piece // hb.block_size // 2 else None
+
+    # most of the prompt's blocks (its first ones may outlive the churn elsewhere)
+    assert await eventually(regretted, attempts=300, interval_s=0.1)
