@@ -49,6 +49,7 @@ from warmloop.workflows.holding import (
     TtlCacheCosts,
     TtlCacheEndpoint,
     decide_hold,
+    displaced_on_curve,
     keepalive_schedule,
 )
 from warmloop.workflows.profiles import Profile
@@ -208,8 +209,12 @@ class HoldManager:
             rate = min(max(rate, observed), MAX_LOADED_SLOWDOWN * rate)
         # What room is worth here now, where the evictions are followed: recomputes a
         # pool smaller by this prefix would add (None before enough events: the model).
-        displaced = (None if self.regret is None
-                     else self.regret.displaced_tokens_per_s(prefix_tokens, self._clock()))
+        # A holder that does not follow the events (the gateway) reads the engine's
+        # worker's measure from its heartbeat.
+        displaced = (self.regret.displaced_tokens_per_s(prefix_tokens, self._clock())
+                     if self.regret is not None
+                     else None if info.room_regret is None
+                     else displaced_on_curve(info.room_regret, prefix_tokens))
         return HoldCosts(
             displaced_tokens_per_s=displaced,
             displaced_latency_usd_per_s=c.interactive_latency_usd_per_s,

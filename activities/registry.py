@@ -139,6 +139,11 @@ class EngineHeartbeat(BaseModel):
     batch_active: int = 0
     batch_waiting: int = 0
     interactive_ttft_p95_ms: float | None = None
+    room_regret: list[tuple[int, float]] | None = None
+    """(room tokens, tokens a second): what the engine computed again that that much
+    more room in its pool would have kept, at rooms doubling from 256
+    (``EvictionRegret.curve``, from its KV events): the hold rent of holders that do not
+    follow the events themselves (the gateway). None: not measured."""
     calibration: EngineCalibration | None = None
     """The figures the engine is priced, held and routed by: measured by ``warmloop
     calibrate`` or its preset (``source`` says which). None from workers before it."""

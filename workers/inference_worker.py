@@ -147,6 +147,8 @@ async def heartbeat_loop(registry: EngineRegistry, http: httpx.AsyncClient,
                 seen_calibration = hb.calibration
             if holds is not None:
                 hb.held_tokens = holds.held_tokens
+                if holds.regret is not None:
+                    hb.room_regret = holds.regret.curve(time.time())
                 if hb.healthy:
                     holds.observe_engine(hb.prefill_computed_total)
             if admission is not None:

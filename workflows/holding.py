@@ -421,6 +421,26 @@ class EvictionRegret:
         tokens = sum(t for _, d, t in self._regrets if d <= room_tokens)
         return tokens / min(self._horizon, now - self._since)
 
+    def curve(self, now: float, *, first_room: int = 256, max_room: int = 1 << 20
+              ) -> list[tuple[int, float]] | None:
+        """``displaced_tokens_per_s`` at rooms doubling from ``first_room`` up to the
+        farthest recompute seen (and no further than ``max_room``): what the inference
+        worker's heartbeat carries, for holders that do not see the events (the gateway).
+        None while there is no measure."""
+        if self._since is None or now - self._since < self._min_span:
+            return None
+        self._trim(now)
+        span = min(self._horizon, now - self._since)
+        farthest = max((d for _, d, _ in self._regrets), default=0)
+        out = []
+        room = first_room
+        while True:
+            tokens = sum(t for _, d, t in self._regrets if d <= room)
+            out.append((room, round(tokens / span, 3)))
+            if room >= farthest or room >= max_room:
+                return out
+            room *= 2
+
     def _start(self, now: float) -> None:
         if self._since is None:
             self._since = now
@@ -429,6 +449,16 @@ class EvictionRegret:
         regrets = self._regrets
         while regrets and regrets[0][0] < now - self._horizon:
             regrets.popleft()
+
+
+def displaced_on_curve(curve: list[tuple[int, float]], room_tokens: int) -> float:
+    """The rate ``EvictionRegret.curve`` gives for ``room_tokens``: at the first room
+    that large (rounding the room up counts more recomputes: the dearer rent), or its
+    last point, which counts every recompute measured."""
+    for room, rate in curve:
+        if room >= room_tokens:
+            return rate
+    return curve[-1][1] if curve else 0.0
 
 
 PREWARM_SKIPPED = "prewarm_skipped"

@@ -17,6 +17,7 @@ from warmloop.workflows.holding import (
     HoldCosts,
     PauseDistribution,
     decide_hold,
+    displaced_on_curve,
 )
 from warmloop.workflows.profiles import get_profile
 
@@ -152,3 +153,31 @@ async def test_the_hold_manager_prices_rent_by_the_regret_and_counts_it() -> Non
     assert dear.action == HoldAction.RELEASE or dear.ttl_s < free.ttl_s
     await m.tick()
     assert redis.hashes["warmloop:holds:stats:e0"]["regretted_blocks"] == 200
+
+
+def test_the_curve_a_heartbeat_carries_reads_as_the_regret_does() -> None:
+    r = EvictionRegret(min_span_s=10)
+    assert r.curve(now=0.0) is None
+    r.evicted([f"a{i}" for i in range(40)], 16, now=0.0)  # 640 tokens, oldest first
+    r.stored(["a0", "a39"], 16, now=20.0)  # a0 at 640 tokens' distance, a39 at 16
+    curve = r.curve(now=20.0)
+    assert curve == [(256, 16 / 20), (512, 16 / 20), (1024, 32 / 20)]
+    for room in (16, 300, 640, 2_000):
+        # rounded up to the next point: at least what the regret itself says
+        exact = r.displaced_tokens_per_s(room, now=20.0)
+        assert exact is not None and displaced_on_curve(curve, room) >= exact
+    assert displaced_on_curve(curve, 100) == 16 / 20
+    assert displaced_on_curve(curve, 5_000) == 32 / 20 and displaced_on_curve([], 5) == 0
+
+
+async def test_a_holder_without_the_events_prices_rent_by_the_engines_heartbeat() -> None:
+    # the gateway: no regret of its own, the inference worker's curve in the heartbeat
+    m, _, _ = manager(StubPauses(3.0, 30.0), [], kv_usage=0.2, capacity=8_192)
+    assert m.regret is None
+    modelled = m.costs(1_700, interactive=True)
+    assert isinstance(modelled, HoldCosts) and modelled.displaced_tokens_per_s is None
+    hb = m._info()
+    assert hb is not None
+    hb.room_regret = [(256, 0.0), (512, 0.0), (1024, 0.0), (2048, 3.5)]
+    priced = m.costs(1_700, interactive=True)
+    assert isinstance(priced, HoldCosts) and priced.displaced_tokens_per_s == 3.5
