@@ -371,14 +371,23 @@ class EvictionRegret:
     events, the simulator its engines' evictions."""
 
     def __init__(self, *, horizon_s: float = 300.0, min_span_s: float = 30.0,
-                 max_ghosts: int = 65_536) -> None:
+                 max_ghosts: int = 65_536, stale_s: float = 60.0) -> None:
+        """``stale_s``: with no event for that long the regret has no measure (None),
+        not a rent of zero: a publisher that died or a subscriber that fell off would
+        otherwise read as a pool where room costs nothing, and every pause would be
+        held to its longest. An idle engine loses nothing by it (the contention model
+        prices an idle pool's room near zero too)."""
         if not 0 < min_span_s <= horizon_s:
             raise ValueError(f"EvictionRegret needs 0 < min_span_s ({min_span_s}) <= "
                              f"horizon_s ({horizon_s})")
         if max_ghosts < 1:
             raise ValueError(f"EvictionRegret.max_ghosts must be >= 1, got {max_ghosts}")
+        if stale_s <= 0:
+            raise ValueError(f"EvictionRegret.stale_s must be > 0, got {stale_s}")
         self._horizon = horizon_s
         self._min_span = min_span_s
+        self._stale = stale_s
+        self._last_event: float | None = None
         self._max_ghosts = max_ghosts
         self._ghosts: OrderedDict[Hashable, int] = OrderedDict()
         """Evicted block -> tokens evicted before it (oldest eviction first)."""
@@ -411,11 +420,17 @@ class EvictionRegret:
                 self.regretted += 1
         self._trim(now)
 
+    def _measuring(self, now: float) -> bool:
+        return (self._since is not None and self._last_event is not None
+                and now - self._since >= self._min_span
+                and now - self._last_event <= self._stale)
+
     def displaced_tokens_per_s(self, room_tokens: int, now: float) -> float | None:
         """Tokens a second the engine computed again that ``room_tokens`` more room
         would have kept (over the last ``horizon_s``); None until ``min_span_s`` of
-        events were seen (zero is a measure: nothing evicted came back)."""
-        if self._since is None or now - self._since < self._min_span:
+        events were seen, or after ``stale_s`` without one (zero is a measure: nothing
+        evicted came back)."""
+        if not self._measuring(now):
             return None
         self._trim(now)
         tokens = sum(t for _, d, t in self._regrets if d <= room_tokens)
@@ -427,7 +442,7 @@ class EvictionRegret:
         farthest recompute seen (and no further than ``max_room``): what the inference
         worker's heartbeat carries, for holders that do not see the events (the gateway).
         None while there is no measure."""
-        if self._since is None or now - self._since < self._min_span:
+        if not self._measuring(now):
             return None
         self._trim(now)
         span = min(self._horizon, now - self._since)
@@ -442,6 +457,7 @@ class EvictionRegret:
             room *= 2
 
     def _start(self, now: float) -> None:
+        self._last_event = now
         if self._since is None:
             self._since = now
 

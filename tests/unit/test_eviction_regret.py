@@ -68,7 +68,7 @@ def test_recomputes_that_cost_others_much_make_holding_dear() -> None:
 
 
 def test_no_measure_before_the_minimum_span_and_old_recomputes_age_out() -> None:
-    r = EvictionRegret(horizon_s=100, min_span_s=30)
+    r = EvictionRegret(horizon_s=100, min_span_s=30, stale_s=500)
     assert r.displaced_tokens_per_s(1_000, now=0.0) is None  # nothing seen at all
     r.evicted(["a"], 16, now=0.0)
     r.stored(["a"], 16, now=5.0)
@@ -87,6 +87,7 @@ def test_the_ghost_list_is_bounded_oldest_first() -> None:
 
 
 @pytest.mark.parametrize("kwargs", [{"min_span_s": 0}, {"horizon_s": 10, "min_span_s": 20},
+                                    {"stale_s": 0},
                                     {"max_ghosts": 0}])
 def test_a_config_that_cannot_measure_is_refused(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="EvictionRegret"):
@@ -181,3 +182,14 @@ async def test_a_holder_without_the_events_prices_rent_by_the_engines_heartbeat(
     hb.room_regret = [(256, 0.0), (512, 0.0), (1024, 0.0), (2048, 3.5)]
     priced = m.costs(1_700, interactive=True)
     assert isinstance(priced, HoldCosts) and priced.displaced_tokens_per_s == 3.5
+
+
+def test_events_that_stop_leave_no_measure_rather_than_free_room() -> None:
+    # a KV event publisher that died must not read as a pool where nothing comes back
+    r = EvictionRegret(min_span_s=10, stale_s=60)
+    r.evicted(["a"], 16, now=0.0)
+    r.stored(["b"], 16, now=20.0)
+    assert r.displaced_tokens_per_s(1_000, now=30.0) == 0.0
+    assert r.displaced_tokens_per_s(1_000, now=81.0) is None and r.curve(now=81.0) is None
+    r.stored(["c"], 16, now=90.0)  # events again: measuring again
+    assert r.displaced_tokens_per_s(1_000, now=90.0) == 0.0
