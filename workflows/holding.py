@@ -420,21 +420,26 @@ class EvictionRegret:
                 self.regretted += 1
         self._trim(now)
 
-    def _measuring(self, now: float) -> bool:
-        return (self._since is not None and self._last_event is not None
-                and now - self._since >= self._min_span
-                and now - self._last_event <= self._stale)
+    def _span(self, now: float) -> float | None:
+        """Seconds of recomputes to divide by now, or None: no measure (too few seen,
+        or stale)."""
+        since, last = self._since, self._last_event
+        if since is None or last is None or now - since < self._min_span \
+                or now - last > self._stale:
+            return None
+        return min(self._horizon, now - since)
 
     def displaced_tokens_per_s(self, room_tokens: int, now: float) -> float | None:
         """Tokens a second the engine computed again that ``room_tokens`` more room
         would have kept (over the last ``horizon_s``); None until ``min_span_s`` of
         events were seen, or after ``stale_s`` without one (zero is a measure: nothing
         evicted came back)."""
-        if not self._measuring(now):
+        span = self._span(now)
+        if span is None:
             return None
         self._trim(now)
         tokens = sum(t for _, d, t in self._regrets if d <= room_tokens)
-        return tokens / min(self._horizon, now - self._since)
+        return tokens / span
 
     def curve(self, now: float, *, first_room: int = 256, max_room: int = 1 << 20
               ) -> list[tuple[int, float]] | None:
@@ -442,10 +447,10 @@ class EvictionRegret:
         farthest recompute seen (and no further than ``max_room``): what the inference
         worker's heartbeat carries, for holders that do not see the events (the gateway).
         None while there is no measure."""
-        if not self._measuring(now):
+        span = self._span(now)
+        if span is None:
             return None
         self._trim(now)
-        span = min(self._horizon, now - self._since)
         farthest = max((d for _, d, _ in self._regrets), default=0)
         out = []
         room = first_room
