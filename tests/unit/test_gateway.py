@@ -273,6 +273,28 @@ async def test_a_stream_is_relayed_byte_for_byte(make: Make) -> None:
     assert rig.fleet["e0"].raw == [raw]
 
 
+async def test_a_streams_prefill_prices_the_engines_holds_but_a_whole_answer_does_not(
+        make: Make) -> None:
+    # the gateway's holds price re-prefill by what the engine shows now, as the workers'
+    rig = await make("e0")
+    manager = rig.gateway.holds.manager("e0")
+    assert manager is not None
+    seen: list[tuple[int, float]] = []
+    manager.observe_step = lambda **kw: seen.append(  # type: ignore[method-assign]
+        (kw["uncached_tokens"], kw["ttft_s"]))
+    body = {"model": "tiny", "messages": conversation(), "stream": True,
+            "stream_options": {"include_usage": True}}
+    r = await rig.client.post("/v1/chat/completions", json=body)
+    await rig.gateway.idle()
+    assert r.status_code == 200
+    usage = rig.fleet["e0"].usage(body)
+    assert len(seen) == 1 and seen[0][0] == usage["prompt_tokens"] - usage[
+        "prompt_tokens_details"]["cached_tokens"] and seen[0][1] > 0
+    r = await rig.client.post("/v1/chat/completions", json={**body, "stream": False})
+    await rig.gateway.idle()
+    assert r.status_code == 200 and len(seen) == 1  # its first bytes come after decode
+
+
 async def test_a_whole_answer_is_the_engines_json_with_its_cached_tokens(make: Make) -> None:
     rig = await make("e0")
     await rig.chat(conversation())

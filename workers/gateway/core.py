@@ -310,6 +310,8 @@ class Gateway:
             self.metrics.inc("warmloop_gateway_stream_errors_total", engine=engine)
             log.warning("engine_died_mid_call", engine=engine, error=str(died) or repr(died))
         await self._observe_ttft(flight)
+        if ok and outcome is not None:
+            self._observe_prefill(flight, outcome)
         self._after_call(flight, ok=ok, outcome=outcome, died=died)
 
     # ---- steps 2 and 3 -----------------------------------------------------------------
@@ -396,6 +398,20 @@ class Gateway:
         admission = self._admissions.get(flight.engine.engine_id)
         if admission is not None:
             await admission.observe_interactive((flight.first_byte_at - flight.sent_at) * 1000)
+
+    def _observe_prefill(self, flight: Flight, outcome: Outcome) -> None:
+        """A stream's uncached prompt tokens and time to first bytes, to the engine's hold
+        manager: its holds price re-prefill at the rate the engine shows now, as the
+        inference workers' do (``HoldManager.observe_step``). Whole answers say nothing
+        of prefill alone (their first bytes come after the last token)."""
+        if not flight.call.stream or flight.first_byte_at is None \
+                or outcome.prompt_tokens is None:
+            return
+        manager = self.holds.manager(flight.engine.engine_id)
+        if manager is not None:
+            manager.observe_step(
+                uncached_tokens=outcome.prompt_tokens - (outcome.cached_tokens or 0),
+                ttft_s=flight.first_byte_at - flight.sent_at)
 
     # ---- step 4's end: the session --------------------------------------------------------
 
