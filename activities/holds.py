@@ -211,7 +211,8 @@ class HoldManager:
         # pool smaller by this prefix would add (None before enough events: the model).
         # A holder that does not follow the events (the gateway) reads the engine's
         # worker's measure from its heartbeat.
-        displaced = (self.regret.displaced_tokens_per_s(prefix_tokens, self._clock())
+        displaced = (None if c.rent != "measured"
+                     else self.regret.displaced_tokens_per_s(prefix_tokens, self._clock())
                      if self.regret is not None
                      else None if info.room_regret is None
                      else displaced_on_curve(info.room_regret, prefix_tokens))

@@ -274,9 +274,10 @@ class Fleet:
         self.block_index: dict[BlockKey, int] = {}
         """Each cached block key: a bit mask of the engines caching it."""
         # The cost model's holds price their rent by each pool's evictions, as workers
-        # following their engines' KV events do.
-        self.engines = [Engine(clock, f"e{i:03d}", c, self.block_index, i,
-                               regret=policy.hold == "cost_model")
+        # following their engines' KV events do (unless told to price by the model).
+        measured = policy.hold == "cost_model" and \
+            (self.cfg.hold or HoldConfig()).rent == "measured"
+        self.engines = [Engine(clock, f"e{i:03d}", c, self.block_index, i, regret=measured)
                         for i, c in enumerate(calibrations)]
         self._displaced: dict[tuple[int, int], tuple[float, float | None]] = {}
         """(engine, prefix bucket) -> (when read, the rent's measure): read at most every

@@ -11,9 +11,13 @@ import pytest
 
 from tests.unit.test_holds import StubPauses, manager
 from warmloop.activities.directory import KvEventApplier
+from warmloop.sim.core import Clock
+from warmloop.sim.fleet import POLICIES, Fleet, FleetConfig
+from warmloop.workflows.calibration import preset
 from warmloop.workflows.holding import (
     EvictionRegret,
     HoldAction,
+    HoldConfig,
     HoldCosts,
     PauseDistribution,
     decide_hold,
@@ -193,3 +197,21 @@ def test_events_that_stop_leave_no_measure_rather_than_free_room() -> None:
     assert r.displaced_tokens_per_s(1_000, now=81.0) is None and r.curve(now=81.0) is None
     r.stored(["c"], 16, now=90.0)  # events again: measuring again
     assert r.displaced_tokens_per_s(1_000, now=90.0) == 0.0
+
+
+def test_rent_by_the_model_ignores_the_measure_in_the_worker_and_the_simulator() -> None:
+    m, _, _ = manager(StubPauses(3.0, 30.0), [], kv_usage=0.2, capacity=8_192)
+    m.regret = r = EvictionRegret(min_span_s=1)
+    r.evicted(["x"], 128, now=0.0)
+    r.stored(["y"], 128, now=1_000.0)
+    measured = m.costs(1_700, interactive=True)
+    assert isinstance(measured, HoldCosts) and measured.displaced_tokens_per_s == 0.0
+    m.config = HoldConfig(rent="model")
+    modelled = m.costs(1_700, interactive=True)
+    assert isinstance(modelled, HoldCosts) and modelled.displaced_tokens_per_s is None
+    cal = preset("cpu-tiny")
+    for rent, follows in (("measured", True), ("model", False)):
+        fleet = Fleet(Clock(), [cal], POLICIES["warmloop"],
+                      FleetConfig(hold=HoldConfig(rent=rent)))  # type: ignore[arg-type]
+        assert (fleet.engines[0].regret is not None) is follows
+    assert Fleet(Clock(), [cal], POLICIES["cache_aware_no_holds"]).engines[0].regret is None
