@@ -381,12 +381,15 @@ class EvictionRegret:
     events, the simulator its engines' evictions."""
 
     def __init__(self, *, horizon_s: float = 300.0, min_span_s: float = 30.0,
-                 max_ghosts: int = 65_536, stale_s: float = 60.0) -> None:
+                 max_ghosts: int = 65_536, stale_s: float = 60.0,
+                 max_regrets: int = 65_536) -> None:
         """``stale_s``: with no event for that long the regret has no measure (None),
         not a rent of zero: a publisher that died or a subscriber that fell off would
         otherwise read as a pool where room costs nothing, and every pause would be
         held to its longest. An idle engine loses nothing by it (the contention model
-        prices an idle pool's room near zero too)."""
+        prices an idle pool's room near zero too). ``max_regrets``: the most recomputes
+        kept (a busy GPU engine recomputes thousands of blocks a second, and every hold
+        decision sums them); past it the rate is read over the span they cover."""
         if not 0 < min_span_s <= horizon_s:
             raise ValueError(f"EvictionRegret needs 0 < min_span_s ({min_span_s}) <= "
                              f"horizon_s ({horizon_s})")
@@ -394,6 +397,12 @@ class EvictionRegret:
             raise ValueError(f"EvictionRegret.max_ghosts must be >= 1, got {max_ghosts}")
         if stale_s <= 0:
             raise ValueError(f"EvictionRegret.stale_s must be > 0, got {stale_s}")
+        if max_regrets < 1:
+            raise ValueError(f"EvictionRegret.max_regrets must be >= 1, got {max_regrets}")
+        self._max_regrets = max_regrets
+        self._floor: float | None = None
+        """When the oldest recompute dropped for ``max_regrets`` was made: the rate is
+        read over what came after it."""
         self._horizon = horizon_s
         self._min_span = min_span_s
         self._stale = stale_s
@@ -428,6 +437,8 @@ class EvictionRegret:
             if mark is not None:
                 self._regrets.append((now, self._evicted_tokens - mark, block_tokens))
                 self.regretted += 1
+        while len(self._regrets) > self._max_regrets:
+            self._floor = self._regrets.popleft()[0]
         self._trim(now)
 
     def _span(self, now: float) -> float | None:
@@ -437,7 +448,9 @@ class EvictionRegret:
         if since is None or last is None or now - since < self._min_span \
                 or now - last > self._stale:
             return None
-        return min(self._horizon, now - since)
+        start = max(since, now - self._horizon,
+                    self._floor if self._floor is not None else since)
+        return max(now - start, 1e-9)
 
     def displaced_tokens_per_s(self, room_tokens: int, now: float) -> float | None:
         """Tokens a second the engine computed again that ``room_tokens`` more room
@@ -461,15 +474,23 @@ class EvictionRegret:
         if span is None:
             return None
         self._trim(now)
-        farthest = max((d for _, d, _ in self._regrets), default=0)
-        out = []
-        room = first_room
+        # one pass: each recompute into the first room that covers it, then running sums
+        by_room: dict[int, int] = {}
+        farthest = 0
+        for _, d, t in self._regrets:
+            k = max(0, (-(-d // first_room) - 1).bit_length())  # first_room * 2**k >= d
+            by_room[k] = by_room.get(k, 0) + t
+            farthest = max(farthest, d)
+        out, total, k = [], 0, 0
         while True:
-            tokens = sum(t for _, d, t in self._regrets if d <= room)
-            out.append((room, round(tokens / span, 3)))
+            room = first_room << k
+            total += by_room.get(k, 0)
+            if room >= max_room:
+                total = sum(by_room.values())  # the last point counts what lies beyond
+            out.append((room, round(total / span, 3)))
             if room >= farthest or room >= max_room:
                 return out
-            room *= 2
+            k += 1
 
     def _start(self, now: float) -> None:
         self._last_event = now

@@ -5,6 +5,7 @@ in tests/integration/test_holds.py."""
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import pytest
@@ -91,7 +92,7 @@ def test_the_ghost_list_is_bounded_oldest_first() -> None:
 
 
 @pytest.mark.parametrize("kwargs", [{"min_span_s": 0}, {"horizon_s": 10, "min_span_s": 20},
-                                    {"stale_s": 0},
+                                    {"stale_s": 0}, {"max_regrets": 0},
                                     {"max_ghosts": 0}])
 def test_a_config_that_cannot_measure_is_refused(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="EvictionRegret"):
@@ -215,3 +216,28 @@ def test_rent_by_the_model_ignores_the_measure_in_the_worker_and_the_simulator()
                       FleetConfig(hold=HoldConfig(rent=rent)))  # type: ignore[arg-type]
         assert (fleet.engines[0].regret is not None) is follows
     assert Fleet(Clock(), [cal], POLICIES["cache_aware_no_holds"]).engines[0].regret is None
+
+
+def test_the_one_pass_curve_agrees_with_the_regret_at_each_room() -> None:
+    rng = random.Random(3)
+    r = EvictionRegret(min_span_s=1)
+    for t in range(200):
+        r.evicted([f"b{t}-{i}" for i in range(rng.randrange(1, 40))], 16, now=float(t))
+        back = [f"b{u}-{i}" for u in range(max(0, t - 50), t) for i in range(3)
+                if rng.random() < 0.05]
+        r.stored(back, 16, now=float(t) + 0.5)
+    curve = r.curve(now=200.0)
+    assert curve is not None and len(curve) > 3 and r.regretted > 50
+    for room, rate in curve:
+        exact = r.displaced_tokens_per_s(room, now=200.0)
+        assert exact is not None and rate == pytest.approx(exact, abs=1e-3)
+
+
+def test_recomputes_beyond_the_bound_are_read_over_the_span_they_cover() -> None:
+    r = EvictionRegret(min_span_s=1, max_regrets=10)
+    for t in range(100):  # one recompute a second, at distance 16
+        r.evicted([f"x{t}"], 16, now=float(t))
+        r.stored([f"x{t}"], 16, now=float(t))
+    assert len(r._regrets) == 10
+    # the last ten cover the span since the one dropped before them: still 16 a second
+    assert r.displaced_tokens_per_s(16, now=99.0) == pytest.approx(16 * 10 / 10)
