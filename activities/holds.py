@@ -207,17 +207,8 @@ class HoldManager:
         observed = self.prefill.s_per_token()
         if observed is not None:  # at least alone's, at most what a noisy slope may claim
             rate = min(max(rate, observed), MAX_LOADED_SLOWDOWN * rate)
-        # What room is worth here now, where the evictions are followed: recomputes a
-        # pool smaller by this prefix would add (None before enough events: the model).
-        # A holder that does not follow the events (the gateway) reads the engine's
-        # worker's measure from its heartbeat.
-        displaced = (None if c.rent != "measured"
-                     else self.regret.displaced_tokens_per_s(prefix_tokens, self._clock())
-                     if self.regret is not None
-                     else None if info.room_regret is None
-                     else displaced_on_curve(info.room_regret, prefix_tokens))
         return HoldCosts(
-            displaced_tokens_per_s=displaced,
+            displaced_tokens_per_s=self._displaced(prefix_tokens, info),
             displaced_latency_usd_per_s=c.interactive_latency_usd_per_s,
             prefix_tokens=prefix_tokens, kv_capacity_tokens=info.kv_capacity_tokens,
             kv_usage=min(0.999, max(info.kv_usage, self.held_tokens / info.kv_capacity_tokens)),
@@ -226,6 +217,19 @@ class HoldManager:
             latency_usd_per_s=(c.interactive_latency_usd_per_s if interactive
                                else c.batch_latency_usd_per_s),
         )
+
+    def _displaced(self, prefix_tokens: int, info: EngineHeartbeat) -> float | None:
+        """What room is worth on the engine now, where its evictions are followed: the
+        recomputes a pool smaller by this prefix would add. A holder that does not follow
+        the events (the gateway) reads the worker's measure from the heartbeat. None (the
+        rent follows the contention model): ``rent="model"``, or no measure yet."""
+        if self.config.rent != "measured":
+            return None
+        if self.regret is not None:
+            return self.regret.displaced_tokens_per_s(prefix_tokens, self._clock())
+        if info.room_regret is not None:
+            return displaced_on_curve(info.room_regret, prefix_tokens)
+        return None
 
     async def after_step(self, *, job_id: str, profile: Profile, kind: str | None,
                          prefix_tokens: list[int], policy: HoldPolicy,

@@ -273,10 +273,11 @@ class Fleet:
         self.cfg = config or FleetConfig()
         self.block_index: dict[BlockKey, int] = {}
         """Each cached block key: a bit mask of the engines caching it."""
+        cal = calibrations[0]
+        self.hold_cfg = self.cfg.hold or cal.hold_config()
         # The cost model's holds price their rent by each pool's evictions, as workers
         # following their engines' KV events do (unless told to price by the model).
-        measured = policy.hold == "cost_model" and \
-            (self.cfg.hold or HoldConfig()).rent == "measured"
+        measured = policy.hold == "cost_model" and self.hold_cfg.rent == "measured"
         self.engines = [Engine(clock, f"e{i:03d}", c, self.block_index, i, regret=measured)
                         for i, c in enumerate(calibrations)]
         self._displaced: dict[tuple[int, int], tuple[float, float | None]] = {}
@@ -290,10 +291,8 @@ class Fleet:
                              "engine, in order")
         self._caches = [e.cache for e in self.engines]
         """Each engine's cache, by engine number (``usage`` is its ``kv_usage``)."""
-        cal = calibrations[0]
         self.block = self.engines[0].block
         self.routing_cfg = self.cfg.routing or cal.routing_config()
-        self.hold_cfg = self.cfg.hold or cal.hold_config()
         self.prices = {e.engine_id: e.cal.engine_price().pricing for e in self.engines}
         self._rr_candidates = [EngineCandidate(engine_id=e.engine_id) for e in self.engines]
         self._cands = [_Candidate.model_construct(engine_id=e.engine_id) for e in self.engines]
