@@ -263,6 +263,9 @@ class AgentJob:
         self._stored_len = 0
         self._steps: list[StepRecord] = []
         self._invalid_streak = 0
+        self._cut_at: int | None = None
+        """The budget the last step was cut at with no valid call: the next gets more."""
+        self._step_max_tokens = 0
         self._next_kind = StepKind.PLAN
         self._started_at = datetime.min
         self._runs = 1
@@ -441,6 +444,7 @@ class AgentJob:
                 self._on_invalid(profile, gen, record, clearer or str(e))
                 continue
             self._invalid_streak = 0
+            self._cut_at = None
             self._steps.append(record.model_copy(update={"tool": spec.name, "valid": True}))
             call = gen.tool_calls[0]
             cap = check_tool_cap(limits, self._usage, spec.name, spec.max_calls)
@@ -697,7 +701,8 @@ class AgentJob:
             task=task.model_dump(mode="json"), base_len=self._stored_len,
             new_messages=self._transcript[self._stored_len:],
             tail=remaining_text(limits, self._usage, self._elapsed_s()),
-            max_tokens=step_output_budget(profile.budgets, kind, limits, self._usage),
+            max_tokens=step_output_budget(profile.budgets, kind, limits, self._usage,
+                                          cut_at=self._cut_at),
             tools=job.tools,
             priority=VLLM_PRIORITY[job.lane], lane=job.lane,
             # the step cap ends the job after this step, whatever its call: a hold would
@@ -711,6 +716,7 @@ class AgentJob:
         if self._routes_next_in_worker(job, profile, limits, step, model):
             request = request.model_copy(update={"route_next": self._route_request(
                 job, profile, step + 1, None, [], mark_in_flight=False)})
+        self._step_max_tokens = request.max_tokens
         step_start = workflow.now().timestamp()
         gen, route_reason, failovers, routed = await self._generate(
             request, job, pickup_timeout=timedelta(seconds=job.step_pickup_timeout_s)
@@ -766,6 +772,12 @@ class AgentJob:
 
     def _on_invalid(self, profile: Profile, gen: GenerateResult, record: StepRecord,
                     error: str) -> None:
+        if gen.finish_reason == "length":
+            # cut at its budget: the call may just be longer than the tier allows
+            self._cut_at = self._step_max_tokens
+            error += f" (cut at the step's {self._step_max_tokens}-token budget)"
+        else:
+            self._cut_at = None
         self._steps.append(record.model_copy(update={"error": error}))
         self._transcript.extend(self._repair_messages(gen, error))
         self._invalid_streak += 1

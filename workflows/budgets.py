@@ -30,6 +30,11 @@ class OutputBudgets(BaseModel):
     plan: int = Field(default=144, ge=16, le=8192)
     execute: int = Field(default=160, ge=16, le=8192)
     reflect: int = Field(default=128, ge=16, le=8192)
+    after_cut: int = Field(default=1024, ge=16, le=8192)
+    """The most a step gets after the step before was cut at its budget with no valid
+    call: each such cut doubles the next step's budget up to this. Without it a tier
+    too small for a long call (a ``load_tools`` list, a long argument) repeats the same
+    cut until the job ends in ``invalid_output``."""
 
     def for_kind(self, kind: StepKind) -> int:
         return {StepKind.PLAN: self.plan, StepKind.EXECUTE: self.execute,
@@ -111,9 +116,16 @@ def check_tool_cap(limits: JobLimits, usage: Usage, tool: str,
 
 
 def step_output_budget(budgets: OutputBudgets, kind: StepKind, limits: JobLimits,
-                       usage: Usage) -> int:
-    """max_tokens for the next step: its tier, never more than the tokens left."""
+                       usage: Usage, *, cut_at: int | None = None) -> int:
+    """max_tokens for the next step: its tier, never more than the tokens left.
+
+    ``cut_at``: the budget the step before was cut at (finish reason ``length``, no
+    valid call); this step gets twice that, up to ``budgets.after_cut``, and never
+    less than its tier.
+    """
     tier = budgets.for_kind(kind)
+    if cut_at is not None:
+        tier = max(tier, min(2 * cut_at, budgets.after_cut))
     if limits.max_total_tokens is None:
         return tier
     return max(1, min(tier, limits.max_total_tokens - usage.total_tokens))

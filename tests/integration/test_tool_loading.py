@@ -37,13 +37,15 @@ async def test_a_job_calls_only_tools_it_loaded_and_its_prefix_stays_cached(
                                        tools=names, hold_policy="never"))
     assert lazy.state in (JobState.LOOP_CAP, JobState.FINISHED), lazy.reason
     steps = lazy.steps
-    assert steps[0].tool == tool_loading.LOAD_TOOLS
     # guided decoding accepted only offered tools: no step was refused. A random-weight
-    # model may run a long load_tools list past the step's token cap: that output is the
-    # guided call format cut short, not a refusal (seen once in a clean-clone CI run).
-    cut = "got 0 and text '[{\"name\":"
+    # model may run a long load_tools list past the step's token cap (seen twice in
+    # clean-clone CI runs): that output is the guided call cut short, not a refusal, and
+    # the next step gets twice the budget.
+    cut = "cut at the step's"
     refused = [s for s in steps if not s.valid and cut not in (s.error or "")]
     assert refused == [], [s.error for s in refused]
+    first = next(s for s in steps if s.valid)
+    assert first.tool == tool_loading.LOAD_TOOLS, [(s.tool, s.error) for s in steps]
     loaded: set[str] = set()
     answers = {m.tool_call_id: m.content for m in lazy.transcript if m.role == "tool"}
     for m in lazy.transcript:

@@ -130,6 +130,23 @@ async def test_output_budget_tiers_and_the_budget_tail(
     assert all(p[-1].role == "user" and p[0].role == "system" for p in fakes.prompts)
 
 
+async def test_a_call_cut_at_its_budget_gets_a_doubled_budget_until_one_is_valid(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    # A call longer than its tier: cut at max_tokens into text that is no call. The next
+    # step gets twice the budget (up to after_cut, 1024 by default); a valid call resets
+    # it; an invalid call that was not cut does not raise it.
+    cut = reply(None, content='[{"name":"search_kb","arguments":{"topic":"cr').model_copy(
+        update={"finish_reason": "length"})
+    script = iter([cut, cut, SEARCH, reply("search_kb", "oops"), SEARCH, SEARCH])
+    fakes = FakeActivities(lambda req: next(script))
+    async with workers(time_skipping_env, fakes) as client:
+        res = await run_job(client, limits=JobLimits(max_steps=6))
+    assert [r.max_tokens for r in fakes.generate_requests] == [144, 288, 576, 160, 128, 160]
+    assert "cut at the step's 144-token budget" in (res.steps[0].error or "")
+    assert [s.valid for s in res.steps] == [False, False, True, False, True, True]
+
+
 # ---- approvals --------------------------------------------------------------------------
 
 
