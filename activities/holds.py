@@ -60,8 +60,9 @@ log = structlog.get_logger(__name__)
 HOLDS_KEY = "warmloop:holds:{}"
 """Hash per engine: job id -> the hold (JSON)."""
 HOLD_STATS = "warmloop:holds:stats:{}"
-"""Hash per engine: holds, touches, touch tokens, releases by cause, blocks computed again
-after eviction (``regretted_blocks``)."""
+"""Hash per engine: holds, touches, touch tokens, releases by cause, holds cut short for
+room (``trimmed_for_room``), blocks computed again after eviction
+(``regretted_blocks``)."""
 MAX_LOADED_SLOWDOWN = 4.0
 """The most the engine's own steps may raise re-prefill's price over its calibration: a
 slope read over a few steps with a queue in their TTFTs can claim anything (the CPU
@@ -470,15 +471,50 @@ class HoldManager:
         return True
 
     async def _make_room(self) -> None:
+        """Bring the held tokens under the cap, oldest holds first: a hold whose tail
+        alone is the excess keeps its leading blocks (a prefix is reusable from its
+        start, so a hold cut short still saves what it keeps); one that cannot give
+        enough is let go. Whole holds only, one prompt over the cap (a 3,000-token
+        session on an 8,192-token pool at 30 %) could never be held at all."""
         info = self._info()
         if info is None or not info.kv_capacity_tokens:
             return
         cap = self.config.max_held_fraction * info.kv_capacity_tokens
         for h in sorted(self.holds.values(), key=lambda h: h.created):
-            if self.held_tokens <= cap:
+            excess = self.held_tokens - cap
+            if excess <= 0:
+                break
+            if self._trim(h, excess):
+                await self._count(trimmed_for_room=1)
                 break
             if self._forget(h):
                 await self._count(released_for_room=1)
+
+    def _trim(self, h: Hold, excess: float) -> bool:
+        """Cut ``h``'s tail so the held tokens fall by at least ``excess``, keeping at
+        least one block; False (``h`` unchanged) when its tail cannot give that much.
+        Blocks another hold keeps too free nothing, so they are not counted."""
+        bs = h.block_size
+        if h.body is not None or bs < 1:
+            return False  # a managed API's keep-alive resends the whole chat
+        if not h.hashes:
+            keep = int((len(h.tokens) - excess - 1) // bs) * bs + 1
+            if keep < bs + 1:
+                return False
+            h.tokens = h.tokens[:keep]
+            return True
+        shared = {x for o in self.holds.values() if o is not h and o.hashes for x in o.hashes}
+        freed = max(0, len(h.tokens) - len(h.hashes) * bs - 1)  # its tail past full blocks
+        kept = len(h.hashes)
+        while freed < excess and kept > 1:
+            kept -= 1
+            if h.hashes[kept] not in shared:
+                freed += bs
+        if freed < excess:
+            return False
+        h.hashes = h.hashes[:kept]
+        h.tokens = h.tokens[:kept * bs + 1]
+        return True
 
     def _forget(self, h: Hold) -> bool:
         """Drop ``h`` if it is still its job's hold. Callers await Redis between choosing

@@ -278,7 +278,7 @@ def oracle_hit_rate(prompts: list[list[int]], block_size: int) -> float:
 
 
 HOLD_FIGURES = ("touches", "touch_prompt_tokens", "touch_computed_tokens", "holds",
-                "released_for_room", "released_lost")
+                "released_for_room", "trimmed_for_room", "released_lost")
 """The hold statistics a run's figures take (``activities.holds.hold_stats``)."""
 
 
@@ -563,6 +563,7 @@ def policy_figures(run: PolicyRun) -> dict[str, Any]:
         "touch_computed_tokens": t["touch_computed_tokens"],
         "holds": t["holds"],
         "holds_released_for_room": t["released_for_room"],
+        "holds_trimmed_for_room": t["trimmed_for_room"],
         "holds_lost": t["released_lost"],
         "requests": len(recs),
         "errors": len(recs) - len(ok),
@@ -910,7 +911,8 @@ def report(m: dict[str, Any], rg: dict[str, Any], n: int, console: Console) -> N
         console.print(f"warmloop: {wl.get('touches', 0):.0f} hold touches computed "
                       f"{wl.get('touch_computed_tokens', 0):,.0f} tokens (in its prefill); "
                       f"{wl.get('holds', 0):.0f} holds, {wl.get('holds_released_for_room', 0):.0f} "
-                      f"released for room, {wl.get('holds_lost', 0):.0f} lost; "
+                      f"released for room, {wl.get('holds_trimmed_for_room', 0):.0f} cut short for "
+                      f"room, {wl.get('holds_lost', 0):.0f} lost; "
                       f"routes {wl.get('route_reasons')}; hold decisions "
                       f"{wl.get('hold_decisions')}; prompts not learned "
                       f"{wl.get('learn_skipped', 0):.0f}; failovers {wl.get('failovers', 0):.0f}; "

@@ -900,8 +900,35 @@ class Fleet:
         held.add(hold)
         cap = self.hold_cfg.max_held_fraction * engine.cal.kv_pool_tokens
         while held.blocks * engine.block > cap and self.holds[eid]:
-            self._end_hold(self.holds[eid][0])
+            # oldest first: cut its tail short if that is room enough, else let it go
+            # (``HoldManager._make_room``)
+            oldest = self.holds[eid][0]
+            if self._trim(oldest, math.ceil((held.blocks * engine.block - cap)
+                                            / engine.block)):
+                break
+            self._end_hold(oldest)
         self.clock.after(ttl_s, self._expire, hold)
+
+    def _trim(self, hold: _Hold, excess: int) -> bool:
+        """Cut ``hold``'s last blocks so the held blocks fall by ``excess``, keeping one
+        at least; False (unchanged) when its tail cannot give that much. Shared prefix
+        blocks another hold of the family keeps free nothing."""
+        held = self.held[hold.engine.engine_id]
+        shared, own = held._split(hold)
+        others = 0
+        if shared:
+            runs = held.shared[hold.keys[0]]
+            others = max((r for r, n in runs.items() if r != shared or n > 1), default=0)
+        # the tail goes: its own blocks, then shared ones down to the others' longest run
+        if excess > own + max(0, shared - others) or excess >= len(hold.keys):
+            return False
+        held.remove(hold)
+        kept = len(hold.keys) - excess
+        tail = hold.keys[kept:]
+        hold.keys = hold.keys[:kept]
+        held.add(hold)
+        hold.engine.unpin(tail)
+        return True
 
     def _expire(self, hold: _Hold) -> None:
         if hold.active:

@@ -150,22 +150,51 @@ async def test_baselines_and_ttl_and_the_cap() -> None:
     triage = get_profile("ticket-triage")
     assert await m.after_step(job_id="j0", profile=triage, kind="tool:search_kb",
                               prefix_tokens=[1] * 100, policy="never", interactive=True) is None
-    for i in range(3):  # always_hold ignores the cost; the 30% cap keeps the newest
+    for i in range(3):  # always_hold ignores the cost; the 30% cap cuts the oldest short
         clock.t += 1
         await m.after_step(job_id=f"j{i}", profile=triage, kind="approval:urgent_priority",
                            prefix_tokens=[1] * 1400, policy="always_hold", interactive=True)
-    assert sorted(m.holds) == ["j1", "j2"] and m.held_tokens == 2800
-    assert redis.hashes["warmloop:holds:stats:e0"]["released_for_room"] == 1
+    # 4,200 held against a cap of 3,000: j0 keeps its first 12 blocks (16 tokens each)
+    # and the token after them, giving up 1,207
+    assert sorted(m.holds) == ["j0", "j1", "j2"] and len(m.holds["j0"].tokens) == 193
+    assert m.held_tokens == 2993
+    stats = redis.hashes["warmloop:holds:stats:e0"]
+    assert stats["trimmed_for_room"] == 1 and "released_for_room" not in stats
+    clock.t += 1  # a fourth: j0 cannot give 1,393 and goes; j1 gives the rest
+    await m.after_step(job_id="j3", profile=triage, kind="approval:urgent_priority",
+                       prefix_tokens=[1] * 1400, policy="always_hold", interactive=True)
+    assert sorted(m.holds) == ["j1", "j2", "j3"] and m.held_tokens <= 3000
+    assert stats["released_for_room"] == 1 and stats["trimmed_for_room"] == 2
     clock.t += HoldConfig().always_hold_ttl_s + 1
     await m.tick()
     assert not m.holds
-    assert redis.hashes["warmloop:holds:stats:e0"]["released_on_ttl"] == 2
+    assert stats["released_on_ttl"] == 3
+
+
+async def test_one_prompt_over_the_cap_is_held_cut_to_the_blocks_that_fit() -> None:
+    """A session's 3,000-token prompt on an 8,192-token pool at 30 % (2,457): held
+    whole it could never be; its first 153 blocks are (bench-gateway released 340 of
+    356 such holds at once)."""
+    touches: list[dict[str, Any]] = []
+    m, redis, clock = manager(StubPauses(2.0, 6.0), touches, capacity=8192)
+    await m.after_step(job_id="s1", profile=get_profile("ticket-triage"),
+                       kind="tool:search_kb", prefix_tokens=list(range(3001)),
+                       policy="always_hold", interactive=True,
+                       block_hashes=[f"b{k}" for k in range(187)])
+    h = m.holds["s1"]
+    assert len(h.hashes or []) == 153 and h.tokens == list(range(153 * 16 + 1))
+    assert m.held_tokens == 153 * 16 + 1 <= 0.3 * 8192
+    assert redis.hashes["warmloop:holds:stats:e0"]["trimmed_for_room"] == 1
+    clock.t = h.next_touch
+    await m.tick()
+    assert touches[-1]["prompt"] == list(range(153 * 16 + 1))  # touches what it kept
 
 
 async def test_holds_sharing_a_profiles_prompt_count_it_once_under_the_cap() -> None:
     """The cap bounds the KV the holds keep: three jobs of one profile share its
     1,280-token system prompt and each keeps 512 tokens of its own, 2,816 + 3 tokens in
-    all, not 3 x 1,793 (which a 3,000-token cap would have cut to one hold)."""
+    all, not 3 x 1,793 (which a 3,000-token cap would have cut to one hold). A fourth
+    past the cap cuts the oldest to the shared prompt and one block of its own."""
     m, redis, clock = manager(StubPauses(2.0, 6.0), [], capacity=10_000)
     triage = get_profile("ticket-triage")
     shared = [f"s{i}" for i in range(10)]
@@ -183,9 +212,11 @@ async def test_holds_sharing_a_profiles_prompt_count_it_once_under_the_cap() -> 
                        prefix_tokens=list(range(14 * 128 + 1)), policy="always_hold",
                        interactive=True, block_size=128,
                        block_hashes=shared + [f"j3-{k}" for k in range(4)])
-    assert sorted(m.holds) == ["j1", "j2", "j3"]  # the oldest went
-    assert m.held_tokens == (10 + 3 * 4) * 128 + 3
-    assert redis.hashes["warmloop:holds:stats:e0"]["released_for_room"] == 1
+    # the oldest gives up three blocks of its own; the prompt they share stays held
+    assert sorted(m.holds) == ["j0", "j1", "j2", "j3"]
+    assert m.holds["j0"].hashes == shared + ["j0-0"]
+    assert m.held_tokens == (10 + 1 + 3 * 4) * 128 + 4
+    assert redis.hashes["warmloop:holds:stats:e0"]["trimmed_for_room"] == 1
 
 
 async def test_a_hold_made_on_a_quiet_engine_is_touched_when_a_burst_starts() -> None:

@@ -63,3 +63,37 @@ def test_warmloops_holds_are_priced_by_the_measured_calibration() -> None:
                    for c in pricing)
         # the loaded curve, which the simulated engines run at, is about half as fast
         assert s_per_token < 0.7 * loaded.prefill_s_per_token(tokens)
+
+
+def test_a_hold_past_the_cap_cuts_the_oldest_short_and_stays_under_it() -> None:
+    """As the workers' ``HoldManager._make_room``: the oldest hold gives up its tail
+    where that is room enough (bench-pauses' always-hold run does so), and the held
+    blocks never pass the cap."""
+    trims: list[bool] = []
+    over: list[int] = []
+    real_trim, real_pin = Fleet._trim, Fleet._pin
+
+    def trim(self: Fleet, hold: object, excess: int) -> bool:
+        before = len(hold.keys)  # type: ignore[attr-defined]
+        ok = real_trim(self, hold, excess)  # type: ignore[arg-type]
+        trims.append(ok)
+        if ok:
+            assert len(hold.keys) == before - excess >= 1  # type: ignore[attr-defined]
+        return ok
+
+    def pin(self: Fleet, job: object, engine: object, ttl_s: float) -> None:
+        real_pin(self, job, engine, ttl_s)  # type: ignore[arg-type]
+        cap = self.hold_cfg.max_held_fraction * engine.cal.kv_pool_tokens  # type: ignore[attr-defined]
+        held = self.held[engine.engine_id].blocks * engine.block  # type: ignore[attr-defined]
+        if held > cap:
+            over.append(held)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(Fleet, "_trim", trim)
+    mp.setattr(Fleet, "_pin", pin)
+    try:
+        simulate(scenarios.pauses_jobs(), scenarios.cpu_engines(16 * scenarios.MIB),
+                 scenarios.PAUSES_POLICIES["hold"], config=scenarios.CPU_FLEET)
+    finally:
+        mp.undo()
+    assert True in trims and over == []
