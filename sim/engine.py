@@ -419,6 +419,14 @@ class Engine:
         self.cache.release(keys)
         self._kick()
 
+    def unpin_tail(self, keys: Sequence[BlockKey], kept: int) -> None:
+        """Keep only the first ``kept`` of the pinned ``keys``. A user of the cache ends
+        at its last key (``PrefixCache.acquire``): the kept prefix is taken as a user of
+        its own before the whole chain is let go, so its blocks never reach the LRU."""
+        self.cache.acquire(keys[:kept])
+        self.cache.release(keys)
+        self._kick()
+
     # --- requests --------------------------------------------------------------------
 
     def submit(self, req: Request) -> None:

@@ -924,10 +924,9 @@ class Fleet:
             return False
         held.remove(hold)
         kept = len(hold.keys) - excess
-        tail = hold.keys[kept:]
+        hold.engine.unpin_tail(hold.keys, kept)
         hold.keys = hold.keys[:kept]
         held.add(hold)
-        hold.engine.unpin(tail)
         return True
 
     def _expire(self, hold: _Hold) -> None:

@@ -40,6 +40,26 @@ def test_lru_evicts_least_recent_and_tail_blocks_first() -> None:
     cache.release(chain("c", 1))
 
 
+def test_a_pinned_chain_cut_short_keeps_its_head_and_frees_its_tail() -> None:
+    """A hold cut for room (``Fleet._trim``): its tail becomes evictable, its head stays
+    in use until the hold ends, and then every block is free. Releasing the tail alone
+    (as a first version did) left the head's users uncounted, and the agentic fleet's
+    engines stalled with their pools pinned (439.5 -> 107 jobs per GPU-hour)."""
+    clock = Clock()
+    e = Engine(clock, "e0", cal(blocks=8))
+    run_one(e, clock, Request(chain=chain("p", 6), prompt_tokens=65, output_tokens=1))
+    keys = e.pin(chain("p", 6))
+    assert len(keys) == 6
+    e.unpin_tail(keys, 2)
+    cache = e.cache
+    assert [k in cache.lru for k in keys] == [False, False] + [True] * 4
+    e.unpin(keys[:2])
+    assert all(k in cache.lru for k in keys)  # nothing left in use
+    # the whole pool is usable again: a request of all 8 blocks runs
+    r = run_one(e, clock, Request(chain=chain("q", 8), prompt_tokens=80, output_tokens=1))
+    assert r.cached_tokens == 0 and r.ttft_s is not None
+
+
 def test_second_request_hits_the_prefix_and_full_hit_recomputes_a_block() -> None:
     clock = Clock()
     e = Engine(clock, "e0", cal())
