@@ -398,6 +398,7 @@ class AgentJob:
         self._usage, self._engine, self._invalid_streak = c.usage, c.engine, c.invalid_streak
         self._next_kind, self._started_at = StepKind(c.next_kind), c.started_at
         self._runs, self._approvals = c.runs + 1, c.approvals
+        self._cut_at = c.cut_at
         self._ladder_reached = c.ladder_reached
 
     @staticmethod
@@ -577,7 +578,7 @@ class AgentJob:
             usage=self._usage, engine=self._engine, invalid_streak=self._invalid_streak,
             next_kind=self._next_kind.value, started_at=self._started_at, runs=self._runs,
             approvals=self._approvals, transcript_len=carried_len,
-            ladder_reached=self._ladder_reached,
+            ladder_reached=self._ladder_reached, cut_at=self._cut_at,
         )
 
     def _hygiene_plan(self, job: JobInput, profile: Profile, limits: JobLimits) -> HygienePlan:

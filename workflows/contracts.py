@@ -583,6 +583,8 @@ class JobCarry(BaseModel):
     approvals: list[ApprovalRecord] = Field(default_factory=list)
     ladder_reached: int = 0
     """The highest model-ladder rung a step of the job kept (``stay_escalated: job``)."""
+    cut_at: int | None = None
+    """The budget the last step was cut at with no valid call (the next step gets more)."""
     transcript_len: int | None = None
     """Set when the transcript was too big to carry (``INLINE_TRANSCRIPT_BYTES``): it is
     in the job's message store in S3, ``transcript`` is empty, and the next run loads
