@@ -678,6 +678,8 @@ class AgentJob:
             if esc is None:
                 self._ladder_reached = max(self._ladder_reached, level)
                 return gen, record
+            if invalid is not None:  # the larger model's ask gets more if this was cut
+                invalid = self._note_cut(gen, invalid)
             self._steps.append(record.model_copy(update={
                 "tool": tool, "valid": invalid is None, "error": invalid,
                 "escalated": esc.reason.value}))
@@ -771,14 +773,19 @@ class AgentJob:
         meter.create_histogram_timedelta("warmloop_step_ttft", "time to first token"
                                          ).record(timedelta(milliseconds=r.ttft_ms))
 
+    def _note_cut(self, gen: GenerateResult, error: str) -> str:
+        """An invalid call cut at its budget (the call may just be longer than the tier
+        allows) raises the next ask's budget (``step_output_budget``); the error says
+        so. Any other invalid call leaves the tiers as they are."""
+        if gen.finish_reason == "length":
+            self._cut_at = self._step_max_tokens
+            return error + f" (cut at the step's {self._step_max_tokens}-token budget)"
+        self._cut_at = None
+        return error
+
     def _on_invalid(self, profile: Profile, gen: GenerateResult, record: StepRecord,
                     error: str) -> None:
-        if gen.finish_reason == "length":
-            # cut at its budget: the call may just be longer than the tier allows
-            self._cut_at = self._step_max_tokens
-            error += f" (cut at the step's {self._step_max_tokens}-token budget)"
-        else:
-            self._cut_at = None
+        error = self._note_cut(gen, error)
         self._steps.append(record.model_copy(update={"error": error}))
         self._transcript.extend(self._repair_messages(gen, error))
         self._invalid_streak += 1

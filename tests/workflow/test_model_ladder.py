@@ -97,6 +97,30 @@ async def test_unsure_and_invalid_calls_go_one_model_up_and_the_next_step_comes_
     assert res.usage.steps == 7
 
 
+async def test_a_call_cut_at_its_budget_is_asked_of_the_larger_model_with_more(
+    time_skipping_env: WorkflowEnvironment, laddered: str,
+) -> None:
+    # The small model's call is cut at the plan tier (144): the large model is asked
+    # with twice that, and the next step, valid, is back on the tiers.
+    cut = sure(reply(None, content='[{"name":"lookup_customer","arguments":{"cust'),
+               -0.1).model_copy(update={"finish_reason": "length"})
+    asks: list[GenerateRequest] = []
+
+    def script(req: GenerateRequest) -> GenerateResult:
+        asks.append(req)
+        if len(asks) == 1:
+            return cut
+        return LOOKUP if len(asks) == 2 else sure(FINISH, -0.1)
+
+    fakes = FakeActivities(script, engines=list(ENGINES), models=ENGINES)
+    async with workers(time_skipping_env, fakes) as client:
+        res = await run(client)
+    assert [(r.model, r.max_tokens) for r in asks] == [("small", 144), ("large", 288),
+                                                       ("small", 160)]
+    assert res.steps[0].escalated == "invalid"
+    assert "cut at the step's 144-token budget" in (res.steps[0].error or "")
+
+
 async def test_a_hard_call_is_always_made_by_the_top_model(
     time_skipping_env: WorkflowEnvironment, laddered: str,
 ) -> None:
