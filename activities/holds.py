@@ -471,11 +471,11 @@ class HoldManager:
         return True
 
     async def _make_room(self) -> None:
-        """Bring the held tokens under the cap, oldest holds first: a hold whose tail
-        alone is the excess keeps its leading blocks (a prefix is reusable from its
-        start, so a hold cut short still saves what it keeps); one that cannot give
-        enough is let go. Whole holds only, one prompt over the cap (a 3,000-token
-        session on an 8,192-token pool at 30 %) could never be held at all."""
+        """Bring the held tokens under the cap, oldest holds first, each let go whole;
+        with ``HoldConfig.cut_for_room`` a hold whose tail alone is the excess keeps its
+        leading blocks instead (a prefix is reusable from its start, so a hold cut short
+        still saves what it keeps; whole holds only, one prompt over the cap, a
+        3,000-token session on an 8,192-token pool at 30 %, is never held)."""
         info = self._info()
         if info is None or not info.kv_capacity_tokens:
             return
@@ -484,10 +484,17 @@ class HoldManager:
             excess = self.held_tokens - cap
             if excess <= 0:
                 break
-            if self._trim(h, excess):
+            before = len(h.tokens)
+            if self.config.cut_for_room and self._trim(h, excess):
+                log.info("hold_cut_for_room", job_id=h.job_id, kind=h.kind,
+                         tokens_before=before, tokens=len(h.tokens), excess=round(excess),
+                         age_s=round(self._clock() - h.created, 1))
                 await self._count(trimmed_for_room=1)
                 break
             if self._forget(h):
+                log.info("hold_released_for_room", job_id=h.job_id, kind=h.kind,
+                         tokens=before, excess=round(excess),
+                         age_s=round(self._clock() - h.created, 1))
                 await self._count(released_for_room=1)
 
     def _trim(self, h: Hold, excess: float) -> bool:

@@ -903,8 +903,8 @@ class Fleet:
             # oldest first: cut its tail short if that is room enough, else let it go
             # (``HoldManager._make_room``)
             oldest = self.holds[eid][0]
-            if self._trim(oldest, math.ceil((held.blocks * engine.block - cap)
-                                            / engine.block)):
+            if self.hold_cfg.cut_for_room and self._trim(
+                    oldest, math.ceil((held.blocks * engine.block - cap) / engine.block)):
                 break
             self._end_hold(oldest)
         self.clock.after(ttl_s, self._expire, hold)

@@ -87,7 +87,8 @@ class Clock:
 
 
 def manager(pauses: StubPauses, touches: list[dict[str, Any]], *, kv_usage: float = 0.3,
-            capacity: int = 16384) -> tuple[HoldManager, StubRedis, Clock]:
+            capacity: int = 16384, config: HoldConfig | None = None
+            ) -> tuple[HoldManager, StubRedis, Clock]:
     def engine(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         touches.append(body)
@@ -102,7 +103,7 @@ def manager(pauses: StubPauses, touches: list[dict[str, Any]], *, kv_usage: floa
     m = HoldManager(engine_id="e0", base_url="http://engine", model="tiny",
                     http=httpx.AsyncClient(transport=httpx.MockTransport(engine)),
                     redis=redis, pauses=pauses, engine_info=lambda: hb,  # type: ignore[arg-type]
-                    config=HoldConfig(), clock=clock)
+                    config=config or HoldConfig(), clock=clock)
     return m, redis, clock
 
 
@@ -150,6 +151,24 @@ async def test_baselines_and_ttl_and_the_cap() -> None:
     triage = get_profile("ticket-triage")
     assert await m.after_step(job_id="j0", profile=triage, kind="tool:search_kb",
                               prefix_tokens=[1] * 100, policy="never", interactive=True) is None
+    for i in range(3):  # always_hold ignores the cost; the 30% cap keeps the newest
+        clock.t += 1
+        await m.after_step(job_id=f"j{i}", profile=triage, kind="approval:urgent_priority",
+                           prefix_tokens=[1] * 1400, policy="always_hold", interactive=True)
+    assert sorted(m.holds) == ["j1", "j2"] and m.held_tokens == 2800
+    assert redis.hashes["warmloop:holds:stats:e0"]["released_for_room"] == 1
+    clock.t += HoldConfig().always_hold_ttl_s + 1
+    await m.tick()
+    assert not m.holds
+    assert redis.hashes["warmloop:holds:stats:e0"]["released_on_ttl"] == 2
+
+
+async def test_cut_for_room_cuts_the_oldest_short_before_letting_it_go() -> None:
+    m, redis, clock = manager(StubPauses(1200.0, 3600.0), [], capacity=10_000,
+                              config=HoldConfig(cut_for_room=True))
+    triage = get_profile("ticket-triage")
+    assert await m.after_step(job_id="j0", profile=triage, kind="tool:search_kb",
+                              prefix_tokens=[1] * 100, policy="never", interactive=True) is None
     for i in range(3):  # always_hold ignores the cost; the 30% cap cuts the oldest short
         clock.t += 1
         await m.after_step(job_id=f"j{i}", profile=triage, kind="approval:urgent_priority",
@@ -173,10 +192,18 @@ async def test_baselines_and_ttl_and_the_cap() -> None:
 
 async def test_one_prompt_over_the_cap_is_held_cut_to_the_blocks_that_fit() -> None:
     """A session's 3,000-token prompt on an 8,192-token pool at 30 % (2,457): held
-    whole it could never be; its first 153 blocks are (bench-gateway released 340 of
-    356 such holds at once)."""
+    whole it could never be; with ``cut_for_room`` its first 153 blocks are
+    (bench-gateway released 340 of 356 such holds at once)."""
+    plain, plain_redis, _ = manager(StubPauses(2.0, 6.0), [], capacity=8192)
+    await plain.after_step(job_id="s1", profile=get_profile("ticket-triage"),
+                           kind="tool:search_kb", prefix_tokens=list(range(3001)),
+                           policy="always_hold", interactive=True,
+                           block_hashes=[f"b{k}" for k in range(187)])
+    assert not plain.holds  # by default: let go whole
+    assert plain_redis.hashes["warmloop:holds:stats:e0"]["released_for_room"] == 1
     touches: list[dict[str, Any]] = []
-    m, redis, clock = manager(StubPauses(2.0, 6.0), touches, capacity=8192)
+    m, redis, clock = manager(StubPauses(2.0, 6.0), touches, capacity=8192,
+                              config=HoldConfig(cut_for_room=True))
     await m.after_step(job_id="s1", profile=get_profile("ticket-triage"),
                        kind="tool:search_kb", prefix_tokens=list(range(3001)),
                        policy="always_hold", interactive=True,
@@ -193,8 +220,7 @@ async def test_one_prompt_over_the_cap_is_held_cut_to_the_blocks_that_fit() -> N
 async def test_holds_sharing_a_profiles_prompt_count_it_once_under_the_cap() -> None:
     """The cap bounds the KV the holds keep: three jobs of one profile share its
     1,280-token system prompt and each keeps 512 tokens of its own, 2,816 + 3 tokens in
-    all, not 3 x 1,793 (which a 3,000-token cap would have cut to one hold). A fourth
-    past the cap cuts the oldest to the shared prompt and one block of its own."""
+    all, not 3 x 1,793 (which a 3,000-token cap would have cut to one hold)."""
     m, redis, clock = manager(StubPauses(2.0, 6.0), [], capacity=10_000)
     triage = get_profile("ticket-triage")
     shared = [f"s{i}" for i in range(10)]
@@ -212,7 +238,23 @@ async def test_holds_sharing_a_profiles_prompt_count_it_once_under_the_cap() -> 
                        prefix_tokens=list(range(14 * 128 + 1)), policy="always_hold",
                        interactive=True, block_size=128,
                        block_hashes=shared + [f"j3-{k}" for k in range(4)])
-    # the oldest gives up three blocks of its own; the prompt they share stays held
+    assert sorted(m.holds) == ["j1", "j2", "j3"]  # the oldest went
+    assert m.held_tokens == (10 + 3 * 4) * 128 + 3
+    assert redis.hashes["warmloop:holds:stats:e0"]["released_for_room"] == 1
+
+
+async def test_a_hold_cut_for_room_gives_up_its_own_blocks_not_the_shared_prompt() -> None:
+    m, redis, clock = manager(StubPauses(2.0, 6.0), [], capacity=10_000,
+                              config=HoldConfig(cut_for_room=True))
+    triage = get_profile("ticket-triage")
+    shared = [f"s{i}" for i in range(10)]
+    for i in range(4):
+        clock.t += 1
+        await m.after_step(job_id=f"j{i}", profile=triage, kind="tool:search_kb",
+                           prefix_tokens=list(range(14 * 128 + 1)), policy="always_hold",
+                           interactive=True, block_size=128,
+                           block_hashes=shared + [f"j{i}-{k}" for k in range(4)])
+    # 26 blocks and 4 tokens against 3,000: the oldest gives up three blocks of its own
     assert sorted(m.holds) == ["j0", "j1", "j2", "j3"]
     assert m.holds["j0"].hashes == shared + ["j0-0"]
     assert m.held_tokens == (10 + 1 + 3 * 4) * 128 + 4

@@ -13,7 +13,7 @@ from warmloop.sim.core import Clock
 from warmloop.sim.fleet import Fleet
 from warmloop.sim.run import simulate
 from warmloop.workflows import holding
-from warmloop.workflows.holding import CostModel, HoldChoice, PauseDistribution
+from warmloop.workflows.holding import CostModel, HoldChoice, HoldConfig, PauseDistribution
 
 MEASURED = {"e1": {"prefill_tokens_per_s": {"2048": 63_000, "128": 105_000, "512": 66_000}},
             "e0": {"prefill_tokens_per_s": {"128": 61_000, "2048": 50_000, "512": 66_000},
@@ -66,9 +66,9 @@ def test_warmloops_holds_are_priced_by_the_measured_calibration() -> None:
 
 
 def test_a_hold_past_the_cap_cuts_the_oldest_short_and_stays_under_it() -> None:
-    """As the workers' ``HoldManager._make_room``: the oldest hold gives up its tail
-    where that is room enough (bench-pauses' always-hold run does so), and the held
-    blocks never pass the cap."""
+    """With ``cut_for_room``, as the workers' ``HoldManager._make_room``: the oldest hold
+    gives up its tail where that is room enough (bench-pauses' always-hold run does so),
+    and the held blocks never pass the cap."""
     trims: list[bool] = []
     over: list[int] = []
     real_trim, real_pin = Fleet._trim, Fleet._pin
@@ -93,7 +93,9 @@ def test_a_hold_past_the_cap_cuts_the_oldest_short_and_stays_under_it() -> None:
     mp.setattr(Fleet, "_pin", pin)
     try:
         simulate(scenarios.pauses_jobs(), scenarios.cpu_engines(16 * scenarios.MIB),
-                 scenarios.PAUSES_POLICIES["hold"], config=scenarios.CPU_FLEET)
+                 scenarios.PAUSES_POLICIES["hold"],
+                 config=dataclasses.replace(scenarios.CPU_FLEET,
+                                            hold=HoldConfig(cut_for_room=True)))
     finally:
         mp.undo()
     assert True in trims and over == []
