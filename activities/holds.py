@@ -5,7 +5,8 @@ tool, or a human approval): it asks the cost model (``warmloop.workflows.holding
 with the pause statistics of that tool or approval kind and the engine's pressure.
 A hold is kept by 1-token touch requests on the prefix's token ids, often enough that
 the blocks never reach the end of vLLM's LRU (the interval follows the engine's churn),
-until the job resumes, the hold's TTL passes, or the cap on held tokens needs room.
+until the job resumes, its job ends (it asks Temporal, ``JobsOver``), the hold's TTL
+passes, or the cap on held tokens needs room.
 
 A hold never changes correctness: a job whose hold is lost just re-prefills.
 
@@ -24,11 +25,14 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from datetime import timedelta
+from typing import Any, Protocol
 
 import httpx
 import redis.asyncio as aioredis
 import structlog
+from temporalio.client import Client
+from temporalio.service import RPCError
 
 from warmloop.activities.directory import PrefixDirectory
 from warmloop.activities.pauses import PauseStats, approval_kind, tool_kind
@@ -60,7 +64,8 @@ log = structlog.get_logger(__name__)
 HOLDS_KEY = "warmloop:holds:{}"
 """Hash per engine: job id -> the hold (JSON)."""
 HOLD_STATS = "warmloop:holds:stats:{}"
-"""Hash per engine: holds, touches, touch tokens, releases by cause, holds cut short for
+"""Hash per engine: holds, touches, touch tokens, releases by cause (``released_on_resume``,
+``_on_ttl``, ``_for_room``, ``_lost``, ``_moved``, ``_job_over``), holds cut short for
 room (``trimmed_for_room``), blocks computed again after eviction
 (``regretted_blocks``)."""
 MAX_LOADED_SLOWDOWN = 4.0
@@ -98,6 +103,8 @@ class Hold:
     step: int | None = None
     """The step after which the job paused (a later or equal step recorded on another
     engine means the job went on there: the hold is dropped, ``_drop_moved``)."""
+    asked_at: float | None = None
+    """When it last asked whether its job still runs (None: not yet; ``_drop_over``)."""
 
     def record(self) -> str:
         return json.dumps({"kind": self.kind, "tokens": len(self.tokens),
@@ -118,6 +125,38 @@ def pause_kind(profile: Profile, tool: str, arguments: str) -> str | None:
     return approval_kind(rule.kind) if rule is not None else tool_kind(spec.name)
 
 
+class JobsOver(Protocol):
+    """Which of these jobs have ended: a hold's job that ended after its pausing step (a
+    budget, a cancel, a rejected or expired approval, a terminated workflow) sends no
+    next step to resume it."""
+
+    async def __call__(self, job_ids: list[str]) -> set[str]: ...
+
+
+class WorkflowsOver:
+    """``JobsOver`` from Temporal: a job is its workflow (the workflow id is the job id),
+    over once its latest run is no longer running (continue-as-new's next run is).
+    Strongly consistent (a describe per job, not the visibility store, which lags). A job
+    Temporal cannot describe (an error, a timeout, an id it does not know) counts as
+    running: an ended hold only costs room until its TTL, a dropped one a re-prefill."""
+
+    def __init__(self, client: Client, *, timeout_s: float = 2.0) -> None:
+        self._client = client
+        self._timeout = timedelta(seconds=timeout_s)
+
+    async def __call__(self, job_ids: list[str]) -> set[str]:
+        async def over(job_id: str) -> bool:
+            try:
+                d = await self._client.get_workflow_handle(job_id).describe(
+                    rpc_timeout=self._timeout)
+            except (TimeoutError, RPCError):
+                return False
+            return d.status is not None and d.status.name != "RUNNING"
+
+        answers = await asyncio.gather(*(over(j) for j in job_ids))
+        return {j for j, done in zip(job_ids, answers, strict=True) if done}
+
+
 class HoldManager:
     def __init__(self, *, engine_id: str, base_url: str, model: str, http: httpx.AsyncClient,
                  redis: aioredis.Redis, pauses: PauseStats,
@@ -127,10 +166,15 @@ class HoldManager:
                  directory: PrefixDirectory | None = None,
                  clock: Callable[[], float] = time.time,
                  outage: RedisOutage | None = None,
-                 regret: EvictionRegret | None = None) -> None:
+                 regret: EvictionRegret | None = None,
+                 jobs_over: JobsOver | None = None
+                 ) -> None:
         """``regret``: the engine's evictions as its KV events show them (precise mode);
-        the rent of a hold is then the recomputes its room would cause, measured."""
+        the rent of a hold is then the recomputes its room would cause, measured.
+        ``jobs_over``: asked every ``config.job_check_s`` which held jobs have ended
+        (``WorkflowsOver``); None: a hold whose job ended stands to its TTL."""
         self._engine = engine_id
+        self._jobs_over = jobs_over
         self.regret = regret
         self._regretted = 0
         """``regret.regretted`` as last counted in the hold statistics."""
@@ -332,6 +376,7 @@ class HoldManager:
         for h in list(self.holds.values()):
             if now >= h.until and self._forget(h):
                 await self._count(released_on_ttl=1)
+        await self._drop_over(now)
         interval = self.touch_interval_s()
         for h in self.holds.values():
             if h.pings is None:
@@ -410,6 +455,32 @@ class HoldManager:
             else:
                 kept.append(h)
         return kept
+
+    async def _drop_over(self, now: float) -> None:
+        """Drop the holds whose job has ended (asked of ``jobs_over`` for each hold at
+        most every ``config.job_check_s``, all due holds in one call). Without it an
+        ended job's hold stands to its TTL, always-hold's approvals 10 minutes, in room
+        the cap gives other holds. An answer that fails keeps every hold."""
+        every = self.config.job_check_s
+        if self._jobs_over is None or every <= 0:
+            return
+        ask = [h for h in self.holds.values()
+               if now - (h.created if h.asked_at is None else h.asked_at) >= every]
+        if not ask:
+            return
+        for h in ask:
+            h.asked_at = now
+        try:
+            over = await self._jobs_over(sorted({h.job_id for h in ask}))
+        except Exception as e:  # noqa: BLE001 - advice: a hold kept costs only room
+            log.warning("hold_job_check_failed", error=str(e))
+            return
+        for h in ask:
+            # _forget: the job may have been resumed, or held anew, while we asked
+            if h.job_id in over and self._forget(h):
+                await self._count(released_job_over=1)
+                log.info("hold_job_over", job_id=h.job_id, kind=h.kind,
+                         held_s=round(now - h.created, 1))
 
     async def _touch(self, h: Hold) -> None:
         if h.body is not None:  # a managed API: resend the conversation, one output token

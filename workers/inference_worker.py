@@ -22,7 +22,7 @@ from temporalio.worker import FixedSizeSlotSupplier, Worker, WorkerTuner
 from warmloop.activities.admission import BatchAdmission
 from warmloop.activities.cachebust import CacheBust, CacheBustDetector
 from warmloop.activities.directory import KvEventApplier, PrefixDirectory
-from warmloop.activities.holds import HoldManager
+from warmloop.activities.holds import HoldManager, WorkflowsOver
 from warmloop.activities.inference import InferenceActivities
 from warmloop.activities.pauses import PauseStats
 from warmloop.activities.registry import (
@@ -304,7 +304,8 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
         holds = HoldManager(engine_id=engine.id, base_url=engine.url, model=engine.model,
                             http=http, redis=redis, pauses=PauseStats(redis, outage=outage),
                             engine_info=view, config=settings.holding, directory=directory,
-                            ttl_cache=_ttl_cache(engine), outage=outage, regret=regret)
+                            ttl_cache=_ttl_cache(engine), outage=outage, regret=regret,
+                            jobs_over=WorkflowsOver(client))
         inference = InferenceActivities(
             engine_id=engine.id, base_url=engine.url, model=engine.model, http=http,
             price=engine.price,

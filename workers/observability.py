@@ -79,7 +79,7 @@ _OBSERVER = "observer (python -m warmloop.workers.observability observe)"
 
 HOLD_EVENTS = ("holds", "touches", "touch_prompt_tokens", "touch_computed_tokens",
                "released_on_resume", "released_on_ttl", "released_for_room", "trimmed_for_room",
-               "released_lost", "released_moved", "shrunk", "prewarms",
+               "released_lost", "released_moved", "released_job_over", "shrunk", "prewarms",
                "prewarm_computed_tokens", "regretted_blocks")
 """The fields of the inference workers' hold statistics (``activities.holds.HOLD_STATS``)
 the observer exports; a field not named here is not exported (bounded labels)."""

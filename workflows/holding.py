@@ -64,6 +64,12 @@ class HoldConfig(BaseModel):
     """TTL of the always_hold baseline policy."""
     min_touch_interval_s: float = Field(default=0.25, gt=0)
     max_touch_interval_s: float = Field(default=30.0, gt=0)
+    job_check_s: float = Field(default=5.0, ge=0)
+    """How often a standing hold asks whether its job still runs (0: never). A job that
+    ended after a pausing step (a token, cost or time budget; a cancel; a rejected or
+    expired approval; a terminated workflow) sends no next step to resume its hold, which
+    would otherwise stand to its TTL (always-hold's and approvals': 10 minutes) in room
+    the cap gives other holds."""
     touch_priority: int = -1
     """vLLM priority of touches (lower first): ahead of interactive steps (0). A touch
     computes one token, so it costs a queued step almost nothing; queued behind other

@@ -104,6 +104,47 @@ async def test_a_held_prefix_is_touched_while_the_job_waits_and_released_on_resu
     assert res.steps[p.step - 1].valid and res.steps[p.step].cached_tokens >= 1024
 
 
+async def test_a_hold_whose_job_is_cancelled_while_it_waits_ends_with_the_job(
+    stack: Stack, client: Client, settings: Settings, redis: aioredis.Redis,
+) -> None:
+    # A review job waits for a reviewer with its prompt held (always_hold: 10 minutes).
+    # Cancelled while it waits, it sends no step to resume the hold: the engine's worker
+    # asks Temporal (every job_check_s, 5 s) and lets the hold go when the job has ended.
+    engines = [e.id for e in settings.engine_endpoints]
+    before = {e: await hold_stats(redis, e) for e in engines}
+    job_id = f"hold-cancel-{uuid.uuid4().hex[:6]}"
+    handle = await client.start_workflow(
+        AgentJob.run,
+        JobInput(profile="synthetic-review", task=case(3), max_steps=4, tools=["escalate"],
+                 hold_policy="always_hold"),
+        id=job_id, task_queue=AGENT_TASK_QUEUE)
+
+    async def held() -> str | None:
+        for e in engines:
+            if await redis.hget(HOLDS_KEY.format(e), job_id) is not None:
+                return e
+        return None
+
+    engine = await eventually(held, attempts=1200)
+
+    async def pending() -> list[PendingApproval] | None:
+        return await handle.query(AgentJob.pending_approvals) or None
+
+    await eventually(pending, attempts=1200)
+    await handle.cancel()
+    res = await handle.result()
+    assert res.state == JobState.CANCELLED, res.reason
+
+    async def let_go() -> bool:
+        return await redis.hget(HOLDS_KEY.format(engine), job_id) is None
+
+    # job_check_s (5 s) and a tick: well inside 30 s; the TTL is 600 s
+    await eventually(let_go, attempts=600)
+    after = await hold_stats(redis, engine)
+    assert after.get("released_job_over", 0) - before[engine].get("released_job_over", 0) \
+        >= 1, after
+
+
 async def test_opening_a_pending_approval_prewarms_the_prompt_on_an_engine(
     stack: Stack, client: Client, settings: Settings, redis: aioredis.Redis,
 ) -> None:

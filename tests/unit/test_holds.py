@@ -423,6 +423,55 @@ async def test_a_job_resumed_while_the_ttl_sweep_awaits_is_not_released_twice() 
     assert stats["released_on_ttl"] == 1 and stats["released_on_resume"] == 1
 
 
+async def test_a_hold_whose_job_ended_is_dropped_when_it_next_asks() -> None:
+    """A job that ends after a pausing step (a budget, a cancel, an expired approval)
+    sends no step to resume its hold: each hold asks whether its job still runs every
+    ``job_check_s`` (all due holds in one call), and one whose job ended is dropped.
+    An answer that fails keeps every hold; ``job_check_s=0`` never asks."""
+    m, redis, clock = manager(StubPauses(1200.0, 3600.0), [], capacity=100_000,
+                              config=HoldConfig(job_check_s=5.0))
+    ended: set[str] = set()
+    asked: list[list[str]] = []
+    failing = [False]
+
+    async def over(job_ids: list[str]) -> set[str]:
+        asked.append(job_ids)
+        if failing[0]:
+            raise RuntimeError("Temporal is away")
+        return ended & set(job_ids)
+
+    m._jobs_over = over
+    triage = get_profile("ticket-triage")
+    for job in ("b", "a"):
+        await m.after_step(job_id=job, profile=triage, kind="approval:urgent_priority",
+                           prefix_tokens=[1] * 256, policy="always_hold", interactive=True)
+    await m.tick()
+    assert asked == []  # just made: nothing to ask yet
+    clock.t += 5
+    ended.add("a")
+    failing[0] = True
+    await m.tick()
+    assert asked == [["a", "b"]] and sorted(m.holds) == ["a", "b"]  # no answer: kept
+    failing[0] = False
+    clock.t += 1
+    await m.tick()
+    assert len(asked) == 1  # each hold asks at most every job_check_s
+    clock.t += 4
+    await m.tick()
+    assert asked[-1] == ["a", "b"] and sorted(m.holds) == ["b"]
+    stats = redis.hashes["warmloop:holds:stats:e0"]
+    assert stats["released_job_over"] == 1 and "released_on_ttl" not in stats
+
+    quiet, _, clock2 = manager(StubPauses(1200.0, 3600.0), [], capacity=100_000,
+                               config=HoldConfig(job_check_s=0))
+    quiet._jobs_over = over
+    await quiet.after_step(job_id="a", profile=triage, kind="approval:urgent_priority",
+                           prefix_tokens=[1] * 256, policy="always_hold", interactive=True)
+    clock2.t += 60
+    await quiet.tick()
+    assert len(asked) == 2 and "a" in quiet.holds
+
+
 class FlakyRedis(StubRedis):
     """StubRedis that can be away: its pipelines fail as a dropped connection does."""
 
