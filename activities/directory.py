@@ -286,6 +286,8 @@ class KvEventApplier:
                 if regret is not None and stored and self._block_size:
                     regret.stored(stored, self._block_size, now)
             elif kind == "BlockRemoved":
+                if body.get("medium") not in (None, "GPU"):
+                    continue  # an offload tier's drop: the engine's own pool still has it
                 removed = []
                 for vh in body.get("block_hashes") or []:
                     ours = self._ours.pop(_key(vh), None)

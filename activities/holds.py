@@ -137,18 +137,21 @@ class WorkflowsOver:
     """``JobsOver`` from Temporal: a job is its workflow (the workflow id is the job id),
     over once its latest run is no longer running (continue-as-new's next run is).
     Strongly consistent (a describe per job, not the visibility store, which lags). A job
-    Temporal cannot describe (an error, a timeout, an id it does not know) counts as
+    Temporal cannot describe in ``timeout_s`` (an error, an id it does not know) counts as
     running: an ended hold only costs room until its TTL, a dropped one a re-prefill."""
 
     def __init__(self, client: Client, *, timeout_s: float = 2.0) -> None:
         self._client = client
-        self._timeout = timedelta(seconds=timeout_s)
+        self._timeout_s = timeout_s
 
     async def __call__(self, job_ids: list[str]) -> set[str]:
         async def over(job_id: str) -> bool:
             try:
-                d = await self._client.get_workflow_handle(job_id).describe(
-                    rpc_timeout=self._timeout)
+                # the SDK retries an unavailable server for ~10 s: the bound is ours
+                d = await asyncio.wait_for(
+                    self._client.get_workflow_handle(job_id).describe(
+                        rpc_timeout=timedelta(seconds=self._timeout_s)),
+                    self._timeout_s)
             except (TimeoutError, RPCError):
                 return False
             return d.status is not None and d.status.name != "RUNNING"
@@ -175,6 +178,8 @@ class HoldManager:
         (``WorkflowsOver``); None: a hold whose job ended stands to its TTL."""
         self._engine = engine_id
         self._jobs_over = jobs_over
+        self._asking: asyncio.Task[None] | None = None
+        """The question to ``jobs_over`` in flight (at most one; ticks never wait on it)."""
         self.regret = regret
         self._regretted = 0
         """``regret.regretted`` as last counted in the hold statistics."""
@@ -376,7 +381,7 @@ class HoldManager:
         for h in list(self.holds.values()):
             if now >= h.until and self._forget(h):
                 await self._count(released_on_ttl=1)
-        await self._drop_over(now)
+        self._ask_over(now)
         interval = self.touch_interval_s()
         for h in self.holds.values():
             if h.pings is None:
@@ -456,13 +461,15 @@ class HoldManager:
                 kept.append(h)
         return kept
 
-    async def _drop_over(self, now: float) -> None:
-        """Drop the holds whose job has ended (asked of ``jobs_over`` for each hold at
-        most every ``config.job_check_s``, all due holds in one call). Without it an
-        ended job's hold stands to its TTL, always-hold's approvals 10 minutes, in room
-        the cap gives other holds. An answer that fails keeps every hold."""
+    def _ask_over(self, now: float) -> None:
+        """Ask ``jobs_over`` about the holds not asked for ``config.job_check_s``, all in
+        one question, in the background (a slow Temporal must not hold back touches);
+        ``_drop_over`` drops those whose job has ended. Without it an ended job's hold
+        stands to its TTL, always-hold's approvals 10 minutes, in room the cap gives
+        other holds."""
         every = self.config.job_check_s
-        if self._jobs_over is None or every <= 0:
+        if (self._jobs_over is None or every <= 0
+                or (self._asking is not None and not self._asking.done())):
             return
         ask = [h for h in self.holds.values()
                if now - (h.created if h.asked_at is None else h.asked_at) >= every]
@@ -470,11 +477,15 @@ class HoldManager:
             return
         for h in ask:
             h.asked_at = now
+        self._asking = asyncio.create_task(self._drop_over(self._jobs_over, ask))
+
+    async def _drop_over(self, jobs_over: JobsOver, ask: list[Hold]) -> None:
         try:
-            over = await self._jobs_over(sorted({h.job_id for h in ask}))
+            over = await jobs_over(sorted({h.job_id for h in ask}))
         except Exception as e:  # noqa: BLE001 - advice: a hold kept costs only room
             log.warning("hold_job_check_failed", error=str(e))
             return
+        now = self._clock()
         for h in ask:
             # _forget: the job may have been resumed, or held anew, while we asked
             if h.job_id in over and self._forget(h):

@@ -169,6 +169,10 @@ PATCH_ROUTE_NEXT_IN_WORKER = "route-next-in-worker"
 # tool's would be: a trace teaches the hold model its own pauses (histories of replays
 # recorded before it did not).
 PATCH_REPLAY_PAUSES = "replay-records-pauses"
+# A step cut at its output budget raises the next ask's budget and says so in the repair
+# message: a longer transcript than histories recorded before it, which may move a
+# compaction or a carry's store.
+PATCH_CUT_BUDGET = "cut-budget"
 ROUTE_AHEAD_MAX_AGE = timedelta(seconds=2)
 """The oldest a route taken ahead may be when its step starts. Past it (a long tool), the
 fleet's load may have moved, and the step is routed again as before."""
@@ -776,8 +780,10 @@ class AgentJob:
     def _note_cut(self, gen: GenerateResult, error: str) -> str:
         """An invalid call cut at its budget (the call may just be longer than the tier
         allows) raises the next ask's budget (``step_output_budget``); the error says
-        so. Any other invalid call leaves the tiers as they are."""
-        if gen.finish_reason == "length":
+        so. Any other invalid call leaves the tiers as they are, and so does a call cut
+        short of its budget (the model's context ran out: more budget cannot help)."""
+        if (gen.finish_reason == "length" and gen.completion_tokens >= self._step_max_tokens
+                and workflow.patched(PATCH_CUT_BUDGET)):
             self._cut_at = self._step_max_tokens
             return error + f" (cut at the step's {self._step_max_tokens}-token budget)"
         self._cut_at = None

@@ -452,8 +452,16 @@ class EvictionRegret:
             if mark is not None:
                 self._regrets.append((now, self._evicted_tokens - mark, block_tokens))
                 self.regretted += 1
-        while len(self._regrets) > self._max_regrets:
-            self._floor = self._regrets.popleft()[0]
+        regrets = self._regrets
+        if len(regrets) > self._max_regrets:
+            floor = 0.0
+            while len(regrets) > self._max_regrets:
+                floor = regrets.popleft()[0]
+            # the rate's span starts at the floor: a recompute made at that very instant
+            # would count over no time at all (one batch of events shares one ``now``)
+            while regrets and regrets[0][0] <= floor:
+                regrets.popleft()
+            self._floor = floor
         self._trim(now)
 
     def _span(self, now: float) -> float | None:

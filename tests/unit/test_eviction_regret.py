@@ -241,3 +241,16 @@ def test_recomputes_beyond_the_bound_are_read_over_the_span_they_cover() -> None
     assert len(r._regrets) == 10
     # the last ten cover the span since the one dropped before them: still 16 a second
     assert r.displaced_tokens_per_s(16, now=99.0) == pytest.approx(16 * 10 / 10)
+
+
+def test_a_batch_over_the_bound_at_one_instant_claims_no_rate_over_no_time() -> None:
+    # One batch of KV events shares one clock reading: 12 recomputes at t=50 over a bound
+    # of 10 dropped two made at 50, and the ten kept were read over 1e-9 s (a rate of
+    # ~1e11 tokens a second). Those made at the floor's instant go with it.
+    r = EvictionRegret(min_span_s=1, max_regrets=10)
+    r.evicted(["old"], 16, now=0.0)
+    r.stored(["old"], 16, now=1.0)
+    r.evicted([f"x{i}" for i in range(12)], 16, now=40.0)
+    r.stored([f"x{i}" for i in range(12)], 16, now=50.0)
+    rate = r.displaced_tokens_per_s(1 << 20, now=50.0)
+    assert rate is not None and rate < 1_000

@@ -3,6 +3,7 @@ Redis stubbed (the real ones are in tests/integration/test_holds.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -441,23 +442,29 @@ async def test_a_hold_whose_job_ended_is_dropped_when_it_next_asks() -> None:
         return ended & set(job_ids)
 
     m._jobs_over = over
+
+    async def tick() -> None:  # and the question it asked in the background
+        await m.tick()
+        if m._asking is not None:
+            await m._asking
+
     triage = get_profile("ticket-triage")
     for job in ("b", "a"):
         await m.after_step(job_id=job, profile=triage, kind="approval:urgent_priority",
                            prefix_tokens=[1] * 256, policy="always_hold", interactive=True)
-    await m.tick()
+    await tick()
     assert asked == []  # just made: nothing to ask yet
     clock.t += 5
     ended.add("a")
     failing[0] = True
-    await m.tick()
+    await tick()
     assert asked == [["a", "b"]] and sorted(m.holds) == ["a", "b"]  # no answer: kept
     failing[0] = False
     clock.t += 1
-    await m.tick()
+    await tick()
     assert len(asked) == 1  # each hold asks at most every job_check_s
     clock.t += 4
-    await m.tick()
+    await tick()
     assert asked[-1] == ["a", "b"] and sorted(m.holds) == ["b"]
     stats = redis.hashes["warmloop:holds:stats:e0"]
     assert stats["released_job_over"] == 1 and "released_on_ttl" not in stats
@@ -470,6 +477,35 @@ async def test_a_hold_whose_job_ended_is_dropped_when_it_next_asks() -> None:
     clock2.t += 60
     await quiet.tick()
     assert len(asked) == 2 and "a" in quiet.holds
+
+
+async def test_a_slow_answer_on_ended_jobs_holds_back_no_touch() -> None:
+    """The question runs beside the ticks: while Temporal takes its time, holds are
+    still touched and no second question is asked."""
+    touches: list[dict[str, Any]] = []
+    m, _, clock = manager(StubPauses(2.0, 6.0), touches, config=HoldConfig(job_check_s=1.0))
+    answer = asyncio.Event()
+    asked: list[list[str]] = []
+
+    async def slow(job_ids: list[str]) -> set[str]:
+        asked.append(job_ids)
+        await answer.wait()
+        return set(job_ids)
+
+    m._jobs_over = slow
+    await m.after_step(job_id="j1", profile=get_profile("ticket-triage"),
+                       kind="tool:search_kb", prefix_tokens=list(range(2048)),
+                       policy="always_hold", interactive=True)
+    clock.t = max(m.holds["j1"].next_touch, clock.t + 1.0)
+    await m.tick()
+    assert asked == [["j1"]] and len(touches) == 1  # touched while the question waits
+    clock.t = m.holds["j1"].next_touch + 1.0
+    await m.tick()
+    assert asked == [["j1"]] and len(touches) == 2  # one question at a time
+    answer.set()
+    assert m._asking is not None
+    await m._asking
+    assert not m.holds
 
 
 class FlakyRedis(StubRedis):

@@ -160,6 +160,10 @@ async def test_kv_events_map_onto_the_routers_block_hashes() -> None:
                           "block_size": 128}])
     assert d.stored[2] == block_hashes(tokens[:256] + tokens[256:300] + [0] * 84, 128)[2]
     assert len(d.stored) == 3
+    # an offload tier dropping its copy leaves the engine's pool as it was
+    await applier.apply([{"type": "BlockRemoved", "block_hashes": [b"v2"], "medium": "CPU"},
+                         ["BlockRemoved", [b"v3"], "CPU"]])
+    assert d.removed == []
     await applier.apply([{"type": "BlockRemoved", "block_hashes": [b"v2", b"nope"]}])
     assert d.removed == [d.stored[1]]
     await applier.apply([{"type": "AllBlocksCleared"}])

@@ -130,21 +130,56 @@ async def test_output_budget_tiers_and_the_budget_tail(
     assert all(p[-1].role == "user" and p[0].role == "system" for p in fakes.prompts)
 
 
+CUT = reply(None, content='[{"name":"search_kb","arguments":{"topic":"cr').model_copy(
+    update={"finish_reason": "length"})
+"""A call cut into text that is no call (finish reason "length")."""
+
+
+def at_budget(result: GenerateResult, req: GenerateRequest) -> GenerateResult:
+    """``result``, and if it was cut, cut where the engine cuts: at the step's budget."""
+    if result.finish_reason != "length":
+        return result
+    return result.model_copy(update={"completion_tokens": req.max_tokens})
+
+
 async def test_a_call_cut_at_its_budget_gets_a_doubled_budget_until_one_is_valid(
     time_skipping_env: WorkflowEnvironment,
 ) -> None:
     # A call longer than its tier: cut at max_tokens into text that is no call. The next
     # step gets twice the budget (up to after_cut, 1024 by default); a valid call resets
     # it; an invalid call that was not cut does not raise it.
-    cut = reply(None, content='[{"name":"search_kb","arguments":{"topic":"cr').model_copy(
-        update={"finish_reason": "length"})
-    script = iter([cut, cut, SEARCH, reply("search_kb", "oops"), SEARCH, SEARCH])
-    fakes = FakeActivities(lambda req: next(script))
+    script = iter([CUT, CUT, SEARCH, reply("search_kb", "oops"), SEARCH, SEARCH])
+    fakes = FakeActivities(lambda req: at_budget(next(script), req))
     async with workers(time_skipping_env, fakes) as client:
         res = await run_job(client, limits=JobLimits(max_steps=6))
     assert [r.max_tokens for r in fakes.generate_requests] == [144, 288, 576, 160, 128, 160]
     assert "cut at the step's 144-token budget" in (res.steps[0].error or "")
     assert [s.valid for s in res.steps] == [False, False, True, False, True, True]
+
+
+async def test_a_call_cut_short_of_its_budget_leaves_the_budget_alone(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    # "length" with fewer tokens than the budget: the model's context ran out, which more
+    # output budget cannot mend; the next step keeps its tier and the error says no cut.
+    script = iter([CUT, SEARCH, SEARCH])
+    fakes = FakeActivities(lambda req: next(script))  # CUT: 20 tokens, budget 144
+    async with workers(time_skipping_env, fakes) as client:
+        res = await run_job(client, limits=JobLimits(max_steps=3))
+    assert [r.max_tokens for r in fakes.generate_requests] == [144, 128, 160]
+    assert "budget" not in (res.steps[0].error or "x budget")
+
+
+async def test_a_raised_budget_after_a_cut_survives_continue_as_new(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    script = iter([CUT, CUT, SEARCH, SEARCH])
+    fakes = FakeActivities(lambda req: at_budget(next(script), req))
+    async with workers(time_skipping_env, fakes) as client:
+        res = await run_job(client, max_steps=4, continue_as_new_after_steps=1,
+                            limits=JobLimits(max_steps=4))
+    assert res.runs >= 3
+    assert [r.max_tokens for r in fakes.generate_requests] == [144, 288, 576, 160]
 
 
 # ---- approvals --------------------------------------------------------------------------
