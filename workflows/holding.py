@@ -36,7 +36,7 @@ class HoldConfig(BaseModel):
     """Past the cap, cut the oldest hold's tail where that is room enough, instead of
     letting it go whole. Off by default: the simulator's agentic fleet gained with it
     (439.5 -> 451.5 jobs per GPU-hour at 8 GPUs) but bench-pauses' interleaved runs lost
-    (warmloop 7,170-21,122 tokens recomputed after pauses in four repeats, against
+    (warmloop 7,170-21,122 tokens recomputed after pauses in five repeats, against
     2,306 at the median of nine without): cut to exactly the excess, the oldest holds
     stay the oldest and are cut again, down to the prompt other holds share, and the
     next in line are the approvals' held prompts. Bench-gateway's one prompt over the

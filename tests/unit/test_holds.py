@@ -218,27 +218,29 @@ async def test_one_prompt_over_the_cap_is_held_cut_to_the_blocks_that_fit() -> N
     assert touches[-1]["prompt"] == list(range(153 * 16 + 1))  # touches what it kept
 
 
+async def hold_sharing(m: HoldManager, job: str, shared: list[str]) -> None:
+    """Hold ``job``'s 14-block (128-token) prompt: the profile's ``shared`` blocks, then
+    four of its own."""
+    await m.after_step(job_id=job, profile=get_profile("ticket-triage"),
+                       kind="tool:search_kb", prefix_tokens=list(range(14 * 128 + 1)),
+                       policy="always_hold", interactive=True, block_size=128,
+                       block_hashes=shared + [f"{job}-{k}" for k in range(4)])
+
+
 async def test_holds_sharing_a_profiles_prompt_count_it_once_under_the_cap() -> None:
     """The cap bounds the KV the holds keep: three jobs of one profile share its
     1,280-token system prompt and each keeps 512 tokens of its own, 2,816 + 3 tokens in
     all, not 3 x 1,793 (which a 3,000-token cap would have cut to one hold)."""
     m, redis, clock = manager(StubPauses(2.0, 6.0), [], capacity=10_000)
-    triage = get_profile("ticket-triage")
     shared = [f"s{i}" for i in range(10)]
     for i in range(3):
         clock.t += 1
-        await m.after_step(job_id=f"j{i}", profile=triage, kind="tool:search_kb",
-                           prefix_tokens=list(range(14 * 128 + 1)), policy="always_hold",
-                           interactive=True, block_size=128,
-                           block_hashes=shared + [f"j{i}-{k}" for k in range(4)])
+        await hold_sharing(m, f"j{i}", shared)
     assert sorted(m.holds) == ["j0", "j1", "j2"]
     assert m.held_tokens == (10 + 3 * 4) * 128 + 3
     assert "released_for_room" not in redis.hashes["warmloop:holds:stats:e0"]
     clock.t += 1  # a fourth job's blocks of its own take the union past 30 %
-    await m.after_step(job_id="j3", profile=triage, kind="tool:search_kb",
-                       prefix_tokens=list(range(14 * 128 + 1)), policy="always_hold",
-                       interactive=True, block_size=128,
-                       block_hashes=shared + [f"j3-{k}" for k in range(4)])
+    await hold_sharing(m, "j3", shared)
     assert sorted(m.holds) == ["j1", "j2", "j3"]  # the oldest went
     assert m.held_tokens == (10 + 3 * 4) * 128 + 3
     assert redis.hashes["warmloop:holds:stats:e0"]["released_for_room"] == 1
@@ -247,14 +249,10 @@ async def test_holds_sharing_a_profiles_prompt_count_it_once_under_the_cap() -> 
 async def test_a_hold_cut_for_room_gives_up_its_own_blocks_not_the_shared_prompt() -> None:
     m, redis, clock = manager(StubPauses(2.0, 6.0), [], capacity=10_000,
                               config=HoldConfig(cut_for_room=True))
-    triage = get_profile("ticket-triage")
     shared = [f"s{i}" for i in range(10)]
     for i in range(4):
         clock.t += 1
-        await m.after_step(job_id=f"j{i}", profile=triage, kind="tool:search_kb",
-                           prefix_tokens=list(range(14 * 128 + 1)), policy="always_hold",
-                           interactive=True, block_size=128,
-                           block_hashes=shared + [f"j{i}-{k}" for k in range(4)])
+        await hold_sharing(m, f"j{i}", shared)
     # 26 blocks and 4 tokens against 3,000: the oldest gives up three blocks of its own
     assert sorted(m.holds) == ["j0", "j1", "j2", "j3"]
     assert m.holds["j0"].hashes == shared + ["j0-0"]
