@@ -138,26 +138,38 @@ class WorkflowsOver:
     over once its latest run is no longer running (continue-as-new's next run is).
     Strongly consistent (a describe per job, not the visibility store, which lags). A job
     Temporal cannot describe in ``timeout_s`` (an error, an id it does not know) counts as
-    running: an ended hold only costs room until its TTL, a dropped one a re-prefill."""
+    running: an ended hold only costs room until its TTL, a dropped one a re-prefill.
 
-    def __init__(self, client: Client, *, timeout_s: float = 2.0) -> None:
+    At most ``max_concurrent`` describes are in flight at once: a worker with hundreds of
+    holds asks in waves rather than in one burst on the frontend (the question runs
+    beside the hold ticks, so a longer answer delays no touch)."""
+
+    def __init__(self, client: Client, *, timeout_s: float = 2.0,
+                 max_concurrent: int = 8) -> None:
+        if max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be at least 1, got {max_concurrent}")
         self._client = client
         self._timeout_s = timeout_s
+        self._slots = asyncio.Semaphore(max_concurrent)
 
     async def __call__(self, job_ids: list[str]) -> set[str]:
         async def over(job_id: str) -> bool:
-            try:
-                # the SDK retries an unavailable server for ~10 s: the bound is ours
-                d = await asyncio.wait_for(
-                    self._client.get_workflow_handle(job_id).describe(
-                        rpc_timeout=timedelta(seconds=self._timeout_s)),
-                    self._timeout_s)
-            except (TimeoutError, RPCError):
-                return False
-            return d.status is not None and d.status.name != "RUNNING"
+            async with self._slots:
+                return await self._over(job_id)
 
         answers = await asyncio.gather(*(over(j) for j in job_ids))
         return {j for j, done in zip(job_ids, answers, strict=True) if done}
+
+    async def _over(self, job_id: str) -> bool:
+        try:
+            # the SDK retries an unavailable server for ~10 s: the bound is ours
+            d = await asyncio.wait_for(
+                self._client.get_workflow_handle(job_id).describe(
+                    rpc_timeout=timedelta(seconds=self._timeout_s)),
+                self._timeout_s)
+        except (TimeoutError, RPCError):
+            return False
+        return d.status is not None and d.status.name != "RUNNING"
 
 
 class HoldManager:

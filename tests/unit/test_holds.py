@@ -543,3 +543,70 @@ async def test_statistics_counted_while_redis_was_away_are_written_when_it_is_ba
     await m.tick()
     stats = redis.hashes["warmloop:holds:stats:e0"]
     assert stats["holds"] == 1 and stats["touches"] == len(touches) == 2
+
+
+class _Described:
+    def __init__(self, status: Any) -> None:
+        self.status = status
+
+
+class _FakeTemporal:
+    """A client whose describes answer after ``delay_s`` with each job's status (or raise
+    ``errors[job]``), counting how many are in flight at once."""
+
+    def __init__(self, statuses: dict[str, Any], *, delay_s: float = 0.01,
+                 slow: dict[str, float] | None = None,
+                 errors: dict[str, BaseException] | None = None) -> None:
+        self.statuses, self.delay_s, self.errors = statuses, delay_s, errors or {}
+        self.slow = slow or {}
+        self.in_flight = self.peak = 0
+
+    def get_workflow_handle(self, job_id: str) -> Any:
+        fake = self
+
+        class _Handle:
+            async def describe(self, **_: Any) -> _Described:
+                fake.in_flight += 1
+                fake.peak = max(fake.peak, fake.in_flight)
+                try:
+                    await asyncio.sleep(fake.slow.get(job_id, fake.delay_s))
+                    if job_id in fake.errors:
+                        raise fake.errors[job_id]
+                    return _Described(fake.statuses[job_id])
+                finally:
+                    fake.in_flight -= 1
+
+        return _Handle()
+
+
+async def test_jobs_over_asks_temporal_in_waves_and_reads_every_answer() -> None:
+    from temporalio.client import WorkflowExecutionStatus as S
+
+    from warmloop.activities.holds import WorkflowsOver
+
+    statuses = {f"j{i}": (S.RUNNING if i % 3 else S.COMPLETED) for i in range(30)}
+    statuses["j1"] = S.FAILED
+    fake = _FakeTemporal(statuses)
+    over = await WorkflowsOver(fake, max_concurrent=4)(sorted(statuses))  # type: ignore[arg-type]
+    assert fake.peak == 4  # 30 describes, never more than 4 at once
+    assert over == {j for j, s in statuses.items() if s != S.RUNNING}
+
+
+async def test_jobs_over_counts_a_job_it_cannot_describe_as_running() -> None:
+    from temporalio.client import WorkflowExecutionStatus as S
+    from temporalio.service import RPCError, RPCStatusCode
+
+    from warmloop.activities.holds import WorkflowsOver
+
+    fake = _FakeTemporal({"done": S.TERMINATED, "slow": S.COMPLETED, "lost": S.COMPLETED},
+                         slow={"slow": 5.0},
+                         errors={"lost": RPCError("not found", RPCStatusCode.NOT_FOUND, b"")})
+    over = await WorkflowsOver(fake, timeout_s=0.05)(["done", "slow", "lost"])  # type: ignore[arg-type]
+    assert over == {"done"}
+
+
+def test_jobs_over_refuses_no_slots() -> None:
+    from warmloop.activities.holds import WorkflowsOver
+
+    with pytest.raises(ValueError, match="max_concurrent must be at least 1"):
+        WorkflowsOver(object(), max_concurrent=0)  # type: ignore[arg-type]
