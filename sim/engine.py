@@ -86,6 +86,13 @@ class PrefixCache:
     ``index`` (shared by a fleet's engines) maps each cached key to a bit mask of the
     engines caching it (bit ``owner``), so the fleet finds the engines warm for a
     prompt without asking each one.
+
+    A release may say its blocks were last used earlier than now (``release(...,
+    used_at=)``): a hold's blocks, kept by touches, were last used at its last touch.
+    Those blocks wait in ``aged`` (a heap by that time) beside the LRU (whose blocks
+    are in release order, so in time order), and eviction takes the older of the two
+    fronts. Only a chain's own tail may be aged (``aged_from``): its successors are
+    older still, its predecessors newer, so a chain's cached blocks stay a prefix.
     """
 
     def __init__(self, blocks: int, index: dict[BlockKey, int] | None = None,
@@ -105,15 +112,32 @@ class PrefixCache:
         """Every cached key: how many users' keys end at it."""
         self.kids: dict[BlockKey, int] = {}
         """Cached keys with successors in use: how many (absent: none)."""
-        self.lru: OrderedDict[BlockKey, None] = OrderedDict()
+        self.lru: OrderedDict[BlockKey, float] = OrderedDict()
+        """Evictable blocks in the order they were released: block -> when (the clock's
+        time; 0 without a clock)."""
+        self.aged: dict[BlockKey, int] = {}
+        """Evictable blocks released as last used before then: block -> its entry's
+        number in ``_aged_heap`` (entries of blocks used since are stale)."""
+        self._aged_heap: list[tuple[float, int, BlockKey]] = []
+        self._aged_seq = itertools.count()
         self.index = index
         self.bit = 1 << owner
+        self.stored_blocks = 0
+        """Blocks computed and registered so far (the pool's churn, as vLLM's prefix
+        cache queries minus hits count it)."""
         self.usage = 0.0
         """``used_blocks / capacity`` (vLLM's KV usage), kept up to date by every change
         of the pool: the router reads it for dozens of engines a step."""
 
     def _note_usage(self) -> None:
         self.usage = self.used_blocks / self.capacity
+
+    def _now(self) -> float:
+        return self._clock.now if self._clock is not None else 0.0
+
+    def evictable(self, key: BlockKey) -> bool:
+        """Cached and no user: in the LRU or aged."""
+        return key in self.lru or key in self.aged
 
     def hit_blocks(self, chain: Sequence[BlockKey]) -> int:
         """Leading blocks of ``chain`` cached here (in use or evictable)."""
@@ -146,16 +170,16 @@ class PrefixCache:
     @property
     def used_blocks(self) -> int:
         """Blocks some request or hold is using (vLLM's KV usage counts these)."""
-        return self.capacity - self.empty - len(self.lru)
+        return self.capacity - self.empty - len(self.lru) - len(self.aged)
 
     def can_allocate(self, hit: int, chain: Sequence[BlockKey], new_blocks: int) -> bool:
         lru = self.lru
-        free = self.empty + len(lru)
+        free = self.empty + len(lru) + len(self.aged)
         if new_blocks <= free - hit:  # however many of the hit blocks are evictable
             return True
         if new_blocks > free:
             return False
-        reclaimed = sum(map(lru.__contains__, chain[:hit]))
+        reclaimed = sum(map(self.evictable if self.aged else lru.__contains__, chain[:hit]))
         return new_blocks <= free - reclaimed
 
     def _take(self) -> None:
@@ -168,13 +192,13 @@ class PrefixCache:
         """Index of the first of ``keys[:hit]`` (all cached) no request or hold uses
         (the evictable ones, in the LRU): a block's users use its predecessors, so the
         unused cached blocks are the tail of ``keys[:hit]``."""
-        lru = self.lru
-        if not hit or keys[hit - 1] not in lru:
+        free = self.evictable if self.aged else self.lru.__contains__
+        if not hit or not free(keys[hit - 1]):
             return hit
         lo, hi = -1, hit - 1  # keys[lo] is in use (lo == -1: none), keys[hi] is not
         while hi - lo > 1:
             mid = (lo + hi) >> 1
-            if keys[mid] in lru:
+            if free(keys[mid]):
                 hi = mid
             else:
                 lo = mid
@@ -201,8 +225,14 @@ class PrefixCache:
                 kids[before] = kids.get(before, 0) + 1
             if cached > unused:
                 lru = self.lru
-                for k in keys[unused:cached]:
-                    del lru[k]
+                if self.aged:
+                    aged = self.aged
+                    for k in keys[unused:cached]:
+                        if aged.pop(k, None) is None:
+                            del lru[k]
+                else:
+                    for k in keys[unused:cached]:
+                        del lru[k]
             if cached < n:
                 new = keys[cached:]
                 m = n - cached
@@ -211,6 +241,7 @@ class PrefixCache:
                 if m > free:
                     self._evict(m - free)
                 ref.update(dict.fromkeys(new, 0))
+                self.stored_blocks += m
                 if self.regret is not None:
                     self.regret.stored(new, self._block_tokens, self._clock.now)  # type: ignore[union-attr]
                 index = self.index
@@ -227,11 +258,14 @@ class PrefixCache:
     def _evict(self, n: int) -> None:
         """Free the ``n`` least recently used blocks."""
         lru, ref, index, bit = self.lru, self.ref, self.index, self.bit
+        if self.aged:
+            victims = self._take_oldest(n)
+        else:
+            victims = [lru.popitem(last=False)[0] for _ in range(n)]
         if self.regret is not None:
-            self.regret.evicted(itertools.islice(lru, n), self._block_tokens,
+            self.regret.evicted(victims, self._block_tokens,
                                 self._clock.now)  # type: ignore[union-attr]
-        for _ in range(n):
-            key, _ = lru.popitem(last=False)
+        for key in victims:
             del ref[key]
             if index is not None:
                 mask = index[key] ^ bit
@@ -240,13 +274,34 @@ class PrefixCache:
                 else:
                     del index[key]
 
-    def release(self, keys: Sequence[BlockKey]) -> None:
+    def _take_oldest(self, n: int) -> list[BlockKey]:
+        """Out of the LRU and the aged blocks, the ``n`` last used longest ago (the LRU's
+        on a tie: a released chain's tail before an aged predecessor)."""
+        lru, aged, heap = self.lru, self.aged, self._aged_heap
+        out = []
+        for _ in range(n):
+            while heap and aged.get(heap[0][2]) != heap[0][1]:
+                heapq.heappop(heap)  # stale: used since, or evicted
+            if heap and (not lru or heap[0][0] < next(iter(lru.values()))):
+                _, _, key = heapq.heappop(heap)
+                del aged[key]
+            else:
+                key = lru.popitem(last=False)[0]
+            out.append(key)
+        return out
+
+    def release(self, keys: Sequence[BlockKey], *, used_at: float | None = None,
+                aged_from: int = 0) -> None:
         """Stop using ``keys``; last block first, so a prompt's tail is evicted first.
 
         The user ended at the last key: from there back, each block no other user ends
         at or goes on from is freed (appended to the LRU, last first), and the walk
         stops at the first block still in use, which loses one successor in use; the
-        same as ``release_walk``."""
+        same as ``release_walk``.
+
+        ``used_at``: when the freed blocks from ``keys[aged_from]`` on were last used,
+        if before now (a hold's last touch): they are evicted as that old. The blocks
+        before ``aged_from`` (a prefix other chains share) go to the LRU as used now."""
         n = len(keys)
         if not n:
             return
@@ -270,7 +325,18 @@ class PrefixCache:
                 break
             del kids[k]
             freed.append(k)
-        self.lru.update(dict.fromkeys(freed))
+        now = self._now()
+        if used_at is not None and used_at < now:
+            own = max(0, min(len(freed), n - aged_from))  # freed[:own]: keys[aged_from:]
+            aged, heap, seq = self.aged, self._aged_heap, self._aged_seq
+            for k in freed[:own]:  # last first, so the tail is evicted first
+                aged[k] = s = next(seq)
+                heapq.heappush(heap, (used_at, s, k))
+            if len(heap) > 2 * len(aged) + 1024:  # mostly stale: blocks used again since
+                self._aged_heap = heap = [e for e in heap if aged.get(e[2]) == e[1]]
+                heapq.heapify(heap)
+            freed = freed[own:]
+        self.lru.update(dict.fromkeys(freed, now))
         self._note_usage()
 
     # The plain walks: one key at a time (the reference the tests compare with).
@@ -285,6 +351,8 @@ class PrefixCache:
                     index[k] = index.get(k, 0) | bit
             elif k in lru:
                 del lru[k]
+            elif k in self.aged:
+                del self.aged[k]
             else:
                 continue  # already in use: its predecessor's successors are unchanged
             if i:
@@ -293,8 +361,10 @@ class PrefixCache:
             ref[keys[-1]] += 1
         self._note_usage()
 
-    def release_walk(self, keys: Sequence[BlockKey]) -> None:
+    def release_walk(self, keys: Sequence[BlockKey], *, used_at: float | None = None,
+                     aged_from: int = 0) -> None:
         ref, kids, lru = self.ref, self.kids, self.lru
+        now = self._now()
         for i in range(len(keys) - 1, -1, -1):
             k = keys[i]
             if i == len(keys) - 1:
@@ -305,7 +375,11 @@ class PrefixCache:
                     del kids[k]
             if ref[k] or k in kids:
                 break
-            lru[k] = None
+            if used_at is not None and used_at < now and i >= aged_from:
+                self.aged[k] = seq = next(self._aged_seq)
+                heapq.heappush(self._aged_heap, (used_at, seq, k))
+            else:
+                lru[k] = now
         self._note_usage()
 
     def take_private(self, n: int) -> None:
@@ -415,16 +489,20 @@ class Engine:
         self.cache.acquire(keys)
         return keys
 
-    def unpin(self, keys: Sequence[BlockKey]) -> None:
-        self.cache.release(keys)
+    def unpin(self, keys: Sequence[BlockKey], *, used_at: float | None = None,
+              aged_from: int = 0) -> None:
+        """Stop keeping ``keys``; ``used_at``/``aged_from`` as ``PrefixCache.release``."""
+        self.cache.release(keys, used_at=used_at, aged_from=aged_from)
         self._kick()
 
-    def unpin_tail(self, keys: Sequence[BlockKey], kept: int) -> None:
+    def unpin_tail(self, keys: Sequence[BlockKey], kept: int, *, used_at: float | None = None,
+                   aged_from: int = 0) -> None:
         """Keep only the first ``kept`` of the pinned ``keys``. A user of the cache ends
         at its last key (``PrefixCache.acquire``): the kept prefix is taken as a user of
-        its own before the whole chain is let go, so its blocks never reach the LRU."""
+        its own before the whole chain is let go, so its blocks never reach the LRU.
+        ``used_at``/``aged_from``: as ``PrefixCache.release``, for the tail let go."""
         self.cache.acquire(keys[:kept])
-        self.cache.release(keys)
+        self.cache.release(keys, used_at=used_at, aged_from=aged_from)
         self._kick()
 
     # --- requests --------------------------------------------------------------------

@@ -115,6 +115,10 @@ class _Hold:
     keys: list[BlockKey]
     job: _Job
     active: bool = True
+    created: float = 0.0
+    used_at: float = 0.0
+    """When one of the job's own requests last used the held blocks (its step, a
+    pre-warm): a touch schedule runs from ``created``, but a use makes them as new."""
 
 
 class _HeldBlocks:
@@ -220,6 +224,8 @@ DISPLACED_REFRESH_S = 5.0
 """How long a hold decision reuses an engine's rent measure (``EvictionRegret``): the
 workers read theirs at every decision, a sum over up to minutes of recomputes, which a
 fleet deciding hundreds of holds a second cannot afford."""
+CHURN_PROBE_S = 1.0
+"""How often, at most, a hold reads its engine's churn (the workers' heartbeat period)."""
 PREWARM_TAIL_TOKENS = 6
 """An approval's pre-warm ends in an empty user turn (``tail=""``) and the generation
 prompt: their chat-template tokens on the CPU engines' tiny model."""
@@ -324,6 +330,8 @@ class Fleet:
         self._slot_limits: dict[tuple[int, int, int], int] = {}
         self.holds: dict[str, deque[_Hold]] = {e.engine_id: deque() for e in self.engines}
         self.held = {e.engine_id: _HeldBlocks() for e in self.engines}
+        self._churn_probe: dict[str, tuple[float, int]] = {}
+        self._churn_rate: dict[str, float] = {}
         self.pause_samples: dict[str, deque[float]] = {}
         """The last 400 pauses of each kind (all ``_distribution`` reads)."""
         self.pause_counts: dict[str, int] = {}
@@ -694,7 +702,7 @@ class Fleet:
     def _first_token(self, req: Request) -> None:
         job: _Job = req.tag  # type: ignore[assignment]
         if job.hold is not None:
-            self._end_hold(job.hold)
+            self._end_hold(job.hold, used_now=job.hold.engine is job.pending)
         if job.spec.lane == Lane.INTERACTIVE and self.policy.lanes and job.pending is not None:
             self._interactive_ttft(job.pending, req.ttft_s)
 
@@ -793,6 +801,8 @@ class Fleet:
 
         def done(req: Request) -> None:
             self.prewarm_computed += req.computed_tokens
+            if job.hold is not None and job.hold.engine is engine:
+                job.hold.used_at = self.clock.now  # the pre-warm used the held blocks
             if hold and self.policy.hold != "never" and job.step < len(job.spec.steps):
                 self._pin(job, engine, self.hold_cfg.always_hold_ttl_s)
 
@@ -888,11 +898,13 @@ class Fleet:
 
     def _pin(self, job: _Job, engine: Engine, ttl_s: float) -> None:
         if job.hold is not None:
-            self._end_hold(job.hold)
+            self._end_hold(job.hold, used_now=job.hold.engine is engine)
         keys = engine.pin(self._chain(job))
         if not keys:
             return
-        hold = _Hold(engine, keys, job)
+        now = self.clock.now
+        hold = _Hold(engine, keys, job, created=now, used_at=now)
+        self._churn(engine)  # a probe at each hold, so the touch interval reads a recent rate
         job.hold = hold
         eid = engine.engine_id
         self.holds[eid].append(hold)
@@ -924,7 +936,8 @@ class Fleet:
             return False
         held.remove(hold)
         kept = len(hold.keys) - excess
-        hold.engine.unpin_tail(hold.keys, kept)
+        hold.engine.unpin_tail(hold.keys, kept, used_at=self._last_touch(hold),
+                               aged_from=max(kept, shared))
         hold.keys = hold.keys[:kept]
         held.add(hold)
         return True
@@ -933,7 +946,12 @@ class Fleet:
         if hold.active:
             self._end_hold(hold)
 
-    def _end_hold(self, hold: _Hold) -> None:
+    def _end_hold(self, hold: _Hold, *, used_now: bool = False) -> None:
+        """Let the hold's blocks go. They were last used at its last touch (or the last
+        use by one of its job's requests), not now, unless ``used_now`` (the job's step
+        or a new hold takes them at this instant): the workers keep a hold by touching
+        it every ``touch_interval_s``, so a hold let go for room, at its TTL or when its
+        job ends or moves is that much nearer eviction than a request just finished."""
         if not hold.active:
             return
         hold.active = False
@@ -943,13 +961,50 @@ class Fleet:
             self.holds[eid].remove(hold)
         if hold.job.hold is hold:
             hold.job.hold = None
-        hold.engine.unpin(hold.keys)
+        if used_now:
+            hold.engine.unpin(hold.keys)
+        else:
+            hold.engine.unpin(hold.keys, used_at=self._last_touch(hold),
+                              aged_from=_HeldBlocks._split(hold)[0])
+
+    def _last_touch(self, hold: _Hold) -> float:
+        """When the workers would have touched ``hold`` last: one touch interval after
+        it was made, then every interval (``HoldManager.tick``); a use by its job's own
+        requests since counts as one."""
+        interval = self._touch_interval(hold.engine)
+        touches = (self.clock.now - hold.created) // interval
+        return max(hold.created + touches * interval, hold.used_at)
+
+    def _touch_interval(self, engine: Engine) -> float:
+        """``HoldManager.touch_interval_s``: half the time the pool's free blocks last at
+        the engine's churn (held blocks are pinned here, so the KV usage counts them)."""
+        c = self.hold_cfg
+        churn = self._churn(engine)
+        if churn <= 0:
+            return c.max_touch_interval_s
+        free = engine.cal.kv_pool_tokens * (1 - engine.kv_usage)
+        return min(c.max_touch_interval_s, max(c.min_touch_interval_s, 0.5 * free / churn))
+
+    def _churn(self, engine: Engine) -> float:
+        """Prompt tokens a second the engine computes (new blocks), over the time since
+        its last probe at least ``CHURN_PROBE_S`` before (the workers read it from the
+        engine's counters at each heartbeat)."""
+        eid, now = engine.engine_id, self.clock.now
+        total = engine.cache.stored_blocks * engine.block
+        probe = self._churn_probe.get(eid)
+        if probe is None:
+            self._churn_probe[eid] = (now, total)
+        elif now - probe[0] >= CHURN_PROBE_S:
+            self._churn_rate[eid] = (total - probe[1]) / (now - probe[0])
+            self._churn_probe[eid] = (now, total)
+        return self._churn_rate.get(eid, 0.0)
 
     # --- other traffic -----------------------------------------------------------------
 
     def background(self, *, rate_per_engine_s: float, prompt_tokens: int, output_tokens: int,
-                   until_s: float) -> None:
-        """Fresh prompts (nothing to reuse) at a steady rate on every engine."""
+                   until_s: float, phase: float = 0.0) -> None:
+        """Fresh prompts (nothing to reuse) at a steady rate on every engine, the first
+        ``phase`` (0-1) of an interval from now."""
         counter = [0]
 
         def fire(engine: Engine) -> None:
@@ -964,4 +1019,4 @@ class Fleet:
             self.clock.after(1.0 / rate_per_engine_s, fire, engine)
 
         for e in self.engines:
-            self.clock.at(self.clock.now, fire, e)
+            self.clock.at(self.clock.now + phase / rate_per_engine_s, fire, e)

@@ -205,6 +205,7 @@ def bench_pauses(*, hold: HoldConfig | None = HoldConfig(),
                  learned: bool = True,
                  sizes: PausesSizes = PAUSES_SIZES,
                  hold_pricing: Sequence[EngineCalibration] | None = None,
+                 bg_phase: float = 0.0,
                  on_fleet: Callable[[str, Fleet], None] | None = None) -> dict[str, Summary]:
     """The three hold policies; ``hold`` HoldConfig() (default): the hard-coded rates the
     bench ran with; None: the hold model priced by ``calibration`` (issue 19's change).
@@ -216,8 +217,10 @@ def bench_pauses(*, hold: HoldConfig | None = HoldConfig(),
     than the bench wrote). ``sizes``: the prompts' tokens (``PAUSES_SIZES_BEFORE``: as
     simulated before 2026-12-05). ``hold_pricing``: per engine, what the bench's
     ``warmloop calibrate`` measured (``measured_pricing``), which the workers' hold model
-    prices by (None: the engines' loaded curves). ``on_fleet``: told each policy's fleet
-    before it runs (its steps, step by step, for ``bench.sim_fidelity --pauses-jobs``)."""
+    prices by (None: the engines' loaded curves). ``bg_phase``: where in its interval the
+    background's first request falls (0-1; the bench's repeats start at other phases).
+    ``on_fleet``: told each policy's fleet before it runs (its steps, step by step, for
+    ``bench.sim_fidelity --pauses-jobs``)."""
     engines = cpu_engines(16 * MIB, calibration=calibration)
     cfg = replace(CPU_FLEET, hold=hold, hold_pricing=hold_pricing)
     out = {}
@@ -230,7 +233,7 @@ def bench_pauses(*, hold: HoldConfig | None = HoldConfig(),
             if learned:
                 fleet.learn_pauses((kind, sec) for _, kind, sec in plan_pauses(jobs))
             fleet.background(rate_per_engine_s=bg_rate, prompt_tokens=bg_tokens,
-                             output_tokens=4, until_s=horizon)
+                             output_tokens=4, until_s=horizon, phase=bg_phase)
             fleet.on_job_end.append(lambda _s: _stop_when_done(fleet))
             if on_fleet is not None:
                 on_fleet(name, fleet)

@@ -40,6 +40,50 @@ def test_lru_evicts_least_recent_and_tail_blocks_first() -> None:
     cache.release(chain("c", 1))
 
 
+def test_a_hold_let_go_is_as_old_as_its_last_touch() -> None:
+    """A hold's own blocks released as last used at ``used_at`` (its last touch) are
+    evicted before blocks released after that time and after those released before it;
+    the shared prefix before ``aged_from`` is released as used now. Without the age, a
+    simulated hold let go for room outlived the measured one by up to a touch interval
+    (bench-pauses: 256 tokens recomputed after lookups against the measured 640)."""
+    clock = Clock()
+    cache = PrefixCache(10, clock=clock)
+    old, held, new = chain("old", 2), ["s0", "s1", "h0", "h1"], chain("new", 2)
+    cache.acquire(old)
+    cache.acquire(held)
+    cache.acquire(new)
+    clock.now = 1.0
+    cache.release(old)  # released at 1.0
+    clock.now = 3.0
+    cache.release(new)  # released at 3.0
+    clock.now = 4.0
+    cache.release(held, used_at=2.0, aged_from=2)  # own blocks h1, h0 as of 2.0
+    assert list(cache.aged) == ["h1", "h0"] and list(cache.lru)[-2:] == ["s1", "s0"]
+    assert cache.used_blocks == 0 and cache.evictable("h0") and cache.evictable("s0")
+    cache.acquire(chain("x", 2))  # 2 empty blocks: nothing evicted
+    cache.acquire(chain("y", 6))  # evicts old (1.0), then h1, h0 (2.0), then new (3.0)
+    assert cache.hit_blocks(old) == 0 and cache.hit_blocks(held) == 2
+    assert cache.hit_blocks(new) == 0 and not cache.aged
+    assert cache.hit_blocks_walk(held) == 2  # the shared prefix outlives the own tail
+
+
+def test_an_aged_block_used_again_is_not_evicted_as_aged() -> None:
+    clock = Clock()
+    cache = PrefixCache(4, clock=clock)
+    cache.acquire(["a0", "a1"])
+    clock.now = 5.0
+    cache.release(["a0", "a1"], used_at=1.0)
+    cache.acquire(["a0", "a1"])  # used again: out of the aged set, its entries stale
+    assert not cache.aged and cache.used_blocks == 2
+    cache.acquire(["b0", "b1"])
+    clock.now = 6.0
+    cache.release(["b0", "b1"])
+    cache.acquire(["c0"])  # evicts b1 (the LRU's tail first), not a stale aged entry
+    assert cache.hit_blocks(["a0", "a1"]) == 2 and cache.hit_blocks(["b0", "b1"]) == 1
+    cache.release(["a0", "a1"], used_at=9.0)  # not before now: as used now
+    assert not cache.aged and list(cache.lru)[-2:] == ["a1", "a0"]
+
+
 def test_a_pinned_chain_cut_short_keeps_its_head_and_frees_its_tail() -> None:
     """A hold cut for room (``Fleet._trim``): its tail becomes evictable, its head stays
     in use until the hold ends, and then every block is free. Releasing the tail alone

@@ -39,3 +39,39 @@ def test_resumed_steps_are_summed_by_the_pause_before_them(tmp_path: Path) -> No
     assert lookup["simulated"]["steps"] == sum(
         st.pause_kind == "tool:lookup" for j in scenarios.pauses_jobs() for st in j.steps)
     assert math.isnan(out[("hold", "tool:lookup")]["measured"]["steps"])  # not measured
+
+
+def test_figures_over_the_background_phases_are_medians() -> None:
+    from bench.sim_fidelity import median_figures
+
+    runs = [{"prefill_tokens": 2_504, "other_ttft_p95_ms": 70.0},
+            {"prefill_tokens": 2_632, "other_ttft_p95_ms": 72.0},
+            {"prefill_tokens": 2_888, "other_ttft_p95_ms": 71.0},
+            {"prefill_tokens": 2_504, "other_ttft_p95_ms": 75.0}]
+    assert median_figures(runs) == {"prefill_tokens": 2_568, "other_ttft_p95_ms": 71.5}
+
+
+def test_the_background_starts_at_its_phase() -> None:
+    from warmloop.sim.core import Clock
+    from warmloop.sim.engine import Request
+    from warmloop.sim.fleet import POLICIES, Fleet
+    from warmloop.sim.scenarios import CPU_TINY_LOADED
+
+    def sent_at(phase: float) -> list[float]:
+        clock = Clock()
+        fleet = Fleet(clock, [CPU_TINY_LOADED], POLICIES["round_robin_lru"])
+        engine, times = fleet.engines[0], []
+        real = engine.submit
+
+        def submit(req: Request) -> None:
+            times.append(clock.now)
+            real(req)
+
+        engine.submit = submit  # type: ignore[method-assign]
+        fleet.background(rate_per_engine_s=2.0, prompt_tokens=256, output_tokens=1,
+                         until_s=1.0, phase=phase)
+        clock.run(1.0)
+        return times
+
+    assert sent_at(0.0) == [0.0, 0.5]
+    assert sent_at(0.5) == [0.25, 0.75]  # half an interval in, then every interval
