@@ -27,10 +27,11 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
-from warmloop.sim.fleet import POLICIES
+from warmloop.sim.fleet import POLICIES, FleetConfig
 from warmloop.sim.run import Summary, simulate
 from warmloop.sim.workload import WORKLOADS, JobProfile, burst_jobs, poisson_jobs
 from warmloop.workflows.calibration import EngineCalibration, preset
+from warmloop.workflows.holding import HoldConfig
 
 
 def saturation_batch(mix: list[tuple[JobProfile, float]], cal: EngineCalibration,
@@ -77,8 +78,10 @@ def capacity_jobs_per_s(mix: list[tuple[JobProfile, float]], cal: EngineCalibrat
 
 
 def one(gpus: int, load: float, policy: str, cal: EngineCalibration, horizon_s: float,
-        burst: bool, seed: int = 1, workload: str = "bundled") -> tuple[Summary, float, float]:
-    """One run: its summary, wall seconds and CPU seconds (the machine may be shared)."""
+        burst: bool, seed: int = 1, workload: str = "bundled",
+        holding: HoldConfig | None = None) -> tuple[Summary, float, float]:
+    """One run: its summary, wall seconds and CPU seconds (the machine may be shared).
+    ``holding``: the hold settings over the calibration's prices (None: the defaults)."""
     mix = WORKLOADS[workload]()
     rate = load * capacity_jobs_per_s(mix, cal, gpus)
     rng = random.Random(seed)
@@ -87,16 +90,18 @@ def one(gpus: int, load: float, policy: str, cal: EngineCalibration, horizon_s: 
         n = int(10 * rate * horizon_s / 5)
         jobs += burst_jobs(mix, n=n, at_s=horizon_s / 5, over_s=horizon_s / 5, rng=rng)
     t, cpu = time.monotonic(), time.process_time()
-    s = simulate(jobs, [cal] * gpus, policy, until_s=horizon_s)
+    config = None if holding is None else FleetConfig(hold=cal.hold_config(holding))
+    s = simulate(jobs, [cal] * gpus, policy, config=config, until_s=horizon_s)
     return s, time.monotonic() - t, time.process_time() - cpu
 
 
 def _row(run: tuple[int, float, bool, str, float], calibration: str,
-         workload: str) -> dict[str, Any]:
+         workload: str, holding: str | None = None) -> dict[str, Any]:
     """One run as a row of the table (in a worker process)."""
     gpus, load, burst, pol, horizon = run
+    hold = None if holding is None else HoldConfig.model_validate_json(holding)
     s, took, cpu_s = one(gpus, load, pol, preset(calibration), horizon, burst,
-                         workload=workload)
+                         workload=workload, holding=hold)
     return {"gpus": gpus, "load": load, "burst": burst, "policy": pol, "horizon_s": horizon,
             **figures(s, gpus, horizon), "wall_s": round(took, 1), "cpu_s": round(cpu_s, 1),
             "gpu_hours_per_wall_min": round(gpus * horizon / 60 / max(took, 1e-9), 2)}
@@ -215,11 +220,16 @@ def main(argv: list[str] | None = None) -> None:
                         "workload of long agent loops (sim.workload.agentic_mix)")
     p.add_argument("--procs", type=int, default=os.cpu_count() or 1,
                    help="runs at once, one process each (default: one per core)")
+    p.add_argument("--holding", default=None,
+                   help="hold settings as JSON (HoldConfig, as WARMLOOP_HOLDING), e.g. "
+                        "'{\"rent\": \"model\"}' or '{\"cut_for_room\": true}'")
     p.add_argument("--out", type=Path, default=Path(".warmloop/bench-fleet"))
     p.add_argument("--merge", type=Path, nargs="+", default=None,
                    help="run nothing: merge these rows.json files (runs split over "
                         "processes) into --out and print the closing lines")
     args = p.parse_args(argv)
+    if args.holding is not None:
+        HoldConfig.model_validate_json(args.holding)  # a bad setting fails here, not in a run
     args.out.mkdir(parents=True, exist_ok=True)
     if args.merge:
         merged: list[dict[str, Any]] = []
@@ -243,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     # clock); runs are independent, so they spread over the cores, largest first.
     biggest_first = sorted(runs, key=lambda r: -r[0] * r[4])
     with ProcessPoolExecutor(procs, mp_context=mp.get_context("spawn")) as pool:
-        futures = [pool.submit(_row, r, args.calibration, args.workload)
+        futures = [pool.submit(_row, r, args.calibration, args.workload, args.holding)
                    for r in biggest_first]
         for fut in as_completed(futures):
             row = fut.result()

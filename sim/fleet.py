@@ -117,8 +117,10 @@ class _Hold:
     active: bool = True
     created: float = 0.0
     used_at: float = 0.0
-    """When one of the job's own requests last used the held blocks (its step, a
-    pre-warm): a touch schedule runs from ``created``, but a use makes them as new."""
+    """When the held blocks were last used, as far as the fleet has worked out: made,
+    touched (``Fleet._last_touch``), or used by one of the job's own requests (a
+    pre-warm). It only moves forward: the blocks a hold cut short let go were that old,
+    and the rest of it cannot be older when it ends."""
 
 
 class _HeldBlocks:
@@ -973,7 +975,10 @@ class Fleet:
         requests since counts as one."""
         interval = self._touch_interval(hold.engine)
         touches = (self.clock.now - hold.created) // interval
-        return max(hold.created + touches * interval, hold.used_at)
+        # the interval follows the churn, so a later estimate may fall earlier: never
+        # let a hold's blocks grow older than those it already let go (a cut tail)
+        hold.used_at = max(hold.used_at, hold.created + touches * interval)
+        return hold.used_at
 
     def _touch_interval(self, engine: Engine) -> float:
         """``HoldManager.touch_interval_s``: half the time the pool's free blocks last at

@@ -24,3 +24,23 @@ def test_capacity_prices_decode_at_the_saturation_batch_not_the_reference_one() 
     at_reference = cal.model_copy(update={"max_batch": cal.reference_batch})
     assert saturation_batch(mix, at_reference) == cal.reference_batch
     assert one > 1.5 * capacity_jobs_per_s(mix, at_reference, 1)
+
+
+def test_hold_settings_reach_the_simulated_fleet() -> None:
+    """``--holding`` (a HoldConfig as JSON): the runs' fleets hold by it, over each
+    engine's calibrated prices; a bad setting is refused before any run."""
+    import pytest
+
+    from bench.fleet import main, one
+    from warmloop.workflows.calibration import preset
+    from warmloop.workflows.holding import HoldConfig
+
+    cal = preset("h100-llama-3.1-8b-bf16")
+    base = one(2, 0.8, "warmloop", cal, 20.0, False)[0]
+    no_room = one(2, 0.8, "warmloop", cal, 20.0, False,
+                holding=HoldConfig(max_held_fraction=0.001))[0]
+    assert base.hold_decisions.get("hold", 0) > 0
+    # a cap with no room: every hold let go at once, so more is recomputed after pauses
+    assert no_room.post_pause_recomputed > base.post_pause_recomputed
+    with pytest.raises(Exception, match="max_held_fraction"):
+        main(["--holding", '{"max_held_fraction": 2}', "--gpus", "2"])

@@ -235,3 +235,24 @@ def test_cache_bookkeeping_matches_per_block_counts(seed: int, walk: bool) -> No
             assert hit(chain) == ref.hit_blocks(chain)
             assert fast._first_unused(chain, hit(chain)) == sum(
                 1 for k in chain[:hit(chain)] if ref.ref[k] > 0)
+
+
+def test_a_holds_last_touch_never_moves_back() -> None:
+    """The touch interval follows the churn: estimated later with a longer interval, a
+    hold's last touch would fall before the one its cut tail was let go at, and its head
+    would be evicted before that tail (a chain with a hole: the agentic fleet with
+    ``cut_for_room`` crashed on it)."""
+    from warmloop.sim.fleet import POLICIES, Fleet, _Hold
+    from warmloop.sim.scenarios import CPU_TINY_LOADED
+
+    clock = Clock()
+    fleet = Fleet(clock, [CPU_TINY_LOADED], POLICIES["warmloop"])
+    hold = _Hold(fleet.engines[0], [], None, created=0.0, used_at=0.0)  # type: ignore[arg-type]
+    intervals = iter([5.0, 30.0, 4.0])
+    fleet._touch_interval = lambda engine: next(intervals)  # type: ignore[method-assign,assignment]
+    clock.now = 12.0
+    assert fleet._last_touch(hold) == 10.0  # touched at 5 and 10
+    clock.now = 13.0
+    assert fleet._last_touch(hold) == 10.0  # not 0.0: no touch yet at a 30 s interval
+    clock.now = 17.0
+    assert fleet._last_touch(hold) == 16.0
