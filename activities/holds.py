@@ -142,7 +142,9 @@ class WorkflowsOver:
 
     At most ``max_concurrent`` describes are in flight at once: a worker with hundreds of
     holds asks in waves rather than in one burst on the frontend (the question runs
-    beside the hold ticks, so a longer answer delays no touch)."""
+    beside the hold ticks, so a longer answer delays no touch). With Temporal away a
+    question takes about ``ceil(jobs / max_concurrent) * timeout_s`` and finds no job
+    over; the next is asked only when it has ended."""
 
     def __init__(self, client: Client, *, timeout_s: float = 2.0,
                  max_concurrent: int = 8) -> None:

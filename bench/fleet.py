@@ -158,7 +158,7 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[str]:
 
 
 def report(rows: list[dict[str, Any]], out: Path, calibration: str, workload: str, *,
-           elapsed_s: float | None = None, procs: int = 1) -> None:
+           elapsed_s: float | None = None, procs: int = 1, holding: str | None = None) -> None:
     """Plots, ``rows.json`` and the closing lines: the speed, then one JSON object with
     the 128-GPU, 80 % figures first.
 
@@ -194,6 +194,7 @@ def report(rows: list[dict[str, Any]], out: Path, calibration: str, workload: st
           + "; ".join(speed) + f"; plots: {', '.join(plots) or 'none'}")
     print(json.dumps({
         "gpus": 128, "load": 0.8, "calibration": calibration, "workload": workload,
+        "holding": json.loads(holding) if holding else None,
         "jobs_per_gpu_hour": {k: v["jobs_per_gpu_hour"] for k, v in head.items()},
         "ttft_p99_ms": {k: v["ttft_p99_ms"] for k, v in head.items()},
         "cost_p95_usd": {k: v["cost_p95_usd"] for k, v in head.items()},
@@ -221,8 +222,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--procs", type=int, default=os.cpu_count() or 1,
                    help="runs at once, one process each (default: one per core)")
     p.add_argument("--holding", default=None,
-                   help="hold settings as JSON (HoldConfig, as WARMLOOP_HOLDING), e.g. "
-                        "'{\"rent\": \"model\"}' or '{\"cut_for_room\": true}'")
+                   help="hold settings as JSON (HoldConfig, as WARMLOOP_HOLDING; the "
+                        "calibration's prefill rate and GPU price replace those two), e.g. "
+                        "'{\"rent\": \"model\"}' or '{\"cut_for_room\": true}'; "
+                        "with --merge, say it again to record it")
     p.add_argument("--out", type=Path, default=Path(".warmloop/bench-fleet"))
     p.add_argument("--merge", type=Path, nargs="+", default=None,
                    help="run nothing: merge these rows.json files (runs split over "
@@ -235,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
         merged: list[dict[str, Any]] = []
         for path in args.merge:
             merged += json.loads(path.read_text())
-        report(merged, args.out, args.calibration, args.workload)
+        report(merged, args.out, args.calibration, args.workload, holding=args.holding)
         return
     rows: list[dict[str, Any]] = []
     plan = [(g, load, False) for g in args.gpus for load in
@@ -267,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"{row['ttft_p99_ms']:.0f} | {row['hit_rate']:.3f} |", flush=True)
     elapsed = time.monotonic() - started
     report(rows, args.out, args.calibration, args.workload, elapsed_s=elapsed,
-           procs=procs)
+           procs=procs, holding=args.holding)
 
 
 if __name__ == "__main__":

@@ -91,8 +91,12 @@ class PrefixCache:
     used_at=)``): a hold's blocks, kept by touches, were last used at its last touch.
     Those blocks wait in ``aged`` (a heap by that time) beside the LRU (whose blocks
     are in release order, so in time order), and eviction takes the older of the two
-    fronts. Only a chain's own tail may be aged (``aged_from``): its successors are
-    older still, its predecessors newer, so a chain's cached blocks stay a prefix.
+    fronts. Only a chain's own tail may be aged (``aged_from``): its predecessors (a
+    shared prefix) go to the LRU as used now. The caller keeps the rest of the promise
+    that keeps a chain's cached blocks a prefix: ``used_at`` is never earlier than the
+    last release of a later block of the same chain (the fleet ages a hold's own blocks
+    to its last touch, which only moves forward and is never before the job's last use
+    of them); otherwise a block could be evicted before its successors, a hole.
     """
 
     def __init__(self, blocks: int, index: dict[BlockKey, int] | None = None,
@@ -347,6 +351,7 @@ class PrefixCache:
             if k not in ref:
                 self._take()
                 ref[k] = 0
+                self.stored_blocks += 1
                 if index is not None:
                     index[k] = index.get(k, 0) | bit
             elif k in lru:

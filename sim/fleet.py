@@ -724,6 +724,10 @@ class Fleet:
             adm.version += 1
             self._drain(engine, adm)
         self._fill_slots(engine)
+        if job.hold is not None and job.hold.engine is engine:
+            # held anew while the step ran (a late pre-warm's pin): it used the blocks
+            # until now, so they cannot be let go as of an earlier touch
+            job.hold.used_at = max(job.hold.used_at, self.clock.now)
         price = self.prices[engine.engine_id]
         cost = price.cost(prompt_tokens=req.prompt_tokens, cached_tokens=req.cached_tokens,
                           completion_tokens=req.output_tokens)
@@ -803,7 +807,7 @@ class Fleet:
 
         def done(req: Request) -> None:
             self.prewarm_computed += req.computed_tokens
-            if job.hold is not None and job.hold.engine is engine:
+            if req.first_token_at and job.hold is not None and job.hold.engine is engine:
                 job.hold.used_at = self.clock.now  # the pre-warm used the held blocks
             if hold and self.policy.hold != "never" and job.step < len(job.spec.steps):
                 self._pin(job, engine, self.hold_cfg.always_hold_ttl_s)

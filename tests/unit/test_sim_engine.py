@@ -256,3 +256,57 @@ def test_a_holds_last_touch_never_moves_back() -> None:
     assert fleet._last_touch(hold) == 10.0  # not 0.0: no touch yet at a 30 s interval
     clock.now = 17.0
     assert fleet._last_touch(hold) == 16.0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_aged_releases_keep_every_chain_a_prefix(seed: int) -> None:
+    """Random uses and releases of trie-shaped chains, half the releases aged as the
+    fleet ages a hold (its own blocks, at a time that never goes back before the job's
+    last release of them): the fast cache equals the walks, its counts a recount, and
+    no chain ever has a hole (a block evicted before its successors)."""
+    import random
+
+    rng = random.Random(seed)
+    clock = Clock()
+    capacity = rng.choice([30, 60, 120])
+    fast = PrefixCache(capacity, index={}, clock=clock)
+    walk = PrefixCache(capacity, index={}, clock=clock)
+    chains: list[list[object]] = []
+    shared: list[int] = []
+    for j in range(10):
+        n = 4 + j % 3
+        family: list[object] = [("f", j % 3, i) for i in range(n)]
+        chains.append(family + [("j", j, i) for i in range(rng.randint(0, 15))])
+        shared.append(n)
+    floor: dict[int, float] = {}
+    users: list[tuple[int, list[object]]] = []
+    for _ in range(400):
+        clock.now += rng.random()
+        if users and rng.random() < 0.45:
+            j, keys = users.pop(rng.randrange(len(users)))
+            if rng.random() < 0.5:
+                used_at = floor[j] = rng.uniform(floor.get(j, 0.0), clock.now)
+                fast.release(keys, used_at=used_at, aged_from=shared[j])
+                walk.release_walk(keys, used_at=used_at, aged_from=shared[j])
+            else:
+                floor[j] = clock.now
+                fast.release(keys)
+                walk.release_walk(keys)
+        else:
+            j = rng.randrange(len(chains))
+            chain = chains[j]
+            keys = (chain[:fast.hit_blocks(chain)] if rng.random() < 0.3
+                    else chain[:rng.randint(1, len(chain))])
+            hit = fast.hit_blocks(keys)
+            if not keys or not fast.can_allocate(hit, keys, len(keys) - hit) \
+                    or fast.used_blocks + len(keys) > capacity:
+                continue
+            fast.acquire(keys)
+            walk.acquire_walk(keys)
+            users.append((j, keys))
+        assert fast.ref.keys() == walk.ref.keys() and list(fast.lru) == list(walk.lru)
+        assert set(fast.aged) == set(walk.aged)
+        assert fast.used_blocks == walk.used_blocks == sum(
+            1 for k in fast.ref if fast.ref[k] > 0 or k in fast.kids)
+        for c in chains:
+            assert fast.hit_blocks(c) == fast.hit_blocks_walk(c)
