@@ -107,17 +107,37 @@ def run(root: Path) -> dict[str, Any]:
     return out
 
 
+def _sim_by_kind(fleet: Any, plans: dict[str, Any]) -> dict[str, list[int]]:
+    """One simulated run's resumed steps summed by the pause before each: [steps, prompt
+    tokens, recomputed tokens], and the pre-warms' computed tokens."""
+    sim: dict[str, list[int]] = {"prewarm": [0, 0, fleet.prewarm_computed]}
+    for st in fleet.steps:
+        if st.step <= 1 or st.job_id not in plans:
+            continue
+        kind = plans[st.job_id].steps[st.step - 2].pause_kind or "none"
+        acc = sim.setdefault(kind, [0, 0, 0])
+        acc[0] += 1
+        acc[1] += st.prompt_tokens
+        acc[2] += st.keepable_tokens - min(st.cached_tokens, st.keepable_tokens)
+    return sim
+
+
 def pauses_by_step(jobs_json: Path, measured: dict[str, Any]) -> list[dict[str, Any]]:
     """bench-pauses' resumed steps set beside the simulator's, by policy and by what the
     job waited on before the step (a lookup, an approval): steps, prompt tokens,
-    recomputed tokens (medians over the measured repeats), and the pre-warms' tokens.
+    recomputed tokens (medians over the measured repeats, and over the simulator's
+    ``PAUSES_PHASES`` background phases, with both ranges), and the pre-warms' tokens.
     ``jobs_json``: the bench's ``--jobs-json`` file (the same plans, step by step)."""
     rows = json.loads(jobs_json.read_text())
     plans = {j.job_id: j for j in scenarios.pauses_jobs()}
-    fleets: dict[str, Any] = {}
-    sims = scenarios.bench_pauses(**_background(measured), on_fleet=fleets.__setitem__)
+    phases: list[dict[str, dict[str, list[int]]]] = []
+    for k in range(PAUSES_PHASES):
+        fleets: dict[str, Any] = {}
+        scenarios.bench_pauses(**_background(measured), bg_phase=k / PAUSES_PHASES,
+                               on_fleet=fleets.__setitem__)
+        phases.append({policy: _sim_by_kind(f, plans) for policy, f in fleets.items()})
     out = []
-    for policy in sims:
+    for policy in phases[0]:
         # measured: per repeat, sums by the pause kind before each step
         per_rep: dict[int, dict[str, list[int]]] = {}
         for r in rows:
@@ -136,28 +156,23 @@ def pauses_by_step(jobs_json: Path, measured: dict[str, Any]) -> list[dict[str, 
                 acc[0] += 1
                 acc[1] += st["prompt_tokens"]
                 acc[2] += rec
-        fleet = fleets[policy]
-        sim: dict[str, list[int]] = {"prewarm": [0, 0, fleet.prewarm_computed]}
-        for st in fleet.steps:
-            if st.step <= 1 or st.job_id not in plans:
-                continue
-            kind = plans[st.job_id].steps[st.step - 2].pause_kind or "none"
-            acc = sim.setdefault(kind, [0, 0, 0])
-            acc[0] += 1
-            acc[1] += st.prompt_tokens
-            acc[2] += st.keepable_tokens - min(st.cached_tokens, st.keepable_tokens)
-        for kind in sorted(set(sim) | {k for g in per_rep.values() for k in g}):
+        kinds = {k for p in phases for k in p[policy]} | {k for g in per_rep.values() for k in g}
+        for kind in sorted(kinds):
             meas = [g.get(kind, [0, 0, 0]) for g in per_rep.values()]
             med = [statistics.median(m[i] for m in meas) if meas else math.nan
                    for i in range(3)]
+            sims = [p[policy].get(kind, [0, 0, 0]) for p in phases]
             out.append({"policy": policy, "after": kind,
                         "measured": {"steps": med[0], "prompt_tokens": med[1],
                                      "recomputed": med[2],
                                      "recomputed_range": [min(m[2] for m in meas),
                                                           max(m[2] for m in meas)]
                                      if meas else None},
-                        "simulated": dict(zip(("steps", "prompt_tokens", "recomputed"),
-                                              sim.get(kind, [0, 0, 0]), strict=True))})
+                        "simulated": {**{f: round(statistics.median(x[i] for x in sims))
+                                         for i, f in enumerate(
+                                             ("steps", "prompt_tokens", "recomputed"))},
+                                      "recomputed_range": [min(x[2] for x in sims),
+                                                           max(x[2] for x in sims)]}})
     return out
 
 
@@ -181,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.pauses_jobs:
         measured = measured_figures(args.root)["bench-pauses"]
         print("| policy | after | steps | prompt tokens | recomputed: measured [range] | "
-              "simulated |")
+              f"simulated [range over {PAUSES_PHASES} background phases] |")
         print("| --- | --- | --- | --- | --- | --- |")
         for r in pauses_by_step(args.pauses_jobs, measured):
             m, sm = r["measured"], r["simulated"]
@@ -189,7 +204,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {r['policy']} | {r['after']} | {fmt(m['steps'])} / {sm['steps']} | "
                   f"{fmt(m['prompt_tokens'])} / {sm['prompt_tokens']:,} | "
                   f"{fmt(m['recomputed'])} [{rg[0]:,}-{rg[1]:,}] | "
-                  f"{sm['recomputed']:,} |" if rg else f"| {r['policy']} | {r['after']} | -")
+                  f"{sm['recomputed']:,} [{sm['recomputed_range'][0]:,}-"
+                  f"{sm['recomputed_range'][1]:,}] |"
+                  if rg else f"| {r['policy']} | {r['after']} | -")
         return
     t = time.monotonic()
     out = run(args.root)
