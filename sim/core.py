@@ -41,6 +41,11 @@ class Clock:
     def after(self, delay_s: float, fn: Callable[..., Any], *args: Any) -> None:
         self.at(self.now + delay_s, fn, *args)
 
+    @property
+    def pending(self) -> int:
+        """Events scheduled and not run yet."""
+        return len(self._heap) + len(self._later)
+
     def run(self, until: float | None = None) -> None:
         """Run events in order until none are left or the next is past ``until``."""
         heap = self._heap

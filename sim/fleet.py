@@ -227,7 +227,8 @@ DISPLACED_REFRESH_S = 5.0
 workers read theirs at every decision, a sum over up to minutes of recomputes, which a
 fleet deciding hundreds of holds a second cannot afford."""
 CHURN_PROBE_S = 1.0
-"""How often, at most, a hold reads its engine's churn (the workers' heartbeat period)."""
+"""How often the fleet reads its engines' churn for the holds' touch interval (the
+inference workers' heartbeat period)."""
 PREWARM_TAIL_TOKENS = 6
 """An approval's pre-warm ends in an empty user turn (``tail=""``) and the generation
 prompt: their chat-template tokens on the CPU engines' tiny model."""
@@ -334,6 +335,9 @@ class Fleet:
         self.held = {e.engine_id: _HeldBlocks() for e in self.engines}
         self._churn_probe: dict[str, tuple[float, int]] = {}
         self._churn_rate: dict[str, float] = {}
+        self._churn_smoothed: dict[str, float] = {}
+        if self.policy.hold != "never":  # the touch interval reads it
+            self.clock.after(CHURN_PROBE_S, self._probe_churn)
         self.pause_samples: dict[str, deque[float]] = {}
         """The last 400 pauses of each kind (all ``_distribution`` reads)."""
         self.pause_counts: dict[str, int] = {}
@@ -910,7 +914,6 @@ class Fleet:
             return
         now = self.clock.now
         hold = _Hold(engine, keys, job, created=now, used_at=now)
-        self._churn(engine)  # a probe at each hold, so the touch interval reads a recent rate
         job.hold = hold
         eid = engine.engine_id
         self.holds[eid].append(hold)
@@ -995,18 +998,27 @@ class Fleet:
         return min(c.max_touch_interval_s, max(c.min_touch_interval_s, 0.5 * free / churn))
 
     def _churn(self, engine: Engine) -> float:
-        """Prompt tokens a second the engine computes (new blocks), over the time since
-        its last probe at least ``CHURN_PROBE_S`` before (the workers read it from the
-        engine's counters at each heartbeat)."""
-        eid, now = engine.engine_id, self.clock.now
-        total = engine.cache.stored_blocks * engine.block
-        probe = self._churn_probe.get(eid)
-        if probe is None:
+        """Prompt tokens a second the engine computes (new blocks), as the workers see
+        it (``HoldManager.observe_engine``): the larger of the probes' smoothed rate and
+        the last probe's (0 before the first probe)."""
+        return self._churn_rate.get(engine.engine_id, 0.0)
+
+    def _probe_churn(self) -> None:
+        """Every ``CHURN_PROBE_S``, each engine's computed blocks since the last probe, as
+        an inference worker reads its engine's counter at each heartbeat; while anything
+        else is left to simulate."""
+        now = self.clock.now
+        for e in self.engines:
+            eid, total = e.engine_id, e.cache.stored_blocks * e.block
+            probe = self._churn_probe.get(eid)
+            if probe is not None and now > probe[0]:
+                rate = (total - probe[1]) / (now - probe[0])
+                smoothed = 0.7 * self._churn_smoothed.get(eid, 0.0) + 0.3 * rate
+                self._churn_smoothed[eid] = smoothed
+                self._churn_rate[eid] = max(smoothed, rate)
             self._churn_probe[eid] = (now, total)
-        elif now - probe[0] >= CHURN_PROBE_S:
-            self._churn_rate[eid] = (total - probe[1]) / (now - probe[0])
-            self._churn_probe[eid] = (now, total)
-        return self._churn_rate.get(eid, 0.0)
+        if self.clock.pending:
+            self.clock.after(CHURN_PROBE_S, self._probe_churn)
 
     # --- other traffic -----------------------------------------------------------------
 
