@@ -43,6 +43,7 @@ from warmloop.activities.registry import (
     stop_if_cancelled,
 )
 from warmloop.workflows.holding import (
+    ChurnMeter,
     EvictionRegret,
     HoldAction,
     HoldChoice,
@@ -55,6 +56,7 @@ from warmloop.workflows.holding import (
     decide_hold,
     displaced_on_curve,
     keepalive_schedule,
+    touch_interval_s,
 )
 from warmloop.workflows.profiles import Profile
 from warmloop.workflows.profiles.base import ToolCallError
@@ -212,10 +214,8 @@ class HoldManager:
         self.config = config or HoldConfig()
         self._clock = clock
         self.holds: dict[str, Hold] = {}
-        self._last_probe: tuple[float, float] | None = None
-        self.churn_tokens_per_s = 0.0
-        self._last_churn = 0.0
-        """The last probe's churn (tokens computed a second), beside the smoothed one."""
+        self.churn = ChurnMeter()
+        """Tokens the engine computes a second (``observe_engine``): the touch interval."""
         self.prefill = ObservedPrefill()
         """Re-prefill's price as the engine's own steps show it (``observe_step``)."""
         self._resumed = 0
@@ -364,15 +364,12 @@ class HoldManager:
         """Touch before other traffic can push the prefix's blocks out of the LRU: the
         blocks free for reuse ahead of them, over the rate other traffic uses blocks."""
         info = self._info()
-        c = self.config
-        # the smoothed churn, or the last probe's where it is higher: a burst after a
-        # quiet spell turns the pool over before the average catches up
-        churn = max(self.churn_tokens_per_s, self._last_churn)
-        if info is None or not info.kv_capacity_tokens or churn <= 0:
-            return c.max_touch_interval_s
+        if info is None or not info.kv_capacity_tokens:
+            return self.config.max_touch_interval_s
+        # the engine's KV usage does not count held blocks (touches end at once)
         free = info.kv_capacity_tokens * (1 - info.kv_usage) - self.held_tokens
-        interval = 0.5 * max(0.0, free) / churn
-        return min(c.max_touch_interval_s, max(c.min_touch_interval_s, interval))
+        return touch_interval_s(self.config, free_tokens=free,
+                                churn_tokens_per_s=self.churn.rate)
 
     def observe_step(self, *, uncached_tokens: int, ttft_s: float) -> None:
         """Feed one step the engine served (its uncached prompt tokens and TTFT): the hold
@@ -381,14 +378,7 @@ class HoldManager:
 
     def observe_engine(self, computed_tokens_total: float, now: float | None = None) -> None:
         """Feed the engine's cumulative computed-prefill counter (queries - hits)."""
-        now = self._clock() if now is None else now
-        if self._last_probe is not None:
-            t0, v0 = self._last_probe
-            if now > t0 and computed_tokens_total >= v0:
-                rate = (computed_tokens_total - v0) / (now - t0)
-                self.churn_tokens_per_s = 0.7 * self.churn_tokens_per_s + 0.3 * rate
-                self._last_churn = rate
-        self._last_probe = (now, computed_tokens_total)
+        self.churn.observe(computed_tokens_total, self._clock() if now is None else now)
 
     async def tick(self) -> None:
         now = self._clock()

@@ -88,17 +88,19 @@ def run(root: Path) -> dict[str, Any]:
     background = _background(measured["bench-pauses"])
     pauses = [scenarios.bench_pauses(**background, bg_phase=k / PAUSES_PHASES)
               for k in range(PAUSES_PHASES)]
-    sims = {"bench-routing": scenarios.bench_routing(
-                mean_gap_s=measured["bench-routing"].get("mean_gap_s", 1.9)),
-            "bench-pauses": pauses[0],
-            "bench-burst": scenarios.bench_burst()}
+    routing = scenarios.bench_routing(
+        mean_gap_s=measured["bench-routing"].get("mean_gap_s", 1.9))
+    burst = scenarios.bench_burst()
+    sims = {"bench-routing": {p: simulated_figures("bench-routing", s)
+                              for p, s in routing.items()},
+            "bench-pauses": {p: median_figures([simulated_figures("bench-pauses", run[p])
+                                                for run in pauses]) for p in pauses[0]},
+            "bench-burst": {p: simulated_figures("bench-burst", s) for p, s in burst.items()}}
     out: dict[str, Any] = {}
-    for name, runs in sims.items():
+    for name, figures in sims.items():
         m = measured[name]["policies"]
         by_policy = {}
-        for pol, s in runs.items():
-            sim = (median_figures([simulated_figures(name, p[pol]) for p in pauses])
-                   if name == "bench-pauses" else simulated_figures(name, s))
+        for pol, sim in figures.items():
             by_policy[pol] = {"measured": m.get(pol, {}), "simulated": sim,
                               "within": within(m.get(pol, {}), sim)}
         main = MAIN_POLICY[name]

@@ -333,9 +333,8 @@ class Fleet:
         self._slot_limits: dict[tuple[int, int, int], int] = {}
         self.holds: dict[str, deque[_Hold]] = {e.engine_id: deque() for e in self.engines}
         self.held = {e.engine_id: _HeldBlocks() for e in self.engines}
-        self._churn_probe: dict[str, tuple[float, int]] = {}
-        self._churn_rate: dict[str, float] = {}
-        self._churn_smoothed: dict[str, float] = {}
+        self.churn = {e.engine_id: holding.ChurnMeter() for e in self.engines}
+        """Each engine's churn as its worker measures it, for the holds' touch interval."""
         if self.policy.hold != "never":  # the touch interval reads it
             self.clock.after(CHURN_PROBE_S, self._probe_churn)
         self.pause_samples: dict[str, deque[float]] = {}
@@ -988,35 +987,19 @@ class Fleet:
         return hold.used_at
 
     def _touch_interval(self, engine: Engine) -> float:
-        """``HoldManager.touch_interval_s``: half the time the pool's free blocks last at
-        the engine's churn (held blocks are pinned here, so the KV usage counts them)."""
-        c = self.hold_cfg
-        churn = self._churn(engine)
-        if churn <= 0:
-            return c.max_touch_interval_s
-        free = engine.cal.kv_pool_tokens * (1 - engine.kv_usage)
-        return min(c.max_touch_interval_s, max(c.min_touch_interval_s, 0.5 * free / churn))
-
-    def _churn(self, engine: Engine) -> float:
-        """Prompt tokens a second the engine computes (new blocks), as the workers see
-        it (``HoldManager.observe_engine``): the larger of the probes' smoothed rate and
-        the last probe's (0 before the first probe)."""
-        return self._churn_rate.get(engine.engine_id, 0.0)
+        """``HoldManager.touch_interval_s`` (held blocks are pinned here, so the KV usage
+        counts them already)."""
+        return holding.touch_interval_s(
+            self.hold_cfg, free_tokens=engine.cal.kv_pool_tokens * (1 - engine.kv_usage),
+            churn_tokens_per_s=self.churn[engine.engine_id].rate)
 
     def _probe_churn(self) -> None:
-        """Every ``CHURN_PROBE_S``, each engine's computed blocks since the last probe, as
-        an inference worker reads its engine's counter at each heartbeat; while anything
-        else is left to simulate."""
+        """Every ``CHURN_PROBE_S``, each engine's computed tokens, as an inference worker
+        reads its engine's counter at each heartbeat; while anything else is left to
+        simulate."""
         now = self.clock.now
         for e in self.engines:
-            eid, total = e.engine_id, e.cache.stored_blocks * e.block
-            probe = self._churn_probe.get(eid)
-            if probe is not None and now > probe[0]:
-                rate = (total - probe[1]) / (now - probe[0])
-                smoothed = 0.7 * self._churn_smoothed.get(eid, 0.0) + 0.3 * rate
-                self._churn_smoothed[eid] = smoothed
-                self._churn_rate[eid] = max(smoothed, rate)
-            self._churn_probe[eid] = (now, total)
+            self.churn[e.engine_id].observe(e.cache.stored_blocks * e.block, now)
         if self.clock.pending:
             self.clock.after(CHURN_PROBE_S, self._probe_churn)
 

@@ -34,13 +34,15 @@ class HoldConfig(BaseModel):
     """Cap on held tokens as a share of the KV pool; the oldest holds go first."""
     cut_for_room: bool = False
     """Past the cap, cut the oldest hold's tail where that is room enough, instead of
-    letting it go whole. Off by default: the simulator's agentic fleet gained with it
-    (439.5 -> 451.5 jobs per GPU-hour at 8 GPUs) but bench-pauses' interleaved runs lost
+    letting it go whole. Off by default: bench-pauses' interleaved runs lost with it
     (warmloop 7,170-21,122 tokens recomputed after pauses in five repeats, against
     2,306 at the median of nine without): cut to exactly the excess, the oldest holds
     stay the oldest and are cut again, down to the prompt other holds share, and the
-    next in line are the approvals' held prompts. Bench-gateway's one prompt over the
-    cap (one ~3,000-token session, 2,457 allowed) is held only with it."""
+    next in line are the approvals' held prompts. The simulator's agentic fleet seemed
+    to gain (439.5 -> 451.5 jobs per GPU-hour at 8 GPUs) only while it let released
+    blocks go as if just used; aged to their last touch it is level (431.2 against
+    429.0). Bench-gateway's one prompt over the cap (one ~3,000-token session, 2,457
+    allowed) is held only with it."""
     prefill_tokens_per_s: float = Field(default=20_000.0, gt=0)
     gpu_usd_per_hour: float = Field(default=0.80, gt=0)
     interactive_latency_usd_per_s: float = Field(default=0.01, ge=0)
@@ -371,6 +373,47 @@ class ObservedPrefill:
         var = sum((x - mx) ** 2 for x in xs)
         slope = sum((x - mx) * (y - my) for x, y in pts) / var
         return slope if slope > 0 else None
+
+
+class ChurnMeter:
+    """Prompt tokens a second an engine computes (the churn that pushes a hold's blocks
+    toward eviction), from its cumulative counter read at each probe (an inference
+    worker's heartbeat; the simulator's once a second). ``rate`` is the smoothed rate,
+    or the last probe's where it is higher: a burst after a quiet spell turns the pool
+    over before the average catches up."""
+
+    __slots__ = ("_probe", "last", "smoothed")
+
+    def __init__(self) -> None:
+        self._probe: tuple[float, float] | None = None
+        self.smoothed = 0.0
+        self.last = 0.0
+
+    def observe(self, computed_tokens_total: float, now: float) -> None:
+        """One probe of the counter (vLLM's prefix cache queries minus hits); a counter
+        that went back (an engine restarted) starts the measure again."""
+        if self._probe is not None:
+            t0, v0 = self._probe
+            if now > t0 and computed_tokens_total >= v0:
+                rate = (computed_tokens_total - v0) / (now - t0)
+                self.smoothed = 0.7 * self.smoothed + 0.3 * rate
+                self.last = rate
+        self._probe = (now, computed_tokens_total)
+
+    @property
+    def rate(self) -> float:
+        return max(self.smoothed, self.last)
+
+
+def touch_interval_s(config: HoldConfig, *, free_tokens: float,
+                     churn_tokens_per_s: float) -> float:
+    """How often to touch a hold so other traffic cannot push its blocks out of the LRU
+    between touches: half the time the ``free_tokens`` ahead of them last at the churn,
+    within the config's bounds; the longest interval while no churn is measured."""
+    if churn_tokens_per_s <= 0:
+        return config.max_touch_interval_s
+    interval = 0.5 * max(0.0, free_tokens) / churn_tokens_per_s
+    return min(config.max_touch_interval_s, max(config.min_touch_interval_s, interval))
 
 
 class EvictionRegret:
