@@ -20,7 +20,8 @@ import json
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -84,6 +85,9 @@ class Phase:
     route_reasons: dict[str, int]
     batch_step_records: list[StepRecord]
     """The burst's steps as recorded, with where each step's time went (``StepTiming``)."""
+    batch_step_rows: list[dict[str, Any]] = field(default_factory=list)
+    """The same steps as rows with their job (``--steps-json``): which engine each step
+    ran on and what it found cached, to set beside the simulator's steps."""
 
     @property
     def batch_steps(self) -> int:
@@ -209,7 +213,11 @@ async def phase(name: str, client: Client, http: httpx.AsyncClient, urls: list[s
                  batch_completion_by_step=by_step(batch, "completion_tokens"),
                  makespan_s=makespan if burst else 0.0, batch_states=states(batch),
                  interactive_jobs=len(inter), route_reasons=reasons(batch),
-                 batch_step_records=[st for r in batch for st in r.steps])
+                 batch_step_records=[st for r in batch for st in r.steps],
+                 batch_step_rows=[{"job": r.job_id, **st.model_dump(
+                     include={"step", "engine_id", "prompt_tokens", "cached_tokens",
+                              "completion_tokens", "ttft_ms", "latency_ms", "timing"})}
+                                  for r in batch for st in r.steps])
 
 
 async def main_async(args: argparse.Namespace, console: Console) -> dict[str, Any]:
@@ -253,6 +261,10 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
             if p.batch_step_records:
                 console.print(breakdown_table(p.batch_step_records,
                                               title=f"the burst's steps, {name}"))
+    if args.steps_json:
+        args.steps_json.write_text(json.dumps(
+            {k: v.batch_step_rows for k, v in phases.items() if v.batch_step_rows}))
+        console.print(f"steps written to {args.steps_json}")
     if set(phases) != {"idle", "naive", "lanes"}:
         return {k: {"ttft_p50_ms": pct(v.interactive_ttfts, .5),
                     "ttft_p95_ms": pct(v.interactive_ttfts, .95), "makespan_s": v.makespan_s,
@@ -350,6 +362,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fleet-signal", action="store_true",
                    help="K also answers to the other engines' interactive TTFT")
     p.add_argument("--keep-stack", action="store_true")
+    p.add_argument("--steps-json", type=Path, default=None,
+                   help="write the burst's steps (job, step, engine, prompt and cached "
+                   "tokens, stage times) per phase to this file")
     p.add_argument("--phases", nargs="+", default=["idle", "naive", "lanes"],
                    choices=["idle", "naive", "lanes"],
                    help="run only these (diagnosis); the summary needs all three")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -93,7 +93,6 @@ PAUSES_SIZES_BEFORE = PausesSizes(task=SYNTHETIC_TASK, tail=24, review_extra=60,
                                   lookup=SYNTHETIC_GROWTH, escalation=SYNTHETIC_GROWTH - 40,
                                   escalate_call=None)
 """bench-routing's sizes, which the simulated bench-pauses used before 2026-12-05."""
-BUNDLED_PREFIX = {"ticket-triage": 1_450, "invoice-reconciliation": 1_650}
 
 
 def cpu_engines(kv_bytes: int, n: int = 2,
@@ -286,54 +285,86 @@ BURST_POLICIES = {
 }
 
 
-# bench-burst's jobs on the tiny random model, measured 2026-12-04 (`make bench-burst`, its
-# JSON's per-step means): each step decodes ~68 tokens (66.6-70.8 by step) and the call
-# and the tool's answer add ~57 to the transcript (prompts 1,632, 1,688, 1,745, 1,808,
-# 1,866 tokens by step).
-BURST_OUTPUT_TOKENS = (52, 84)
-BURST_RESULT_TOKENS = (41, 73)
+@dataclass(frozen=True)
+class BurstProfile:
+    """One bundled profile's jobs in bench-burst, as the CPU engines' tiny model counts
+    them. The engines' blocks are 128 tokens, so where a profile's shared prompt ends
+    decides what a job recomputes: the mix's mean prompt alone (1,632 tokens) put both
+    profiles' first steps ~100 tokens past their cached prefix, where each is ~95."""
+
+    shared_prefix: int
+    """The profile's prompt every job shares, in the full blocks the engines cached for
+    it (what a first step on a warm engine found cached)."""
+    first_prompt: int
+    """A job's first prompt (mean)."""
+    output_tokens: tuple[int, int]
+    """A step's decoded tokens (uniform range around the measured mean)."""
+    result_tokens: tuple[int, int]
+    """What a step adds to the transcript: its call and the tool's answer."""
+
+
+BURST_TAIL = 24
+BURST_PROFILES = {
+    "ticket-triage": BurstProfile(shared_prefix=1_280, first_prompt=1_377,
+                                  output_tokens=(44, 76), result_tokens=(46, 78)),
+    "invoice-reconciliation": BurstProfile(shared_prefix=1_792, first_prompt=1_888,
+                                           output_tokens=(60, 92), result_tokens=(35, 67)),
+}
+"""bench-burst's jobs, from the steps of `make bench-burst ARGS="--steps-json F"`
+(2026-12-05, 498 naive and 496 lanes steps): tickets' first prompts 1,377 tokens of
+which 1,280 cached on a warm engine, each step adding ~62 and decoding ~60; invoices'
+1,888 with 1,792 cached, adding ~51 and decoding ~76 (means over both phases, which
+agree within 3 tokens)."""
+
+BURST_PROFILES_BEFORE = {
+    "ticket-triage": BurstProfile(shared_prefix=1_450, first_prompt=1_574,
+                                  output_tokens=(48, 112), result_tokens=(60, 260)),
+    "invoice-reconciliation": BurstProfile(shared_prefix=1_650, first_prompt=1_774,
+                                           output_tokens=(48, 112), result_tokens=(60, 260)),
+}
+"""The sizes the pinned simulator baselines were recorded with (round guesses, the two
+profiles alike but for the prefix)."""
 
 
 def _bundled_job(job_id: str, profile: str, steps: int, rng: random.Random, lane: Lane,
-                 arrival_s: float = 0.0, *,
-                 output_tokens: tuple[int, int] = BURST_OUTPUT_TOKENS,
-                 result_tokens: tuple[int, int] = BURST_RESULT_TOKENS) -> JobSpec:
-    specs = [StepSpec(output_tokens=int(rng.uniform(*output_tokens)),
-                      result_tokens=int(rng.uniform(*result_tokens)),
+                 arrival_s: float = 0.0,
+                 profiles: Mapping[str, BurstProfile] = BURST_PROFILES) -> JobSpec:
+    sizes = profiles[profile]
+    specs = [StepSpec(output_tokens=int(rng.uniform(*sizes.output_tokens)),
+                      result_tokens=int(rng.uniform(*sizes.result_tokens)),
                       pause_kind="" if k == steps - 1 else "tool:call",
                       pause_s=0.0 if k == steps - 1 else rng.uniform(0.01, 0.1))
              for k in range(steps)]
-    return JobSpec(job_id=job_id, family=profile, prefix_tokens=BUNDLED_PREFIX[profile],
-                   task_tokens=100, steps=specs, arrival_s=arrival_s, lane=lane, tail_tokens=24,
+    return JobSpec(job_id=job_id, family=profile, prefix_tokens=sizes.shared_prefix,
+                   task_tokens=sizes.first_prompt - sizes.shared_prefix - BURST_TAIL,
+                   steps=specs, arrival_s=arrival_s, lane=lane, tail_tokens=BURST_TAIL,
                    prior={"tool:call": (0.05, 0.2)})
 
 
 def bench_burst(n_jobs: int = 100, steps: int = 5, window: int = 16, trickle_gap_s: float = 2.0,
                 ttft_target_ms: float = 300.0, *,
-                output_tokens: tuple[int, int] = BURST_OUTPUT_TOKENS,
-                result_tokens: tuple[int, int] = BURST_RESULT_TOKENS) -> dict[str, Summary]:
+                profiles: Mapping[str, BurstProfile] = BURST_PROFILES) -> dict[str, Summary]:
     """100 ticket+invoice jobs of 5 steps on 24 MiB pools: naive (all at once,
     round-robin, no lanes) vs two BatchRuns of window 16 in the batch lane; a trickle of
-    interactive 3-step ticket jobs every 2 s alongside. Figures are the burst's.
-    ``output_tokens`` / ``result_tokens``: the uniform ranges of a step's decoded tokens
-    and of what it adds to the transcript."""
+    interactive 3-step ticket jobs every 2 s alongside. Figures are the burst's; the
+    jobs' sizes are ``profiles``."""
     engines = cpu_engines(24 * MIB)
     cfg = replace(CPU_FLEET, admission=AdmissionConfig(
         interactive_ttft_target_ms=ttft_target_ms, k_min=1, k_start=4, k_max=16))
     return {name: _burst_run(name, pol, engines, cfg, n_jobs, steps, window, trickle_gap_s,
-                             output_tokens, result_tokens)
+                             profiles)
             for name, pol in BURST_POLICIES.items()}
 
 
 def _burst_run(name: str, pol: Policy, engines: list[EngineCalibration], cfg: FleetConfig,
                n_jobs: int, steps: int, window: int, trickle_gap_s: float,
-               output_tokens: tuple[int, int], result_tokens: tuple[int, int]) -> Summary:
+               profiles: Mapping[str, BurstProfile]) -> Summary:
     rng = random.Random(5)
     half = n_jobs // 2
     burst = [_bundled_job(f"b{i:03d}", "ticket-triage" if i < half else
                           "invoice-reconciliation", steps, rng,
                           Lane.BATCH if name == "lanes" else Lane.INTERACTIVE,
-                          output_tokens=output_tokens, result_tokens=result_tokens)
+                          profiles=profiles)
              for i in range(n_jobs)]
     clock = Clock()
     fleet = Fleet(clock, engines, pol, cfg)
@@ -349,8 +380,7 @@ def _burst_run(name: str, pol: Policy, engines: list[EngineCalibration], cfg: Fl
         if not state["open"]:
             return
         fleet.add_jobs([_bundled_job(f"i{k:04d}", "ticket-triage", 3, rng,
-                                     Lane.INTERACTIVE, clock.now, output_tokens=output_tokens,
-                                     result_tokens=result_tokens)])
+                                     Lane.INTERACTIVE, clock.now, profiles)])
         clock.after(trickle_gap_s, trickle, k + 1)
 
     def ended(_stat: object) -> None:

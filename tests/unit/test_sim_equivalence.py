@@ -111,7 +111,7 @@ def run_fleet_case(key: str) -> dict[str, Any]:
 def _burst_as_recorded() -> dict[str, Any]:
     """bench-burst's configuration with the job sizes it had when ``BASELINE`` was
     recorded (they have since been matched to the measured bench)."""
-    return scenarios.bench_burst(output_tokens=(48, 112), result_tokens=(60, 260))
+    return scenarios.bench_burst(profiles=scenarios.BURST_PROFILES_BEFORE)
 
 
 def _pauses_as_recorded() -> dict[str, Any]:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import ast
 import inspect
+import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from warmloop.sim import fleet as sim_fleet
 from warmloop.sim import scenarios
@@ -14,6 +17,7 @@ from warmloop.sim.engine import Request
 from warmloop.sim.fleet import Fleet, FleetConfig
 from warmloop.sim.run import simulate
 from warmloop.workflows import holding, lanes, routing
+from warmloop.workflows.contracts import Lane
 from warmloop.workflows.holding import HoldConfig
 
 SIM = Path(sim_fleet.__file__).resolve().parent
@@ -184,10 +188,7 @@ def test_bench_routing_scenario_pauses_as_the_bench_does() -> None:
 def _burst_fleet(cfg: FleetConfig, jobs: int = 40) -> tuple[Fleet, list[int]]:
     """A naive burst on two CPU engines; returns the fleet and the most steps each
     engine's worker had taken at once."""
-    import random
-
     from warmloop.sim.core import Clock
-    from warmloop.workflows.contracts import Lane
 
     rng = random.Random(3)
     specs = [scenarios._bundled_job(f"b{i:03d}", "ticket-triage", 3, rng, Lane.INTERACTIVE)
@@ -237,3 +238,43 @@ def test_the_fleet_reads_the_workers_step_slots(monkeypatch: object) -> None:
     finally:
         mp.undo()
     assert max(peak) == 2
+
+
+def test_burst_jobs_share_whole_blocks_of_their_profile() -> None:
+    """bench-burst's engines cache a profile's shared prompt in whole 128-token blocks,
+    and a job's first step on a warm engine recomputes only its own tokens (~95 in the
+    measured runs): sizes that put the shared prompt's end mid-block make every step
+    recompute up to a block more than the bench does."""
+    block = scenarios.CPU_TINY_LOADED.block_size
+    rng = random.Random(0)
+    for name, sizes in scenarios.BURST_PROFILES.items():
+        assert sizes.shared_prefix % block == 0, name
+        job = scenarios._bundled_job("j", name, 2, rng, Lane.BATCH)
+        own = job.task_tokens + job.tail_tokens
+        assert 0 < own < block, (name, own)
+        assert job.prefix_tokens + own == sizes.first_prompt
+
+
+def test_simulated_burst_recomputes_what_a_warm_first_step_should() -> None:
+    """The naive burst's first steps on engines already warm for their profile compute
+    their own tokens and nothing of the shared prompt."""
+    fleets: list[Fleet] = []
+    real_init = Fleet.__init__
+
+    def init(self: Fleet, *a: Any, **k: Any) -> None:
+        real_init(self, *a, **k)
+        fleets.append(self)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(Fleet, "__init__", init)
+    try:
+        scenarios.bench_burst(n_jobs=20)
+    finally:
+        mp.undo()
+    naive = fleets[0]
+    firsts = [s for s in naive.steps if s.job_id.startswith("b") and s.step == 1]
+    warm = [s for s in firsts if s.cached_tokens]
+    assert len(warm) >= len(firsts) - 4  # the first of each profile on each engine: cold
+    for s in warm:
+        family = "ticket-triage" if int(s.job_id[1:]) < 10 else "invoice-reconciliation"
+        assert s.cached_tokens == scenarios.BURST_PROFILES[family].shared_prefix, s
