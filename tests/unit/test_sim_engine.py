@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from warmloop.sim.core import Clock
-from warmloop.sim.engine import Engine, PrefixCache, Request
+from warmloop.sim.engine import Engine, Host, HostSharing, PrefixCache, Request
 from warmloop.workflows.calibration import DecodePoint, EngineCalibration, PrefillPoint
 
 
@@ -310,3 +310,59 @@ def test_aged_releases_keep_every_chain_a_prefix(seed: int) -> None:
             1 for k in fast.ref if fast.ref[k] > 0 or k in fast.kids)
         for c in chains:
             assert fast.hit_blocks(c) == fast.hit_blocks_walk(c)
+
+
+def _pair(slowdown: float | None) -> tuple[Clock, Engine, Engine]:
+    """Two engines, on one host sharing its cores (``slowdown``) or each on its own."""
+    clock = Clock()
+    hosts = [Host(slowdown)] * 2 if slowdown is not None else [None, None]
+    e0 = Engine(clock, "e0", cal(blocks=100), host=hosts[0])
+    e1 = Engine(clock, "e1", cal(blocks=100), host=hosts[1])
+    return clock, e0, e1
+
+
+def test_an_engine_alone_on_its_host_steps_at_its_calibrated_pace() -> None:
+    clock, e0, _ = _pair(1.5)
+    r = run_one(e0, clock, Request(chain=chain("a", 5), prompt_tokens=50, output_tokens=21))
+    assert r.done_at == pytest.approx(0.06 + 20 * 0.01)  # prefill step, then 20 decodes
+
+
+def test_engines_sharing_a_host_slow_each_other_while_both_step() -> None:
+    """While the other engine steps throughout, every step runs ``slowdown`` times its
+    calibrated length; engines on hosts of their own do not slow each other."""
+    clock, e0, e1 = _pair(1.5)
+    long = Request(chain=chain("b", 5), prompt_tokens=50, output_tokens=200)
+    e1.submit(long)
+    r = run_one(e0, clock, Request(chain=chain("a", 5), prompt_tokens=50, output_tokens=21))
+    assert r.done_at == pytest.approx(1.5 * (0.06 + 20 * 0.01))
+    assert long.done_at > r.done_at
+    clock, e0, e1 = _pair(None)
+    e1.submit(Request(chain=chain("b", 5), prompt_tokens=50, output_tokens=200))
+    r = run_one(e0, clock, Request(chain=chain("a", 5), prompt_tokens=50, output_tokens=21))
+    assert r.done_at == pytest.approx(0.06 + 20 * 0.01)
+
+
+def test_an_engine_speeds_up_at_its_next_step_once_the_other_goes_idle() -> None:
+    """The other engine's short request ends mid-way through this one's decode: this
+    engine's planned segment is cut at its next step, and the rest runs at full pace."""
+    clock, e0, e1 = _pair(2.0)
+    short = Request(chain=chain("b", 4), prompt_tokens=45, output_tokens=5)
+    e1.submit(short)
+    r = run_one(e0, clock, Request(chain=chain("a", 5), prompt_tokens=50, output_tokens=41))
+    # e1's prefill was planned before e0 stepped (0.055 s at full pace); its 4 decode
+    # steps then ran beside e0's, at 0.02 s each
+    assert short.done_at == pytest.approx(0.055 + 4 * 0.02)
+    # e0: its prefill beside e1 (0.12 s), one decode step under way when e1 went idle at
+    # 0.135 (to 0.14), then 39 steps at full pace
+    assert r.done_at == pytest.approx(0.12 + 0.02 + 39 * 0.01)
+    assert 0.06 + 40 * 0.01 < r.done_at < 2.0 * (0.06 + 40 * 0.01)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(engines_per_host=0, slowdown=1.5), "engines_per_host must be at least 1"),
+    (dict(engines_per_host=2, slowdown=0.5), r"slowdown must be in \[1, 100\]"),
+])
+def test_host_sharing_refuses_settings_that_make_no_sense(kw: dict[str, float],
+                                                         message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        HostSharing(**kw)  # type: ignore[arg-type]

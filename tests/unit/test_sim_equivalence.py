@@ -31,6 +31,7 @@ instead of letting it go: with it ``pauses/hold`` gives 25,472 and ``pauses/warm
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import random
@@ -108,10 +109,19 @@ def run_fleet_case(key: str) -> dict[str, Any]:
     return {**summarize(fleet, clock).as_dict(), "digest": digest(fleet)}
 
 
+AS_RECORDED = dataclasses.replace(scenarios.CPU_FLEET, host_sharing=None)
+"""The CPU fleet as ``BASELINE`` was recorded: each engine stepping as if alone on the
+host (``CPU_HOST`` came later)."""
+
+
+def _routing_as_recorded() -> dict[str, Any]:
+    return scenarios.bench_routing(fleet=AS_RECORDED)
+
+
 def _burst_as_recorded() -> dict[str, Any]:
     """bench-burst's configuration with the job sizes it had when ``BASELINE`` was
     recorded (they have since been matched to the measured bench)."""
-    return scenarios.bench_burst(profiles=scenarios.BURST_PROFILES_BEFORE)
+    return scenarios.bench_burst(profiles=scenarios.BURST_PROFILES_BEFORE, fleet=AS_RECORDED)
 
 
 def _pauses_as_recorded() -> dict[str, Any]:
@@ -121,12 +131,12 @@ def _pauses_as_recorded() -> dict[str, Any]:
     prompt sizes and the approvals' pre-warms sending the next step's whole prompt (now
     the bench's own sizes and the transcript as it stands)."""
     return scenarios.bench_pauses(learned=False, bg_rate=3.5, bg_tokens=640,
-                                  sizes=scenarios.PAUSES_SIZES_BEFORE)
+                                  sizes=scenarios.PAUSES_SIZES_BEFORE, fleet=AS_RECORDED)
 
 
 def _scenario_figures() -> dict[str, dict[str, Any]]:
     out = {}
-    for name, fn in (("routing", scenarios.bench_routing), ("pauses", _pauses_as_recorded),
+    for name, fn in (("routing", _routing_as_recorded), ("pauses", _pauses_as_recorded),
                      ("burst", _burst_as_recorded)):
         for pol, s in fn().items():
             out[f"{name}/{pol}"] = s.as_dict()
