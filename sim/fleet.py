@@ -291,6 +291,8 @@ class Fleet:
         # following their engines' KV events do (unless told to price by the model).
         measured = policy.hold == "cost_model" and self.hold_cfg.rent == "measured"
         sharing = self.cfg.host_sharing
+        if sharing is not None and sharing.slowdown == 1.0:
+            sharing = None  # engines that do not slow each other: as if each had a host
         hosts = ([Host(sharing.slowdown)
                   for _ in range(-(-len(calibrations) // sharing.engines_per_host))]
                  if sharing is not None else [])

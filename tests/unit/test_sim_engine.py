@@ -345,17 +345,48 @@ def test_engines_sharing_a_host_slow_each_other_while_both_step() -> None:
 def test_an_engine_speeds_up_at_its_next_step_once_the_other_goes_idle() -> None:
     """The other engine's short request ends mid-way through this one's decode: this
     engine's planned segment is cut at its next step, and the rest runs at full pace."""
+    for first in ("short", "long"):
+        clock, e0, e1 = _pair(2.0)
+        short = Request(chain=chain("b", 4), prompt_tokens=45, output_tokens=5)
+        long = Request(chain=chain("a", 5), prompt_tokens=50, output_tokens=41)
+        for engine, req in ((e1, short), (e0, long))[::1 if first == "short" else -1]:
+            engine.submit(req)
+        clock.run()
+        # both prefill side by side at half pace (whichever was planned first is
+        # re-paced when the other starts), then e1's 4 decode steps at 0.02 s
+        assert short.done_at == pytest.approx(2 * 0.055 + 4 * 0.02), first
+        # e0: its prefill (0.12 s), decode steps at 0.02 s until e1 went idle at 0.19
+        # (the fourth, under way then, ends at 0.20), then 36 steps at full pace
+        assert long.done_at == pytest.approx(0.12 + 4 * 0.02 + 36 * 0.01), first
+        assert e0.busy_s == pytest.approx(long.done_at)
+        assert e1.busy_s == pytest.approx(short.done_at)
+
+
+def test_a_prefill_under_way_takes_the_new_pace_for_its_rest() -> None:
+    """An engine's prefill step planned alone is re-paced when the other engine starts
+    stepping part-way through it: the part left runs ``slowdown`` times as long."""
     clock, e0, e1 = _pair(2.0)
-    short = Request(chain=chain("b", 4), prompt_tokens=45, output_tokens=5)
-    e1.submit(short)
-    r = run_one(e0, clock, Request(chain=chain("a", 5), prompt_tokens=50, output_tokens=41))
-    # e1's prefill was planned before e0 stepped (0.055 s at full pace); its 4 decode
-    # steps then ran beside e0's, at 0.02 s each
-    assert short.done_at == pytest.approx(0.055 + 4 * 0.02)
-    # e0: its prefill beside e1 (0.12 s), one decode step under way when e1 went idle at
-    # 0.135 (to 0.14), then 39 steps at full pace
-    assert r.done_at == pytest.approx(0.12 + 0.02 + 39 * 0.01)
-    assert 0.06 + 40 * 0.01 < r.done_at < 2.0 * (0.06 + 40 * 0.01)
+    long = Request(chain=chain("a", 5), prompt_tokens=50, output_tokens=1)
+    e0.submit(long)  # its prefill step: 0.06 s alone
+    clock.at(0.02, e1.submit, Request(chain=chain("b", 5), prompt_tokens=50,
+                                     output_tokens=200))
+    clock.run()
+    assert long.done_at == pytest.approx(0.02 + 2 * 0.04)
+
+
+def test_a_slowdown_of_one_is_no_sharing_at_all() -> None:
+    """``HostSharing(slowdown=1)`` leaves every engine on a host of its own: the same
+    events and times as no sharing, so baselines replay alike."""
+    from warmloop.sim.fleet import Fleet, FleetConfig, Policy
+
+    fleet = Fleet(Clock(), [cal()] * 4, Policy("rr", "round_robin", "never", False, False),
+                  FleetConfig(host_sharing=HostSharing(engines_per_host=2, slowdown=1.0)))
+    assert all(e.host is None for e in fleet.engines)
+    fleet = Fleet(Clock(), [cal()] * 3, Policy("rr", "round_robin", "never", False, False),
+                  FleetConfig(host_sharing=HostSharing(engines_per_host=2, slowdown=1.5)))
+    hosts = [e.host for e in fleet.engines]
+    assert hosts[0] is hosts[1] is not hosts[2] and hosts[2] is not None
+    assert len(hosts[2].engines) == 1  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("kw, message", [
