@@ -840,12 +840,18 @@ def _error_text(chunk: Any) -> str:
 async def _heartbeating(interval_s: float = 2.0) -> AsyncIterator[None]:
     """Heartbeat while a step runs, even while the engine queues it and streams nothing:
     the heartbeat says the worker is alive (so a dead one is noticed in seconds); a
-    stalled engine is caught by the HTTP read timeout instead."""
+    stalled engine is caught by the HTTP read timeout instead.
+
+    The first beat waits ``interval_s``: a step that ends sooner sends none. Each beat
+    the SDK sends is a write to the workflow's history shard (and an action Temporal
+    Cloud bills), and the embedded server has one shard for every workflow: a 100-job
+    burst's heartbeats were a fifth of its writes. The heartbeat timeout runs from the
+    activity's start whether or not it beats, so a dead worker is noticed as soon."""
 
     async def beat() -> None:
         while True:
-            activity.heartbeat()
             await asyncio.sleep(interval_s)
+            activity.heartbeat()
 
     task = asyncio.ensure_future(beat())
     try:
