@@ -6,6 +6,8 @@ without a ping."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import tempfile
 from typing import Any
 
 import warmloop.infra.vllm_cpu_server  # noqa: F401 - the patch, applied on import
@@ -16,8 +18,12 @@ def child(q: Any) -> None:
     from vllm.distributed.device_communicators import shm_broadcast
 
     ctx = zmq.Context()
-    reader = shm_broadcast.SpinCondition(is_reader=True, context=ctx,
-                                         notify_address="inproc://spin-probe")
+    # An ipc address nobody binds, not an inproc one: libzmq keeps a connect to an
+    # unbound inproc endpoint as a pending connection, and tearing the context down
+    # with one pending once failed its own assertion (ctx.cpp:789) in CI, 2026-12-05.
+    reader = shm_broadcast.SpinCondition(
+        is_reader=True, context=ctx,
+        notify_address=f"ipc://{tempfile.gettempdir()}/warmloop-spin-probe-{os.getpid()}")
     q.put(f"{reader.busy_loop_s} {shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS}")
     ctx.destroy(linger=0)
 
