@@ -676,9 +676,7 @@ class Engine:
                                             longest) * pace
             self.busy_s += duration
             self._pace = pace
-            self._prefill_step = (now + duration, plan)
-            self._prefill_version += 1
-            self.clock.at(now + duration, self._prefill_step_end, plan, self._prefill_version)
+            self._prefill_until(now + duration, plan)
         elif self.running:
             self._busy = True
             self._pace = pace
@@ -733,13 +731,19 @@ class Engine:
             new_end = now + (end - now) * pace / self._pace
             self.busy_s += new_end - end
             self._pace = pace
-            self._prefill_step = (new_end, plan)
-            self._prefill_version += 1
-            self.clock.at(new_end, self._prefill_step_end, plan, self._prefill_version)
+            self._prefill_until(new_end, plan)
 
-    def _prefill_step_end(self, plan: list[tuple[Request, int]], version: int) -> None:
-        if version != self._prefill_version:
+    def _prefill_until(self, end: float, plan: list[tuple[Request, int]]) -> None:
+        """The prefill step ``plan`` ends at ``end``: an end scheduled for it before
+        (a re-paced step's) is dropped by its version."""
+        self._prefill_step = (end, plan)
+        self._prefill_version += 1
+        self.clock.at(end, self._prefill_step_end, self._prefill_version)
+
+    def _prefill_step_end(self, version: int) -> None:
+        if version != self._prefill_version or self._prefill_step is None:
             return  # re-paced: it ends later or sooner
+        _, plan = self._prefill_step
         self._prefill_step = None
         now = self.clock.now
         self._advance_decode(1)

@@ -354,22 +354,25 @@ def _bundled_job(job_id: str, profile: str, steps: int, rng: random.Random, lane
 def bench_burst(n_jobs: int = 100, steps: int = 5, window: int = 16, trickle_gap_s: float = 2.0,
                 ttft_target_ms: float = 300.0, *,
                 profiles: Mapping[str, BurstProfile] = BURST_PROFILES,
-                fleet: FleetConfig = CPU_FLEET) -> dict[str, Summary]:
+                fleet: FleetConfig = CPU_FLEET,
+                on_fleet: Callable[[str, Fleet], None] | None = None) -> dict[str, Summary]:
     """100 ticket+invoice jobs of 5 steps on 24 MiB pools: naive (all at once,
     round-robin, no lanes) vs two BatchRuns of window 16 in the batch lane; a trickle of
     interactive 3-step ticket jobs every 2 s alongside. Figures are the burst's; the
-    jobs' sizes are ``profiles``; ``fleet``: the stages and host (``CPU_FLEET``)."""
+    jobs' sizes are ``profiles``; ``fleet``: the stages and host (``CPU_FLEET``);
+    ``on_fleet``: told each policy's fleet before it runs, as ``bench_pauses``'s."""
     engines = cpu_engines(24 * MIB)
     cfg = replace(fleet, admission=AdmissionConfig(
         interactive_ttft_target_ms=ttft_target_ms, k_min=1, k_start=4, k_max=16))
     return {name: _burst_run(name, pol, engines, cfg, n_jobs, steps, window, trickle_gap_s,
-                             profiles)
+                             profiles, on_fleet)
             for name, pol in BURST_POLICIES.items()}
 
 
 def _burst_run(name: str, pol: Policy, engines: list[EngineCalibration], cfg: FleetConfig,
                n_jobs: int, steps: int, window: int, trickle_gap_s: float,
-               profiles: Mapping[str, BurstProfile]) -> Summary:
+               profiles: Mapping[str, BurstProfile],
+               on_fleet: Callable[[str, Fleet], None] | None) -> Summary:
     rng = random.Random(5)
     half = n_jobs // 2
     burst = [_bundled_job(f"b{i:03d}", "ticket-triage" if i < half else
@@ -379,6 +382,8 @@ def _burst_run(name: str, pol: Policy, engines: list[EngineCalibration], cfg: Fl
              for i in range(n_jobs)]
     clock = Clock()
     fleet = Fleet(clock, engines, pol, cfg)
+    if on_fleet is not None:
+        on_fleet(name, fleet)
     if name == "lanes":
         fleet.add_batch(burst[:half], window=window)
         fleet.add_batch(burst[half:], window=window)

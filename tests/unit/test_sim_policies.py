@@ -9,8 +9,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from warmloop.sim import fleet as sim_fleet
 from warmloop.sim import scenarios
 from warmloop.sim.engine import Request
@@ -258,20 +256,9 @@ def test_burst_jobs_share_whole_blocks_of_their_profile() -> None:
 def test_simulated_burst_recomputes_what_a_warm_first_step_should() -> None:
     """The naive burst's first steps on engines already warm for their profile compute
     their own tokens and nothing of the shared prompt."""
-    fleets: list[Fleet] = []
-    real_init = Fleet.__init__
-
-    def init(self: Fleet, *a: Any, **k: Any) -> None:
-        real_init(self, *a, **k)
-        fleets.append(self)
-
-    mp = pytest.MonkeyPatch()
-    mp.setattr(Fleet, "__init__", init)
-    try:
-        scenarios.bench_burst(n_jobs=20)
-    finally:
-        mp.undo()
-    naive = fleets[0]
+    fleets: dict[str, Fleet] = {}
+    scenarios.bench_burst(n_jobs=20, on_fleet=fleets.__setitem__)
+    naive = fleets["naive"]
     firsts = [s for s in naive.steps if s.job_id.startswith("b") and s.step == 1]
     warm = [s for s in firsts if s.cached_tokens]
     assert len(warm) >= len(firsts) - 4  # the first of each profile on each engine: cold

@@ -223,54 +223,54 @@ async def test_fresh_fault_path_histories_replay(time_skipping_env: WorkflowEnvi
     # failover: the routed engine has no worker and no heartbeat
     fakes = FakeActivities(lambda req: search, engines=["fake0", "fake1"])
     fakes.forced_routes = ["fake0"]
-    async with asyncio.timeout(SECTION_TIMEOUT_S):
-        async with workers(time_skipping_env, fakes, serving=["fake1"]) as client:
-            res = await run_job(client, max_steps=2, step_pickup_timeout_s=2)
-            recorded["agent_job_failover.json"] = await client.get_workflow_handle(
-                res.job_id).fetch_history()
+    async with (asyncio.timeout(SECTION_TIMEOUT_S),
+                workers(time_skipping_env, fakes, serving=["fake1"]) as client):
+        res = await run_job(client, max_steps=2, step_pickup_timeout_s=2)
+        recorded["agent_job_failover.json"] = await client.get_workflow_handle(
+            res.job_id).fetch_history()
     assert fakes.served_by == ["fake1", "fake1"] and fakes.alive_asked == ["fake0"]
 
     # transcript gap: the whole transcript is sent again
     gap = _GapOnce(lambda req: search)
-    async with asyncio.timeout(SECTION_TIMEOUT_S):
-        async with workers(time_skipping_env, gap) as client:
-            res = await run_job(client, max_steps=3)
-            recorded["agent_job_transcript_gap.json"] = await client.get_workflow_handle(
-                res.job_id).fetch_history()
+    async with (asyncio.timeout(SECTION_TIMEOUT_S),
+                workers(time_skipping_env, gap) as client):
+        res = await run_job(client, max_steps=3)
+        recorded["agent_job_transcript_gap.json"] = await client.get_workflow_handle(
+            res.job_id).fetch_history()
     assert gap.lost and len(res.steps) == 3
 
     # continue-as-new: the last run, which resumed from the carry
     can = FakeActivities(lambda req: search)
-    async with asyncio.timeout(SECTION_TIMEOUT_S):
-        async with workers(time_skipping_env, can) as client:
-            res = await run_job(client, max_steps=5, continue_as_new_after_steps=2)
-            recorded["agent_job_continue_as_new.json"] = await client.get_workflow_handle(
-                res.job_id).fetch_history()
+    async with (asyncio.timeout(SECTION_TIMEOUT_S),
+                workers(time_skipping_env, can) as client):
+        res = await run_job(client, max_steps=5, continue_as_new_after_steps=2)
+        recorded["agent_job_continue_as_new.json"] = await client.get_workflow_handle(
+            res.job_id).fetch_history()
     assert res.runs == 3
 
     # escalation: no decision by the deadline, escalated, then auto-rejected
     urgent = iter([reply("set_priority", '{"priority": "urgent"}')])
     esc = FakeActivities(lambda req: next(urgent, reply(
         "finish", '{"resolution": "escalated", "priority": "high"}')))
-    async with asyncio.timeout(SECTION_TIMEOUT_S):
-        async with workers(time_skipping_env, esc) as client:
-            res = await run_job(client, max_steps=4)
-            recorded["agent_job_escalation.json"] = await client.get_workflow_handle(
-                res.job_id).fetch_history()
+    async with (asyncio.timeout(SECTION_TIMEOUT_S),
+                workers(time_skipping_env, esc) as client):
+        res = await run_job(client, max_steps=4)
+        recorded["agent_job_escalation.json"] = await client.get_workflow_handle(
+            res.job_id).fetch_history()
     assert res.approvals and res.approvals[0].approval.escalated
 
     # cancel during a model step (a real server: see test_cancel_during_step)
     cancel = FakeActivities(lambda req: search)
     cancel.hang["generate"] = 2
-    async with asyncio.timeout(SECTION_TIMEOUT_S):
-        async with workers(dev_server_env, cancel) as client:
-            handle = await client.start_workflow(
-                AgentJob.run, JobInput(profile="ticket-triage", task=TICKET, max_steps=4),
-                id=f"replay-cancel-{uuid.uuid4().hex[:6]}", task_queue=AGENT_TASK_QUEUE)
-            await asyncio.wait_for(cancel.hanging.wait(), timeout=30)
-            await handle.cancel()
-            res = await handle.result()
-            recorded["agent_job_cancel_during_step.json"] = await handle.fetch_history()
+    async with (asyncio.timeout(SECTION_TIMEOUT_S),
+                workers(dev_server_env, cancel) as client):
+        handle = await client.start_workflow(
+            AgentJob.run, JobInput(profile="ticket-triage", task=TICKET, max_steps=4),
+            id=f"replay-cancel-{uuid.uuid4().hex[:6]}", task_queue=AGENT_TASK_QUEUE)
+        await asyncio.wait_for(cancel.hanging.wait(), timeout=30)
+        await handle.cancel()
+        res = await handle.result()
+        recorded["agent_job_cancel_during_step.json"] = await handle.fetch_history()
     assert res.state.value == "CANCELLED"
 
     for name, history in recorded.items():
