@@ -2,13 +2,37 @@
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 _Event = tuple[float, int, Callable[..., Any], tuple[Any, ...]]
+
+COLLECT_EVERY_ALLOCATIONS = 200_000
+"""The cyclic garbage collector's first threshold while events run (Python's default is
+700). A fleet keeps millions of objects alive (block keys, chains, queued events) and
+allocates a few short-lived tuples an event; at the default the collector ran 14 full
+and ~180 middle collections over a 10 s, 128-GPU run, a quarter of its time, walking
+that live heap each time. Nothing the fleet keeps needs the collector (no cycles pile
+up: peak memory is the same with it off), so it runs 280x less often while a run goes
+on, and as before after it."""
+
+
+@contextmanager
+def collecting_less() -> Iterator[None]:
+    """Raise the collector's first threshold to ``COLLECT_EVERY_ALLOCATIONS`` for the
+    block, then put the caller's back. Process-wide (the collector has one setting), so
+    another thread allocating meanwhile is collected less often too."""
+    first, *rest = gc.get_threshold()
+    gc.set_threshold(max(first, COLLECT_EVERY_ALLOCATIONS), *rest)
+    try:
+        yield
+    finally:
+        gc.set_threshold(first, *rest)
 
 
 class Clock:
@@ -58,14 +82,15 @@ class Clock:
         self._until = bound
         pop = heapq.heappop
         try:
-            while heap:
-                if heap[0][0] > bound:
-                    self.now = bound
-                    return
-                t, _, fn, args = pop(heap)
-                self.now = t
-                self.events += 1
-                fn(*args)
+            with collecting_less():
+                while heap:
+                    if heap[0][0] > bound:
+                        self.now = bound
+                        return
+                    t, _, fn, args = pop(heap)
+                    self.now = t
+                    self.events += 1
+                    fn(*args)
         finally:
             self._until = math.inf
         if until is not None:

@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from warmloop.sim.core import Clock
+from warmloop.sim.core import Clock, collecting_less
 from warmloop.sim.fleet import POLICIES, Fleet, FleetConfig, Policy
 from warmloop.sim.workload import JobSpec
 from warmloop.workflows.calibration import EngineCalibration
@@ -59,13 +59,14 @@ def simulate(jobs: Sequence[JobSpec], calibrations: Sequence[EngineCalibration],
     """Run ``jobs`` on engines of ``calibrations`` under ``policy`` until every job ends
     (or ``until_s``), and sum the run up."""
     pol = POLICIES[policy] if isinstance(policy, str) else policy
-    clock = Clock()
-    fleet = Fleet(clock, calibrations, pol, config)
-    fleet.add_jobs(jobs)
-    if setup is not None:
-        setup(fleet)
-    clock.run(until_s)
-    return summarize(fleet, clock)
+    with collecting_less():  # the jobs' chains are built here, as many objects as the run
+        clock = Clock()
+        fleet = Fleet(clock, calibrations, pol, config)
+        fleet.add_jobs(jobs)
+        if setup is not None:
+            setup(fleet)
+        clock.run(until_s)
+        return summarize(fleet, clock)
 
 
 def summarize(fleet: Fleet, clock: Clock) -> Summary:
