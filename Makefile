@@ -141,8 +141,11 @@ bench-sim-fidelity: install
 
 ## The simulated fleet (H100 preset): jobs per GPU-hour, cost per task and interactive TTFT
 ## p99 per policy by fleet size and load; plots in .warmloop/bench-fleet/ (no stack).
+## The simulator runs compiled (mypyc, warmloop.sim.compiled: ~2 min to build, once per
+## source change; 1.35x faster); where no build can be made it runs pure, and says so.
 bench-fleet: install
-	$(BIN)/python -m bench.fleet $(ARGS)
+	-$(BIN)/python -m warmloop.sim.compiled --if-stale .warmloop/sim-compiled
+	WARMLOOP_SIM_COMPILED=.warmloop/sim-compiled $(BIN)/python -m bench.fleet $(ARGS)
 
 ## warmloop replay on a 40-job trace, twice: warmloop routing vs round-robin (own stack).
 replay-demo: install

@@ -27,6 +27,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
+from warmloop import sim
 from warmloop.sim.fleet import POLICIES, FleetConfig
 from warmloop.sim.run import Summary, simulate
 from warmloop.sim.workload import WORKLOADS, JobProfile, burst_jobs, poisson_jobs
@@ -104,7 +105,8 @@ def _row(run: tuple[int, float, bool, str, float], calibration: str,
                          workload=workload, holding=hold)
     return {"gpus": gpus, "load": load, "burst": burst, "policy": pol, "horizon_s": horizon,
             **figures(s, gpus, horizon), "wall_s": round(took, 1), "cpu_s": round(cpu_s, 1),
-            "gpu_hours_per_wall_min": round(gpus * horizon / 60 / max(took, 1e-9), 2)}
+            "gpu_hours_per_wall_min": round(gpus * horizon / 60 / max(took, 1e-9), 2),
+            "compiled": sim.COMPILED}
 
 
 def figures(s: Summary, gpus: int, horizon_s: float) -> dict[str, float]:
@@ -186,9 +188,12 @@ def report(rows: list[dict[str, Any]], out: Path, calibration: str, workload: st
     def per_100(seconds: float) -> str:  # minutes per 100 simulated GPU-hours
         return f"{seconds / max(gpu_hours, 1e-9) * 100 / 60:.1f}"
 
+    compiled = bool(rows) and all(r.get("compiled") for r in rows)
     took = f"{elapsed_s:.0f} s elapsed over {procs} processes, " if elapsed_s else ""
     elapsed = f"{per_100(elapsed_s)} min elapsed, " if elapsed_s else ""
-    print(f"simulated {gpu_hours:.1f} GPU-hours in {took}{wall:.0f} s of runs' wall, "
+    print(f"simulated {gpu_hours:.1f} GPU-hours "
+          f"({'compiled' if compiled else 'pure Python'}: WARMLOOP_SIM_COMPILED) in "
+          f"{took}{wall:.0f} s of runs' wall, "
           f"{cpu:.0f} s CPU ({elapsed}{per_100(wall)} min of runs' wall, {per_100(cpu)} "
           "CPU-min per 100 GPU-hours); "
           + "; ".join(speed) + f"; plots: {', '.join(plots) or 'none'}")
@@ -200,7 +205,7 @@ def report(rows: list[dict[str, Any]], out: Path, calibration: str, workload: st
         "cost_p95_usd": {k: v["cost_p95_usd"] for k, v in head.items()},
         "simulated_gpu_hours": round(gpu_hours, 1), "wall_s": round(wall, 1),
         "elapsed_s": round(elapsed_s, 1) if elapsed_s else None, "procs": procs,
-        "cpu_s": round(cpu, 1), "rows": rows}))
+        "cpu_s": round(cpu, 1), "compiled": compiled, "rows": rows}))
 
 
 def main(argv: list[str] | None = None) -> None:

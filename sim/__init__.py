@@ -7,3 +7,15 @@ the workers run: ``workflows/routing.py`` (``choose_engine``), ``workflows/holdi
 (``decide_hold``), ``workflows/lanes.py`` (batch admission) and ``workflows/budgets.py``.
 Nothing in ``sim/`` re-implements a policy (``tests/unit/test_sim_policies.py`` checks).
 """
+
+import os as _os
+from pathlib import Path as _Path
+
+COMPILED = False
+"""Whether ``sim/core.py``, ``engine.py`` and ``fleet.py`` run compiled in this process
+(``WARMLOOP_SIM_COMPILED``: see ``warmloop.sim.compiled``)."""
+if _os.environ.get("WARMLOOP_SIM_COMPILED"):
+    from warmloop.sim import compiled as _compiled
+
+    COMPILED = _compiled.activate(_Path(_os.environ["WARMLOOP_SIM_COMPILED"]), __path__)
+

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Protocol
+from typing import Any, Protocol
 
 from warmloop.sim.core import Clock
 from warmloop.workflows.calibration import EngineCalibration
@@ -45,7 +45,7 @@ class Request:
     priority: int = 0
     on_first_token: Callable[[Request], None] | None = None
     on_done: Callable[[Request], None] | None = None
-    tag: object = None
+    tag: Any = None  # Any, not object: mypyc's dataclasses (sim.compiled) cannot resolve it
     # filled in by the engine
     submitted_at: float = 0.0
     first_token_at: float = 0.0

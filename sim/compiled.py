@@ -1,0 +1,146 @@
+"""The simulator's hot modules compiled to C with mypyc, for fleets of hundreds of GPUs.
+
+``python -m warmloop.sim.compiled [DIR]`` compiles ``sim/core.py``, ``sim/engine.py``
+and ``sim/fleet.py`` (the event loop, the engines and the fleet: where a large run
+spends its time) into ``DIR`` (default ``.warmloop/sim-compiled``), about two minutes
+of one core. ``WARMLOOP_SIM_COMPILED=DIR`` then makes ``import warmloop.sim...`` load
+them in place of the pure modules, in that process and the processes it starts (the
+variable is read once, when ``warmloop.sim`` is first imported). The policy modules
+(``workflows/``) stay the interpreted ones the workers run, so the simulator still asks
+the very same code.
+
+The compiled modules run only if they were built from the sources beside them now (a
+SHA-256 manifest) by this Python; otherwise the pure modules run and a warning says
+why, so an edit to ``sim/engine.py`` is never shadowed by an old build. The results
+are the same either way (``tests/integration/test_sim_compiled.py`` checks a run's
+every figure)."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.machinery
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from collections.abc import MutableSequence
+from pathlib import Path
+
+import warmloop
+
+MODULES = ("core", "engine", "fleet")
+"""The modules compiled, in ``warmloop/sim/``."""
+DEFAULT_DIR = Path(".warmloop/sim-compiled")
+MANIFEST = "manifest.json"
+ENV = "WARMLOOP_SIM_COMPILED"
+
+_SIM_DIR = Path(__file__).resolve().parent
+_PACKAGE_DIR = Path(warmloop.__file__).parent
+"""The ``warmloop`` package as imported (in the repository, links to the top-level
+folders: ``_SIM_DIR.parent`` would be the repository itself)."""
+
+
+def _abi() -> str:
+    """The extension suffix of this interpreter (a build for another Python won't load)."""
+    return importlib.machinery.EXTENSION_SUFFIXES[0]
+
+
+def source_digests() -> dict[str, str]:
+    """SHA-256 of each compiled module's source as it is now."""
+    return {m: hashlib.sha256((_SIM_DIR / f"{m}.py").read_bytes()).hexdigest()
+            for m in MODULES}
+
+
+def build(out: Path = DEFAULT_DIR) -> Path:
+    """Compile ``MODULES`` into ``out`` (replacing what is there) and write its manifest.
+
+    mypyc type-checks the modules with the rest of the package, so it runs on a copy of
+    the package's Python files (the repository's ``warmloop/`` is links to the
+    top-level folders); the extensions it writes are moved to ``out``. Raises
+    ``RuntimeError`` with the compiler's output when the build fails (no C compiler or
+    Python headers, a construct mypyc refuses)."""
+    digests = source_digests()
+    with tempfile.TemporaryDirectory(prefix="warmloop-mypyc-") as tmp:
+        root = Path(tmp)
+        shutil.copytree(_PACKAGE_DIR, root / "warmloop", symlinks=False,
+                        ignore=_python_files_only)
+        files = [f"warmloop/sim/{m}.py" for m in MODULES]
+        proc = subprocess.run(
+            [sys.executable, "-m", "mypyc", *files], cwd=root, capture_output=True,
+            text=True, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"mypyc failed ({proc.returncode}):\n{proc.stdout[-4000:]}"
+                               f"\n{proc.stderr[-4000:]}")
+        built = [root / "warmloop" / "sim" / f"{m}{_abi()}" for m in MODULES]
+        shared = sorted(root.glob(f"*__mypyc{_abi()}"))
+        missing = [p.name for p in built if not p.exists()]
+        if missing or len(shared) != 1:
+            raise RuntimeError(f"mypyc wrote no {missing or 'shared library'} in {root}")
+        if out.exists():
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
+        for p in [*built, *shared]:
+            shutil.copy2(p, out / p.name)
+    (out / MANIFEST).write_text(json.dumps(
+        {"sources": digests, "abi": _abi(), "python": sys.version}, indent=2) + "\n")
+    return out
+
+
+def _python_files_only(folder: str, names: list[str]) -> list[str]:
+    """``copytree``'s ignore: keep folders and ``.py`` files (no models, caches, builds)."""
+    return [n for n in names
+            if n == "__pycache__" or (not n.endswith(".py") and not Path(folder, n).is_dir())]
+
+
+def stale_reason(directory: Path) -> str | None:
+    """Why the build in ``directory`` cannot stand in for the sources now (None: it can)."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        return f"no readable {MANIFEST} in {directory} ({e.__class__.__name__})"
+    if manifest.get("abi") != _abi():
+        return f"built for {manifest.get('abi')}, this Python loads {_abi()}"
+    changed = [m for m, d in source_digests().items() if manifest.get("sources", {}).get(m) != d]
+    if changed:
+        return f"sim/{', sim/'.join(f'{m}.py' for m in changed)} changed since the build"
+    missing = [m for m in MODULES if not (directory / f"{m}{_abi()}").exists()]
+    if missing:
+        return f"{', '.join(missing)} not built"
+    return None
+
+
+def activate(directory: Path, package_path: MutableSequence[str]) -> bool:
+    """Put the build in ``directory`` before the pure modules on ``package_path`` (the
+    ``warmloop.sim`` package's ``__path__``) if it is current; warn and leave the path
+    alone if not. Must run before any of ``MODULES`` is imported."""
+    directory = directory.resolve()
+    reason = stale_reason(directory)
+    if reason is not None:
+        warnings.warn(f"{ENV}={directory}: running the pure simulator: {reason}; rebuild "
+                      "with `python -m warmloop.sim.compiled`", RuntimeWarning, stacklevel=3)
+        return False
+    package_path.insert(0, str(directory))
+    if str(directory) not in sys.path:  # the modules' shared library is a top-level one
+        sys.path.append(str(directory))
+    return True
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("out", nargs="?", type=Path, default=DEFAULT_DIR)
+    p.add_argument("--if-stale", action="store_true",
+                   help="build only if OUT does not hold a current build")
+    args = p.parse_args(argv)
+    reason = stale_reason(args.out)
+    if args.if_stale and reason is None:
+        print(f"{args.out}: current")
+        return
+    build(args.out)
+    print(f"{args.out}: built ({', '.join(MODULES)})")
+
+
+if __name__ == "__main__":
+    main()
