@@ -145,7 +145,7 @@ bench-sim-fidelity: install
 ## source change; 1.35x faster); where no build can be made it runs pure, and says so.
 bench-fleet: install
 	-$(BIN)/python -m warmloop.sim.compiled --if-stale .warmloop/sim-compiled
-	WARMLOOP_SIM_COMPILED=.warmloop/sim-compiled $(BIN)/python -m bench.fleet $(ARGS)
+	WARMLOOP_SIM_COMPILED=$(CURDIR)/.warmloop/sim-compiled $(BIN)/python -m bench.fleet $(ARGS)
 
 ## warmloop replay on a 40-job trace, twice: warmloop routing vs round-robin (own stack).
 replay-demo: install

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.machinery
+import importlib.util
 import json
 import os
 import shutil
@@ -87,9 +88,15 @@ def build(out: Path = DEFAULT_DIR) -> Path:
         out.mkdir(parents=True)
         for p in [*built, *shared]:
             shutil.copy2(p, out / p.name)
+    built_files = {p.name: _sha256(out / p.name) for p in [*built, *shared]}
     (out / MANIFEST).write_text(json.dumps(
-        {"sources": digests, "abi": _abi(), "python": sys.version}, indent=2) + "\n")
+        {"sources": digests, "abi": _abi(), "python": sys.version,
+         "shared": shared[0].name, "built": built_files}, indent=2) + "\n")
     return out
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 _MYPY_CONFIG = """[mypy]
@@ -120,25 +127,47 @@ def stale_reason(directory: Path) -> str | None:
     changed = [m for m, d in source_digests().items() if manifest.get("sources", {}).get(m) != d]
     if changed:
         return f"sim/{', sim/'.join(f'{m}.py' for m in changed)} changed since the build"
-    missing = [m for m in MODULES if not (directory / f"{m}{_abi()}").exists()]
-    if missing:
-        return f"{', '.join(missing)} not built"
+    built = manifest.get("built", {})
+    names = [f"{m}{_abi()}" for m in MODULES] + [manifest.get("shared", "")]
+    for name in names:
+        path = directory / name
+        if not name or name not in built or not path.is_file():
+            return f"{name or 'the shared library'} not built"
+        if _sha256(path) != built[name]:
+            return f"{name} is not the file the build wrote"
     return None
 
 
 def activate(directory: Path, package_path: MutableSequence[str]) -> bool:
     """Put the build in ``directory`` before the pure modules on ``package_path`` (the
-    ``warmloop.sim`` package's ``__path__``) if it is current; warn and leave the path
-    alone if not. Must run before any of ``MODULES`` is imported."""
+    ``warmloop.sim`` package's ``__path__``) if it is current (the sources it was built
+    from, this Python, every file as the build wrote it) and its shared library loads;
+    warn and leave the path alone if not. Must run before any of ``MODULES`` is
+    imported."""
     directory = directory.resolve()
     reason = stale_reason(directory)
     if reason is not None:
         warnings.warn(f"{ENV}={directory}: running the pure simulator: {reason}; rebuild "
                       "with `python -m warmloop.sim.compiled`", RuntimeWarning, stacklevel=3)
         return False
+    # The modules import their shared library by a top-level name (a hash of the module
+    # names, the same for every build): load it from this build by its path, so neither
+    # another copy on sys.path nor the folder's own files become importable by name.
+    shared = json.loads((directory / MANIFEST).read_text())["shared"]
+    name = shared.removesuffix(_abi())
+    if name not in sys.modules:
+        try:
+            spec = importlib.util.spec_from_file_location(name, directory / shared)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"no loader for {shared}")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        except ImportError as e:
+            warnings.warn(f"{ENV}={directory}: running the pure simulator: {shared} did not "
+                          f"load ({e})", RuntimeWarning, stacklevel=3)
+            return False
+        sys.modules[name] = module
     package_path.insert(0, str(directory))
-    if str(directory) not in sys.path:  # the modules' shared library is a top-level one
-        sys.path.append(str(directory))
     return True
 
 

@@ -25,10 +25,12 @@ on, and as before after it."""
 @contextmanager
 def collecting_less() -> Iterator[None]:
     """Raise the collector's first threshold to ``COLLECT_EVERY_ALLOCATIONS`` for the
-    block, then put the caller's back. Process-wide (the collector has one setting), so
-    another thread allocating meanwhile is collected less often too."""
+    block, then put the caller's back (a threshold of 0, collection off, stays off).
+    Process-wide (the collector has one setting): another thread allocating meanwhile is
+    collected less often too, and two threads' blocks that overlap can leave the raised
+    threshold set."""
     first, *rest = gc.get_threshold()
-    gc.set_threshold(max(first, COLLECT_EVERY_ALLOCATIONS), *rest)
+    gc.set_threshold(max(first, COLLECT_EVERY_ALLOCATIONS) if first else 0, *rest)
     try:
         yield
     finally:

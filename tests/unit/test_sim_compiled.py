@@ -5,27 +5,46 @@ build itself and its results: ``tests/integration/test_sim_compiled.py``."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 from warmloop.sim import compiled
 
+SHARED = f"0123abcd__mypyc{compiled._abi()}"
+
 
 def _fake_build(tmp_path: Path, **manifest: object) -> Path:
-    for m in compiled.MODULES:
-        (tmp_path / f"{m}{compiled._abi()}").write_bytes(b"not really a module")
-    current = {"sources": compiled.source_digests(), "abi": compiled._abi()}
+    built = {}
+    for name in [*(f"{m}{compiled._abi()}" for m in compiled.MODULES), SHARED]:
+        (tmp_path / name).write_bytes(b"not really a module: " + name.encode())
+        built[name] = compiled._sha256(tmp_path / name)
+    current = {"sources": compiled.source_digests(), "abi": compiled._abi(),
+               "shared": SHARED, "built": built}
     (tmp_path / compiled.MANIFEST).write_text(json.dumps({**current, **manifest}))
     return tmp_path
 
 
-def test_a_current_build_goes_first_on_the_package_path(tmp_path: Path) -> None:
+def test_a_current_build_whose_library_does_not_load_is_refused(tmp_path: Path) -> None:
+    """The manifest's checks pass (the real load: tests/integration/test_sim_compiled.py);
+    a shared library that does not load leaves the pure modules, and sys.path, alone."""
     build = _fake_build(tmp_path)
     path = ["/the/pure/modules"]
+    before = list(sys.path)
     assert compiled.stale_reason(build) is None
-    assert compiled.activate(build, path) is True
-    assert path == [str(build.resolve()), "/the/pure/modules"]
+    with pytest.warns(RuntimeWarning, match="did not load"):
+        assert compiled.activate(build, path) is False
+    assert path == ["/the/pure/modules"] and sys.path == before
+    assert "0123abcd__mypyc" not in sys.modules
+
+
+def test_a_build_file_changed_or_missing_is_refused(tmp_path: Path) -> None:
+    build = _fake_build(tmp_path)
+    (build / SHARED).write_bytes(b"another build's library")
+    assert compiled.stale_reason(build) == f"{SHARED} is not the file the build wrote"
+    (build / SHARED).unlink()
+    assert compiled.stale_reason(build) == f"{SHARED} not built"
 
 
 @pytest.mark.parametrize(("manifest", "reason"), [
@@ -48,4 +67,4 @@ def test_a_missing_or_unreadable_build_is_refused(tmp_path: Path) -> None:
     (tmp_path / "b").mkdir()
     build = _fake_build(tmp_path / "b")
     (build / f"engine{compiled._abi()}").unlink()
-    assert compiled.stale_reason(build) == "engine not built"
+    assert compiled.stale_reason(build) == f"engine{compiled._abi()} not built"

@@ -50,6 +50,14 @@ def test_the_collector_runs_less_while_events_run_and_as_before_after() -> None:
         clock.run()
     assert gc.get_threshold() == before
 
+    gc.set_threshold(0, *before[1:])  # the caller turned automatic collection off
+    try:
+        clock.at(3.0, lambda: seen.append(gc.get_threshold()))
+        clock.run()
+        assert seen[-1][0] == 0 and gc.get_threshold()[0] == 0
+    finally:
+        gc.set_threshold(*before)
+
 
 def test_lru_evicts_least_recent_and_tail_blocks_first() -> None:
     cache = PrefixCache(4)

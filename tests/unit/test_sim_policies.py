@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import warmloop.sim as sim_package
 from warmloop.sim import fleet as sim_fleet
 from warmloop.sim import scenarios
 from warmloop.sim.engine import Request
@@ -18,7 +19,9 @@ from warmloop.workflows import holding, lanes, routing
 from warmloop.workflows.contracts import Lane
 from warmloop.workflows.holding import HoldConfig
 
-SIM = Path(sim_fleet.__file__).resolve().parent
+SIM = Path(sim_package.__file__).resolve().parent
+"""The simulator's sources (the package's ``__init__``: ``sim_fleet`` may be a compiled
+build's, ``warmloop.sim.compiled``)."""
 POLICY_NAMES = {
     name for module in (routing, holding, lanes)
     for name, obj in vars(module).items()
