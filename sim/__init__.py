@@ -14,8 +14,8 @@ from pathlib import Path as _Path
 COMPILED = False
 """Whether ``sim/core.py``, ``engine.py`` and ``fleet.py`` run compiled in this process
 (``WARMLOOP_SIM_COMPILED``: see ``warmloop.sim.compiled``)."""
-if _os.environ.get("WARMLOOP_SIM_COMPILED"):
+if _build := _os.environ.get("WARMLOOP_SIM_COMPILED"):
     from warmloop.sim import compiled as _compiled
 
-    COMPILED = _compiled.activate(_Path(_os.environ["WARMLOOP_SIM_COMPILED"]), __path__)
+    COMPILED = _compiled.activate(_Path(_build), __path__)
 

@@ -30,6 +30,7 @@ import tempfile
 import warnings
 from collections.abc import MutableSequence
 from pathlib import Path
+from typing import Any
 
 import warmloop
 
@@ -52,8 +53,7 @@ def _abi() -> str:
 
 def source_digests() -> dict[str, str]:
     """SHA-256 of each compiled module's source as it is now."""
-    return {m: hashlib.sha256((_SIM_DIR / f"{m}.py").read_bytes()).hexdigest()
-            for m in MODULES}
+    return {m: _sha256(_SIM_DIR / f"{m}.py") for m in MODULES}
 
 
 def build(out: Path = DEFAULT_DIR) -> Path:
@@ -118,24 +118,31 @@ def _python_files_only(folder: str, names: list[str]) -> list[str]:
 
 def stale_reason(directory: Path) -> str | None:
     """Why the build in ``directory`` cannot stand in for the sources now (None: it can)."""
+    return _checked_manifest(directory)[1]
+
+
+def _checked_manifest(directory: Path) -> tuple[dict[str, Any], str | None]:
+    """The build's manifest and why it is stale (None: current; the manifest is empty
+    when it could not be read)."""
     try:
         manifest = json.loads((directory / MANIFEST).read_text())
     except (OSError, ValueError) as e:
-        return f"no readable {MANIFEST} in {directory} ({e.__class__.__name__})"
+        return {}, f"no readable {MANIFEST} in {directory} ({e.__class__.__name__})"
     if manifest.get("abi") != _abi():
-        return f"built for {manifest.get('abi')}, this Python loads {_abi()}"
+        return manifest, f"built for {manifest.get('abi')}, this Python loads {_abi()}"
     changed = [m for m, d in source_digests().items() if manifest.get("sources", {}).get(m) != d]
     if changed:
-        return f"sim/{', sim/'.join(f'{m}.py' for m in changed)} changed since the build"
+        return manifest, (f"sim/{', sim/'.join(f'{m}.py' for m in changed)} changed since "
+                          "the build")
     built = manifest.get("built", {})
     names = [f"{m}{_abi()}" for m in MODULES] + [manifest.get("shared", "")]
     for name in names:
         path = directory / name
         if not name or name not in built or not path.is_file():
-            return f"{name or 'the shared library'} not built"
+            return manifest, f"{name or 'the shared library'} not built"
         if _sha256(path) != built[name]:
-            return f"{name} is not the file the build wrote"
-    return None
+            return manifest, f"{name} is not the file the build wrote"
+    return manifest, None
 
 
 def activate(directory: Path, package_path: MutableSequence[str]) -> bool:
@@ -145,7 +152,7 @@ def activate(directory: Path, package_path: MutableSequence[str]) -> bool:
     warn and leave the path alone if not. Must run before any of ``MODULES`` is
     imported."""
     directory = directory.resolve()
-    reason = stale_reason(directory)
+    manifest, reason = _checked_manifest(directory)
     if reason is not None:
         warnings.warn(f"{ENV}={directory}: running the pure simulator: {reason}; rebuild "
                       "with `python -m warmloop.sim.compiled`", RuntimeWarning, stacklevel=3)
@@ -153,7 +160,7 @@ def activate(directory: Path, package_path: MutableSequence[str]) -> bool:
     # The modules import their shared library by a top-level name (a hash of the module
     # names, the same for every build): load it from this build by its path, so neither
     # another copy on sys.path nor the folder's own files become importable by name.
-    shared = json.loads((directory / MANIFEST).read_text())["shared"]
+    shared = manifest["shared"]
     name = shared.removesuffix(_abi())
     if name not in sys.modules:
         try:
