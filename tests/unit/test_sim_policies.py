@@ -119,7 +119,7 @@ def test_the_holds_cap_counts_each_held_block_once() -> None:
     def pin(self: sim_fleet.Fleet, job: Any, engine: Any, ttl_s: float) -> None:
         real_pin(self, job, engine, ttl_s)
         for eid, holds in self.holds.items():
-            union: set[Any] = set().union(*(h.keys for h in holds))
+            union: set[Any] = set().union(*(h.keys for h in holds if h.active))
             assert self.held[eid].blocks == len(union)
             assert len(union) * self.block <= (self.hold_cfg.max_held_fraction
                                                * self.by_id[eid].cal.kv_pool_tokens)
