@@ -31,6 +31,9 @@ from warmloop.workflows.calibration import EngineCalibration
 from warmloop.workflows.holding import EvictionRegret
 
 BlockKey = Hashable
+IN_USE_SUCCESSOR = 1 << 32
+"""``PrefixCache.ref``'s unit for a successor in use (below it: the users that end at
+the block)."""
 _JOINED = itemgetter(1)
 
 
@@ -76,12 +79,14 @@ class PrefixCache:
 
     Users are not counted per block (a prompt's hundred-odd shared blocks would each
     be counted up and down at every step): a block's users are those whose keys end at
-    it (``ref``) and those that go on through one of its successors, and since keys are
-    hash chains (a block's key names its whole prefix), a block is in use exactly when
-    a user ends at it (``ref[key] > 0``) or one of its successors is in use
-    (``kids[key] > 0``: how many). A use or release then costs O(1) plus the blocks
-    that enter or leave use, the same as counting every block (``tests/unit``
-    compares it with per-block counts).
+    it and those that go on through one of its successors, and since keys are hash
+    chains (a block's key names its whole prefix), a block is in use exactly when a user
+    ends at it or one of its successors is in use. ``ref[key]`` counts both, the
+    successors in units of ``IN_USE_SUCCESSOR``, so a block is in use exactly when
+    ``ref[key] > 0``, one lookup (the pools of a large fleet are far beyond the CPU's
+    caches: a lookup is a cache miss). A use or release then costs O(1) plus the blocks
+    that enter or leave use, the same as counting every block (``tests/unit`` compares
+    it with per-block counts).
 
     ``index`` (shared by a fleet's engines) maps each cached key to a bit mask of the
     engines caching it (bit ``owner``), so the fleet finds the engines warm for a
@@ -113,9 +118,8 @@ class PrefixCache:
         self.capacity = blocks
         self.empty = blocks
         self.ref: dict[BlockKey, int] = {}
-        """Every cached key: how many users' keys end at it."""
-        self.kids: dict[BlockKey, int] = {}
-        """Cached keys with successors in use: how many (absent: none)."""
+        """Every cached key: how many users' keys end at it, plus ``IN_USE_SUCCESSOR``
+        for each of its successors in use (0: evictable)."""
         self.lru: OrderedDict[BlockKey, float] = OrderedDict()
         """Evictable blocks in the order they were released: block -> when (the clock's
         time; 0 without a clock)."""
@@ -223,10 +227,8 @@ class PrefixCache:
         cached = self.hit_blocks(keys)
         unused = self._first_unused(keys, cached)
         if unused < n:
-            kids = self.kids
             if unused:
-                before = keys[unused - 1]
-                kids[before] = kids.get(before, 0) + 1
+                ref[keys[unused - 1]] += IN_USE_SUCCESSOR
             if cached > unused:
                 lru = self.lru
                 if self.aged:
@@ -253,8 +255,8 @@ class PrefixCache:
                     bit = self.bit
                     get = index.get
                     index.update([(k, get(k, 0) | bit) for k in new])
-            if n - 1 > unused:
-                kids.update(dict.fromkeys(keys[unused:n - 1], 1))
+            if n - 1 > unused:  # evictable or new (0): now one successor in use each
+                ref.update(dict.fromkeys(keys[unused:n - 1], IN_USE_SUCCESSOR))
             self._note_usage()
         last = keys[n - 1]
         ref[last] += 1
@@ -309,25 +311,21 @@ class PrefixCache:
         n = len(keys)
         if not n:
             return
-        ref, kids = self.ref, self.kids
+        ref = self.ref
         i = n - 1
         k = keys[i]
         left = ref[k] - 1
         ref[k] = left
-        if left or k in kids:
+        if left:
             return
         freed = [k]
         while i:
             i -= 1
             k = keys[i]
-            c = kids[k] - 1
-            if c or ref[k]:
-                if c:
-                    kids[k] = c
-                else:
-                    del kids[k]
+            left = ref[k] - IN_USE_SUCCESSOR
+            ref[k] = left
+            if left:
                 break
-            del kids[k]
             freed.append(k)
         now = self._now()
         if used_at is not None and used_at < now:
@@ -346,7 +344,7 @@ class PrefixCache:
     # The plain walks: one key at a time (the reference the tests compare with).
 
     def acquire_walk(self, keys: Sequence[BlockKey]) -> None:
-        ref, kids, lru, index, bit = self.ref, self.kids, self.lru, self.index, self.bit
+        ref, lru, index, bit = self.ref, self.lru, self.index, self.bit
         for i, k in enumerate(keys):
             if k not in ref:
                 self._take()
@@ -361,24 +359,19 @@ class PrefixCache:
             else:
                 continue  # already in use: its predecessor's successors are unchanged
             if i:
-                kids[keys[i - 1]] = kids.get(keys[i - 1], 0) + 1
+                ref[keys[i - 1]] += IN_USE_SUCCESSOR
         if keys:
             ref[keys[-1]] += 1
         self._note_usage()
 
     def release_walk(self, keys: Sequence[BlockKey], *, used_at: float | None = None,
                      aged_from: int = 0) -> None:
-        ref, kids, lru = self.ref, self.kids, self.lru
+        ref, lru = self.ref, self.lru
         now = self._now()
         for i in range(len(keys) - 1, -1, -1):
             k = keys[i]
-            if i == len(keys) - 1:
-                ref[k] -= 1
-            else:
-                kids[k] -= 1
-                if not kids[k]:
-                    del kids[k]
-            if ref[k] or k in kids:
+            ref[k] -= 1 if i == len(keys) - 1 else IN_USE_SUCCESSOR
+            if ref[k]:
                 break
             if used_at is not None and used_at < now and i >= aged_from:
                 self.aged[k] = seq = next(self._aged_seq)
