@@ -540,6 +540,8 @@ class Fleet:
         cold = self._coldest(warm_mask)
         if batch_first:
             batch_jobs.update((i, seen[engines[i].engine_id].count(now, recent)) for i in cold)
+        elif prune and len(cold) > 1:
+            cold = self._tied_coldest(cold, last_engine)
         out: list[EngineCandidate] = []
         cands = self._cands
         for i, blocks in [*offered, *((i, 0) for i in cold)]:
@@ -554,6 +556,21 @@ class Fleet:
             d["batch_jobs"] = batch_jobs.get(i, 0)
             out.append(c)
         return out
+
+    def _tied_coldest(self, cold: list[int], last_engine: str | None) -> list[int]:
+        """Of ``cold`` (``_coldest``: least (load, KV usage) first), those ``choose_engine``
+        could pick: the first, any tied with it on both, and ``last_engine`` (a step's
+        engine wins near-ties). Nothing cached, their scores fall as their load grows,
+        so the first scores highest of them (the best score and the load threshold see
+        the same) and comes first by (load, KV usage) among the tied; only a new batch
+        job's placement load, which counts batch jobs too, orders them otherwise (not
+        pruned). ``tests/unit/test_sim_equivalence.py`` checks it at every decision."""
+        loads, caches = self._load, self._caches
+        first = cold[0]
+        load, usage = loads[first], min(1.0, caches[first].usage)
+        last = self.by_id[last_engine].owner if last_engine is not None else -1
+        return [i for i in cold
+                if (loads[i] == load and min(1.0, caches[i].usage) == usage) or i == last]
 
     def _undominated(self, groups: list[tuple[int, int]], batch_first: bool,
                      last_engine: str | None) -> tuple[list[tuple[int, int]], dict[int, int]]:
