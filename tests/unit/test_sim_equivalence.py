@@ -230,8 +230,8 @@ def test_candidates_compared_by_identity_decide_like_validated_ones() -> None:
 def test_pruned_candidates_decide_like_all_of_them() -> None:
     """At every routing decision of runs with holds, prewarms, lanes and a batch burst
     (new batch jobs' placement load), ``choose_engine`` over the pruned candidates picks
-    what it picks over every warm engine."""
-    checked = {"all": 0, "pruned_away": 0, "batch_first": 0}
+    what it picks over every warm engine and the ``FleetConfig.candidates`` coldest."""
+    checked = {"all": 0, "pruned_away": 0, "batch_first": 0, "cold_pruned_away": 0}
     real = Fleet.route
 
     def route(self: Fleet, job_id: str, chain: list[Any], last_engine: str | None,
@@ -248,6 +248,8 @@ def test_pruned_candidates_decide_like_all_of_them() -> None:
             assert routing.choose_engine(pruned, **kw).engine_id == want  # type: ignore[arg-type]
             checked["all"] += 1
             checked["pruned_away"] += len(full) - len(pruned)
+            checked["cold_pruned_away"] += (sum(c.expected_cached_tokens == 0 for c in full)
+                                            - sum(c.expected_cached_tokens == 0 for c in pruned))
             checked["batch_first"] += first
         return real(self, job_id, chain, last_engine, batch)
 
@@ -260,4 +262,4 @@ def test_pruned_candidates_decide_like_all_of_them() -> None:
     finally:
         mp.undo()
     assert checked["all"] > 5_000 and checked["batch_first"] > 100
-    assert checked["pruned_away"] > 0
+    assert checked["pruned_away"] > 0 and checked["cold_pruned_away"] > 0
