@@ -18,4 +18,3 @@ if _build := _os.environ.get("WARMLOOP_SIM_COMPILED"):
     from warmloop.sim import compiled as _compiled
 
     COMPILED = _compiled.activate(_Path(_build), __path__)
-

@@ -523,12 +523,13 @@ class Fleet:
         in_flight = self.in_flight
         recent = self.cfg.batch_recent_s
         seen = self.batch_seen
+        last = self.by_id[last_engine].owner if last_engine is not None else -1
         if prune:
             groups = self._warm_groups(chain)
             warm_mask = 0
             for _, mask in groups:
                 warm_mask |= mask
-            offered, batch_jobs = self._undominated(groups, batch_first, last_engine)
+            offered, batch_jobs = self._undominated(groups, batch_first, last)
         else:
             warm = self._warm(chain)
             warm_mask = 0
@@ -541,7 +542,7 @@ class Fleet:
         if batch_first:
             batch_jobs.update((i, seen[engines[i].engine_id].count(now, recent)) for i in cold)
         elif prune and len(cold) > 1:
-            cold = self._tied_coldest(cold, last_engine)
+            cold = self._tied_coldest(cold, last)
         out: list[EngineCandidate] = []
         cands = self._cands
         for i, blocks in [*offered, *((i, 0) for i in cold)]:
@@ -557,43 +558,43 @@ class Fleet:
             out.append(c)
         return out
 
-    def _tied_coldest(self, cold: list[int], last_engine: str | None) -> list[int]:
+    def _tied_coldest(self, cold: list[int], last: int) -> list[int]:
         """Of ``cold`` (``_coldest``: least (load, KV usage) first), those ``choose_engine``
-        could pick: the first, any tied with it on both, and ``last_engine`` (a step's
-        engine wins near-ties). Nothing cached, their scores fall as their load grows,
-        so the first scores highest of them (the best score and the load threshold see
-        the same) and comes first by (load, KV usage) among the tied; only a new batch
-        job's placement load, which counts batch jobs too, orders them otherwise (not
-        pruned). ``tests/unit/test_sim_equivalence.py`` checks it at every decision."""
+        could pick: the first, any tied with it on both, and the step's last engine
+        (number ``last``, -1: none; it wins near-ties). Nothing cached, their scores fall
+        as their load grows, so the first scores highest of them (the best score and the
+        load threshold see the same) and comes first by (load, KV usage) among the tied;
+        only a new batch job's placement load, which counts batch jobs too, orders them
+        otherwise (not pruned). ``tests/unit/test_sim_equivalence.py`` checks it at every
+        decision."""
         loads, caches = self._load, self._caches
         first = cold[0]
         load, usage = loads[first], min(1.0, caches[first].usage)
-        last = self.by_id[last_engine].owner if last_engine is not None else -1
         return [i for i in cold
                 if (loads[i] == load and min(1.0, caches[i].usage) == usage) or i == last]
 
     def _undominated(self, groups: list[tuple[int, int]], batch_first: bool,
-                     last_engine: str | None) -> tuple[list[tuple[int, int]], dict[int, int]]:
+                     last: int) -> tuple[list[tuple[int, int]], dict[int, int]]:
         """The warm engines ``choose_engine`` could pick, as (engine number, cached
         blocks), and for a new batch job the batch jobs under way on each warm engine.
 
-        They are ``last_engine`` and, among engines with the same cached prefix (so the
-        same saving), those no other beats on both counts that decide: none has a
-        placement load as low (so a score as high: the score falls as the load grows)
-        and a lower (load, KV usage) (what breaks ties). Whatever the best score and the
-        load threshold, an engine with the same saving that is tied, or under the
-        threshold, has such a rival tied, or under it, too, and the rival comes first;
-        the best score is among the rivals. So ``choose_engine`` decides the same on
-        these as on all of them (``tests/unit/test_sim_equivalence.py`` checks it at
-        every decision of runs). A step's placement load is its load, so the rivals are
-        the group's least loaded engines of least KV usage, found a load level at a
-        time; a new batch job's counts the engine's batch jobs too."""
+        They are the step's last engine (number ``last``, -1: none) and, among engines
+        with the same cached prefix (so the same saving), those no other beats on both
+        counts that decide: none has a placement load as low (so a score as high: the
+        score falls as the load grows) and a lower (load, KV usage) (what breaks ties).
+        Whatever the best score and the load threshold, an engine with the same saving
+        that is tied, or under the threshold, has such a rival tied, or under it, too,
+        and the rival comes first; the best score is among the rivals. So
+        ``choose_engine`` decides the same on these as on all of them
+        (``tests/unit/test_sim_equivalence.py`` checks it at every decision of runs). A
+        step's placement load is its load, so the rivals are the group's least loaded
+        engines of least KV usage, found a load level at a time; a new batch job's counts
+        the engine's batch jobs too."""
         engines, caches = self.engines, self._caches
         loads = self._load
         keep: list[tuple[int, int]] = []
         batch_jobs: dict[int, int] = {}
         now, recent, seen = self.clock.now, self.cfg.batch_recent_s, self.batch_seen
-        last = self.by_id[last_engine].owner if last_engine is not None else -1
         last_kept = False
         for blocks, mask in groups:
             if batch_first:
