@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -88,30 +87,44 @@ class PrefixCache:
     that enter or leave use, the same as counting every block (``tests/unit`` compares
     it with per-block counts).
 
+    An evictable block's ``ref`` is negative: the stamp of its place in the LRU. The LRU
+    is a list of keys in release order (with their release times), not a second dict:
+    a block used again just gets a positive ``ref`` and its place goes stale, skipped
+    when eviction reaches it (a place is current while ``ref[key]`` still holds its
+    stamp), so a reuse costs no lookup beyond ``ref``'s and a release appends to a list
+    (an ``OrderedDict`` insert was a cache miss or two a block, a sixth of a large run).
+
     ``index`` (shared by a fleet's engines) maps each cached key to a bit mask of the
     engines caching it (bit ``owner``), so the fleet finds the engines warm for a
     prompt without asking each one.
 
     A release may say its blocks were last used earlier than now (``release(...,
     used_at=)``): a hold's blocks, kept by touches, were last used at its last touch.
-    Those blocks wait in ``aged`` (a heap by that time) beside the LRU (whose blocks
-    are in release order, so in time order), and eviction takes the older of the two
-    fronts. Only a chain's own tail may be aged (``aged_from``): its predecessors (a
-    shared prefix) go to the LRU as used now. The caller keeps the rest of the promise
-    that keeps a chain's cached blocks a prefix: ``used_at`` is never earlier than the
-    last release of a later block of the same chain (the fleet ages a hold's own blocks
-    to its last touch, which only moves forward and is never before the job's last use
-    of them); otherwise a block could be evicted before its successors, a hole.
+    Those blocks wait in a heap by that time (``_aged_heap``, odd stamps; the LRU's are
+    even) beside the LRU (whose blocks are in release order, so in time order), and
+    eviction takes the older of the two fronts. Only a chain's own tail may be aged
+    (``aged_from``): its predecessors (a shared prefix) go to the LRU as used now. The
+    caller keeps the rest of the promise that keeps a chain's cached blocks a prefix:
+    ``used_at`` is never earlier than the last release of a later block of the same
+    chain (the fleet ages a hold's own blocks to its last touch, which only moves
+    forward and is never before the job's last use of them); otherwise a block could be
+    evicted before its successors, a hole.
     """
 
     def __init__(self, blocks: int, index: dict[BlockKey, int] | None = None,
                  owner: int = 0, *, regret: EvictionRegret | None = None,
-                 block_tokens: int = 16, clock: Clock | None = None) -> None:
+                 block_tokens: int = 16, clock: Clock | None = None,
+                 stale_slack: int = 4096) -> None:
         """``regret`` (with the ``clock`` and the blocks' ``block_tokens``): told every
         eviction and every block computed, as a real engine's KV events tell the
-        inference worker (the hold model's rent)."""
+        inference worker (the hold model's rent). ``stale_slack``: how many stale or
+        taken LRU places may wait beyond the current ones before they are dropped (the
+        tests set it low to drop them often)."""
         if regret is not None and clock is None:
             raise ValueError("PrefixCache: a regret needs the clock it is told the time by")
+        if stale_slack < 0:
+            raise ValueError(f"PrefixCache.stale_slack must be >= 0, got {stale_slack}")
+        self._stale_slack = stale_slack
         self.regret = regret
         self._block_tokens = block_tokens
         self._clock = clock
@@ -119,15 +132,22 @@ class PrefixCache:
         self.empty = blocks
         self.ref: dict[BlockKey, int] = {}
         """Every cached key: how many users' keys end at it, plus ``IN_USE_SUCCESSOR``
-        for each of its successors in use (0: evictable)."""
-        self.lru: OrderedDict[BlockKey, float] = OrderedDict()
-        """Evictable blocks in the order they were released: block -> when (the clock's
-        time; 0 without a clock)."""
-        self.aged: dict[BlockKey, int] = {}
-        """Evictable blocks released as last used before then: block -> its entry's
-        number in ``_aged_heap`` (entries of blocks used since are stale)."""
+        for each of its successors in use; an evictable block's is its LRU or aged
+        place's stamp (negative)."""
+        self.evictable_blocks = 0
+        """Cached blocks no user holds (current places in the LRU and the aged heap)."""
+        self._lru_keys: list[BlockKey] = []
+        """The LRU's places from ``_lru_head`` on, oldest first; some stale."""
+        self._lru_times: list[float] = []
+        """When each place's block was released (the clock's time; 0 without a clock)."""
+        self._lru_head = 0
+        """The first place not yet taken (the places before it wait to be cut off)."""
+        self._lru_base = 0
+        """The number of the list's first place (places cut off so far)."""
         self._aged_heap: list[tuple[float, int, BlockKey]] = []
-        self._aged_seq = itertools.count()
+        """(last used, number, block) of the blocks released as last used before then;
+        stale entries (used since, or evicted) are skipped."""
+        self._aged_seq = 0
         self.index = index
         self.bit = 1 << owner
         self.stored_blocks = 0
@@ -145,7 +165,19 @@ class PrefixCache:
 
     def evictable(self, key: BlockKey) -> bool:
         """Cached and no user: in the LRU or aged."""
-        return key in self.lru or key in self.aged
+        return self.ref.get(key, 0) < 0
+
+    def lru_keys(self) -> list[BlockKey]:
+        """The blocks in the LRU (not aged), oldest first (for tests and checks: a walk
+        over every place)."""
+        ref, keys, base = self.ref, self._lru_keys, self._lru_base
+        return [keys[i] for i in range(self._lru_head, len(keys))
+                if ref.get(keys[i], 0) == _lru_stamp(base + i)]
+
+    def aged_keys(self) -> list[BlockKey]:
+        """The blocks released as last used before then, oldest first (for tests)."""
+        ref = self.ref
+        return [k for _, s, k in sorted(self._aged_heap) if ref.get(k, 0) == _aged_stamp(s)]
 
     def hit_blocks(self, chain: Sequence[BlockKey]) -> int:
         """Leading blocks of ``chain`` cached here (in use or evictable)."""
@@ -178,35 +210,32 @@ class PrefixCache:
     @property
     def used_blocks(self) -> int:
         """Blocks some request or hold is using (vLLM's KV usage counts these)."""
-        return self.capacity - self.empty - len(self.lru) - len(self.aged)
+        return self.capacity - self.empty - self.evictable_blocks
 
     def can_allocate(self, hit: int, chain: Sequence[BlockKey], new_blocks: int) -> bool:
-        lru = self.lru
-        free = self.empty + len(lru) + len(self.aged)
+        free = self.empty + self.evictable_blocks
         if new_blocks <= free - hit:  # however many of the hit blocks are evictable
             return True
         if new_blocks > free:
             return False
-        reclaimed = sum(map(self.evictable if self.aged else lru.__contains__, chain[:hit]))
+        ref = self.ref
+        reclaimed = 0
+        for k in chain[:hit]:
+            if ref[k] < 0:
+                reclaimed += 1
         return new_blocks <= free - reclaimed
-
-    def _take(self) -> None:
-        if self.empty > 0:
-            self.empty -= 1
-        else:
-            self._evict(1)
 
     def _first_unused(self, keys: Sequence[BlockKey], hit: int) -> int:
         """Index of the first of ``keys[:hit]`` (all cached) no request or hold uses
-        (the evictable ones, in the LRU): a block's users use its predecessors, so the
-        unused cached blocks are the tail of ``keys[:hit]``."""
-        free = self.evictable if self.aged else self.lru.__contains__
-        if not hit or not free(keys[hit - 1]):
+        (the evictable ones): a block's users use its predecessors, so the unused cached
+        blocks are the tail of ``keys[:hit]``."""
+        ref = self.ref
+        if not hit or ref[keys[hit - 1]] > 0:
             return hit
         lo, hi = -1, hit - 1  # keys[lo] is in use (lo == -1: none), keys[hi] is not
         while hi - lo > 1:
             mid = (lo + hi) >> 1
-            if free(keys[mid]):
+            if ref[keys[mid]] < 0:
                 hi = mid
             else:
                 lo = mid
@@ -224,50 +253,41 @@ class PrefixCache:
         if not n:
             return
         ref = self.ref
+        last = keys[n - 1]
         cached = self.hit_blocks(keys)
         unused = self._first_unused(keys, cached)
-        if unused < n:
-            if unused:
-                ref[keys[unused - 1]] += IN_USE_SUCCESSOR
-            if cached > unused:
-                lru = self.lru
-                if self.aged:
-                    aged = self.aged
-                    for k in keys[unused:cached]:
-                        if aged.pop(k, None) is None:
-                            del lru[k]
-                else:
-                    for k in keys[unused:cached]:
-                        del lru[k]
-            if cached < n:
-                new = keys[cached:]
-                m = n - cached
-                free = min(m, self.empty)
-                self.empty -= free
-                if m > free:
-                    self._evict(m - free)
-                ref.update(dict.fromkeys(new, 0))
-                self.stored_blocks += m
-                if self.regret is not None:
-                    self.regret.stored(new, self._block_tokens, self._clock.now)  # type: ignore[union-attr]
-                index = self.index
-                if index is not None:
-                    bit = self.bit
-                    get = index.get
-                    index.update([(k, get(k, 0) | bit) for k in new])
-            if n - 1 > unused:  # evictable or new (0): now one successor in use each
-                ref.update(dict.fromkeys(keys[unused:n - 1], IN_USE_SUCCESSOR))
-            self._note_usage()
-        last = keys[n - 1]
-        ref[last] += 1
+        if unused == n:
+            ref[last] += 1
+            return
+        if unused:
+            ref[keys[unused - 1]] += IN_USE_SUCCESSOR
+        if cached > unused:  # out of the LRU before anything is evicted for the rest
+            ref.update(dict.fromkeys(keys[unused:cached], IN_USE_SUCCESSOR))
+            self.evictable_blocks -= cached - unused
+        if cached < n:
+            new = keys[cached:]
+            m = n - cached
+            free = min(m, self.empty)
+            self.empty -= free
+            if m > free:
+                self._evict(m - free)
+            ref.update(dict.fromkeys(new, IN_USE_SUCCESSOR))
+            self.stored_blocks += m
+            if self.regret is not None:
+                self.regret.stored(new, self._block_tokens, self._clock.now)  # type: ignore[union-attr]
+            index = self.index
+            if index is not None:
+                bit = self.bit
+                get = index.get
+                index.update([(k, get(k, 0) | bit) for k in new])
+        ref[last] = 1  # entered use here: no successor in use, one user ending at it
+        self._note_usage()
 
     def _evict(self, n: int) -> None:
         """Free the ``n`` least recently used blocks."""
-        lru, ref, index, bit = self.lru, self.ref, self.index, self.bit
-        if self.aged:
-            victims = self._take_oldest(n)
-        else:
-            victims = [lru.popitem(last=False)[0] for _ in range(n)]
+        ref, index, bit = self.ref, self.index, self.bit
+        victims = self._take_oldest(n)
+        self.evictable_blocks -= n
         if self.regret is not None:
             self.regret.evicted(victims, self._block_tokens,
                                 self._clock.now)  # type: ignore[union-attr]
@@ -282,18 +302,29 @@ class PrefixCache:
 
     def _take_oldest(self, n: int) -> list[BlockKey]:
         """Out of the LRU and the aged blocks, the ``n`` last used longest ago (the LRU's
-        on a tie: a released chain's tail before an aged predecessor)."""
-        lru, aged, heap = self.lru, self.aged, self._aged_heap
-        out = []
-        for _ in range(n):
-            while heap and aged.get(heap[0][2]) != heap[0][1]:
+        on a tie: a released chain's tail before an aged predecessor). Each is taken out
+        (its stamp replaced, so no place of it is current)."""
+        ref, heap = self.ref, self._aged_heap
+        keys, times = self._lru_keys, self._lru_times
+        head, base, end = self._lru_head, self._lru_base, len(keys)
+        out: list[BlockKey] = []
+        while len(out) < n:
+            # the LRU's first current place
+            while head < end and ref.get(keys[head], 0) != _lru_stamp(base + head):
+                head += 1
+            while heap and ref.get(heap[0][2], 0) != _aged_stamp(heap[0][1]):
                 heapq.heappop(heap)  # stale: used since, or evicted
-            if heap and (not lru or heap[0][0] < next(iter(lru.values()))):
-                _, _, key = heapq.heappop(heap)
-                del aged[key]
+            if heap and (head == end or heap[0][0] < times[head]):
+                key = heapq.heappop(heap)[2]
             else:
-                key = lru.popitem(last=False)[0]
+                key = keys[head]
+                head += 1
             out.append(key)
+        self._lru_head = head
+        if head > self._stale_slack and head > end >> 1:  # cut the places taken off
+            del keys[:head], times[:head]
+            self._lru_base = base + head
+            self._lru_head = 0
         return out
 
     def release(self, keys: Sequence[BlockKey], *, used_at: float | None = None,
@@ -315,47 +346,86 @@ class PrefixCache:
         i = n - 1
         k = keys[i]
         left = ref[k] - 1
-        ref[k] = left
         if left:
+            ref[k] = left
             return
         freed = [k]
         while i:
             i -= 1
             k = keys[i]
             left = ref[k] - IN_USE_SUCCESSOR
-            ref[k] = left
             if left:
+                ref[k] = left
                 break
             freed.append(k)
         now = self._now()
+        own = 0
         if used_at is not None and used_at < now:
             own = max(0, min(len(freed), n - aged_from))  # freed[:own]: keys[aged_from:]
-            aged, heap, seq = self.aged, self._aged_heap, self._aged_seq
-            for k in freed[:own]:  # last first, so the tail is evicted first
-                aged[k] = s = next(seq)
-                heapq.heappush(heap, (used_at, s, k))
-            if len(heap) > 2 * len(aged) + 1024:  # mostly stale: blocks used again since
-                self._aged_heap = heap = [e for e in heap if aged.get(e[2]) == e[1]]
-                heapq.heapify(heap)
-            freed = freed[own:]
-        self.lru.update(dict.fromkeys(freed, now))
+            self._age(freed, own, used_at)
+        lru_keys = self._lru_keys
+        place = self._lru_base + len(lru_keys)
+        for j in range(own, len(freed)):
+            ref[freed[j]] = _lru_stamp(place)
+            place += 1
+        if own:
+            lru_keys.extend(freed[own:])
+        else:
+            lru_keys.extend(freed)
+        self._lru_times.extend([now] * (len(freed) - own))
+        self.evictable_blocks += len(freed)
+        self._compact()
         self._note_usage()
+
+    def _age(self, freed: list[BlockKey], own: int, used_at: float) -> None:
+        """Put ``freed[:own]`` in the aged heap as last used at ``used_at`` (last first,
+        so the tail is evicted first)."""
+        ref, heap, seq = self.ref, self._aged_heap, self._aged_seq
+        for j in range(own):
+            k = freed[j]
+            ref[k] = _aged_stamp(seq)
+            heapq.heappush(heap, (used_at, seq, k))
+            seq += 1
+        self._aged_seq = seq
+        if len(heap) > 2 * self.evictable_blocks + self._stale_slack:  # mostly stale
+            self._aged_heap = heap = [e for e in heap if ref.get(e[2], 0) == _aged_stamp(e[1])]
+            heapq.heapify(heap)
+
+    def _compact(self) -> None:
+        """Drop the LRU's stale places once they outnumber the current ones (blocks used
+        again and again, in a pool that seldom evicts), renumbering the rest."""
+        keys = self._lru_keys
+        if len(keys) - self._lru_head <= 2 * self.evictable_blocks + self._stale_slack:
+            return
+        ref, times, base = self.ref, self._lru_times, self._lru_base
+        kept = [i for i in range(self._lru_head, len(keys))
+                if ref.get(keys[i], 0) == _lru_stamp(base + i)]
+        self._lru_keys = [keys[i] for i in kept]
+        self._lru_times = [times[i] for i in kept]
+        base += len(keys)  # numbers never reused: a stale place can't match a new stamp
+        self._lru_base = base
+        self._lru_head = 0
+        for j, i in enumerate(kept):
+            ref[keys[i]] = _lru_stamp(base + j)
 
     # The plain walks: one key at a time (the reference the tests compare with).
 
     def acquire_walk(self, keys: Sequence[BlockKey]) -> None:
-        ref, lru, index, bit = self.ref, self.lru, self.index, self.bit
+        ref, index, bit = self.ref, self.index, self.bit
         for i, k in enumerate(keys):
-            if k not in ref:
-                self._take()
+            c = ref.get(k)
+            if c is None:
+                if self.empty > 0:
+                    self.empty -= 1
+                else:
+                    self._evict(1)
                 ref[k] = 0
                 self.stored_blocks += 1
                 if index is not None:
                     index[k] = index.get(k, 0) | bit
-            elif k in lru:
-                del lru[k]
-            elif k in self.aged:
-                del self.aged[k]
+            elif c < 0:
+                ref[k] = 0
+                self.evictable_blocks -= 1
             else:
                 continue  # already in use: its predecessor's successors are unchanged
             if i:
@@ -366,18 +436,26 @@ class PrefixCache:
 
     def release_walk(self, keys: Sequence[BlockKey], *, used_at: float | None = None,
                      aged_from: int = 0) -> None:
-        ref, lru = self.ref, self.lru
+        ref = self.ref
         now = self._now()
+        freed = 0
         for i in range(len(keys) - 1, -1, -1):
             k = keys[i]
             ref[k] -= 1 if i == len(keys) - 1 else IN_USE_SUCCESSOR
             if ref[k]:
                 break
+            freed += 1
+            self.evictable_blocks += 1
             if used_at is not None and used_at < now and i >= aged_from:
-                self.aged[k] = seq = next(self._aged_seq)
-                heapq.heappush(self._aged_heap, (used_at, seq, k))
+                ref[k] = _aged_stamp(self._aged_seq)
+                heapq.heappush(self._aged_heap, (used_at, self._aged_seq, k))
+                self._aged_seq += 1
             else:
-                lru[k] = now
+                ref[k] = _lru_stamp(self._lru_base + len(self._lru_keys))
+                self._lru_keys.append(k)
+                self._lru_times.append(now)
+        if freed:  # as ``release``: stale places are dropped when blocks are freed
+            self._compact()
         self._note_usage()
 
     def take_private(self, n: int) -> None:
@@ -392,6 +470,16 @@ class PrefixCache:
     def give_private(self, n: int) -> None:
         self.empty += n
         self._note_usage()
+
+
+def _lru_stamp(place: int) -> int:
+    """``ref`` of a block whose current place is the LRU's number ``place`` (even)."""
+    return -2 * place - 2
+
+
+def _aged_stamp(seq: int) -> int:
+    """``ref`` of a block whose current place is the aged heap's entry ``seq`` (odd)."""
+    return -2 * seq - 1
 
 
 class StepCurves(Protocol):
