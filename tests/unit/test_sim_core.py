@@ -1,0 +1,122 @@
+"""The simulator's event core: events run in (time, scheduling order), whatever mix of
+runs with and without an end, events scheduled between runs and events scheduled for
+the current time while it runs."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from warmloop.sim.core import Clock
+
+
+class HeapClock:
+    """The reference: one heap of (time, scheduling number, callback, args)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[..., Any], tuple[Any, ...]]] = []
+        self._seq = itertools.count()
+
+    def at(self, t: float, fn: Callable[..., Any], *args: Any) -> None:
+        heapq.heappush(self._heap, (max(t, self.now), next(self._seq), fn, args))
+
+    def after(self, delay_s: float, fn: Callable[..., Any], *args: Any) -> None:
+        self.at(self.now + delay_s, fn, *args)
+
+    def run(self, until: float | None = None) -> None:
+        bound = math.inf if until is None else until
+        while self._heap and self._heap[0][0] <= bound:
+            t, _, fn, args = heapq.heappop(self._heap)
+            self.now = t
+            fn(*args)
+        if until is not None:
+            self.now = max(self.now, until)
+
+
+def _drive(clock: Clock | HeapClock, seed: int) -> list[tuple[float, int]]:
+    """Schedule and run a seeded mix of events; the (time, id) of each as it ran."""
+    rng = random.Random(seed)
+    ran: list[tuple[float, int]] = []
+    ids = itertools.count()
+
+    def event(n: int, depth: int) -> None:
+        ran.append((clock.now, n))
+        if depth < 3:
+            for _ in range(rng.randint(0, 2)):
+                # now (ties with events already due), a whole time unit later (ties
+                # between runs), or between
+                delay = rng.choice([0.0, 0.0, 1.0, 2.0, rng.random() * 3])
+                clock.after(delay, event, next(ids), depth + 1)
+
+    for _ in range(6):
+        for _ in range(rng.randint(1, 5)):
+            clock.at(clock.now + rng.choice([0.0, 1.0, 2.5, rng.random() * 4]), event,
+                     next(ids), 0)
+        clock.run(clock.now + rng.choice([0.0, 0.5, 1.0, 2.0]))
+    clock.run()
+    return ran
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_events_run_in_time_then_scheduling_order(seed: int) -> None:
+    ran = _drive(Clock(), seed)
+    assert ran == _drive(HeapClock(), seed)
+    assert len(ran) > 5 and len({t for t, _ in ran}) < len(ran)  # ties were exercised
+
+
+def test_a_run_with_an_end_leaves_later_events_waiting() -> None:
+    clock = Clock()
+    seen: list[str] = []
+    clock.at(5.0, seen.append, "late")
+    clock.at(1.0, seen.append, "early")
+    clock.run(2.0)
+    assert seen == ["early"] and clock.now == 2.0 and clock.pending == 1
+    clock.at(5.0, seen.append, "late too")  # same time, scheduled after: runs after
+    clock.run()
+    assert seen == ["early", "late", "late too"] and clock.now == 5.0 and clock.pending == 0
+    assert clock.events == 3
+
+
+def test_an_event_that_raises_has_run_and_the_rest_wait() -> None:
+    clock = Clock()
+    seen: list[str] = []
+
+    def boom() -> None:
+        seen.append("boom")
+        raise RuntimeError("event failed")
+
+    clock.at(1.0, seen.append, "first")
+    clock.at(1.0, boom)
+    clock.at(1.0, seen.append, "after")
+    clock.at(2.0, seen.append, "later")
+    with pytest.raises(RuntimeError, match="event failed"):
+        clock.run()
+    assert seen == ["first", "boom"] and clock.pending == 2
+    clock.at(1.0, seen.append, "scheduled since")  # now is 1.0: after the one waiting
+    clock.run()
+    assert seen == ["first", "boom", "after", "scheduled since", "later"]
+
+
+def test_pending_counts_the_events_not_run_yet() -> None:
+    """A probe that reschedules itself while anything else is pending (``Fleet``'s churn
+    probe) must not count itself: it would never stop."""
+    clock = Clock()
+    counts: list[int] = []
+
+    def probe() -> None:
+        counts.append(clock.pending)
+        if clock.pending:
+            clock.after(1.0, probe)
+
+    clock.at(0.0, probe)
+    clock.at(0.0, counts.append, -1)  # same time, after the probe
+    clock.at(2.5, counts.append, -2)
+    clock.run()
+    assert counts == [2, -1, 1, 1, -2, 0] and clock.pending == 0
