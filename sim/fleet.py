@@ -632,18 +632,19 @@ class Fleet:
 
     def route(self, job_id: str, chain: list[BlockKey], last_engine: str | None,
               batch: bool) -> Engine:
-        """The engine ``workflows.routing.choose_engine`` picks for a step."""
+        """The engine ``workflows.routing.choose_engine`` picks for a step (its
+        ``pick_engine``: the decision without the record the workers keep)."""
         if self.policy.routing == "round_robin":
-            decision = routing.choose_engine(self._rr_candidates, job_id=job_id,
-                                             policy="round_robin", turn=self.turn)
+            chosen, _, _ = routing.pick_engine(self._rr_candidates, job_id=job_id,
+                                               policy="round_robin", turn=self.turn)
             self.turn += 1
         else:
-            decision = routing.choose_engine(
+            chosen, _, _ = routing.pick_engine(
                 self._candidates(chain, batch and last_engine is None, last_engine),
                 job_id=job_id,
                 last_engine=last_engine, config=self.routing_cfg, policy=self.policy.routing,
                 batch=batch)
-        return self.by_id[decision.engine_id]
+        return self.by_id[chosen.engine_id]
 
     def _route_step(self, job: _Job) -> None:
         spec = job.spec

@@ -158,10 +158,18 @@ def score(c: EngineCandidate, config: RoutingConfig, *, batch: bool = False,
     step finds at most the profile's prefix, which costs one prefill per engine, while
     a burst packed onto the engine that warmed that prefix first leaves the other
     engines idle and stretches the makespan."""
+    return _score(c, c.load, config, batch, continuing)
+
+
+def _score(c: EngineCandidate, load: int, config: RoutingConfig, batch: bool,
+           continuing: bool) -> float:
+    """``score`` with the candidate's ``load`` read already (``pick_engine`` reads each
+    once)."""
     saved = c.expected_cached_tokens / (c.prefill_tokens_per_s or config.prefill_tokens_per_s)
     if batch and continuing:
-        return saved - c.load * config.delay_per_request_s * config.batch_delay_factor
-    return saved - c.placement_load(new_batch_job=batch) * config.delay_per_request_s
+        return saved - load * config.delay_per_request_s * config.batch_delay_factor
+    # a new batch job's placement load counts the batch jobs under way (placement_load)
+    return saved - (max(load, c.batch_jobs) if batch else load) * config.delay_per_request_s
 
 
 def choose_engine(
@@ -181,20 +189,40 @@ def choose_engine(
     a counter for the round-robin baseline; ``batch`` marks a batch-lane step. Raises
     ValueError when there are none.
     """
+    chosen, reason, scores = pick_engine(
+        candidates, job_id=job_id, last_engine=last_engine, failover=failover,
+        config=config, policy=policy, turn=turn, batch=batch)
+    return _decision(chosen, reason, scores)
+
+
+def pick_engine(
+    candidates: list[EngineCandidate],
+    *,
+    job_id: str,
+    last_engine: str | None = None,
+    failover: bool = False,
+    config: RoutingConfig | None = None,
+    policy: RoutingPolicy = "cache_aware",
+    turn: int = 0,
+    batch: bool = False,
+) -> tuple[EngineCandidate, RouteReason, dict[str, float]]:
+    """``choose_engine``'s decision before it is recorded: the chosen candidate, why, and
+    every scored engine's score (unrounded). The fleet simulator calls this, hundreds of
+    thousands of times a run, and reads only the engine: a ``RouteDecision`` (a
+    validated model with rounded scores) is most of a small fleet's decision's cost."""
     if not candidates:
         raise ValueError("no live engine to route to")
     cfg = config or RoutingConfig()
     ordered = sorted(candidates, key=_ENGINE_ID)
     if policy == "round_robin":
-        chosen = ordered[turn % len(ordered)]
-        return _decision(chosen, "failover" if failover else "round_robin", {})
+        return ordered[turn % len(ordered)], "failover" if failover else "round_robin", {}
     # Linear in the candidates: a fleet offers hundreds a step. Loads are read once, and
     # the per-job spread (a hash) is computed only among those tied on load and KV
     # usage: the first by (load, kv_usage, spread) in engine order, as a sort would give.
     loads = [c.load for c in ordered]
     if policy == "least_loaded":
-        return _decision(_least_loaded(ordered, loads, range(len(ordered)), job_id),
-                         "failover" if failover else "least_loaded", {})
+        return (_least_loaded(ordered, loads, range(len(ordered)), job_id),
+                "failover" if failover else "least_loaded", {})
 
     continuing = last_engine is not None
     new_batch_job = batch and not continuing
@@ -206,7 +234,7 @@ def choose_engine(
         under = [i for i, c in enumerate(ordered)
                  if (max(loads[i], c.batch_jobs) if new_batch_job else loads[i]) < cfg.max_load
                  ] or list(range(len(ordered)))
-    scores = {ordered[i].engine_id: score(ordered[i], cfg, batch=batch, continuing=continuing)
+    scores = {ordered[i].engine_id: _score(ordered[i], loads[i], cfg, batch, continuing)
               for i in under}
     best = max(scores.values())
     # Near-ties (cold starts, equal warmth) go by load, then a per-job spread.
@@ -221,7 +249,7 @@ def choose_engine(
         reason = "prefix"
     else:
         reason = "least_loaded"
-    return _decision(chosen, reason, scores)
+    return chosen, reason, scores
 
 
 def _least_loaded(ordered: list[EngineCandidate], loads: list[int], among: Sequence[int],

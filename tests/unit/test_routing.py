@@ -19,6 +19,7 @@ from warmloop.workflows.routing import (
     block_hashes,
     choose_engine,
     first_difference,
+    pick_engine,
 )
 
 CFG = RoutingConfig(prefill_tokens_per_s=20_000, delay_per_request_s=0.05, max_load=8)
@@ -277,11 +278,17 @@ _CANDIDATE = st.builds(
 def test_linear_choice_decides_exactly_like_the_sorting_one(
         cands: list[EngineCandidate], last: str | None, policy: str, batch: bool,
         job: str) -> None:
-    """Same engine, reason and scores, duplicates and exact ties of load included."""
+    """Same engine, reason and scores, duplicates and exact ties of load included; and
+    ``pick_engine`` (what the fleet simulator calls) is the same decision unrecorded."""
     d = choose_engine(cands, job_id=job, last_engine=last, config=CFG,
                       policy=policy, batch=batch)  # type: ignore[arg-type]
     assert (d.engine_id, d.reason, d.scores) == _choose_by_sorting(
         cands, job_id=job, last_engine=last, config=CFG, policy=policy, batch=batch)
+    chosen, reason, scores = pick_engine(cands, job_id=job, last_engine=last, config=CFG,
+                                         policy=policy, batch=batch)  # type: ignore[arg-type]
+    assert (chosen.engine_id, reason, {k: round(v, 6) for k, v in scores.items()}) == \
+        (d.engine_id, d.reason, d.scores)
+    assert chosen.expected_cached_tokens == d.expected_cached_tokens
 
 
 def test_the_bounded_oracle_is_beladys_min_on_the_fleets_pool() -> None:

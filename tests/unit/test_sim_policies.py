@@ -26,8 +26,8 @@ POLICY_NAMES = {
     name for module in (routing, holding, lanes)
     for name, obj in vars(module).items()
     if inspect.isfunction(obj) and obj.__module__ == module.__name__
-} | {"score", "choose_engine", "decide_hold", "expected_hold_usd", "next_batch_limit",
-     "kv_fit_limit", "adapt_window", "hold_usd_per_s", "reprefill_usd"}
+} | {"score", "choose_engine", "pick_engine", "decide_hold", "expected_hold_usd",
+     "next_batch_limit", "kv_fit_limit", "adapt_window", "hold_usd_per_s", "reprefill_usd"}
 
 
 def _defined_functions() -> list[tuple[str, str]]:
@@ -59,22 +59,24 @@ def test_the_fleet_calls_resolve_to_the_workflows_modules() -> None:
     assert sim_fleet.holding is holding
     assert sim_fleet.lanes is lanes
     src = inspect.getsource(sim_fleet)
-    for call in ("routing.choose_engine(", "holding.decide_hold(", "lanes.next_batch_limit(",
+    for call in ("routing.pick_engine(", "holding.decide_hold(", "lanes.next_batch_limit(",
                  "lanes.kv_fit_limit("):
         assert call in src, call
 
 
 def test_router_calls_the_real_choose_engine(monkeypatch: object) -> None:
+    """Through ``pick_engine``: ``choose_engine`` is it plus the record the workers keep
+    (``tests/unit/test_routing.py`` checks the two agree)."""
     calls = []
-    real = routing.choose_engine
+    real = routing.pick_engine
 
-    def spy(*a: object, **k: object) -> routing.RouteDecision:
+    def spy(*a: object, **k: object) -> tuple[routing.EngineCandidate, str, dict[str, float]]:
         calls.append(k.get("policy"))
         return real(*a, **k)  # type: ignore[arg-type]
 
     import pytest
     mp = pytest.MonkeyPatch()
-    mp.setattr(routing, "choose_engine", spy)
+    mp.setattr(routing, "pick_engine", spy)
     try:
         jobs = scenarios.routing_jobs(n_jobs=4)
         simulate(jobs, scenarios.cpu_engines(16 * scenarios.MIB), "warmloop",
