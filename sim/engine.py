@@ -114,17 +114,18 @@ class PrefixCache:
     def __init__(self, blocks: int, index: dict[BlockKey, int] | None = None,
                  owner: int = 0, *, regret: EvictionRegret | None = None,
                  block_tokens: int = 16, clock: Clock | None = None,
-                 stale_slack: int = 4096) -> None:
+                 stale_slack: int | None = None) -> None:
         """``regret`` (with the ``clock`` and the blocks' ``block_tokens``): told every
         eviction and every block computed, as a real engine's KV events tell the
         inference worker (the hold model's rent). ``stale_slack``: how many stale or
-        taken LRU places may wait beyond the current ones before they are dropped (the
-        tests set it low to drop them often)."""
+        taken LRU places may wait beyond twice the current ones before they are dropped
+        (default: the pool's blocks; each drop renumbers the current places, a cache
+        miss each; the tests set it low to drop them often)."""
         if regret is not None and clock is None:
             raise ValueError("PrefixCache: a regret needs the clock it is told the time by")
-        if stale_slack < 0:
+        if stale_slack is not None and stale_slack < 0:
             raise ValueError(f"PrefixCache.stale_slack must be >= 0, got {stale_slack}")
-        self._stale_slack = stale_slack
+        self._stale_slack = blocks if stale_slack is None else stale_slack
         self.regret = regret
         self._block_tokens = block_tokens
         self._clock = clock
@@ -310,8 +311,8 @@ class PrefixCache:
         out: list[BlockKey] = []
         while len(out) < n:
             # the LRU's first current place
-            while head < end and ref.get(keys[head], 0) != _lru_stamp(base + head):
-                head += 1
+            while head < end and ref.get(keys[head], 0) != -2 * (base + head) - 2:
+                head += 1  # stale (not _lru_stamp(base + head)): used since, or evicted
             while heap and ref.get(heap[0][2], 0) != _aged_stamp(heap[0][1]):
                 heapq.heappop(heap)  # stale: used since, or evicted
             if heap and (head == end or heap[0][0] < times[head]):
@@ -366,7 +367,7 @@ class PrefixCache:
         lru_keys = self._lru_keys
         place = self._lru_base + len(lru_keys)
         for j in range(own, len(freed)):
-            ref[freed[j]] = _lru_stamp(place)
+            ref[freed[j]] = -2 * place - 2  # _lru_stamp(place), inline: a call a block
             place += 1
         if own:
             lru_keys.extend(freed[own:])
