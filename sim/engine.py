@@ -242,8 +242,9 @@ class PrefixCache:
                 lo = mid
         return hi
 
-    def acquire(self, keys: Sequence[BlockKey]) -> None:
+    def acquire(self, keys: Sequence[BlockKey], cached: int = -1) -> None:
         """Use ``keys`` (cached ones are reused, missing ones allocated and registered).
+        ``cached``: ``hit_blocks(keys)`` if the caller has just found it (-1: look).
 
         ``keys`` is a chain's leading blocks: in use, then cached but unused, then not
         cached (see ``PrefixCache``). The user ends at the last key; the blocks from the
@@ -255,7 +256,8 @@ class PrefixCache:
             return
         ref = self.ref
         last = keys[n - 1]
-        cached = self.hit_blocks(keys)
+        if cached < 0:
+            cached = self.hit_blocks(keys)
         unused = self._first_unused(keys, cached)
         if unused == n:
             ref[last] += 1
@@ -411,7 +413,8 @@ class PrefixCache:
 
     # The plain walks: one key at a time (the reference the tests compare with).
 
-    def acquire_walk(self, keys: Sequence[BlockKey]) -> None:
+    def acquire_walk(self, keys: Sequence[BlockKey], cached: int = -1) -> None:
+        """``acquire`` a key at a time (``cached``, taken for its signature, unread)."""
         ref, index, bit = self.ref, self.index, self.bit
         for i, k in enumerate(keys):
             c = ref.get(k)
@@ -635,8 +638,9 @@ class Engine:
 
     def pin(self, chain: Sequence[BlockKey]) -> list[BlockKey]:
         """Keep the cached leading blocks of ``chain`` from eviction; returns them."""
-        keys = list(chain[:self.cache.hit_blocks(chain)])
-        self.cache.acquire(keys)
+        hit = self.cache.hit_blocks(chain)
+        keys = list(chain[:hit])
+        self.cache.acquire(keys, hit)
         return keys
 
     def unpin(self, keys: Sequence[BlockKey], *, used_at: float | None = None,
@@ -699,7 +703,7 @@ class Engine:
         while self.waiting and len(self.running) + len(self.prefilling) < cal.max_batch:
             req = self.waiting[0][2]
             chain = req.chain
-            hit = cache.hit_blocks(chain)
+            cached = hit = cache.hit_blocks(chain)
             if hit * block >= req.prompt_tokens:
                 hit = max(0, (req.prompt_tokens - 1) // block)  # the last token is computed
             total = -(-(req.prompt_tokens + req.output_tokens) // block)
@@ -716,7 +720,7 @@ class Engine:
                 break
             heapq.heappop(self.waiting)
             shared = list(chain[:min(len(chain), total)])
-            cache.acquire(shared)
+            cache.acquire(shared, min(cached, len(shared)))  # a prefix's hit: the chain's
             req._held = shared
             req._private = max(0, total - len(shared))
             cache.take_private(req._private)
