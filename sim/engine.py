@@ -92,7 +92,8 @@ class PrefixCache:
     a block used again just gets a positive ``ref`` and its place goes stale, skipped
     when eviction reaches it (a place is current while ``ref[key]`` still holds its
     stamp), so a reuse costs no lookup beyond ``ref``'s and a release appends to a list
-    (an ``OrderedDict`` insert was a cache miss or two a block, a sixth of a large run).
+    (the ``OrderedDict`` this was cost an insert a freed block and a delete a reused one,
+    each a cache miss or two: a 128-GPU run took 1.11x as long with it).
 
     ``index`` (shared by a fleet's engines) maps each cached key to a bit mask of the
     engines caching it (bit ``owner``), so the fleet finds the engines warm for a
