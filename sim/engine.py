@@ -172,14 +172,23 @@ class PrefixCache:
     def lru_keys(self) -> list[BlockKey]:
         """The blocks in the LRU (not aged), oldest first (for tests and checks: a walk
         over every place)."""
-        ref, keys, base = self.ref, self._lru_keys, self._lru_base
-        return [keys[i] for i in range(self._lru_head, len(keys))
-                if ref.get(keys[i], 0) == _lru_stamp(base + i)]
+        keys = self._lru_keys
+        return [keys[i] for i in self._current_places()]
 
     def aged_keys(self) -> list[BlockKey]:
         """The blocks released as last used before then, oldest first (for tests)."""
+        return [k for _, _, k in sorted(self._current_aged())]
+
+    def _current_places(self) -> list[int]:
+        """Indices in ``_lru_keys`` of the LRU's current places (not stale, not taken)."""
+        ref, keys, base = self.ref, self._lru_keys, self._lru_base
+        return [i for i in range(self._lru_head, len(keys))
+                if ref.get(keys[i], 0) == _lru_stamp(base + i)]
+
+    def _current_aged(self) -> list[tuple[float, int, BlockKey]]:
+        """The aged heap's current entries (not stale), in heap order."""
         ref = self.ref
-        return [k for _, s, k in sorted(self._aged_heap) if ref.get(k, 0) == _aged_stamp(s)]
+        return [e for e in self._aged_heap if ref.get(e[2], 0) == _aged_stamp(e[1])]
 
     def hit_blocks(self, chain: Sequence[BlockKey]) -> int:
         """Leading blocks of ``chain`` cached here (in use or evictable)."""
@@ -271,10 +280,7 @@ class PrefixCache:
         if cached < n:
             new = keys[cached:]
             m = n - cached
-            free = min(m, self.empty)
-            self.empty -= free
-            if m > free:
-                self._evict(m - free)
+            self._take(m)
             ref.update(dict.fromkeys(new, IN_USE_SUCCESSOR))
             self.stored_blocks += m
             if self.regret is not None:
@@ -306,8 +312,8 @@ class PrefixCache:
 
     def _take_oldest(self, n: int) -> list[BlockKey]:
         """Out of the LRU and the aged blocks, the ``n`` last used longest ago (the LRU's
-        on a tie: a released chain's tail before an aged predecessor). Each is taken out
-        (its stamp replaced, so no place of it is current)."""
+        on a tie: a released chain's tail before an aged predecessor), past their places
+        (``_evict`` then drops them from ``ref``, so no stale place can match them)."""
         ref, heap = self.ref, self._aged_heap
         keys, times = self._lru_keys, self._lru_times
         head, base, end = self._lru_head, self._lru_base, len(keys)
@@ -392,18 +398,18 @@ class PrefixCache:
             seq += 1
         self._aged_seq = seq
         if len(heap) > 2 * self.evictable_blocks + self._stale_slack:  # mostly stale
-            self._aged_heap = heap = [e for e in heap if ref.get(e[2], 0) == _aged_stamp(e[1])]
+            self._aged_heap = heap = self._current_aged()
             heapq.heapify(heap)
 
     def _compact(self) -> None:
-        """Drop the LRU's stale places once they outnumber the current ones (blocks used
-        again and again, in a pool that seldom evicts), renumbering the rest."""
+        """Drop the LRU's stale places once they outnumber twice the current ones by
+        ``stale_slack`` (blocks used again and again, in a pool that seldom evicts),
+        renumbering the rest."""
         keys = self._lru_keys
         if len(keys) - self._lru_head <= 2 * self.evictable_blocks + self._stale_slack:
             return
         ref, times, base = self.ref, self._lru_times, self._lru_base
-        kept = [i for i in range(self._lru_head, len(keys))
-                if ref.get(keys[i], 0) == _lru_stamp(base + i)]
+        kept = self._current_places()
         self._lru_keys = [keys[i] for i in kept]
         self._lru_times = [times[i] for i in kept]
         base += len(keys)  # numbers never reused: a stale place can't match a new stamp
@@ -420,10 +426,7 @@ class PrefixCache:
         for i, k in enumerate(keys):
             c = ref.get(k)
             if c is None:
-                if self.empty > 0:
-                    self.empty -= 1
-                else:
-                    self._evict(1)
+                self._take(1)
                 ref[k] = 0
                 self.stored_blocks += 1
                 if index is not None:
@@ -463,13 +466,17 @@ class PrefixCache:
             self._compact()
         self._note_usage()
 
-    def take_private(self, n: int) -> None:
-        if n <= 0:
-            return
+    def _take(self, n: int) -> None:
+        """Take ``n`` blocks: the never-used ones first, then by eviction."""
         free = min(n, self.empty)
         self.empty -= free
         if n > free:
             self._evict(n - free)
+
+    def take_private(self, n: int) -> None:
+        if n <= 0:
+            return
+        self._take(n)
         self._note_usage()
 
     def give_private(self, n: int) -> None:

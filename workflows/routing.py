@@ -48,7 +48,12 @@ class EngineCandidate(BaseModel):
 
     def placement_load(self, *, new_batch_job: bool) -> int:
         """Load as a step sees it; a new batch job also counts the jobs under way."""
-        return max(self.load, self.batch_jobs) if new_batch_job else self.load
+        return _placement_load(self, self.load, new_batch_job)
+
+
+def _placement_load(c: EngineCandidate, load: int, new_batch_job: bool) -> int:
+    """``EngineCandidate.placement_load`` with the candidate's ``load`` read already."""
+    return max(load, c.batch_jobs) if new_batch_job else load
 
 
 class RoutingConfig(BaseModel):
@@ -168,8 +173,7 @@ def _score(c: EngineCandidate, load: int, config: RoutingConfig, batch: bool,
     saved = c.expected_cached_tokens / (c.prefill_tokens_per_s or config.prefill_tokens_per_s)
     if batch and continuing:
         return saved - load * config.delay_per_request_s * config.batch_delay_factor
-    # a new batch job's placement load counts the batch jobs under way (placement_load)
-    return saved - (max(load, c.batch_jobs) if batch else load) * config.delay_per_request_s
+    return saved - _placement_load(c, load, batch) * config.delay_per_request_s
 
 
 def choose_engine(
@@ -232,7 +236,7 @@ def pick_engine(
         under = list(range(len(ordered)))
     else:
         under = [i for i, c in enumerate(ordered)
-                 if (max(loads[i], c.batch_jobs) if new_batch_job else loads[i]) < cfg.max_load
+                 if _placement_load(c, loads[i], new_batch_job) < cfg.max_load
                  ] or list(range(len(ordered)))
     scores = {ordered[i].engine_id: _score(ordered[i], loads[i], cfg, batch, continuing)
               for i in under}
