@@ -270,3 +270,52 @@ def test_simulated_burst_recomputes_what_a_warm_first_step_should() -> None:
     for s in warm:
         family = "ticket-triage" if int(s.job_id[1:]) < 10 else "invoice-reconciliation"
         assert s.cached_tokens == scenarios.BURST_PROFILES[family].shared_prefix, s
+
+
+def test_jobs_block_keys_never_overlap(monkeypatch: Any) -> None:
+    """Each job's own blocks are a run of keys reserved when it starts, as long as its
+    last transcript: no two jobs' chains share a key but their family's, the family's
+    keys come first (negative) and a chain's keys ascend (``_HeldBlocks._split`` reads
+    the family's blocks off that way). Reserving too few would let a long job's later
+    blocks hit another job's cached ones."""
+    from warmloop.sim.core import Clock
+    from warmloop.sim.workload import agentic_mix, bundled_mix, poisson_jobs
+
+    chains: dict[str, list[int]] = {}
+    real_chain = Fleet._chain
+
+    def recorded(self: Fleet, job: Any) -> list[Any]:
+        chain = real_chain(self, job)
+        chains[job.spec.job_id] = [int(k) for k in chain]  # type: ignore[call-overload]
+        return chain
+
+    monkeypatch.setattr(Fleet, "_chain", recorded)
+    rng = random.Random(5)
+    specs = poisson_jobs(bundled_mix() + agentic_mix(), rate_per_s=4.0, duration_s=20.0,
+                         rng=rng)
+    clock = Clock()
+    fleet = Fleet(clock, scenarios.cpu_engines(24 * scenarios.MIB),
+                  sim_fleet.POLICIES["warmloop"])
+    fleet.add_jobs(specs)
+    clock.run(until=400.0)
+    by_id = {s.job_id: s for s in specs}
+    owner: dict[int, str] = {}
+    family_keys: dict[str, list[int]] = {}
+    finished = 0
+    for job_id, chain in chains.items():
+        spec = by_id[job_id]
+        assert chain == sorted(chain) and len(set(chain)) == len(chain), job_id
+        shared = [k for k in chain if k < 0]
+        assert len(shared) == min(len(chain), spec.prefix_tokens // fleet.block), job_id
+        seen = family_keys.setdefault(spec.family, shared)
+        n = min(len(seen), len(shared))
+        assert seen[:n] == shared[:n], job_id
+        for k in chain[len(shared):]:
+            assert owner.setdefault(k, job_id) == job_id, (k, job_id, owner[k])
+        last_prompt = (spec.prefix_tokens + spec.task_tokens
+                       + sum(st.result_tokens for st in spec.steps[:-1])) // fleet.block
+        assert len(chain) <= last_prompt, job_id
+        finished += len(chain) == last_prompt
+    assert finished > 20  # jobs ran to their last step
+    firsts = [keys[0] for keys in family_keys.values() if keys]
+    assert len(set(firsts)) == len(firsts) > 1
