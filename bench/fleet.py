@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from warmloop import sim
+from warmloop.sim.core import collecting_less
 from warmloop.sim.fleet import POLICIES, FleetConfig
 from warmloop.sim.run import Summary, simulate
-from warmloop.sim.workload import WORKLOADS, JobProfile, burst_jobs, poisson_jobs
+from warmloop.sim.workload import WORKLOADS, JobProfile, JobSpec, burst_jobs, poisson_jobs
 from warmloop.workflows.calibration import EngineCalibration, preset
 from warmloop.workflows.holding import HoldConfig
 
@@ -88,17 +89,39 @@ def one(gpus: int, load: float, policy: str, cal: EngineCalibration, horizon_s: 
         holding: HoldConfig | None = None) -> tuple[Summary, float, float]:
     """One run: its summary, wall seconds and CPU seconds (the machine may be shared).
     ``holding``: the hold settings over the calibration's prices (None: the defaults)."""
-    mix = WORKLOADS[workload]()
-    rate = load * capacity_jobs_per_s(mix, cal, gpus)
-    rng = random.Random(seed)
-    jobs = poisson_jobs(mix, rate_per_s=rate, duration_s=horizon_s, rng=rng)
-    if burst:  # ten times the arrival rate, as batch jobs, over a fifth of the horizon
-        n = int(10 * rate * horizon_s / 5)
-        jobs += burst_jobs(mix, n=n, at_s=horizon_s / 5, over_s=horizon_s / 5, rng=rng)
+    jobs = workload_jobs(gpus, load, cal, horizon_s, burst, seed, workload)
     t, cpu = time.monotonic(), time.process_time()
     config = None if holding is None else FleetConfig(hold=cal.hold_config(holding))
     s = simulate(jobs, [cal] * gpus, policy, config=config, until_s=horizon_s)
     return s, time.monotonic() - t, time.process_time() - cpu
+
+
+_last_jobs: tuple[tuple[object, ...], list[JobSpec]] | None = None
+"""The last workload built in this process, and what it was built from: the policies'
+runs of one fleet and load are given the same jobs (a process often runs two of them in
+turn), and building 100,000 jobs takes a few seconds."""
+
+
+def workload_jobs(gpus: int, load: float, cal: EngineCalibration, horizon_s: float,
+                  burst: bool, seed: int = 1, workload: str = "bundled") -> list[JobSpec]:
+    """A run's jobs: Poisson arrivals at ``load`` of the fleet's capacity over the
+    horizon, and with ``burst`` ten times the arrival rate as batch jobs over a fifth of
+    it. The same arguments give the same list again (``simulate`` reads jobs, never
+    changes them)."""
+    global _last_jobs
+    key = (gpus, load, cal.model_dump_json(), horizon_s, burst, seed, workload)
+    if _last_jobs is not None and _last_jobs[0] == key:
+        return _last_jobs[1]
+    mix = WORKLOADS[workload]()
+    rate = load * capacity_jobs_per_s(mix, cal, gpus)
+    rng = random.Random(seed)
+    with collecting_less():  # 100,000 jobs' objects, all kept: the collector's work only
+        jobs = poisson_jobs(mix, rate_per_s=rate, duration_s=horizon_s, rng=rng)
+        if burst:  # ten times the arrival rate, as batch jobs, over a fifth of the horizon
+            n = int(10 * rate * horizon_s / 5)
+            jobs += burst_jobs(mix, n=n, at_s=horizon_s / 5, over_s=horizon_s / 5, rng=rng)
+    _last_jobs = (key, jobs)
+    return jobs
 
 
 def _row(run: tuple[int, float, bool, str, float], calibration: str,

@@ -44,3 +44,20 @@ def test_hold_settings_reach_the_simulated_fleet() -> None:
     assert no_room.post_pause_recomputed > base.post_pause_recomputed
     with pytest.raises(Exception, match="max_held_fraction"):
         main(["--holding", '{"max_held_fraction": 2}', "--gpus", "2"])
+
+
+def test_runs_of_one_workload_share_its_jobs_and_figures() -> None:
+    """A process's runs of the same fleet, load and horizon reuse the jobs it built
+    (the policies' runs in turn), and a run on reused jobs gives the figures a run on
+    fresh ones does: the simulator must not change the jobs it is given."""
+    import bench.fleet as bench_fleet
+    from warmloop.workflows.calibration import preset
+
+    cal = preset("h100-llama-3.1-8b-bf16")
+    bench_fleet._last_jobs = None
+    fresh = bench_fleet.one(2, 0.8, "warmloop", cal, 20.0, True)[0]  # built, then run
+    first = bench_fleet.workload_jobs(2, 0.8, cal, 20.0, True)
+    again = bench_fleet.one(2, 0.8, "warmloop", cal, 20.0, True)[0]  # run again
+    assert bench_fleet.workload_jobs(2, 0.8, cal, 20.0, True) is first
+    assert again == fresh
+    assert bench_fleet.workload_jobs(2, 0.9, cal, 20.0, True) is not first
