@@ -642,6 +642,16 @@ class Engine:
             r = self._prefill_rate[prompt_tokens] = self.cal.prefill_tokens_per_s(prompt_tokens)
         return r
 
+    def share_curves(self, other: Engine) -> None:
+        """Memoise the curves in ``other``'s tables (the same calibration): a fleet's
+        engines each filled their own, one prompt length at a time, and a 128-GPU
+        fleet's missed on most steps' prompts."""
+        if other.cal is not self.cal:
+            raise ValueError(f"engine {self.engine_id}: its calibration is not "
+                             f"{other.engine_id}'s, so their curves differ")
+        self._decode_s = other._decode_s
+        self._prefill_rate = other._prefill_rate
+
     # --- holds: blocks kept in use while a job pauses (what touches achieve) ----------
 
     def pin(self, chain: Sequence[BlockKey]) -> list[BlockKey]:

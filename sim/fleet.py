@@ -305,6 +305,11 @@ class Fleet:
         self.engines = [Engine(clock, f"e{i:03d}", c, self.block_index, i, regret=measured,
                                host=hosts[i // sharing.engines_per_host] if sharing else None)
                         for i, c in enumerate(calibrations)]
+        first_of: dict[int, Engine] = {}
+        for e in self.engines:  # one memo of the curves a calibration
+            first = first_of.setdefault(id(e.cal), e)
+            if first is not e:
+                e.share_curves(first)
         self._displaced: dict[tuple[int, int], tuple[float, float | None]] = {}
         """(engine, prefix bucket) -> (when read, the rent's measure): read at most every
         ``DISPLACED_REFRESH_S`` (a sum over the engine's recent recomputes)."""

@@ -430,3 +430,20 @@ def test_host_sharing_refuses_settings_that_make_no_sense(kw: dict[str, float],
                                                          message: str) -> None:
     with pytest.raises(ValueError, match=message):
         HostSharing(**kw)  # type: ignore[arg-type]
+
+
+def test_engines_of_one_calibration_share_its_memoised_curves() -> None:
+    """A fleet's engines of one calibration fill one memo of its curves (each filled
+    its own); engines of another calibration keep theirs, and sharing across two is
+    refused, since their curves differ."""
+    from warmloop.sim.fleet import POLICIES, Fleet, FleetConfig
+
+    fast, slow = cal(), cal(overhead=0.05)
+    fleet = Fleet(Clock(), [fast, fast, slow], POLICIES["warmloop"], FleetConfig())
+    a, b, c = fleet.engines
+    assert a.prefill_tokens_per_s(300) == fast.prefill_tokens_per_s(300)
+    assert 300 in b._prefill_rate and 300 not in c._prefill_rate
+    assert b.decode_step_seconds(7) == fast.decode_step_seconds(7)
+    assert 7 in a._decode_s and 7 not in c._decode_s
+    with pytest.raises(ValueError, match="calibration"):
+        c.share_curves(a)
