@@ -319,3 +319,24 @@ def test_jobs_block_keys_never_overlap(monkeypatch: Any) -> None:
     assert finished > 20  # jobs ran to their last step
     firsts = [keys[0] for keys in family_keys.values() if keys]
     assert len(set(firsts)) == len(firsts) > 1
+
+
+def test_only_a_router_that_reads_the_block_index_keeps_it() -> None:
+    """The fleet's block index is the router's: round-robin, which never reads it, runs
+    without one (and routes the same: the recorded digests), cache-aware keeps it up to
+    date with every engine's cache."""
+    from warmloop.sim.core import Clock
+    from warmloop.sim.workload import bundled_mix, poisson_jobs
+
+    specs = poisson_jobs(bundled_mix(), rate_per_s=2.0, duration_s=10.0,
+                         rng=random.Random(2))
+    for policy, keeps in (("round_robin_lru", False), ("cache_aware_no_holds", True)):
+        clock = Clock()
+        fleet = Fleet(clock, scenarios.cpu_engines(24 * scenarios.MIB),
+                      sim_fleet.POLICIES[policy])
+        fleet.add_jobs(specs)
+        clock.run(until=30.0)
+        assert all((e.cache.index is not None) == keeps for e in fleet.engines), policy
+        cached = {k for e in fleet.engines for k in e.cache.ref}
+        assert cached, policy
+        assert set(fleet.block_index) == (cached if keeps else set()), policy
