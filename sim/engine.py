@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any, Protocol
 
@@ -36,29 +36,50 @@ the block)."""
 _JOINED = itemgetter(1)
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False, slots=True, init=False)
 class Request:
-    """One model call on an engine."""
+    """One model call on an engine. (Its ``__init__`` is written out: the one
+    ``dataclass`` writes runs interpreted in the compiled build, once a step.)"""
 
     chain: Sequence[BlockKey]
     """Keys of the prompt's full, shareable blocks, in order (its hash chain)."""
     prompt_tokens: int
     output_tokens: int
-    priority: int = 0
-    on_first_token: Callable[[Request], None] | None = None
-    on_done: Callable[[Request], None] | None = None
-    tag: Any = None  # Any, not object: mypyc's dataclasses (sim.compiled) cannot resolve it
+    priority: int
+    on_first_token: Callable[[Request], None] | None
+    on_done: Callable[[Request], None] | None
+    tag: Any  # Any, not object: mypyc's dataclasses (sim.compiled) cannot resolve it
     # filled in by the engine
-    submitted_at: float = 0.0
-    first_token_at: float = 0.0
-    done_at: float = 0.0
-    cached_tokens: int = 0
-    computed_tokens: int = 0
-    _prefill_left: int = 0
-    _decode_left: int = 0
+    submitted_at: float
+    first_token_at: float
+    done_at: float
+    cached_tokens: int
+    computed_tokens: int
+    _prefill_left: int
+    _decode_left: int
     """Tokens left to decode after the first (when it joined the decoding batch)."""
-    _held: list[BlockKey] = field(default_factory=list)
-    _private: int = 0
+    _held: list[BlockKey]
+    _private: int
+
+    def __init__(self, chain: Sequence[BlockKey], prompt_tokens: int, output_tokens: int,
+                 priority: int = 0, on_first_token: Callable[[Request], None] | None = None,
+                 on_done: Callable[[Request], None] | None = None, tag: Any = None) -> None:
+        self.chain = chain
+        self.prompt_tokens = prompt_tokens
+        self.output_tokens = output_tokens
+        self.priority = priority
+        self.on_first_token = on_first_token
+        self.on_done = on_done
+        self.tag = tag
+        self.submitted_at = 0.0
+        self.first_token_at = 0.0
+        self.done_at = 0.0
+        self.cached_tokens = 0
+        self.computed_tokens = 0
+        self._prefill_left = 0
+        self._decode_left = 0
+        self._held = []
+        self._private = 0
 
     @property
     def ttft_s(self) -> float:

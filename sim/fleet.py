@@ -61,8 +61,11 @@ POLICIES: dict[str, Policy] = {
 holds (the best peer's behaviour); warmloop (routing, holds, lanes, prewarms)."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class StepStat:
+    """One step as it ran. (Its ``__init__`` is written out: the one ``dataclass``
+    writes runs interpreted in the compiled build, once a step.)"""
+
     job_id: str
     step: int
     engine: str
@@ -75,6 +78,20 @@ class StepStat:
     keepable_tokens: int
     """What the pause before this step could have kept (the previous prompt's full blocks
     but its last): bench-pauses' measure."""
+
+    def __init__(self, job_id: str, step: int, engine: str, lane: Lane, prompt_tokens: int,
+                 cached_tokens: int, output_tokens: int, ttft_s: float, cost_usd: float,
+                 keepable_tokens: int) -> None:
+        self.job_id = job_id
+        self.step = step
+        self.engine = engine
+        self.lane = lane
+        self.prompt_tokens = prompt_tokens
+        self.cached_tokens = cached_tokens
+        self.output_tokens = output_tokens
+        self.ttft_s = ttft_s
+        self.cost_usd = cost_usd
+        self.keepable_tokens = keepable_tokens
 
 
 @dataclass(slots=True)
