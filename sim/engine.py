@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any, Protocol
@@ -29,7 +29,11 @@ from warmloop.sim.core import Clock
 from warmloop.workflows.calibration import EngineCalibration
 from warmloop.workflows.holding import EvictionRegret
 
-BlockKey = Hashable
+BlockKey = Any
+"""Any hashable value (the fleet's are ints). ``Any``, not ``Hashable``: chains are
+passed as lists, which the compiled build indexes directly (a ``Sequence`` costs a
+generic subscript a block), and a list is invariant: ``list[Hashable]`` would refuse a
+``list[int]``."""
 IN_USE_SUCCESSOR = 1 << 32
 """``PrefixCache.ref``'s unit for a successor in use (below it: the users that end at
 the block)."""
@@ -41,7 +45,7 @@ class Request:
     """One model call on an engine. (Its ``__init__`` is written out: the one
     ``dataclass`` writes runs interpreted in the compiled build, once a step.)"""
 
-    chain: Sequence[BlockKey]
+    chain: list[BlockKey]
     """Keys of the prompt's full, shareable blocks, in order (its hash chain)."""
     prompt_tokens: int
     output_tokens: int
@@ -61,7 +65,7 @@ class Request:
     _held: list[BlockKey]
     _private: int
 
-    def __init__(self, chain: Sequence[BlockKey], prompt_tokens: int, output_tokens: int,
+    def __init__(self, chain: list[BlockKey], prompt_tokens: int, output_tokens: int,
                  priority: int = 0, on_first_token: Callable[[Request], None] | None = None,
                  on_done: Callable[[Request], None] | None = None, tag: Any = None) -> None:
         self.chain = chain
@@ -211,7 +215,7 @@ class PrefixCache:
         ref = self.ref
         return [e for e in self._aged_heap if ref.get(e[2], 0) == _aged_stamp(e[1])]
 
-    def hit_blocks(self, chain: Sequence[BlockKey]) -> int:
+    def hit_blocks(self, chain: list[BlockKey]) -> int:
         """Leading blocks of ``chain`` cached here (in use or evictable)."""
         ref = self.ref
         n = len(chain)
@@ -229,7 +233,7 @@ class PrefixCache:
                 hi = mid
         return hi
 
-    def hit_blocks_walk(self, chain: Sequence[BlockKey]) -> int:
+    def hit_blocks_walk(self, chain: list[BlockKey]) -> int:
         """``hit_blocks`` by walking the chain (the reference the tests compare with)."""
         ref = self.ref
         n = 0
@@ -244,7 +248,7 @@ class PrefixCache:
         """Blocks some request or hold is using (vLLM's KV usage counts these)."""
         return self.capacity - self.empty - self.evictable_blocks
 
-    def can_allocate(self, hit: int, chain: Sequence[BlockKey], new_blocks: int) -> bool:
+    def can_allocate(self, hit: int, chain: list[BlockKey], new_blocks: int) -> bool:
         free = self.empty + self.evictable_blocks
         if new_blocks <= free - hit:  # however many of the hit blocks are evictable
             return True
@@ -257,7 +261,7 @@ class PrefixCache:
                 reclaimed += 1
         return new_blocks <= free - reclaimed
 
-    def _first_unused(self, keys: Sequence[BlockKey], hit: int) -> int:
+    def _first_unused(self, keys: list[BlockKey], hit: int) -> int:
         """Index of the first of ``keys[:hit]`` (all cached) no request or hold uses
         (the evictable ones): a block's users use its predecessors, so the unused cached
         blocks are the tail of ``keys[:hit]``."""
@@ -273,7 +277,7 @@ class PrefixCache:
                 lo = mid
         return hi
 
-    def acquire(self, keys: Sequence[BlockKey], cached: int = -1) -> None:
+    def acquire(self, keys: list[BlockKey], cached: int = -1) -> None:
         """Use ``keys`` (cached ones are reused, missing ones allocated and registered).
         ``cached``: ``hit_blocks(keys)`` if the caller has just found it (-1: look).
 
@@ -339,10 +343,12 @@ class PrefixCache:
         keys, times = self._lru_keys, self._lru_times
         head, base, end = self._lru_head, self._lru_base, len(keys)
         out: list[BlockKey] = []
+        stamp = _lru_stamp(base + head)  # kept as head moves: 2 lower a place
         while len(out) < n:
             # the LRU's first current place
-            while head < end and ref.get(keys[head], 0) != -2 * (base + head) - 2:
-                head += 1  # stale (not _lru_stamp(base + head)): used since, or evicted
+            while head < end and ref.get(keys[head], 0) != stamp:
+                head += 1  # stale: used since, or evicted
+                stamp -= 2
             while heap and ref.get(heap[0][2], 0) != _aged_stamp(heap[0][1]):
                 heapq.heappop(heap)  # stale: used since, or evicted
             if heap and (head == end or heap[0][0] < times[head]):
@@ -350,6 +356,7 @@ class PrefixCache:
             else:
                 key = keys[head]
                 head += 1
+                stamp -= 2
             out.append(key)
         self._lru_head = head
         if head > self._stale_slack and head > end >> 1:  # cut the places taken off
@@ -358,7 +365,7 @@ class PrefixCache:
             self._lru_head = 0
         return out
 
-    def release(self, keys: Sequence[BlockKey], *, used_at: float | None = None,
+    def release(self, keys: list[BlockKey], *, used_at: float | None = None,
                 aged_from: int = 0) -> None:
         """Stop using ``keys``; last block first, so a prompt's tail is evicted first.
 
@@ -395,10 +402,10 @@ class PrefixCache:
             own = max(0, min(len(freed), n - aged_from))  # freed[:own]: keys[aged_from:]
             self._age(freed, own, used_at)
         lru_keys = self._lru_keys
-        place = self._lru_base + len(lru_keys)
+        stamp = _lru_stamp(self._lru_base + len(lru_keys))
         for j in range(own, len(freed)):
-            ref[freed[j]] = -2 * place - 2  # _lru_stamp(place), inline: a call a block
-            place += 1
+            ref[freed[j]] = stamp  # the next place's stamp is 2 lower: no call a block
+            stamp -= 2
         if own:
             lru_keys.extend(freed[own:])
         else:
@@ -441,7 +448,7 @@ class PrefixCache:
 
     # The plain walks: one key at a time (the reference the tests compare with).
 
-    def acquire_walk(self, keys: Sequence[BlockKey], cached: int = -1) -> None:
+    def acquire_walk(self, keys: list[BlockKey], cached: int = -1) -> None:
         """``acquire`` a key at a time (``cached``, taken for its signature, unread)."""
         ref, index, bit = self.ref, self.index, self.bit
         for i, k in enumerate(keys):
@@ -463,7 +470,7 @@ class PrefixCache:
             ref[keys[-1]] += 1
         self._note_usage()
 
-    def release_walk(self, keys: Sequence[BlockKey], *, used_at: float | None = None,
+    def release_walk(self, keys: list[BlockKey], *, used_at: float | None = None,
                      aged_from: int = 0) -> None:
         ref = self.ref
         now = self._now()
@@ -646,7 +653,7 @@ class Engine:
     def kv_usage(self) -> float:
         return self.cache.usage
 
-    def cached_prefix_tokens(self, chain: Sequence[BlockKey]) -> int:
+    def cached_prefix_tokens(self, chain: list[BlockKey]) -> int:
         return self.cache.hit_blocks(chain) * self.block
 
     # --- the calibration's curves, memoised (pure functions of an int) ------------------
@@ -675,20 +682,20 @@ class Engine:
 
     # --- holds: blocks kept in use while a job pauses (what touches achieve) ----------
 
-    def pin(self, chain: Sequence[BlockKey]) -> list[BlockKey]:
+    def pin(self, chain: list[BlockKey]) -> list[BlockKey]:
         """Keep the cached leading blocks of ``chain`` from eviction; returns them."""
         hit = self.cache.hit_blocks(chain)
         keys = list(chain[:hit])
         self.cache.acquire(keys, hit)
         return keys
 
-    def unpin(self, keys: Sequence[BlockKey], *, used_at: float | None = None,
+    def unpin(self, keys: list[BlockKey], *, used_at: float | None = None,
               aged_from: int = 0) -> None:
         """Stop keeping ``keys``; ``used_at``/``aged_from`` as ``PrefixCache.release``."""
         self.cache.release(keys, used_at=used_at, aged_from=aged_from)
         self._kick()
 
-    def unpin_tail(self, keys: Sequence[BlockKey], kept: int, *, used_at: float | None = None,
+    def unpin_tail(self, keys: list[BlockKey], kept: int, *, used_at: float | None = None,
                    aged_from: int = 0) -> None:
         """Keep only the first ``kept`` of the pinned ``keys``. A user of the cache ends
         at its last key (``PrefixCache.acquire``): the kept prefix is taken as a user of
