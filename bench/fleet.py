@@ -35,10 +35,10 @@ from warmloop.sim.workload import WORKLOADS, JobProfile, JobSpec, burst_jobs, po
 from warmloop.workflows.calibration import EngineCalibration, preset
 from warmloop.workflows.holding import HoldConfig
 
-RELATIVE_CPU = {"round_robin_lru": 1.0, "cache_aware_no_holds": 1.25, "warmloop": 1.7}
+RELATIVE_CPU = {"round_robin_lru": 1.0, "cache_aware_no_holds": 1.65, "warmloop": 2.3}
 """CPU a run of each policy takes against round-robin's, for the same fleet and horizon
-(2026-12-05, 128 GPUs, 80 %, 60 s, compiled: 44 / 55 / 76 s): only the order runs start
-in, so the longest does not start last while the other processes sit idle."""
+(2026-12-05, late night, 128 GPUs, 80 %, 60 s, compiled: 28 / 47 / 65 s): only the order
+runs start in, so the longest does not start last while the other processes sit idle."""
 
 
 def saturation_batch(mix: list[tuple[JobProfile, float]], cal: EngineCalibration,
