@@ -286,7 +286,7 @@ def test_jobs_block_keys_never_overlap(monkeypatch: Any) -> None:
 
     def recorded(self: Fleet, job: Any) -> list[Any]:
         chain = real_chain(self, job)
-        chains[job.spec.job_id] = [int(k) for k in chain]  # type: ignore[call-overload]
+        chains[job.spec.job_id] = list(chain)
         return chain
 
     monkeypatch.setattr(Fleet, "_chain", recorded)
