@@ -147,8 +147,14 @@ class RoutingActivities:
         else:
             decision = self._by_snapshot(req)
         decision.took_ms = (time.perf_counter() - started) * 1000
+        # the scores that kept the job on its last engine or moved it (a move is meant
+        # to happen only when another engine scores better by more than a near-tie)
+        scores = decision.scores
         log.info("step_routed", job_id=req.job_id, step=req.step, engine=decision.engine_id,
                  reason=decision.reason, expected_cached=decision.expected_cached_tokens,
+                 last_engine=req.last_engine,
+                 best_score=max(scores.values()) if scores else None,
+                 last_score=scores.get(req.last_engine) if req.last_engine else None,
                  redis_away=self._outage.away)
         return decision
 

@@ -54,8 +54,22 @@ async def results_with_approver(client: Client, handles: list[Any]) -> list[JobR
         await approver
 
 
+def _routes(log_dir: Path, job_ids: set[str]) -> dict[tuple[str, int, str], dict[str, Any]]:
+    """The routers' ``step_routed`` lines for these jobs, by (job, step, engine): the
+    last of each (a step routed ahead, then again, keeps the one it ran on)."""
+    out: dict[tuple[str, int, str], dict[str, Any]] = {}
+    for path in sorted(log_dir.glob("*.log")):
+        for line in path.read_text().splitlines():
+            if not (line.startswith("{") and line.endswith("}")) or "step_routed" not in line:
+                continue
+            e = json.loads(line)
+            if e.get("event") == "step_routed" and e.get("job_id") in job_ids:
+                out[(e["job_id"], e["step"], e["engine"])] = e
+    return out
+
+
 async def test_every_step_after_the_first_reads_its_prefix_from_the_engine_cache(
-    client: Client, settings: Settings
+    client: Client, settings: Settings, stack: Stack
 ) -> None:
     both = await asyncio.gather(_run_jobs(client, n=4, max_steps=5),
                                 _run_jobs(client, n=3, max_steps=5,
@@ -84,8 +98,25 @@ async def test_every_step_after_the_first_reads_its_prefix_from_the_engine_cache
             if s.route_reason == "least_loaded" and s.predicted_cached_tokens == 0:
                 continue
             assert s.cached_tokens > 0, (res.job_id, s)
-    later = [s for r in results for s in r.steps[1:]]
-    assert sum(s.route_reason == "sticky" for s in later) >= 0.7 * len(later)
+    # A job left its engine only where the router's own figures said to: that engine
+    # was over the load cap, or another scored better by more than a near-tie. How
+    # often that happens is the host's timing (a slow CI host queues more), so the
+    # test checks each move's reason, not a share of moves.
+    cfg = settings.routing
+    moves = [(r.job_id, prev, s) for r in results
+             for prev, s in zip(r.steps, r.steps[1:], strict=False)
+             if s.engine_id != prev.engine_id]
+
+    async def logged() -> dict[tuple[str, int, str], dict[str, Any]] | None:
+        routes = await asyncio.to_thread(_routes, stack.log_dir, {r.job_id for r in results})
+        return routes if all((j, s.step, s.engine_id) in routes for j, _, s in moves) else None
+
+    routes = await eventually(logged) if moves else {}
+    for job_id, prev, s in moves:
+        e = routes[(job_id, s.step, s.engine_id)]
+        assert e["reason"] == s.route_reason and e["last_engine"] == prev.engine_id, e
+        if e["last_score"] is not None:  # None: the last engine was over max_load
+            assert e["best_score"] - e["last_score"] > cfg.min_saving_s - 1e-5, e
     # every job is accounted for in the engines actually configured
     engines = {e.id for e in settings.engine_endpoints}
     assert {s.engine_id for r in results for s in r.steps} <= engines
