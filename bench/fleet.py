@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from warmloop import sim
-from warmloop.sim.core import collecting_less
+from warmloop.sim.core import collecting_less, skip_exit_collection
 from warmloop.sim.fleet import POLICIES, FleetConfig
 from warmloop.sim.run import Summary, simulate
 from warmloop.sim.workload import WORKLOADS, JobProfile, JobSpec, burst_jobs, poisson_jobs
@@ -290,7 +290,10 @@ def main(argv: list[str] | None = None) -> None:
     # simulated GPU-hours times the policy's cost, so the longest run does not start
     # last and finish alone).
     biggest_first = sorted(runs, key=lambda r: -r[0] * r[4] * RELATIVE_CPU.get(r[3], 1.0))
-    with ProcessPoolExecutor(procs, mp_context=mp.get_context("spawn")) as pool:
+    # The processes end without the interpreter's last collection over the fleets they
+    # leave behind (seconds a process, after the last figure: skip_exit_collection).
+    with ProcessPoolExecutor(procs, mp_context=mp.get_context("spawn"),
+                             initializer=skip_exit_collection) as pool:
         futures = [pool.submit(_row, r, args.calibration, args.workload, args.holding)
                    for r in biggest_first]
         for fut in as_completed(futures):

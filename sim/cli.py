@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from warmloop.sim.core import skip_exit_collection
 from warmloop.sim.fleet import POLICIES
 from warmloop.sim.run import simulate
 from warmloop.sim.workload import (
@@ -52,6 +53,7 @@ def simulate_main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    skip_exit_collection()  # the fleets left behind are garbage: no walk over them at exit
     for policy in args.policy:
         rng = random.Random(args.seed)
         jobs: list[JobSpec]

@@ -7,8 +7,12 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import os
 import random
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -120,3 +124,34 @@ def test_pending_counts_the_events_not_run_yet() -> None:
     clock.at(2.5, counts.append, -2)
     clock.run()
     assert counts == [2, -1, 1, 1, -2, 0] and clock.pending == 0
+
+
+_EXIT_SCRIPT = """
+import gc, sys
+from warmloop.sim.core import skip_exit_collection
+
+class Node:
+    def __del__(self):
+        sys.stdout.write("collected\\n")
+        sys.stdout.flush()
+
+if sys.argv[1] == "skip":
+    skip_exit_collection()
+gc.disable()  # nothing collects the cycle before exit but the interpreter's last pass
+a, b = Node(), Node()
+a.other, b.other = b, a
+del a, b
+print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["skip", "plain"])
+def test_skip_exit_collection_leaves_a_runs_cyclic_garbage_to_the_os(mode: str) -> None:
+    """The interpreter's last full collection is what reaches a fleet left behind as
+    cycles; ``skip_exit_collection`` skips it (the plain process shows it runs)."""
+    out = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, mode], capture_output=True,
+                         text=True, check=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    lines = out.stdout.split()
+    assert lines[0] == "done"
+    assert lines[1:] == ([] if mode == "skip" else ["collected", "collected"]), out
