@@ -10,7 +10,7 @@ with ``JobClient``. Everything else lives in the subpackages ``warmloop.workflow
 from typing import TYPE_CHECKING, Any
 
 from warmloop.activities.tools.base import ToolOutcome, Toolset
-from warmloop.workers.jobs import InvalidJobError, JobClient
+from warmloop.workers.jobs import InvalidJobError, JobClient, UnservableJobError
 from warmloop.workers.plugins import LoadedPlugins, PluginError, load_plugins
 from warmloop.workers.settings import EngineEndpoint, Settings
 from warmloop.workers.temporal_plugin import WarmloopPlugin
@@ -48,8 +48,8 @@ __all__ = [
     "JobLimits", "JobResult", "JobState", "JobStatus", "Lane", "LoadedPlugins", "ModelLadder",
     "OutputBudgets", "PluginError", "Profile", "PythonRunner", "Settings", "ToolContext",
     "ToolOutcome", "ToolRequest", "ToolResult", "ToolRetry", "ToolSpec", "Toolset",
-    "WarmloopModelProvider", "WarmloopPlugin", "get_profile", "load_plugins", "tool",
-    "warmloop_agents_plugin",
+    "UnservableJobError", "WarmloopModelProvider", "WarmloopPlugin", "get_profile",
+    "load_plugins", "tool", "warmloop_agents_plugin",
 ]
 _AGENTS = {"WarmloopModelProvider", "warmloop_agents_plugin"}
 

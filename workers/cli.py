@@ -545,10 +545,20 @@ def batch_run(
         "widens up to --max-window when the batch falls behind."),
     max_window: int = typer.Option(64, "--max-window", min=1, max=4096),
 ) -> None:
-    """Run every record of SOURCE as a batch-lane job; results go to S3 as JSONL."""
+    """Run every record of SOURCE as a batch-lane job; results go to S3 as JSONL. The
+    fleet is checked first, as submit's: an engine must serve the profile's model and,
+    for a cost cap, declare a price."""
     if batch_id is not None and (bad := id_problem("batch", batch_id)):
         fail(bad)
     inp = _batch_input(source, profile, window, page_size, max_steps, deadline, max_window)
+    # as submit's: a batch no engine can serve would end every record at its first step
+    from warmloop.workers.fleet import check_fleet_serves
+
+    prof = get_profile(profile)
+    try:
+        run(check_fleet_serves(prof.model, prof.limits, _settings()))
+    except ValueError as e:
+        fail(str(e))
     bid = batch_id or f"batch-{profile}-{uuid.uuid4().hex[:8]}"
 
     async def go() -> None:

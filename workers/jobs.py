@@ -23,6 +23,7 @@ from temporalio.common import SearchAttributePair, TypedSearchAttributes, Workfl
 
 from warmloop.activities.registry import REDIS_ERRORS, TenantUsage
 from warmloop.workers.clients import build_redis, connect
+from warmloop.workers.fleet import check_fleet_serves
 from warmloop.workers.plugins import load_plugins
 from warmloop.workers.settings import Settings
 from warmloop.workflows.budgets import JobLimits
@@ -49,6 +50,11 @@ log = structlog.get_logger(__name__)
 
 class InvalidJobError(ValueError):
     """The job's input does not validate; nothing was started."""
+
+
+class UnservableJobError(InvalidJobError):
+    """No engine of the fleet can serve the job (its profile's model, or a price for its
+    cost cap); the message says what to change. Nothing was started."""
 
 
 class QuotaExceededError(RuntimeError):
@@ -127,12 +133,16 @@ class JobClient:
     """
 
     def __init__(self, client: Client, *, tenants: Mapping[str, TenantQuota] | None = None,
-                 usage: TenantUsage | None = None) -> None:
+                 usage: TenantUsage | None = None, fleet: Settings | None = None) -> None:
         """``tenants``: their quotas, checked at submit (none: no quota); ``usage``: where
-        their tokens per hour are counted (without it, only jobs in flight are checked)."""
+        their tokens per hour are counted (without it, only jobs in flight are checked);
+        ``fleet``: the settings to read the fleet from (its registry in Redis, else
+        ``WARMLOOP_ENGINES``) for submit's check that an engine can serve the job, as
+        ``warmloop submit`` checks (None: no check; ``connect`` passes its settings)."""
         self.temporal = client
         self.tenants = dict(tenants or {})
         self._usage = usage
+        self._fleet = fleet
         self._redis: Any = None
 
     @classmethod
@@ -140,7 +150,7 @@ class JobClient:
         settings = settings or Settings()
         load_plugins(plugins=settings.plugins, profile_paths=settings.profile_paths,
                      toolsets=False)
-        jobs = cls(await connect(settings), tenants=settings.tenants)
+        jobs = cls(await connect(settings), tenants=settings.tenants, fleet=settings)
         if any(q.tokens_per_hour is not None for q in settings.tenants.values()):
             jobs._redis = build_redis(settings)
             jobs._usage = TenantUsage(jobs._redis)
@@ -162,7 +172,10 @@ class JobClient:
 
         Raises ``InvalidJobError`` when the profile is unknown (in this process's
         plugins), the task does not validate or the tenant is no tenant name,
-        ``QuotaExceededError`` when the tenant is at its quota, and Temporal's
+        ``UnservableJobError`` (an ``InvalidJobError``) when no engine of the fleet
+        serves the profile's model or, for a cost cap, declares a price (with
+        ``fleet`` settings: a Redis read per submit), ``QuotaExceededError`` when the
+        tenant is at its quota, and Temporal's
         ``WorkflowAlreadyStartedError`` when ``job_id`` was ever used: a job id names
         one job for good. ``options`` are further ``JobInput`` fields (``tools``,
         ``hold_policy``, ``routing``, ...)."""
@@ -173,11 +186,17 @@ class JobClient:
         if options.get("carry") is not None:
             raise InvalidJobError("carry is set by continue-as-new only; submit without it")
         try:
-            get_profile(profile).validate_task(task)
+            prof = get_profile(profile)
+            prof.validate_task(task)
             job = JobInput(profile=profile, task=task, limits=limits, max_steps=max_steps,
                            lane=Lane(lane), tenant=tenant, **options)
         except (UnknownProfileError, ValidationError, ValueError) as e:
             raise InvalidJobError(f"invalid job for {profile}: {e}") from None
+        if self._fleet is not None:
+            try:
+                await check_fleet_serves(prof.model, job.limits or prof.limits, self._fleet)
+            except ValueError as e:
+                raise UnservableJobError(f"cannot serve {profile}: {e}") from None
         jid = job_id or f"{profile}-{uuid.uuid4().hex[:10]}"
         await start_job(self.temporal, job, jid, quota=self.tenants.get(tenant),
                         usage=self._usage)

@@ -22,6 +22,7 @@ from warmloop.activities.transcripts import TranscriptStore
 from warmloop.infra.stack import settings_env
 from warmloop.workers.cli import app
 from warmloop.workers.inference_worker import _ttl_cache, probe_engine
+from warmloop.workers.jobs import InvalidJobError, JobClient, UnservableJobError
 from warmloop.workers.settings import EMBEDDED_ENGINE_PRICE, EngineEndpoint, Settings
 from warmloop.workflows.budgets import JobLimits, Usage, check_before_step
 from warmloop.workflows.calibration import preset
@@ -339,6 +340,63 @@ def test_submit_refuses_a_job_whose_model_no_engine_serves(
     assert "error: no engine serves model qwen (engines serve: tiny)" in " ".join(
         result.output.split())
     assert "cannot reach Temporal" not in result.output
+
+
+class _Started:
+    """Stands in for Temporal's client: records the workflows ``JobClient`` starts."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+
+    async def start_workflow(self, *args: Any, id: str, **kw: Any) -> None:  # noqa: A002
+        self.ids.append(id)
+
+
+async def test_job_client_refuses_what_no_engine_can_serve_as_submit_does(
+    no_stack: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WARMLOOP_ENGINES", json.dumps(
+        [{"id": "gpu0", "url": "http://gpu0:8000", "model": "tiny"}]))
+    temporal = _Started()
+    jobs = JobClient(temporal, fleet=Settings())  # type: ignore[arg-type]
+    capped = JobLimits(max_cost_usd=0.5)
+    with pytest.raises(UnservableJobError, match="no engine declares a price"):
+        await jobs.submit("ticket-triage", TICKET, limits=capped)
+    REGISTRY.add(dataclasses.replace(get_profile("ticket-triage"), name="triage-qwen",
+                                     model="qwen"), source="test")
+    try:
+        with pytest.raises(InvalidJobError, match=r"no engine serves model qwen"):
+            await jobs.submit("triage-qwen", TICKET)
+    finally:
+        REGISTRY.remove("triage-qwen")
+    assert temporal.ids == []  # nothing started
+    # an uncapped job on the same fleet starts; without fleet settings nothing is checked
+    assert await jobs.submit("ticket-triage", TICKET, job_id="a") == "a"
+    unchecked = JobClient(temporal)  # type: ignore[arg-type]
+    assert await unchecked.submit("ticket-triage", TICKET, job_id="b", limits=capped) == "b"
+    assert temporal.ids == ["a", "b"]
+
+
+def test_batch_run_refuses_a_profile_no_engine_serves_before_starting(
+    no_stack: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("WARMLOOP_ENGINES", json.dumps(
+        [{"id": "gpu0", "url": "http://gpu0:8000", "model": "tiny", "price": GPU}]))
+    records = tmp_path / "tickets.jsonl"
+    records.write_text(json.dumps(TICKET) + "\n")
+    REGISTRY.add(dataclasses.replace(get_profile("ticket-triage"), name="triage-qwen",
+                                     model="qwen"), source="test")
+    try:
+        result = runner.invoke(app, ["batch", "run", str(records), "--profile", "triage-qwen"])
+    finally:
+        REGISTRY.remove("triage-qwen")
+    assert result.exit_code == 1
+    assert "error: no engine serves model qwen (engines serve: tiny)" in " ".join(
+        result.output.split())
+    # it never reached Temporal (unreachable here): the fleet check came first
+    assert "cannot reach Temporal" not in result.output and "Traceback" not in result.output
+    served = runner.invoke(app, ["batch", "run", str(records), "--profile", "ticket-triage"])
+    assert served.exit_code == 1 and "cannot reach Temporal" in served.output
 
 
 def test_submit_lets_a_capped_job_through_to_a_priced_fleet(
