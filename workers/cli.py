@@ -592,11 +592,20 @@ async def _follow_batch(handle: Any) -> None:
             bar.update(task, completed=p.done + p.failed + p.bad,
                        total=p.done + p.failed + p.bad + p.remaining,
                        description=f"done {p.done} failed {p.failed} bad {p.bad} "
-                                   f"running {p.running}/{p.window} ${p.cost_usd:.4f} "
+                                   f"running {p.running}/{p.window} "
+                                   f"{'>=' if p.cost_unknown_steps else ''}${p.cost_usd:.4f} "
                                    f"eta {eta}")
             await asyncio.wait([result_task], timeout=1.0)
     res = result_task.result()
     _print_batch(res)
+
+
+def _batch_cost(usd: float, unknown_steps: int) -> str:
+    """A batch's dollars, said to be a lower bound when some steps ran on engines that
+    declare no price (their cost is unknown, not zero)."""
+    if not unknown_steps:
+        return f"${usd:.6f}"
+    return f"at least ${usd:.6f} ({unknown_steps} steps on unpriced engines)"
 
 
 def _print_batch(res: Any) -> None:
@@ -609,8 +618,9 @@ def _print_batch(res: Any) -> None:
                         ("failed", res.failed), ("bad records (skipped)", res.bad),
                         ("by outcome", outcomes),
                         ("cache hit share", f"{res.cache_hit_share:.1%}"),
-                        ("cost", f"${res.cost_usd:.6f}"),
-                        ("cost per record", f"${res.cost_usd / max(1, res.done):.6f}"),
+                        ("cost", _batch_cost(res.cost_usd, res.cost_unknown_steps)),
+                        ("cost per record", _batch_cost(res.cost_usd / max(1, res.done),
+                                                        res.cost_unknown_steps)),
                         ("makespan", f"{res.makespan_s:.1f}s"),
                         ("results", ", ".join(res.result_keys))]:
         table.add_row(name, str(value))

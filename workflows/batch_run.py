@@ -127,6 +127,8 @@ class RecordOutcome(BaseModel):
     workflow) or JOB_ID_IN_USE (a running workflow already has the record's job id)."""
     reason: str
     cost_usd: float = 0.0
+    cost_unknown_steps: int = 0
+    """The job's steps on engines that declare no price: ``cost_usd`` leaves them out."""
     transcript_key: str | None = None
     """S3 key of the job's transcript."""
     steps: int = 0
@@ -155,6 +157,7 @@ class BatchCarry(BaseModel):
     failed: int = 0
     bad: int = 0
     cost_usd: float = 0.0
+    cost_unknown_steps: int = 0
     started_at: datetime | None = None
     result_keys: list[str] = Field(default_factory=list)
     window: int | None = None
@@ -209,6 +212,8 @@ class BatchProgress(BaseModel):
     running: int
     cost_usd: float
     pages: int
+    cost_unknown_steps: int = 0
+    """Steps on engines that declare no price: ``cost_usd`` is then a lower bound."""
     window: int
     """Child jobs allowed at once now (adapted to the deadline)."""
     remaining: int
@@ -233,10 +238,14 @@ class BatchResult(BaseModel):
     bad: int
     """Lines skipped (BAD_RECORD): not a task for the profile."""
     cost_usd: float
+    """Dollars of the steps whose engine declares a price (see ``cost_unknown_steps``)."""
     result_keys: list[str]
     makespan_s: float
     by_state: dict[str, int] = Field(default_factory=dict)
     """Records by outcome: each JobState, BAD_RECORD, FAILED and JOB_ID_IN_USE."""
+    cost_unknown_steps: int = 0
+    """Steps of the batch's jobs served by engines that declare no price: their cost is
+    unknown, so ``cost_usd`` is a lower bound whenever this is above 0."""
     cache_hit_share: float = 0.0
     """Prompt tokens the engines served from their prefix caches, over all jobs."""
 
@@ -259,6 +268,7 @@ class BatchRun:
         return BatchProgress(
             batch_id=self._batch_id, done=c.done, failed=c.failed, bad=c.bad,
             running=self._running, cost_usd=c.cost_usd, pages=c.pages, window=self._window,
+            cost_unknown_steps=c.cost_unknown_steps,
             remaining=self._remaining, deadline=self._deadline,
             estimated_finish=None if eta is None else workflow.now() + timedelta(seconds=eta),
         )
@@ -336,8 +346,8 @@ class BatchRun:
         return BatchResult(
             batch_id=self._batch_id, profile=inp.profile, state=state, reason=reason,
             records=c.done + c.failed + c.bad, done=c.done, failed=c.failed, bad=c.bad,
-            cost_usd=c.cost_usd, result_keys=c.result_keys,
-            makespan_s=(workflow.now() - started).total_seconds(),
+            cost_usd=c.cost_usd, cost_unknown_steps=c.cost_unknown_steps,
+            result_keys=c.result_keys, makespan_s=(workflow.now() - started).total_seconds(),
             by_state=dict(sorted(c.by_state.items())),
             cache_hit_share=c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
         )
@@ -400,10 +410,12 @@ class BatchRun:
         u = res.usage
         self._carry.done += 1
         self._carry.cost_usd += u.cost_usd
+        self._carry.cost_unknown_steps += u.cost_unknown_steps
         self._carry.prompt_tokens += u.prompt_tokens
         self._carry.cached_tokens += u.cached_tokens
         return RecordOutcome(line=rec.line, job_id=job_id, state=res.state,
                              reason=one_line(res.reason), cost_usd=u.cost_usd,
+                             cost_unknown_steps=u.cost_unknown_steps,
                              transcript_key=res.transcript_key, steps=u.steps,
                              prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens,
                              completion_tokens=u.completion_tokens)

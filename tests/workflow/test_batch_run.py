@@ -94,9 +94,10 @@ def write_records(path: Path, n_good: int, bad_at: dict[int, str]) -> None:
 
 async def run_batch(env: WorkflowEnvironment, inp: BatchInput,
                     *, keep_history: list[Any] | None = None, batch_id: str | None = None,
-                    s3: MemoryS3 | None = None) -> tuple[Any, MemoryS3, FakeActivities]:
+                    s3: MemoryS3 | None = None, prices: dict[str, Any] | None = None,
+                    ) -> tuple[Any, MemoryS3, FakeActivities]:
     fakes = FakeActivities(lambda req: reply("finish", '{"resolution": "resolved", '
-                                                       '"priority": "low"}'))
+                                                       '"priority": "low"}'), prices=prices)
     s3 = s3 or MemoryS3()
     batch = BatchActivities(s3, "b")
     client = env.client
@@ -234,6 +235,26 @@ async def test_outcomes_keep_counts_and_the_transcript_key_not_the_transcript(
         assert o.transcript_key == f"transcripts/{o.job_id}.json"
         assert o.steps == 1 and o.prompt_tokens > 0
     assert all(len(body) < 2_000 for body in s3.objects.values())
+
+
+async def test_steps_on_unpriced_engines_make_the_batch_cost_a_lower_bound(
+    time_skipping_env: WorkflowEnvironment, tmp_path: Path,
+) -> None:
+    from warmloop.workers.cli import _batch_cost
+
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 2, {})
+    priced, _, _ = await run_batch(time_skipping_env, BatchInput(
+        profile="ticket-triage", source=str(src)))
+    assert priced.cost_usd > 0 and priced.cost_unknown_steps == 0
+    unpriced, s3, _ = await run_batch(time_skipping_env, BatchInput(
+        profile="ticket-triage", source=str(src)), prices={})
+    assert unpriced.done == 2 and unpriced.cost_usd == 0.0
+    # one step each, on an engine with no price: counted, not summed as free
+    assert unpriced.cost_unknown_steps == 2
+    assert [o.cost_unknown_steps for o in outcomes(s3)] == [1, 1]
+    assert _batch_cost(0.0, 2) == "at least $0.000000 (2 steps on unpriced engines)"
+    assert _batch_cost(0.25, 0) == "$0.250000"
 
 
 def test_a_page_size_the_history_cannot_hold_is_refused() -> None:
