@@ -126,10 +126,11 @@ class PrefixCache:
 
     A release may say its blocks were last used earlier than now (``release(...,
     used_at=)``): a hold's blocks, kept by touches, were last used at its last touch.
-    Those blocks wait in a heap by that time (``_aged_heap``, odd stamps; the LRU's are
-    even) beside the LRU (whose blocks are in release order, so in time order), and
-    eviction takes the older of the two fronts. Only a chain's own tail may be aged
-    (``aged_from``): its predecessors (a shared prefix) go to the LRU as used now. The
+    Those blocks wait in a heap by that time, a run per release (``_aged_heap`` of
+    ``_AgedRun``, odd stamps; the LRU's are even) beside the LRU (whose blocks are in
+    release order, so in time order), and eviction takes the older of the two fronts.
+    Only a chain's own tail may be aged (``aged_from``): its predecessors (a shared
+    prefix) go to the LRU as used now. The
     caller keeps the rest of the promise that keeps a chain's cached blocks a prefix:
     ``used_at`` is never earlier than the last release of a later block of the same
     chain (the fleet ages a hold's own blocks to its last touch, which only moves
@@ -171,9 +172,10 @@ class PrefixCache:
         """The first place not yet taken (the places before it wait to be cut off)."""
         self._lru_base = 0
         """The number of the list's first place (places cut off so far)."""
-        self._aged_heap: list[tuple[float, int, BlockKey]] = []
-        """(last used, number, block) of the blocks released as last used before then;
-        stale entries (used since, or evicted) are skipped."""
+        self._aged_heap: list[_AgedRun] = []
+        """The blocks released as last used before then, a run per release (last used,
+        the number of its first block, its blocks, the next to take); stale blocks (used
+        since, or evicted) are skipped."""
         self._aged_seq = 0
         self.index = index
         self.bit = 1 << owner
@@ -211,9 +213,11 @@ class PrefixCache:
                 if ref.get(keys[i], 0) == _lru_stamp(base + i)]
 
     def _current_aged(self) -> list[tuple[float, int, BlockKey]]:
-        """The aged heap's current entries (not stale), in heap order."""
+        """The aged heap's current blocks (not stale) as (last used, number, block)."""
         ref = self.ref
-        return [e for e in self._aged_heap if ref.get(e[2], 0) == _aged_stamp(e[1])]
+        return [(r.t, r.seq + j, r.keys[j]) for r in self._aged_heap
+                for j in range(r.pos, len(r.keys))
+                if ref.get(r.keys[j], 0) == _aged_stamp(r.seq + j)]
 
     def hit_blocks(self, chain: list[BlockKey]) -> int:
         """Leading blocks of ``chain`` cached here (in use or evictable)."""
@@ -349,10 +353,16 @@ class PrefixCache:
             while head < end and ref.get(keys[head], 0) != stamp:
                 head += 1  # stale: used since, or evicted
                 stamp -= 2
-            while heap and ref.get(heap[0][2], 0) != _aged_stamp(heap[0][1]):
-                heapq.heappop(heap)  # stale: used since, or evicted
-            if heap and (head == end or heap[0][0] < times[head]):
-                key = heapq.heappop(heap)[2]
+            # the aged front: the oldest run's first current block (stale: used since,
+            # or evicted)
+            while heap and not heap[0].skip_stale(ref):
+                heapq.heappop(heap)
+            if heap and (head == end or heap[0].t < times[head]):
+                run = heap[0]
+                key = run.keys[run.pos]
+                run.pos += 1
+                if run.pos == len(run.keys):
+                    heapq.heappop(heap)
             else:
                 key = keys[head]
                 head += 1
@@ -418,15 +428,18 @@ class PrefixCache:
     def _age(self, freed: list[BlockKey], own: int, used_at: float) -> None:
         """Put ``freed[:own]`` in the aged heap as last used at ``used_at`` (last first,
         so the tail is evicted first)."""
+        if not own:
+            return
         ref, heap, seq = self.ref, self._aged_heap, self._aged_seq
         for j in range(own):
-            k = freed[j]
-            ref[k] = _aged_stamp(seq)
-            heapq.heappush(heap, (used_at, seq, k))
-            seq += 1
-        self._aged_seq = seq
+            ref[freed[j]] = _aged_stamp(seq + j)
+        # one heap entry for the run: its blocks share their last use, and their numbers
+        # are consecutive, so the runs' order is the blocks' (a heap push a block cost a
+        # few dozen tuple compares, a quarter of a long warmloop run's evictions)
+        heapq.heappush(heap, _AgedRun(used_at, seq, freed[:own]))
+        self._aged_seq = seq + own
         if len(heap) > 2 * self.evictable_blocks + self._stale_slack:  # mostly stale
-            self._aged_heap = heap = self._current_aged()
+            self._aged_heap = heap = [r for r in heap if r.skip_stale(ref)]
             heapq.heapify(heap)
 
     def _compact(self) -> None:
@@ -484,7 +497,7 @@ class PrefixCache:
             self.evictable_blocks += 1
             if used_at is not None and used_at < now and i >= aged_from:
                 ref[k] = _aged_stamp(self._aged_seq)
-                heapq.heappush(self._aged_heap, (used_at, self._aged_seq, k))
+                heapq.heappush(self._aged_heap, _AgedRun(used_at, self._aged_seq, [k]))
                 self._aged_seq += 1
             else:
                 ref[k] = _lru_stamp(self._lru_base + len(self._lru_keys))
@@ -518,8 +531,37 @@ def _lru_stamp(place: int) -> int:
 
 
 def _aged_stamp(seq: int) -> int:
-    """``ref`` of a block whose current place is the aged heap's entry ``seq`` (odd)."""
+    """``ref`` of a block whose current place is the aged heap's number ``seq`` (odd)."""
     return -2 * seq - 1
+
+
+class _AgedRun:
+    """Blocks one release aged (``PrefixCache.release(used_at=)``), last first: all last
+    used at ``t``, numbered ``seq`` on (block ``keys[j]`` is current while its ``ref``
+    is ``_aged_stamp(seq + j)``); ``pos``: the next to take. Ordered by (t, seq): a
+    run's numbers are consecutive and no other run's fall between them, so the runs'
+    order is their blocks' (those of a release made together are evicted together)."""
+
+    __slots__ = ("t", "seq", "keys", "pos")
+
+    def __init__(self, t: float, seq: int, keys: list[BlockKey]) -> None:
+        self.t = t
+        self.seq = seq
+        self.keys = keys
+        self.pos = 0
+
+    def __lt__(self, other: _AgedRun) -> bool:
+        t = self.t
+        o = other.t
+        return t < o or (t == o and self.seq < other.seq)
+
+    def skip_stale(self, ref: dict[BlockKey, int]) -> bool:
+        """Move ``pos`` past the stale blocks at its front; False: none is current."""
+        keys, p, seq = self.keys, self.pos, self.seq
+        while p < len(keys) and ref.get(keys[p], 0) != _aged_stamp(seq + p):
+            p += 1
+        self.pos = p
+        return p < len(keys)
 
 
 class StepCurves(Protocol):
