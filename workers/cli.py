@@ -187,15 +187,13 @@ def submit(
 ) -> None:
     """Start an agent job. The input is validated before anything starts, and so is the
     fleet: an engine must serve the profile's model and, for a cost cap, declare a price."""
-    from warmloop.workers.fleet import check_fleet_serves
-
     try:
         job = load_job_input(profile, input_file, max_steps=max_steps,
                              max_cost_usd=max_cost_usd)
         prof = get_profile(profile)
-        run(check_fleet_serves(prof.model, job.limits or prof.limits, _settings()))
     except ValueError as e:
         fail(str(e))
+    _fleet_must_serve(prof.model, job.limits or prof.limits)
     if job_id is not None and (bad := id_problem("job", job_id)):
         fail(bad)
     if (bad := tenant_problem(tenant)) is not None:
@@ -531,6 +529,17 @@ def _batch_input(source: str, profile: str, window: int, page_size: int,
         fail(f"invalid batch: {e.errors()[0]['msg']}")
 
 
+def _fleet_must_serve(model: str | None, limits: JobLimits) -> None:
+    """Fail with what to change when no engine can serve a job that needs ``model`` under
+    ``limits`` (``submit`` and ``batch run``: before anything starts)."""
+    from warmloop.workers.fleet import check_fleet_serves
+
+    try:
+        run(check_fleet_serves(model, limits, _settings()))
+    except ValueError as e:
+        fail(str(e))
+
+
 @batch_app.command("run")
 def batch_run(
     source: str = typer.Argument(..., help="JSONL file, or s3://bucket/key.jsonl"),
@@ -552,13 +561,8 @@ def batch_run(
         fail(bad)
     inp = _batch_input(source, profile, window, page_size, max_steps, deadline, max_window)
     # as submit's: a batch no engine can serve would end every record at its first step
-    from warmloop.workers.fleet import check_fleet_serves
-
     prof = get_profile(profile)
-    try:
-        run(check_fleet_serves(prof.model, prof.limits, _settings()))
-    except ValueError as e:
-        fail(str(e))
+    _fleet_must_serve(prof.model, prof.limits)
     bid = batch_id or f"batch-{profile}-{uuid.uuid4().hex[:8]}"
 
     async def go() -> None:
