@@ -80,6 +80,12 @@ class BatchAdmission:
             self._set(k, why=f"calibration ({calibration.source[:40]})")
 
     @property
+    def kv_fit(self) -> int | None:
+        """Batch jobs whose own tokens fit in ``kv_share`` of the pool at the batch
+        steps seen lately (``kv_fit_limit``); None before any (or the pool unknown)."""
+        return kv_fit_limit(self._kv_capacity(), list(self._prompt_tokens), self.config) or None
+
+    @property
     def effective_limit(self) -> int:
         """K after the KV fit: the batch steps admitted at once."""
         fit = kv_fit_limit(self._kv_capacity(), list(self._prompt_tokens), self.config)

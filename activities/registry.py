@@ -136,6 +136,10 @@ class EngineHeartbeat(BaseModel):
     batch_limit: int | None = None
     """Batch steps the engine admits at once (K after the KV fit; 0: the lane is
     stopped here; adapted to interactive TTFT); None without batch admission."""
+    batch_kv_fit: int | None = None
+    """Batch jobs whose own tokens fit in the pool's batch share at the batch steps
+    served lately (``lanes.kv_fit_limit``): what a batch asking the fleet for its window
+    adds up. None before a batch step or without batch admission."""
     batch_active: int = 0
     batch_waiting: int = 0
     interactive_ttft_p95_ms: float | None = None
@@ -282,6 +286,18 @@ class EngineRegistry:
             pipe.zcard(BATCH_JOBS_KEY.format(e))
         res = await pipe.execute()
         return {e: int(res[2 * i + 1]) for i, e in enumerate(engine_ids)}
+
+    async def batch_job_ids(self, engine_ids: list[str], now: float | None = None
+                            ) -> dict[str, list[str]]:
+        """The batch jobs under way on each engine (as ``batch_jobs`` counts them), by id."""
+        since = (time.time() if now is None else now) - BATCH_JOB_RESIDENT_S
+        pipe = self._redis.pipeline(transaction=False)
+        for e in engine_ids:
+            pipe.zremrangebyscore(BATCH_JOBS_KEY.format(e), "-inf", since)
+            pipe.zrange(BATCH_JOBS_KEY.format(e), 0, -1)
+        res = await pipe.execute()
+        return {e: [k.decode() if isinstance(k, bytes) else k for k in res[2 * i + 1]]
+                for i, e in enumerate(engine_ids)}
 
     async def step_done(self, engine_id: str, step_key: str) -> None:
         await self._redis.zrem(INFLIGHT_KEY.format(engine_id), step_key)

@@ -47,6 +47,13 @@ from warmloop.workflows.contracts import (
     PickEngineRequest,
     RouteRequest,
 )
+from warmloop.workflows.lanes import (
+    DEFAULT_BATCH_WINDOW,
+    BatchWindow,
+    BatchWindowRequest,
+    EngineBatchRoom,
+    fleet_batch_window,
+)
 from warmloop.workflows.routing import (
     REDIS_UNAVAILABLE,
     EngineCandidate,
@@ -123,6 +130,44 @@ class RoutingActivities:
             return None
         self._outage.ok()
         return any(hb.engine_id == req.engine_id for hb in live)
+
+    @activity.defn(name="batch_window")
+    async def batch_window(self, req: BatchWindowRequest) -> BatchWindow:
+        """How many of a batch's jobs to keep in progress (``lanes.fleet_batch_window``),
+        from the live engines serving its model. Never fails for the fleet's state: with
+        Redis away or no engine serving the model it answers the default and says why."""
+        default = min(req.max_window, DEFAULT_BATCH_WINDOW)
+        try:
+            async with asyncio.timeout(self._budget_s):
+                live = await self._registry.live()
+                try:
+                    ok = set(eligible_engines([e.offer() for e in live], model=req.model,
+                                                   require_price=False))
+                except UnservableStepError:
+                    ok = set()
+                live = [e for e in live if e.engine_id in ok]
+                ids = [e.engine_id for e in live]
+                resident = await self._registry.batch_job_ids(ids) if ids else {}
+        except REDIS_ERRORS as e:
+            self._outage.failed(e, what="batch_window")
+            return BatchWindow(window=default, fit=None,
+                               why=f"registry unreadable ({type(e).__name__}): the default "
+                               f"{DEFAULT_BATCH_WINDOW}")
+        self._outage.ok()
+        if not live:
+            which = f" serving model {req.model}" if req.model else ""
+            return BatchWindow(window=default, fit=None,
+                               why=f"no live engine{which}: the default {DEFAULT_BATCH_WINDOW}")
+        mine = f"{req.batch_id}-L"
+        rooms = [EngineBatchRoom(engine_id=e.engine_id, kv_fit=e.batch_kv_fit,
+                                 batch_limit=e.batch_limit,
+                                 others=sum(not j.startswith(mine)
+                                            for j in resident.get(e.engine_id, [])))
+                 for e in live]
+        answer = fleet_batch_window(rooms, max_window=req.max_window)
+        log.info("batch_window", batch_id=req.batch_id, window=answer.window, fit=answer.fit,
+                 others=answer.others, why=answer.why)
+        return answer
 
     @activity.defn(name="route_step")
     async def route_step(self, req: RouteRequest) -> RouteDecision:

@@ -157,9 +157,11 @@ async def naive_burst(client: Client, tasks: list[tuple[str, dict[str, Any]]], t
 
 
 async def lane_burst(client: Client, s3: Any, bucket: str, tasks: list[tuple[str, dict[str, Any]]],
-                     tag: str, max_steps: int, window: int) -> list[BatchResult]:
+                     tag: str, max_steps: int, window: int | None,
+                     console: Console | None = None) -> list[BatchResult]:
     """One BatchRun per profile in the batch lane, every record submitted at once; each
-    run keeps ``window`` jobs in progress (what the KV pools hold between steps)."""
+    run keeps ``window`` jobs in progress (what the KV pools hold between steps; None:
+    what the fleet answers, ``lanes.fleet_batch_window``)."""
     runs = []
     for profile in TOOLS:
         lines = [json.dumps(t) for p, t in tasks if p == profile]
@@ -167,12 +169,20 @@ async def lane_burst(client: Client, s3: Any, bucket: str, tasks: list[tuple[str
         await asyncio.to_thread(s3.put_object, Bucket=bucket, Key=key,
                                 Body=("\n".join(lines) + "\n").encode())
         inp = BatchInput(profile=profile, source=f"s3://{bucket}/{key}",
-                         window=min(window, len(lines)), max_window=len(lines),
+                         window=None if window is None else min(window, len(lines)),
+                         max_window=len(lines),
                          page_size=len(lines), max_steps=max_steps,
                          tools=BURST_TOOLS[profile])
         runs.append(client.execute_workflow(BatchRun.run, inp, id=f"burst-{tag}-b-{profile}",
                                             task_queue=AGENT_TASK_QUEUE))
-    return list(await asyncio.gather(*runs))
+    results = list(await asyncio.gather(*runs))
+    if window is None and console is not None:
+        for profile in TOOLS:
+            handle = client.get_workflow_handle(f"burst-{tag}-b-{profile}")
+            asked = (await handle.query(BatchRun.progress)).fleet_window
+            console.print(f"  {profile}: window {asked.window if asked else '?'} from the "
+                          f"fleet: {asked.why if asked else 'not asked'}")
+    return results
 
 
 async def batch_job_results(client: Client, batches: list[BatchResult]) -> list[JobResult]:
@@ -246,8 +256,14 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
                                        args.max_steps, args.window)
             return await batch_job_results(client, batches)
 
+        async def lanes_fleet(tag: str) -> list[JobResult]:
+            batches = await lane_burst(client, s3, settings.s3_bucket, tasks, tag,
+                                       args.max_steps, None, console)
+            return await batch_job_results(client, batches)
+
         phases = {}
-        for name, burst in (("idle", None), ("naive", naive), ("lanes", lanes)):
+        for name, burst in (("idle", None), ("naive", naive), ("lanes", lanes),
+                            ("lanes-fleet", lanes_fleet)):
             if name not in args.phases:
                 continue
             console.print(f"phase {name} ...")
@@ -366,8 +382,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="write the burst's steps (job, step, engine, prompt and cached "
                    "tokens, stage times) per phase to this file")
     p.add_argument("--phases", nargs="+", default=["idle", "naive", "lanes"],
-                   choices=["idle", "naive", "lanes"],
-                   help="run only these (diagnosis); the summary needs all three")
+                   choices=["idle", "naive", "lanes", "lanes-fleet"],
+                   help="run only these (diagnosis); the summary needs idle, naive and "
+                   "lanes alone. lanes-fleet: the batch lane with each BatchRun's window "
+                   "asked of the fleet (no window given)")
     run_main(p, main_async, argv)
 
 

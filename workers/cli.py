@@ -496,7 +496,7 @@ def report(
 # ---- batches and schedules -----------------------------------------------------------
 
 
-def _batch_input(source: str, profile: str, window: int, page_size: int,
+def _batch_input(source: str, profile: str, window: int | None, page_size: int,
                  max_steps: int | None, deadline: str | None = None,
                  max_window: int = 64) -> Any:
     from warmloop.workflows.batch_run import BatchInput
@@ -524,7 +524,8 @@ def _batch_input(source: str, profile: str, window: int, page_size: int,
                 due = due.replace(tzinfo=UTC)
     try:
         return BatchInput(profile=profile, source=source, window=window, page_size=page_size,
-                          max_steps=max_steps, deadline=due, max_window=max(window, max_window))
+                          max_steps=max_steps, deadline=due,
+                          max_window=max(window or 1, max_window))
     except ValidationError as e:
         fail(f"invalid batch: {e.errors()[0]['msg']}")
 
@@ -544,7 +545,9 @@ def _fleet_must_serve(model: str | None, limits: JobLimits) -> None:
 def batch_run(
     source: str = typer.Argument(..., help="JSONL file, or s3://bucket/key.jsonl"),
     profile: str = typer.Option(..., "--profile"),
-    window: int = typer.Option(4, "--window", min=1, max=1024),
+    window: int | None = typer.Option(
+        None, "--window", min=1, max=1024, help="Jobs in progress at once. Default: asked "
+        "of the fleet at each page (the jobs its KV pools hold for batch work)."),
     page_size: int = typer.Option(100, "--page-size", min=1, max=1_000),
     max_steps: int | None = typer.Option(None, "--max-steps", min=1),
     batch_id: str | None = typer.Option(None, "--batch-id"),
@@ -647,6 +650,8 @@ def batch_status(batch_id: str) -> None:
                           f"{p.remaining} left, ${p.cost_usd:.6f}, estimated finish {eta}"
                           + (f" (deadline {p.deadline.isoformat(timespec='seconds')})"
                              if p.deadline else ""))
+            if p.window_why:
+                console.print(f"window: {p.window_why}")
         else:
             _print_batch(await handle.result())
 
@@ -659,7 +664,9 @@ def schedule_create(
     cron: str = typer.Option(..., "--cron", help='e.g. "0 2 * * *" (UTC)'),
     profile: str = typer.Option(..., "--profile"),
     input_source: str = typer.Option(..., "--input", help="JSONL file or s3://bucket/key"),
-    window: int = typer.Option(4, "--window", min=1, max=1024),
+    window: int | None = typer.Option(
+        None, "--window", min=1, max=1024, help="Jobs in progress at once. Default: asked "
+        "of the fleet at each page."),
 ) -> None:
     """Run a batch on a cron schedule; a run still going when the next is due is skipped."""
     from temporalio.client import (

@@ -153,6 +153,7 @@ async def heartbeat_loop(registry: EngineRegistry, http: httpx.AsyncClient,
                     holds.observe_engine(hb.prefill_computed_total)
             if admission is not None:
                 hb.batch_limit, hb.batch_active = admission.effective_limit, admission.active
+                hb.batch_kv_fit = admission.kv_fit
                 hb.batch_waiting = admission.waiting
                 hb.interactive_ttft_p95_ms = admission.recent_interactive_p95_ms()
             if view is not None:

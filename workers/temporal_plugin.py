@@ -95,7 +95,8 @@ def build_agent_activities(settings: Settings, loaded: LoadedPlugins) -> AgentAc
         s3.close()
 
     return AgentActivities(
-        [routing.route_step, routing.pick_engine, routing.engine_alive, tools.run_tool,
+        [routing.route_step, routing.pick_engine, routing.engine_alive, routing.batch_window,
+         tools.run_tool,
          storage.store_transcript,
          storage.load_transcript_chunk,
          batch.read_records, batch.write_batch_results, pauses.record_pause,

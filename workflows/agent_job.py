@@ -19,7 +19,13 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from temporalio import workflow
 from temporalio.common import Priority, RetryPolicy, SearchAttributeKey
-from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, TimeoutType
+from temporalio.exceptions import (
+    ActivityError,
+    ApplicationError,
+    CancelledError,
+    FailureError,
+    TimeoutType,
+)
 from temporalio.exceptions import TimeoutError as ActivityTimeoutError
 
 from warmloop.workflows import tool_loading
@@ -1086,7 +1092,7 @@ class AgentJob:
                 "engine_alive", EngineAliveRequest(engine_id=engine_id),
                 start_to_close_timeout=ROUTE_TIMEOUT,
                 retry_policy=RetryPolicy(maximum_attempts=2))
-        except ActivityError as e:
+        except FailureError as e:  # a local activity's failure may come back unwrapped
             _if_cancelled(e)
             return False
         return alive is True
@@ -1301,9 +1307,9 @@ class AgentJob:
                                                    kind=kind, seconds=waited),
                 start_to_close_timeout=ROUTE_TIMEOUT,
                 retry_policy=RetryPolicy(maximum_attempts=2))
-        except ActivityError as e:
+        except FailureError as e:  # a local activity's failure may come back unwrapped
             _if_cancelled(e)
-            workflow.logger.warning("could not record the pause of %s", kind)
+            workflow.logger.warning("could not record the pause of %s: %s", kind, e)
 
     async def _prewarm(self, why: str, *, hold_for: str | None = None) -> None:
         """Re-prefill the job's prompt on the engine its next step will be routed to.

@@ -30,14 +30,23 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import (
     ActivityError,
     ApplicationError,
+    CancelledError,
     ChildWorkflowError,
+    FailureError,
     WorkflowAlreadyStartedError,
 )
 from temporalio.workflow import ParentClosePolicy
 
 from warmloop.workflows.budgets import Usage
 from warmloop.workflows.contracts import AGENT_TASK_QUEUE, JobInput, Lane
-from warmloop.workflows.lanes import adapt_window, estimate_finish_s
+from warmloop.workflows.lanes import (
+    DEFAULT_BATCH_WINDOW,
+    BatchWindow,
+    BatchWindowRequest,
+    adapt_window,
+    estimate_finish_s,
+)
+from warmloop.workflows.profiles import UnknownProfileError, get_profile
 
 READ_TIMEOUT = timedelta(minutes=2)
 IO_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), backoff_coefficient=2.0,
@@ -58,6 +67,7 @@ HISTORY_BYTES_PER_RUN = 8 * 1024 * 1024
 """Past this (or when Temporal suggests it) a run starts no more children: the
 children's results are what grows a run's history (Temporal ends one at 50 MB)."""
 HISTORY_BUDGET_PATCH = "batch-history-budget"
+WINDOW_TIMEOUT = timedelta(seconds=5)
 
 
 class BatchState(StrEnum):
@@ -94,8 +104,10 @@ class BatchInput(BaseModel):
     profile: str = Field(min_length=1)
     source: str = Field(min_length=1, description="s3://bucket/key.jsonl, or a JSONL path "
                         "readable by the agent workers.")
-    window: int = Field(default=4, ge=1, le=1024, description="Child jobs running at once "
-                        "(the start; a deadline may widen it).")
+    window: int | None = Field(
+        default=None, ge=1, le=1024, description="Child jobs running at once (the start; a "
+        "deadline may widen it). None: ask the fleet at each page, the jobs its engines' KV "
+        "pools hold for batch work less other batches' (lanes.fleet_batch_window).")
     deadline: datetime | None = Field(
         default=None, description="Finish by then: the window widens (up to max_window) "
         "when the pace so far would miss it, and narrows back when well ahead.")
@@ -216,6 +228,10 @@ class BatchProgress(BaseModel):
     """Steps on engines that declare no price: ``cost_usd`` is then a lower bound."""
     window: int
     """Child jobs allowed at once now (adapted to the deadline)."""
+    window_why: str = ""
+    """Where the window came from: the input's number, or the fleet's answer and why."""
+    fleet_window: BatchWindow | None = None
+    """The fleet's answer for this page, engine by engine (a batch without a window)."""
     remaining: int
     """Records not finished yet, this page's and the source's after it."""
     estimated_finish: datetime | None = None
@@ -258,6 +274,9 @@ class BatchRun:
         self._running = 0
         self._batch_id = ""
         self._window = 1
+        self._base = 1
+        self._window_why = ""
+        self._fleet_window: BatchWindow | None = None
         self._remaining = 0
         self._deadline: datetime | None = None
 
@@ -268,6 +287,7 @@ class BatchRun:
         return BatchProgress(
             batch_id=self._batch_id, done=c.done, failed=c.failed, bad=c.bad,
             running=self._running, cost_usd=c.cost_usd, pages=c.pages, window=self._window,
+            window_why=self._window_why, fleet_window=self._fleet_window,
             cost_unknown_steps=c.cost_unknown_steps,
             remaining=self._remaining, deadline=self._deadline,
             estimated_finish=None if eta is None else workflow.now() + timedelta(seconds=eta),
@@ -289,7 +309,7 @@ class BatchRun:
         finished = c.done + c.failed
         pace = self._elapsed_s() / finished if finished else None
         left = (inp.deadline - workflow.now()).total_seconds()
-        new = adapt_window(self._window, base=inp.window, max_window=inp.max_window,
+        new = adapt_window(self._window, base=self._base, max_window=inp.max_window,
                            remaining=self._remaining, seconds_per_record=pace, seconds_left=left)
         if new != self._window:
             workflow.logger.info("batch window %d -> %d for the deadline", self._window, new)
@@ -303,7 +323,8 @@ class BatchRun:
         self._carry = inp.carry or BatchCarry(started_at=workflow.now())
         c = self._carry
         self._deadline = inp.deadline
-        self._window = c.window or min(inp.window, inp.max_window)
+        self._base = min(inp.window or DEFAULT_BATCH_WINDOW, inp.max_window)
+        self._window_why = f"the input's window {inp.window}" if inp.window else ""
         try:
             page = await workflow.execute_activity(
                 "read_records",
@@ -317,6 +338,10 @@ class BatchRun:
             workflow.logger.warning("batch ended %s: %s", state.value, reason)
             return self._result(inp, state, reason)
         self._remaining = len(page.records) + page.remaining_lines
+        if inp.window is None and page.records:
+            answer = self._fleet_window = await self._ask_fleet(inp)
+            self._base, self._window_why = answer.window, answer.why
+        self._window = c.window or self._base
         ran, stop = await self._run_window(inp, page.records)
         # Bad lines after a record this run did not start are the next run's to report.
         bad = [b for b in page.bad if stop is None or b.line < stop.line]
@@ -351,6 +376,33 @@ class BatchRun:
             by_state=dict(sorted(c.by_state.items())),
             cache_hit_share=c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
         )
+
+    async def _ask_fleet(self, inp: BatchInput) -> BatchWindow:
+        """The window for this page from the fleet (``batch_window``); the default when
+        the activity cannot answer (it answers for a fleet that is away itself)."""
+        try:
+            model = get_profile(inp.profile).model
+        except UnknownProfileError:
+            model = None  # every record fails as BAD_RECORD; any window will do
+        try:
+            answer: BatchWindow = await workflow.execute_local_activity(
+                "batch_window", BatchWindowRequest(batch_id=self._batch_id, model=model,
+                                                   max_window=inp.max_window),
+                start_to_close_timeout=WINDOW_TIMEOUT, result_type=BatchWindow,
+                retry_policy=RetryPolicy(maximum_attempts=3))
+        except FailureError as e:
+            # a local activity's last failure can come back unwrapped (its own error)
+            if isinstance(e, CancelledError):
+                raise
+            cause = e.cause if isinstance(e, ActivityError) and e.cause else e
+            window = min(inp.max_window, DEFAULT_BATCH_WINDOW)
+            workflow.logger.warning("batch window: the fleet did not answer (%s); %d",
+                                    cause, window)
+            return BatchWindow(window=window, fit=None, why=one_line(
+                f"the fleet did not answer ({cause}): the default {window}"))
+        workflow.logger.info("batch window %d for page %d: %s", answer.window,
+                             self._carry.pages + 1, answer.why)
+        return answer
 
     def _history_full(self, inp: BatchInput) -> bool:
         """Whether this run's history has room for no more children (both figures come

@@ -103,6 +103,85 @@ def kv_fit_limit(kv_capacity_tokens: int, samples: list[tuple[int, int]],
     return max(1, int(room // own))
 
 
+DEFAULT_BATCH_WINDOW = 4
+"""The window of a batch that asks the fleet (``BatchInput.window`` unset) when no engine
+serving its model says how many batch jobs it holds (no batch admission there), or the
+registry cannot be read."""
+
+
+class BatchWindowRequest(BaseModel):
+    """Ask the fleet how many of a batch's jobs to keep in progress (``batch_window``)."""
+
+    batch_id: str
+    """The batch's workflow id: its own children (``{batch_id}-L{line}``) are not counted
+    as other batches' jobs under way."""
+    model: str | None = None
+    """The profile's model: only engines that serve it count; None: every engine."""
+    max_window: int = Field(ge=1)
+
+
+class EngineBatchRoom(BaseModel):
+    """What one engine says about batch work, as its heartbeat has it."""
+
+    engine_id: str
+    kv_fit: int | None = None
+    """Batch jobs whose own tokens fit in the share of its pool batch work may fill, at
+    the batch steps it served lately; None before it served one."""
+    batch_limit: int | None = None
+    """Batch steps it admits at once (K after the KV fit); None: no batch admission."""
+    others: int = 0
+    """Jobs of other batches under way there (a step within ``BATCH_JOB_RESIDENT_S``)."""
+
+
+class BatchWindow(BaseModel):
+    """The window a batch that asks the fleet runs a page with, and why: the progress
+    query and the worker log show it, so a window that looks small can be explained."""
+
+    window: int = Field(ge=1)
+    fit: int | None
+    """Batch jobs the engines hold in all (before other batches' jobs and the bounds);
+    None: no engine said (``window`` is then ``DEFAULT_BATCH_WINDOW``)."""
+    others: int = 0
+    engines: dict[str, int] = Field(default_factory=dict)
+    """The jobs each engine that said anything counted."""
+    by_k: list[str] = Field(default_factory=list)
+    """Of ``engines``, those that counted their admission limit K (no batch step served
+    there yet, so no job size to divide the pool by)."""
+    why: str
+
+
+def fleet_batch_window(engines: list[EngineBatchRoom], *, max_window: int) -> BatchWindow:
+    """How many of a batch's jobs to keep in progress: the jobs the engines' KV pools
+    hold for batch work, less the jobs other batches have under way there.
+
+    A job under way keeps its own tokens cached between steps, so more jobs than fit
+    evict one another's prefixes and each step recomputes its transcript; fewer leave
+    the lane's room idle while jobs wait on tools. An engine that has not served a batch
+    step yet (no observed job size) counts its admission limit K instead, the batch steps
+    it runs at once: a first estimate until the first page's steps are measured. Engines
+    without batch admission say nothing; if none says anything, ``DEFAULT_BATCH_WINDOW``.
+    Bounded to ``[1, max_window]``."""
+    said = [(e, e.kv_fit if e.kv_fit is not None else e.batch_limit) for e in engines]
+    counted = [(e, n) for e, n in said if n is not None]
+    if not counted:
+        window = min(max_window, DEFAULT_BATCH_WINDOW)
+        why = (f"no engine of {len(engines)} reports its batch room (no batch admission): "
+               f"the default {DEFAULT_BATCH_WINDOW}")
+        return BatchWindow(window=window, fit=None, why=why)
+    fit = sum(n for _, n in counted)
+    others = sum(e.others for e, _ in counted)
+    window = max(1, min(max_window, fit - others))
+    parts = ", ".join(f"{e.engine_id} {n}{'' if e.kv_fit is not None else ' (K)'}"
+                      for e, n in counted)
+    why = f"KV fit {fit} ({parts})" + (f" less {others} jobs of other batches"
+                                        if others else "")
+    if fit - others > max_window:
+        why += f", capped at max_window {max_window}"
+    return BatchWindow(window=window, fit=fit, others=others, why=why,
+                       engines={e.engine_id: n for e, n in counted},
+                       by_k=[e.engine_id for e, _ in counted if e.kv_fit is None])
+
+
 def adapt_window(window: int, *, base: int, max_window: int, remaining: int,
                  seconds_per_record: float | None, seconds_left: float | None) -> int:
     """The batch's sliding window for its deadline.

@@ -9,16 +9,19 @@ import uuid
 from pathlib import Path
 
 import pytest
+import redis.asyncio as aioredis
 from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
 from tests.integration.cli import warmloop
 from tests.polling import eventually
+from warmloop.activities.registry import EngineRegistry
 from warmloop.infra.stack import Stack
 from warmloop.workers.approvals import ApprovalRefused, dev_approver, list_pending
 from warmloop.workers.demo import bundled_tickets
 from warmloop.workers.settings import Settings
-from warmloop.workflows.batch_run import BatchResult
+from warmloop.workflows.batch_run import BatchResult, BatchRun
+from warmloop.workflows.profiles import get_profile
 
 pytestmark = pytest.mark.integration
 
@@ -65,6 +68,44 @@ async def test_batch_run_reports_bad_lines_and_finishes_the_rest(
     assert (res.records, res.done, res.bad, res.failed) == (5, 4, 1, 0)
     assert res.cost_usd > 0
     assert "bad records (skipped)" in out.stdout
+
+
+async def test_a_batch_without_a_window_runs_with_the_jobs_the_engines_hold(
+    client: Client, stack: Stack, tmp_path: Path, settings: Settings, redis: aioredis.Redis,
+) -> None:
+    """No ``--window``: each page asks the fleet. The engines publish the batch jobs their
+    pools hold once they have served batch steps (``batch_kv_fit``), and the second page's
+    window is their sum, engine by engine."""
+    src = tmp_path / "tickets.jsonl"
+    src.write_text("\n".join(json.dumps(t) for t in bundled_tickets()[:4]) + "\n")
+    bid = f"batch-fit-{uuid.uuid4().hex[:6]}"
+    async with any_approver(client, settings):
+        out = await asyncio.to_thread(warmloop, "batch", "run", str(src), "--profile",
+                                      "ticket-triage", "--page-size", "2", "--max-steps", "4",
+                                      "--batch-id", bid, "--follow")
+    assert out.returncode == 0, out.stderr
+    handle = client.get_workflow_handle(bid, result_type=BatchResult)
+    res = await handle.result()
+    assert (res.records, res.done) == (4, 4) and len(res.result_keys) == 2
+    # the engines that served this batch's steps publish what their pools hold
+    registry = EngineRegistry(redis, ttl_s=settings.engine_ttl_s)
+    model = get_profile("ticket-triage").model
+    live = [hb for hb in await registry.live() if model is None or hb.model == model]
+    fits = {hb.engine_id: hb.batch_kv_fit for hb in live}
+    measured = {e: f for e, f in fits.items() if f is not None}
+    assert measured, f"no engine published its batch KV fit: {fits}"
+    for hb in live:
+        if hb.batch_kv_fit is not None:
+            # no more jobs than the pool's batch share holds at one block each
+            share = settings.admission.kv_share * hb.kv_capacity_tokens
+            assert 1 <= hb.batch_kv_fit <= share // hb.block_size
+    # the last page ran with their sum, as the progress query (a replay) tells
+    last = (await handle.query(BatchRun.progress)).fleet_window
+    assert last is not None and last.fit is not None, last
+    assert set(last.engines) == set(fits), (last.engines, fits)
+    assert last.window == max(1, min(64, sum(last.engines.values()) - last.others))
+    # page 1's steps were measured: engines that served them counted their KV fit, not K
+    assert set(measured) - set(last.by_k), (last.by_k, measured)
 
 
 async def test_a_schedule_triggers_a_batch(client: Client, stack: Stack, tmp_path: Path,

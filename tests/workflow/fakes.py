@@ -29,6 +29,7 @@ from warmloop.workflows.contracts import (
     ToolRequest,
     ToolResult,
 )
+from warmloop.workflows.lanes import BatchWindow, BatchWindowRequest
 from warmloop.workflows.pricing import EnginePrice
 from warmloop.workflows.profiles import get_profile
 from warmloop.workflows.prompt import assemble_prompt
@@ -99,6 +100,13 @@ class FakeActivities:
         """Engines the registry says are alive (a worker heartbeats them)."""
         self.alive_asked: list[str] = []
         self.asked_alive = asyncio.Event()
+        self.alive_fails = False
+        """``engine_alive`` fails every call (nobody can tell: the step fails over)."""
+        self.pause_stats_fail = False
+        """``record_pause`` fails every call (its statistics are best effort)."""
+        self.windows: list[BatchWindow | None] = []
+        """What ``batch_window`` answers, one per call (the last repeats); None fails it."""
+        self.window_asks: list[BatchWindowRequest] = []
         self._calls: dict[str, int] = {}
         self._rr = itertools.count()
 
@@ -126,6 +134,8 @@ class FakeActivities:
     @activity.defn(name="record_pause")
     async def record_pause(self, req: RecordPauseRequest) -> None:
         self.pauses.append(req)
+        if self.pause_stats_fail:
+            raise ApplicationError("pause statistics unavailable")
 
     @activity.defn(name="prewarm")
     async def prewarm(self, req: GenerateRequest) -> GenerateResult:
@@ -151,7 +161,18 @@ class FakeActivities:
     async def engine_alive(self, req: EngineAliveRequest) -> bool | None:
         self.alive_asked.append(req.engine_id)
         self.asked_alive.set()
+        if self.alive_fails:
+            raise ApplicationError("registry client broken")
         return req.engine_id in self.alive
+
+    @activity.defn(name="batch_window")
+    async def batch_window(self, req: BatchWindowRequest) -> BatchWindow:
+        self.window_asks.append(req)
+        answers = self.windows or [BatchWindow(window=3, fit=3, why="fake fleet: fit 3")]
+        answer = answers[min(len(self.window_asks), len(answers)) - 1]
+        if answer is None:
+            raise ApplicationError("registry worker gone")
+        return answer
 
     @activity.defn(name="pick_engine")
     async def pick_engine(self, req: PickEngineRequest) -> EngineChoice:

@@ -109,6 +109,17 @@ async def test_an_activity_tool_runs_on_the_users_queue(
     assert [p.kind for p in fakes.pauses] == ["tool:refund"]
 
 
+async def test_a_pause_that_cannot_be_recorded_does_not_fail_the_job(
+        time_skipping_env: WorkflowEnvironment) -> None:
+    """The pause statistics are best effort. A local activity's last failure can come back
+    as its ApplicationError itself, not wrapped in an ActivityError: caught all the same."""
+    fakes = _script()
+    fakes.pause_stats_fail = True
+    res = await _run(time_skipping_env, fakes, "acme-refunds")
+    assert res.state == JobState.FINISHED
+    assert [p.kind for p in fakes.pauses] == ["tool:refund"] * 2  # both attempts failed
+
+
 async def test_a_failing_activity_tool_is_read_by_the_model(
         time_skipping_env: WorkflowEnvironment) -> None:
     res = await _run(time_skipping_env, _script(), "acme-flaky")

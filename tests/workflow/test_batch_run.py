@@ -22,6 +22,7 @@ from warmloop.workflows import batch_run
 from warmloop.workflows.agent_job import AgentJob
 from warmloop.workflows.batch_run import BatchInput, BatchRun, RecordOutcome
 from warmloop.workflows.contracts import AGENT_TASK_QUEUE, engine_task_queue
+from warmloop.workflows.lanes import DEFAULT_BATCH_WINDOW, BatchWindow
 
 GOOD = {"ticket_id": "T1001", "customer_id": "C100", "subject": "s", "body": "b"}
 
@@ -95,9 +96,13 @@ def write_records(path: Path, n_good: int, bad_at: dict[int, str]) -> None:
 async def run_batch(env: WorkflowEnvironment, inp: BatchInput,
                     *, keep_history: list[Any] | None = None, batch_id: str | None = None,
                     s3: MemoryS3 | None = None, prices: dict[str, Any] | None = None,
+                    windows: list[BatchWindow | None] | None = None,
                     ) -> tuple[Any, MemoryS3, FakeActivities]:
+    """Run ``inp`` to its end; ``windows``: what the fleet answers a batch without a
+    window, page by page (None: the activity fails)."""
     fakes = FakeActivities(lambda req: reply("finish", '{"resolution": "resolved", '
                                                        '"priority": "low"}'), prices=prices)
+    fakes.windows = windows or []
     s3 = s3 or MemoryS3()
     batch = BatchActivities(s3, "b")
     client = env.client
@@ -105,7 +110,7 @@ async def run_batch(env: WorkflowEnvironment, inp: BatchInput,
         Worker(client, task_queue=AGENT_TASK_QUEUE, workflow_runner=sandbox_runner(),
                    workflows=[AgentJob, BatchRun],
                activities=[fakes.route_step, fakes.pick_engine, fakes.record_pause,
-                           fakes.engine_alive,
+                           fakes.engine_alive, fakes.batch_window,
                            fakes.run_tool, fakes.store_transcript, batch.read_records,
                            batch.write_batch_results]),
         Worker(client, task_queue=engine_task_queue("fake0"),
@@ -255,6 +260,69 @@ async def test_steps_on_unpriced_engines_make_the_batch_cost_a_lower_bound(
     assert [o.cost_unknown_steps for o in outcomes(s3)] == [1, 1]
     assert _batch_cost(0.0, 2) == "at least $0.000000 (2 steps on unpriced engines)"
     assert _batch_cost(0.25, 0) == "$0.250000"
+
+
+async def children_started_at_once(env: WorkflowEnvironment, batch_id: str) -> list[int]:
+    """Per run, first to last: the child jobs it started before the first one ended (the
+    window it ran with, when its page had that many records)."""
+    client = env.client
+    runs: list[int] = []
+    run_id: str | None = None
+    while True:
+        history = await client.get_workflow_handle(batch_id, run_id=run_id).fetch_history()
+        started = 0
+        for ev in history.events:
+            if ev.HasField("start_child_workflow_execution_initiated_event_attributes"):
+                started += 1
+            if ev.HasField("child_workflow_execution_completed_event_attributes"):
+                break
+        runs.insert(0, started)
+        prev = history.events[0].workflow_execution_started_event_attributes \
+            .continued_execution_run_id
+        if not prev:
+            return runs
+        run_id = prev
+
+
+async def test_a_batch_without_a_window_runs_each_page_with_the_fleets_answer(
+    time_skipping_env: WorkflowEnvironment, tmp_path: Path,
+) -> None:
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 12, {})
+    bid = f"batch-{uuid.uuid4().hex[:6]}"
+    answers: list[BatchWindow | None] = [
+        BatchWindow(window=w, fit=w, why=f"fit {w}") for w in (2, 4, 1)]
+    res, _, fakes = await run_batch(time_skipping_env, BatchInput(
+        profile="ticket-triage", source=str(src), page_size=5, max_window=32),
+        batch_id=bid, windows=answers)
+    assert (res.records, res.done) == (12, 12)
+    # asked once a page, for this batch, bounded by its max_window
+    assert [(a.batch_id, a.max_window) for a in fakes.window_asks] == [(bid, 32)] * 3
+    assert await children_started_at_once(time_skipping_env, bid) == [2, 4, 1]
+
+
+async def test_a_fleet_that_cannot_answer_leaves_the_default_window(
+    time_skipping_env: WorkflowEnvironment, tmp_path: Path,
+) -> None:
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 6, {})
+    bid = f"batch-{uuid.uuid4().hex[:6]}"
+    res, _, fakes = await run_batch(time_skipping_env, BatchInput(
+        profile="ticket-triage", source=str(src)), batch_id=bid, windows=[None])
+    assert res.done == 6 and len(fakes.window_asks) == 3  # the local activity's 3 attempts
+    assert await children_started_at_once(time_skipping_env, bid) == [DEFAULT_BATCH_WINDOW]
+
+
+async def test_a_batch_given_a_window_does_not_ask_the_fleet(
+    time_skipping_env: WorkflowEnvironment, tmp_path: Path,
+) -> None:
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 6, {})
+    bid = f"batch-{uuid.uuid4().hex[:6]}"
+    res, _, fakes = await run_batch(time_skipping_env, BatchInput(
+        profile="ticket-triage", source=str(src), window=5), batch_id=bid)
+    assert res.done == 6 and fakes.window_asks == []
+    assert await children_started_at_once(time_skipping_env, bid) == [5]
 
 
 def test_a_page_size_the_history_cannot_hold_is_refused() -> None:

@@ -145,3 +145,12 @@ async def test_a_busy_engine_keeps_its_step_and_a_gone_one_fails_it_over(
         res = await run_job(client, max_steps=1, step_pickup_timeout_s=2)
     assert res.state == JobState.LOOP_CAP and gone.served_by == ["fake1"]
     assert gone.alive_asked == ["fake0"]
+
+    # Unknown: the registry check itself fails (its failure comes back unwrapped from a
+    # local activity): the step fails over, the job does not fail as a workflow.
+    unknown = FakeActivities(always(SEARCH), engines=["fake0", "fake1"])
+    unknown.forced_routes, unknown.alive_fails = ["fake0"], True
+    async with workers(time_skipping_env, unknown, serving=["fake1"]) as client:
+        res = await run_job(client, max_steps=1, step_pickup_timeout_s=2)
+    assert res.state == JobState.LOOP_CAP and unknown.served_by == ["fake1"]
+    assert unknown.alive_asked == ["fake0", "fake0"]  # both attempts failed

@@ -41,6 +41,7 @@ from warmloop.workflows.timer_probe import TimerProbe
 
 HISTORIES = Path(__file__).parent / "histories"
 RECORDED_IDS = {"batch_run_with_bad_line": "replay-batch",
+                "batch_run_fleet_window": "replay-batch-window",
                 "agent_job_tenant_quota_wait": "acme/quota-replay"}
 """Workflow ids of recorded histories whose commands depend on the id (child job ids)."""
 
@@ -156,6 +157,19 @@ async def test_a_fresh_batch_history_replays(time_skipping_env: WorkflowEnvironm
     assert res.records == 5
     await _replayer().replay_workflow(kept[0])
     _record("batch_run_with_bad_line.json", kept[0])
+
+
+async def test_a_fresh_batch_history_that_asked_the_fleet_replays(
+        time_skipping_env: WorkflowEnvironment, tmp_path: Path) -> None:
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 4, {})
+    kept: list[WorkflowHistory] = []
+    res, _, fakes = await run_batch(time_skipping_env, BatchInput(
+        profile="ticket-triage", source=str(src), page_size=10),
+        keep_history=kept, batch_id=RECORDED_IDS["batch_run_fleet_window"])
+    assert res.records == 4 and len(fakes.window_asks) == 1
+    await _replayer().replay_workflow(kept[0])
+    _record("batch_run_fleet_window.json", kept[0])
 
 
 async def test_a_fresh_replayed_trace_history_replays(

@@ -1,0 +1,137 @@
+"""A batch without a window asks the fleet: the jobs its engines' KV pools hold for batch
+work, less other batches' jobs under way (``lanes.fleet_batch_window``, the
+``batch_window`` activity over a real redis-server, the engines' published KV fit)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import redis.asyncio as aioredis
+from temporalio.testing import ActivityEnvironment
+
+from tests.unit.engine_fakes import RedisServer
+from warmloop.activities.admission import BatchAdmission
+from warmloop.activities.registry import EngineHeartbeat, EngineRegistry
+from warmloop.activities.routing import RoutingActivities
+from warmloop.workflows.lanes import (
+    DEFAULT_BATCH_WINDOW,
+    AdmissionConfig,
+    BatchWindow,
+    BatchWindowRequest,
+    EngineBatchRoom,
+    fleet_batch_window,
+)
+
+
+def room(engine_id: str, kv_fit: int | None = None, batch_limit: int | None = None,
+         others: int = 0) -> EngineBatchRoom:
+    return EngineBatchRoom(engine_id=engine_id, kv_fit=kv_fit, batch_limit=batch_limit,
+                           others=others)
+
+
+# ---- the policy ---------------------------------------------------------------------------
+
+
+def test_the_window_is_the_jobs_the_pools_hold_less_other_batches_jobs() -> None:
+    w = fleet_batch_window([room("e0", kv_fit=9, batch_limit=4, others=2),
+                            room("e1", kv_fit=7, batch_limit=4, others=1)], max_window=64)
+    assert (w.window, w.fit, w.others) == (13, 16, 3)
+    assert "e0 9" in w.why and "e1 7" in w.why and "less 3 jobs of other batches" in w.why
+
+
+def test_an_engine_that_has_not_served_a_batch_step_counts_its_admission_limit() -> None:
+    w = fleet_batch_window([room("e0", kv_fit=9, batch_limit=4), room("e1", batch_limit=5)],
+                           max_window=64)
+    assert (w.window, w.fit) == (14, 14)
+    assert w.engines == {"e0": 9, "e1": 5} and w.by_k == ["e1"] and "e1 5 (K)" in w.why
+
+
+def test_engines_without_batch_admission_say_nothing_and_the_default_holds() -> None:
+    w = fleet_batch_window([room("e0"), room("e1")], max_window=64)
+    assert (w.window, w.fit) == (DEFAULT_BATCH_WINDOW, None)
+    assert "no batch admission" in w.why
+    assert fleet_batch_window([room("e0")], max_window=2).window == 2
+    # only the engines that say anything count
+    assert fleet_batch_window([room("e0"), room("e1", kv_fit=6)], max_window=64).window == 6
+
+
+def test_the_window_stays_within_one_and_max_window() -> None:
+    assert fleet_batch_window([room("e0", kv_fit=3, others=8)], max_window=64).window == 1
+    capped = fleet_batch_window([room("e0", kv_fit=300)], max_window=64)
+    assert capped.window == 64 and "capped at max_window 64" in capped.why
+
+
+def test_an_engine_publishes_its_kv_fit_once_it_has_served_batch_steps() -> None:
+    adm = BatchAdmission(AdmissionConfig(kv_share=0.5), kv_capacity_tokens=lambda: 12_288)
+    assert adm.kv_fit is None  # no batch step seen: no job size to divide by
+    for prompt in (1_700, 1_800, 1_900):
+        adm.observe_batch(prompt, shared_tokens=1_400)
+    # (0.5 * 12,288 - 1,400) // mean(300, 400, 500) = 4,744 // 400
+    assert adm.kv_fit == 11
+    assert BatchAdmission(kv_capacity_tokens=lambda: 0).kv_fit is None
+
+
+# ---- the activity, over a real redis-server -----------------------------------------------
+
+
+def beat(engine_id: str, *, model: str = "tiny", kv_fit: int | None = None,
+         batch_limit: int | None = None) -> EngineHeartbeat:
+    return EngineHeartbeat(engine_id=engine_id, task_queue=f"engine.{engine_id}", model=model,
+                           url=f"http://{engine_id}", healthy=True, batch_kv_fit=kv_fit,
+                           batch_limit=batch_limit, at=time.time())
+
+
+async def ask(acts: RoutingActivities, batch_id: str = "nightly", model: str | None = "tiny",
+              max_window: int = 64) -> BatchWindow:
+    req = BatchWindowRequest(batch_id=batch_id, model=model, max_window=max_window)
+    return await asyncio.wait_for(ActivityEnvironment().run(acts.batch_window, req), 30)
+
+
+async def test_the_activity_adds_the_engines_of_the_model_and_leaves_out_its_own_jobs(
+        redis: aioredis.Redis) -> None:
+    registry = EngineRegistry(redis, ttl_s=5)
+    await registry.heartbeat(beat("e0", kv_fit=9, batch_limit=4))
+    await registry.heartbeat(beat("e1", batch_limit=3))
+    await registry.heartbeat(beat("big", model="other", kv_fit=100))
+    # jobs under way: two of another batch on e0, and this batch's own on e0 and e1
+    for engine, job in (("e0", "weekly-L3"), ("e0", "weekly-L4"), ("e0", "nightly-L1"),
+                        ("e1", "nightly-L2")):
+        await registry.batch_job_routed(engine, job)
+    acts = RoutingActivities(registry, redis)
+    w = await ask(acts)
+    assert (w.window, w.fit, w.others) == (10, 12, 2)
+    assert "big" not in w.why
+    # a batch whose profile names no model counts every engine
+    assert (await ask(acts, model=None)).fit == 112
+    # nothing serves the model: the default, and why
+    none = await ask(acts, model="absent")
+    assert none.window == DEFAULT_BATCH_WINDOW and "no live engine serving model absent" \
+        in none.why
+
+
+async def test_the_activity_answers_the_default_while_redis_is_away(
+        server: RedisServer, client: aioredis.Redis) -> None:
+    registry = EngineRegistry(client, ttl_s=5)
+    await registry.heartbeat(beat("e0", kv_fit=9))
+    acts = RoutingActivities(registry, client)
+    assert (await ask(acts)).window == 9
+    server.kill()
+    w = await ask(acts, max_window=3)
+    assert (w.window, w.fit) == (3, None) and "registry unreadable" in w.why
+
+
+async def test_the_activity_answers_in_time_while_redis_hangs(
+        server: RedisServer, client: aioredis.Redis) -> None:
+    registry = EngineRegistry(client, ttl_s=5)
+    await registry.heartbeat(beat("e0", kv_fit=9))
+    acts = RoutingActivities(registry, client)
+    server.stop()
+    try:
+        started = time.monotonic()
+        w = await ask(acts)
+        took = time.monotonic() - started
+    finally:
+        server.cont()
+    assert w.window == DEFAULT_BATCH_WINDOW and "registry unreadable" in w.why
+    assert took < 4.0, f"batch_window took {took:.1f} s (its local activity times out at 5 s)"
