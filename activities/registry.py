@@ -291,10 +291,16 @@ class EngineRegistry:
                             ) -> dict[str, list[str]]:
         """The batch jobs under way on each engine (as ``batch_jobs`` counts them), by id."""
         since = (time.time() if now is None else now) - BATCH_JOB_RESIDENT_S
+        return await self._members_since(BATCH_JOBS_KEY, engine_ids, since)
+
+    async def _members_since(self, key: str, engine_ids: list[str], since: float
+                             ) -> dict[str, list[str]]:
+        """Each engine's members of the sorted set ``key`` scored after ``since``, the
+        older ones dropped from it on the way (one round trip)."""
         pipe = self._redis.pipeline(transaction=False)
         for e in engine_ids:
-            pipe.zremrangebyscore(BATCH_JOBS_KEY.format(e), "-inf", since)
-            pipe.zrange(BATCH_JOBS_KEY.format(e), 0, -1)
+            pipe.zremrangebyscore(key.format(e), "-inf", since)
+            pipe.zrange(key.format(e), 0, -1)
         res = await pipe.execute()
         return {e: [k.decode() if isinstance(k, bytes) else k for k in res[2 * i + 1]]
                 for i, e in enumerate(engine_ids)}
@@ -317,13 +323,7 @@ class EngineRegistry:
                               now: float | None = None) -> dict[str, list[str]]:
         """The step keys routed to each engine and not finished."""
         since = (time.time() if now is None else now) - INFLIGHT_MAX_AGE_S
-        pipe = self._redis.pipeline(transaction=False)
-        for e in engine_ids:
-            pipe.zremrangebyscore(INFLIGHT_KEY.format(e), "-inf", since)
-            pipe.zrange(INFLIGHT_KEY.format(e), 0, -1)
-        res = await pipe.execute()
-        return {e: [k.decode() if isinstance(k, bytes) else k for k in res[2 * i + 1]]
-                for i, e in enumerate(engine_ids)}
+        return await self._members_since(INFLIGHT_KEY, engine_ids, since)
 
     async def leave(self, engine_id: str) -> None:
         await self._redis.delete(ENGINE_KEY.format(engine_id))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import subprocess
 import uuid
 from pathlib import Path
 
@@ -51,19 +52,27 @@ async def any_approver(client: Client, settings: Settings):  # type: ignore[no-u
 
 
 
+async def batch_run_cli(client: Client, settings: Settings, tmp_path: Path, lines: list[str],
+                        batch_id: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``warmloop batch run`` of ``lines`` as ticket-triage records (at most 4 steps a
+    job, approvals granted), followed to its end; it must exit 0."""
+    src = tmp_path / "tickets.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    async with any_approver(client, settings):
+        out = await asyncio.to_thread(warmloop, "batch", "run", str(src), "--profile",
+                                      "ticket-triage", "--max-steps", "4", "--batch-id",
+                                      batch_id, "--follow", *args)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
 async def test_batch_run_reports_bad_lines_and_finishes_the_rest(
     client: Client, stack: Stack, tmp_path: Path, settings: Settings,
 ) -> None:
-    src = tmp_path / "tickets.jsonl"
     lines = [json.dumps(t) for t in bundled_tickets()[:4]]
     lines.insert(2, '{"ticket_id": "T9", "oops"')
-    src.write_text("\n".join(lines) + "\n")
     bid = f"batch-it-{uuid.uuid4().hex[:6]}"
-    async with any_approver(client, settings):
-        out = await asyncio.to_thread(warmloop, "batch", "run", str(src), "--profile",
-                                      "ticket-triage", "--window", "2", "--max-steps", "4",
-                                      "--batch-id", bid, "--follow")
-    assert out.returncode == 0, out.stderr
+    out = await batch_run_cli(client, settings, tmp_path, lines, bid, "--window", "2")
     res = await client.get_workflow_handle(bid, result_type=BatchResult).result()
     assert (res.records, res.done, res.bad, res.failed) == (5, 4, 1, 0)
     assert res.cost_usd > 0
@@ -76,14 +85,9 @@ async def test_a_batch_without_a_window_runs_with_the_jobs_the_engines_hold(
     """No ``--window``: each page asks the fleet. The engines publish the batch jobs their
     pools hold once they have served batch steps (``batch_kv_fit``), and the second page's
     window is their sum, engine by engine."""
-    src = tmp_path / "tickets.jsonl"
-    src.write_text("\n".join(json.dumps(t) for t in bundled_tickets()[:4]) + "\n")
     bid = f"batch-fit-{uuid.uuid4().hex[:6]}"
-    async with any_approver(client, settings):
-        out = await asyncio.to_thread(warmloop, "batch", "run", str(src), "--profile",
-                                      "ticket-triage", "--page-size", "2", "--max-steps", "4",
-                                      "--batch-id", bid, "--follow")
-    assert out.returncode == 0, out.stderr
+    await batch_run_cli(client, settings, tmp_path,
+                        [json.dumps(t) for t in bundled_tickets()[:4]], bid, "--page-size", "2")
     handle = client.get_workflow_handle(bid, result_type=BatchResult)
     res = await handle.result()
     assert (res.records, res.done) == (4, 4) and len(res.result_keys) == 2
@@ -96,9 +100,9 @@ async def test_a_batch_without_a_window_runs_with_the_jobs_the_engines_hold(
     assert measured, f"no engine published its batch KV fit: {fits}"
     for hb in live:
         if hb.batch_kv_fit is not None:
-            # no more jobs than the pool's batch share holds at one block each
+            # at least one job, and no more than the pool's batch share at a token each
             share = settings.admission.kv_share * hb.kv_capacity_tokens
-            assert 1 <= hb.batch_kv_fit <= share // hb.block_size
+            assert 1 <= hb.batch_kv_fit <= share
     # the last page ran with their sum, as the progress query (a replay) tells
     last = (await handle.query(BatchRun.progress)).fleet_window
     assert last is not None and last.fit is not None, last

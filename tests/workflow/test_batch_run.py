@@ -284,45 +284,45 @@ async def children_started_at_once(env: WorkflowEnvironment, batch_id: str) -> l
         run_id = prev
 
 
+async def run_tickets(env: WorkflowEnvironment, tmp_path: Path, n: int,
+                      windows: list[BatchWindow | None] | None = None,
+                      **inp: Any) -> tuple[Any, FakeActivities, str, list[int]]:
+    """``n`` good tickets as a batch: its result, the fakes, its id and the children
+    each run started at once."""
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, n, {})
+    bid = f"batch-{uuid.uuid4().hex[:6]}"
+    res, _, fakes = await run_batch(env, BatchInput(profile="ticket-triage", source=str(src),
+                                                    **inp), batch_id=bid, windows=windows)
+    assert res.done == n
+    return res, fakes, bid, await children_started_at_once(env, bid)
+
+
 async def test_a_batch_without_a_window_runs_each_page_with_the_fleets_answer(
     time_skipping_env: WorkflowEnvironment, tmp_path: Path,
 ) -> None:
-    src = tmp_path / "tickets.jsonl"
-    write_records(src, 12, {})
-    bid = f"batch-{uuid.uuid4().hex[:6]}"
     answers: list[BatchWindow | None] = [
         BatchWindow(window=w, fit=w, why=f"fit {w}") for w in (2, 4, 1)]
-    res, _, fakes = await run_batch(time_skipping_env, BatchInput(
-        profile="ticket-triage", source=str(src), page_size=5, max_window=32),
-        batch_id=bid, windows=answers)
-    assert (res.records, res.done) == (12, 12)
+    _, fakes, bid, at_once = await run_tickets(time_skipping_env, tmp_path, 12, answers,
+                                               page_size=5, max_window=32)
     # asked once a page, for this batch, bounded by its max_window
     assert [(a.batch_id, a.max_window) for a in fakes.window_asks] == [(bid, 32)] * 3
-    assert await children_started_at_once(time_skipping_env, bid) == [2, 4, 1]
+    assert at_once == [2, 4, 1]
 
 
 async def test_a_fleet_that_cannot_answer_leaves_the_default_window(
     time_skipping_env: WorkflowEnvironment, tmp_path: Path,
 ) -> None:
-    src = tmp_path / "tickets.jsonl"
-    write_records(src, 6, {})
-    bid = f"batch-{uuid.uuid4().hex[:6]}"
-    res, _, fakes = await run_batch(time_skipping_env, BatchInput(
-        profile="ticket-triage", source=str(src)), batch_id=bid, windows=[None])
-    assert res.done == 6 and len(fakes.window_asks) == 3  # the local activity's 3 attempts
-    assert await children_started_at_once(time_skipping_env, bid) == [DEFAULT_BATCH_WINDOW]
+    _, fakes, _, at_once = await run_tickets(time_skipping_env, tmp_path, 6, [None])
+    assert len(fakes.window_asks) == 3  # the local activity's 3 attempts
+    assert at_once == [DEFAULT_BATCH_WINDOW]
 
 
 async def test_a_batch_given_a_window_does_not_ask_the_fleet(
     time_skipping_env: WorkflowEnvironment, tmp_path: Path,
 ) -> None:
-    src = tmp_path / "tickets.jsonl"
-    write_records(src, 6, {})
-    bid = f"batch-{uuid.uuid4().hex[:6]}"
-    res, _, fakes = await run_batch(time_skipping_env, BatchInput(
-        profile="ticket-triage", source=str(src), window=5), batch_id=bid)
-    assert res.done == 6 and fakes.window_asks == []
-    assert await children_started_at_once(time_skipping_env, bid) == [5]
+    _, fakes, _, at_once = await run_tickets(time_skipping_env, tmp_path, 6, window=5)
+    assert fakes.window_asks == [] and at_once == [5]
 
 
 def test_a_page_size_the_history_cannot_hold_is_refused() -> None:
