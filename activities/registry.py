@@ -176,6 +176,19 @@ INFLIGHT_MAX_AGE_S = 600.0
 BATCH_JOBS_KEY = "warmloop:batchjobs:{}"
 BATCH_JOB_RESIDENT_S = 30.0
 """A batch job counts as under way on an engine this long after its last step there."""
+BATCH_CLAIMS_KEY = "warmloop:batchwindows"
+"""Hash: batch id -> the window the fleet last gave it (``BatchClaim`` JSON)."""
+BATCH_CLAIM_S = BATCH_JOB_RESIDENT_S
+"""A batch's claimed window counts against others this long: until its jobs' first
+steps make them count as under way."""
+
+
+class BatchClaim(BaseModel):
+    """The window a batch was given, for batches that ask after it."""
+
+    window: int
+    model: str | None = None
+    at: float
 
 _METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*$")
 
@@ -292,6 +305,25 @@ class EngineRegistry:
         """The batch jobs under way on each engine (as ``batch_jobs`` counts them), by id."""
         since = (time.time() if now is None else now) - BATCH_JOB_RESIDENT_S
         return await self._members_since(BATCH_JOBS_KEY, engine_ids, since)
+
+    async def batch_claims(self, now: float | None = None) -> dict[str, BatchClaim]:
+        """The windows batches were given within ``BATCH_CLAIM_S``; older ones are dropped."""
+        now = time.time() if now is None else now
+        raw = await self._redis.hgetall(BATCH_CLAIMS_KEY)
+        live, stale = {}, []
+        for k, v in raw.items():
+            batch = k.decode() if isinstance(k, bytes) else k
+            claim = BatchClaim.model_validate_json(v)
+            if now - claim.at <= BATCH_CLAIM_S:
+                live[batch] = claim
+            else:
+                stale.append(batch)
+        if stale:
+            await self._redis.hdel(BATCH_CLAIMS_KEY, *stale)
+        return live
+
+    async def claim_batch_window(self, batch_id: str, claim: BatchClaim) -> None:
+        await self._redis.hset(BATCH_CLAIMS_KEY, batch_id, claim.model_dump_json())
 
     async def _members_since(self, key: str, engine_ids: list[str], since: float
                              ) -> dict[str, list[str]]:

@@ -31,6 +31,7 @@ from temporalio.exceptions import ApplicationError
 from warmloop.activities.directory import PrefixDirectory
 from warmloop.activities.registry import (
     REDIS_ERRORS,
+    BatchClaim,
     EngineHeartbeat,
     EngineRegistry,
     RedisOutage,
@@ -52,6 +53,7 @@ from warmloop.workflows.lanes import (
     BatchWindow,
     BatchWindowRequest,
     EngineBatchRoom,
+    batch_of,
     fleet_batch_window,
 )
 from warmloop.workflows.routing import (
@@ -134,7 +136,9 @@ class RoutingActivities:
     @activity.defn(name="batch_window")
     async def batch_window(self, req: BatchWindowRequest) -> BatchWindow:
         """How many of a batch's jobs to keep in progress (``lanes.fleet_batch_window``),
-        from the live engines serving its model. Never fails for the fleet's state: with
+        from the live engines serving its model and the other batches on them (their jobs
+        under way, or the windows they were given within ``BATCH_CLAIM_S``); the answer is
+        claimed for the batches that ask after. Never fails for the fleet's state: with
         Redis away or no engine serving the model it answers the default and says why."""
         default = min(req.max_window, DEFAULT_BATCH_WINDOW)
         try:
@@ -142,29 +146,30 @@ class RoutingActivities:
                 live = await self._registry.live()
                 try:
                     ok = set(eligible_engines([e.offer() for e in live], model=req.model,
-                                                   require_price=False))
+                                              require_price=False))
                 except UnservableStepError:
                     ok = set()
                 live = [e for e in live if e.engine_id in ok]
                 ids = [e.engine_id for e in live]
-                resident = await self._registry.batch_job_ids(ids) if ids else {}
+                resident, claims = await asyncio.gather(
+                    self._registry.batch_job_ids(ids) if ids else _value({}),
+                    self._registry.batch_claims())
+                if not live:
+                    which = f" serving model {req.model}" if req.model else ""
+                    return BatchWindow(window=default, fit=None, why=f"no live engine{which}: "
+                                       f"the default {DEFAULT_BATCH_WINDOW}")
+                rooms = [EngineBatchRoom(engine_id=e.engine_id, kv_fit=e.batch_kv_fit,
+                                         batch_limit=e.batch_limit) for e in live]
+                answer = fleet_batch_window(rooms, max_window=req.max_window,
+                                            others=_other_batches(req, resident, claims))
+                await self._registry.claim_batch_window(req.batch_id, BatchClaim(
+                    window=answer.window, model=req.model, at=time.time()))
         except REDIS_ERRORS as e:
             self._outage.failed(e, what="batch_window")
             return BatchWindow(window=default, fit=None,
                                why=f"registry unreadable ({type(e).__name__}): the default "
                                f"{DEFAULT_BATCH_WINDOW}")
         self._outage.ok()
-        if not live:
-            which = f" serving model {req.model}" if req.model else ""
-            return BatchWindow(window=default, fit=None,
-                               why=f"no live engine{which}: the default {DEFAULT_BATCH_WINDOW}")
-        mine = f"{req.batch_id}-L"
-        rooms = [EngineBatchRoom(engine_id=e.engine_id, kv_fit=e.batch_kv_fit,
-                                 batch_limit=e.batch_limit,
-                                 others=sum(not j.startswith(mine)
-                                            for j in resident.get(e.engine_id, [])))
-                 for e in live]
-        answer = fleet_batch_window(rooms, max_window=req.max_window)
         log.info("batch_window", batch_id=req.batch_id, window=answer.window, fit=answer.fit,
                  others=answer.others, why=answer.why)
         return answer
@@ -361,6 +366,23 @@ def _servable(every: list[EngineHeartbeat], exclude: list[str], *, model: str | 
             f"no live engine{which} (excluded: {', '.join(exclude) or 'none'})",
             type=NO_LIVE_ENGINE)
     return live
+
+
+def _other_batches(req: BatchWindowRequest, resident: dict[str, list[str]],
+                   claims: dict[str, BatchClaim]) -> dict[str, int]:
+    """Each other batch on the engines: its jobs under way there, or the window it was
+    given lately if more (its jobs have not reached an engine yet)."""
+    under_way: dict[str, int] = {}
+    for jobs in resident.values():
+        for job in jobs:
+            under_way[batch_of(job)] = under_way.get(batch_of(job), 0) + 1
+    others = {b: max(n, claims[b].window if b in claims else 0) for b, n in under_way.items()}
+    for b, c in claims.items():
+        same_engines = c.model is None or req.model is None or c.model == req.model
+        if b not in others and same_engines:
+            others[b] = c.window
+    others.pop(req.batch_id, None)
+    return others
 
 
 async def _value(v: T) -> T:

@@ -114,7 +114,7 @@ class BatchWindowRequest(BaseModel):
 
     batch_id: str
     """The batch's workflow id: its own children (``{batch_id}-L{line}``) are not counted
-    as other batches' jobs under way."""
+    as other batches' jobs under way, and its answer is claimed under it."""
     model: str | None = None
     """The profile's model: only engines that serve it count; None: every engine."""
     max_window: int = Field(ge=1)
@@ -129,8 +129,6 @@ class EngineBatchRoom(BaseModel):
     the batch steps it served lately; None before it served one."""
     batch_limit: int | None = None
     """Batch steps it admits at once (K after the KV fit); None: no batch admission."""
-    others: int = 0
-    """Jobs of other batches under way there (a step within ``BATCH_JOB_RESIDENT_S``)."""
 
 
 class BatchWindow(BaseModel):
@@ -141,7 +139,9 @@ class BatchWindow(BaseModel):
     fit: int | None
     """Batch jobs the engines hold in all (before other batches' jobs and the bounds);
     None: no engine said (``window`` is then ``DEFAULT_BATCH_WINDOW``)."""
-    others: int = 0
+    others: dict[str, int] = Field(default_factory=dict)
+    """Other batches on these engines and the jobs each counts: its jobs under way or
+    the window it claimed lately, whichever is more."""
     engines: dict[str, int] = Field(default_factory=dict)
     """The jobs each engine that said anything counted."""
     by_k: list[str] = Field(default_factory=list)
@@ -150,9 +150,19 @@ class BatchWindow(BaseModel):
     why: str
 
 
-def fleet_batch_window(engines: list[EngineBatchRoom], *, max_window: int) -> BatchWindow:
+def batch_of(job_id: str) -> str:
+    """The batch a batch-lane job belongs to: ``BatchRun`` names its children
+    ``{batch_id}-L{line}``; a batch-lane job submitted alone is a batch of its own."""
+    head, sep, line = job_id.rpartition("-L")
+    return head if sep and line.isdigit() else job_id
+
+
+def fleet_batch_window(engines: list[EngineBatchRoom], *, max_window: int,
+                       others: dict[str, int] | None = None) -> BatchWindow:
     """How many of a batch's jobs to keep in progress: the jobs the engines' KV pools
-    hold for batch work, less the jobs other batches have under way there.
+    hold for batch work, less what ``others`` (other batches: their jobs under way, or
+    the windows they claimed moments ago, before their jobs had steps) take of it, but
+    never less than an equal share of the fit.
 
     A job under way keeps its own tokens cached between steps, so more jobs than fit
     evict one another's prefixes and each step recomputes its transcript; fewer leave
@@ -160,22 +170,30 @@ def fleet_batch_window(engines: list[EngineBatchRoom], *, max_window: int) -> Ba
     step yet (no observed job size) counts its admission limit K instead, the batch steps
     it runs at once: a first estimate until the first page's steps are measured. Engines
     without batch admission say nothing; if none says anything, ``DEFAULT_BATCH_WINDOW``.
-    Bounded to ``[1, max_window]``."""
+    The equal share (the fit over the batches, this one included) keeps a batch that
+    starts beside a running one from a window of 1; the two converge on sharing the fit
+    as each later page asks again. Bounded to ``[1, max_window]``."""
+    others = {b: n for b, n in (others or {}).items() if n > 0}
     said = [(e, e.kv_fit if e.kv_fit is not None else e.batch_limit) for e in engines]
     counted = [(e, n) for e, n in said if n is not None]
     if not counted:
         window = min(max_window, DEFAULT_BATCH_WINDOW)
         why = (f"no engine of {len(engines)} reports its batch room (no batch admission): "
                f"the default {DEFAULT_BATCH_WINDOW}")
-        return BatchWindow(window=window, fit=None, why=why)
+        return BatchWindow(window=window, fit=None, others=others, why=why)
     fit = sum(n for _, n in counted)
-    others = sum(e.others for e, _ in counted)
-    window = max(1, min(max_window, fit - others))
+    taken = sum(others.values())
+    share = fit // (len(others) + 1)
+    wanted = max(fit - taken, share)
+    window = max(1, min(max_window, wanted))
     parts = ", ".join(f"{e.engine_id} {n}{'' if e.kv_fit is not None else ' (K)'}"
                       for e, n in counted)
-    why = f"KV fit {fit} ({parts})" + (f" less {others} jobs of other batches"
-                                        if others else "")
-    if fit - others > max_window:
+    why = f"KV fit {fit} ({parts})"
+    if others:
+        why += f" less {taken} for {len(others)} other batch{'es' if len(others) > 1 else ''}"
+        if share > fit - taken:
+            why += f"; an equal share, {share}"
+    if wanted > max_window:
         why += f", capped at max_window {max_window}"
     return BatchWindow(window=window, fit=fit, others=others, why=why,
                        engines={e.engine_id: n for e, n in counted},

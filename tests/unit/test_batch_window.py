@@ -12,7 +12,13 @@ from temporalio.testing import ActivityEnvironment
 
 from tests.unit.engine_fakes import RedisServer
 from warmloop.activities.admission import BatchAdmission
-from warmloop.activities.registry import EngineHeartbeat, EngineRegistry
+from warmloop.activities.registry import (
+    BATCH_CLAIM_S,
+    BATCH_CLAIMS_KEY,
+    BatchClaim,
+    EngineHeartbeat,
+    EngineRegistry,
+)
 from warmloop.activities.routing import RoutingActivities
 from warmloop.workflows.lanes import (
     DEFAULT_BATCH_WINDOW,
@@ -20,24 +26,32 @@ from warmloop.workflows.lanes import (
     BatchWindow,
     BatchWindowRequest,
     EngineBatchRoom,
+    batch_of,
     fleet_batch_window,
 )
 
 
-def room(engine_id: str, kv_fit: int | None = None, batch_limit: int | None = None,
-         others: int = 0) -> EngineBatchRoom:
-    return EngineBatchRoom(engine_id=engine_id, kv_fit=kv_fit, batch_limit=batch_limit,
-                           others=others)
+def room(engine_id: str, kv_fit: int | None = None, batch_limit: int | None = None
+         ) -> EngineBatchRoom:
+    return EngineBatchRoom(engine_id=engine_id, kv_fit=kv_fit, batch_limit=batch_limit)
 
 
 # ---- the policy ---------------------------------------------------------------------------
 
 
-def test_the_window_is_the_jobs_the_pools_hold_less_other_batches_jobs() -> None:
-    w = fleet_batch_window([room("e0", kv_fit=9, batch_limit=4, others=2),
-                            room("e1", kv_fit=7, batch_limit=4, others=1)], max_window=64)
-    assert (w.window, w.fit, w.others) == (13, 16, 3)
-    assert "e0 9" in w.why and "e1 7" in w.why and "less 3 jobs of other batches" in w.why
+def test_the_window_is_the_jobs_the_pools_hold_less_other_batches() -> None:
+    w = fleet_batch_window([room("e0", kv_fit=9, batch_limit=4),
+                            room("e1", kv_fit=7, batch_limit=4)], max_window=64,
+                           others={"weekly": 3})
+    assert (w.window, w.fit, w.others) == (13, 16, {"weekly": 3})
+    assert "e0 9" in w.why and "e1 7" in w.why and "less 3 for 1 other batch" in w.why
+
+
+def test_a_batch_beside_others_that_took_the_fit_still_gets_an_equal_share() -> None:
+    w = fleet_batch_window([room("e0", kv_fit=30)], max_window=64,
+                           others={"a": 30, "b": 10, "gone": 0})
+    assert w.window == 10 and "an equal share, 10" in w.why  # 30 // (2 others + this one)
+    assert w.others == {"a": 30, "b": 10}
 
 
 def test_an_engine_that_has_not_served_a_batch_step_counts_its_admission_limit() -> None:
@@ -57,7 +71,8 @@ def test_engines_without_batch_admission_say_nothing_and_the_default_holds() -> 
 
 
 def test_the_window_stays_within_one_and_max_window() -> None:
-    assert fleet_batch_window([room("e0", kv_fit=3, others=8)], max_window=64).window == 1
+    assert fleet_batch_window([room("e0", kv_fit=1)], max_window=64,
+                              others={"a": 8}).window == 1
     capped = fleet_batch_window([room("e0", kv_fit=300)], max_window=64)
     assert capped.window == 64 and "capped at max_window 64" in capped.why
 
@@ -100,7 +115,7 @@ async def test_the_activity_adds_the_engines_of_the_model_and_leaves_out_its_own
         await registry.batch_job_routed(engine, job)
     acts = RoutingActivities(registry, redis)
     w = await ask(acts)
-    assert (w.window, w.fit, w.others) == (10, 12, 2)
+    assert (w.window, w.fit, w.others) == (10, 12, {"weekly": 2})
     assert "big" not in w.why
     # a batch whose profile names no model counts every engine
     assert (await ask(acts, model=None)).fit == 112
@@ -108,6 +123,37 @@ async def test_the_activity_adds_the_engines_of_the_model_and_leaves_out_its_own
     none = await ask(acts, model="absent")
     assert none.window == DEFAULT_BATCH_WINDOW and "no live engine serving model absent" \
         in none.why
+
+
+async def test_batches_that_ask_together_share_the_fit_by_their_claims(
+        redis: aioredis.Redis) -> None:
+    registry = EngineRegistry(redis, ttl_s=5)
+    await registry.heartbeat(beat("e0", kv_fit=20))
+    await registry.heartbeat(beat("e1", kv_fit=10))
+    acts = RoutingActivities(registry, redis)
+    # neither has a job under way yet: the second sees the first's claim
+    first = await ask(acts, batch_id="tickets")
+    second = await ask(acts, batch_id="invoices")
+    assert (first.window, second.window) == (30, 15)  # 30 claimed: an equal share, 30 // 2
+    assert second.others == {"tickets": 30}
+    # the first's next page: the second's claim, and its own claim is not another's
+    again = await ask(acts, batch_id="tickets")
+    assert again.others == {"invoices": 15} and again.window == 15
+    # once under way, a batch counts its jobs there, or its claim if more
+    for i in range(1, 21):
+        await registry.batch_job_routed("e0", f"invoices-L{i}")
+    assert (await ask(acts, batch_id="tickets")).others == {"invoices": 20}
+    # a lone batch-lane job is a batch of its own; another model's claims do not count
+    await registry.batch_job_routed("e1", "job-abc")
+    await registry.claim_batch_window("gpu-batch", BatchClaim(window=50, model="big",
+                                                                at=time.time()))
+    assert (await ask(acts, batch_id="tickets")).others == {"invoices": 20, "job-abc": 1}
+    # claims older than BATCH_CLAIM_S are forgotten (and dropped from Redis)
+    await registry.claim_batch_window("old", BatchClaim(window=9, at=time.time()
+                                                        - BATCH_CLAIM_S - 1))
+    assert "old" not in (await ask(acts, batch_id="tickets")).others
+    assert await redis.hexists(BATCH_CLAIMS_KEY, "old") == 0
+    assert batch_of("nightly-L12") == "nightly" and batch_of("nightly-Lx") == "nightly-Lx"
 
 
 async def test_the_activity_answers_the_default_while_redis_is_away(
