@@ -10,12 +10,12 @@ import asyncio
 import re
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 import structlog
 from pydantic import BaseModel
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, WatchError
 
 from warmloop.workflows.calibration import EngineCalibration
 from warmloop.workflows.routing import EngineOffer
@@ -268,6 +268,25 @@ def parse_cache_config(text: str) -> tuple[int, int]:
     return 0, 0
 
 
+def _live_claims(raw: dict[Any, Any], now: float) -> tuple[dict[str, BatchClaim], list[str]]:
+    """The claims given within ``BATCH_CLAIM_S``, and the fields to drop (older, or not a
+    claim this version can read)."""
+    live: dict[str, BatchClaim] = {}
+    dead: list[str] = []
+    for k, v in raw.items():
+        batch = k.decode() if isinstance(k, bytes) else k
+        try:
+            claim = BatchClaim.model_validate_json(v)
+        except ValueError:  # pydantic's ValidationError is a ValueError
+            dead.append(batch)
+            continue
+        if now - claim.at <= BATCH_CLAIM_S:
+            live[batch] = claim
+        else:
+            dead.append(batch)
+    return live, dead
+
+
 class EngineRegistry:
     def __init__(self, redis: aioredis.Redis, *, ttl_s: float) -> None:
         self._redis = redis
@@ -306,24 +325,34 @@ class EngineRegistry:
         since = (time.time() if now is None else now) - BATCH_JOB_RESIDENT_S
         return await self._members_since(BATCH_JOBS_KEY, engine_ids, since)
 
-    async def batch_claims(self, now: float | None = None) -> dict[str, BatchClaim]:
-        """The windows batches were given within ``BATCH_CLAIM_S``; older ones are dropped."""
-        now = time.time() if now is None else now
-        raw = await self._redis.hgetall(BATCH_CLAIMS_KEY)
-        live, stale = {}, []
-        for k, v in raw.items():
-            batch = k.decode() if isinstance(k, bytes) else k
-            claim = BatchClaim.model_validate_json(v)
-            if now - claim.at <= BATCH_CLAIM_S:
-                live[batch] = claim
-            else:
-                stale.append(batch)
-        if stale:
-            await self._redis.hdel(BATCH_CLAIMS_KEY, *stale)
-        return live
-
-    async def claim_batch_window(self, batch_id: str, claim: BatchClaim) -> None:
-        await self._redis.hset(BATCH_CLAIMS_KEY, batch_id, claim.model_dump_json())
+    async def claim_batch_window(
+            self, batch_id: str, decide: Callable[[dict[str, BatchClaim]], BatchClaim], *,
+            attempts: int = 5) -> BatchClaim:
+        """Read the windows other batches were given within ``BATCH_CLAIM_S`` and write
+        ``batch_id``'s, ``decide``d from them, as one optimistic transaction (WATCH): two
+        batches asking at the same moment must not both decide on claims that lack the
+        other's. Stale entries, and entries that do not parse (another version's), are
+        dropped on the way. After ``attempts`` conflicts it writes without the guard."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            for attempt in range(attempts):
+                guarded = attempt < attempts - 1
+                try:
+                    if guarded:
+                        await pipe.watch(BATCH_CLAIMS_KEY)
+                    raw = await (pipe.hgetall(BATCH_CLAIMS_KEY) if guarded
+                                 else self._redis.hgetall(BATCH_CLAIMS_KEY))
+                    live, dead = _live_claims(raw, time.time())
+                    live.pop(batch_id, None)
+                    claim = decide(live)
+                    pipe.multi()
+                    pipe.hset(BATCH_CLAIMS_KEY, batch_id, claim.model_dump_json())
+                    if dead:
+                        pipe.hdel(BATCH_CLAIMS_KEY, *dead)
+                    await pipe.execute()
+                    return claim
+                except WatchError:
+                    continue
+        raise AssertionError("unreachable: the last attempt is not guarded")
 
     async def _members_since(self, key: str, engine_ids: list[str], since: float
                              ) -> dict[str, list[str]]:

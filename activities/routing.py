@@ -151,19 +151,26 @@ class RoutingActivities:
                     ok = set()
                 live = [e for e in live if e.engine_id in ok]
                 ids = [e.engine_id for e in live]
-                resident, claims = await asyncio.gather(
-                    self._registry.batch_job_ids(ids) if ids else _value({}),
-                    self._registry.batch_claims())
                 if not live:
                     which = f" serving model {req.model}" if req.model else ""
                     return BatchWindow(window=default, fit=None, why=f"no live engine{which}: "
                                        f"the default {DEFAULT_BATCH_WINDOW}")
+                resident = await self._registry.batch_job_ids(ids)
                 rooms = [EngineBatchRoom(engine_id=e.engine_id, kv_fit=e.batch_kv_fit,
                                          batch_limit=e.batch_limit) for e in live]
-                answer = fleet_batch_window(rooms, max_window=req.max_window,
-                                            others=_other_batches(req, resident, claims))
-                await self._registry.claim_batch_window(req.batch_id, BatchClaim(
-                    window=answer.window, model=req.model, at=time.time()))
+                answers: list[BatchWindow] = []
+
+                def decide(claims: dict[str, BatchClaim]) -> BatchClaim:
+                    answers.append(fleet_batch_window(
+                        rooms, max_window=req.max_window,
+                        others=_other_batches(req, resident, claims)))
+                    # claim what the page will run, not more
+                    window = answers[-1].window if req.records is None \
+                        else min(answers[-1].window, max(1, req.records))
+                    return BatchClaim(window=window, model=req.model, at=time.time())
+
+                await self._registry.claim_batch_window(req.batch_id, decide)
+                answer = answers[-1]
         except REDIS_ERRORS as e:
             self._outage.failed(e, what="batch_window")
             return BatchWindow(window=default, fit=None,

@@ -325,6 +325,7 @@ class BatchRun:
         self._deadline = inp.deadline
         self._base = min(inp.window or DEFAULT_BATCH_WINDOW, inp.max_window)
         self._window_why = f"the input's window {inp.window}" if inp.window else ""
+        self._window = c.window or self._base  # what progress shows while the page is read
         try:
             page = await workflow.execute_activity(
                 "read_records",
@@ -339,7 +340,7 @@ class BatchRun:
             return self._result(inp, state, reason)
         self._remaining = len(page.records) + page.remaining_lines
         if inp.window is None and page.records:
-            answer = self._fleet_window = await self._ask_fleet(inp)
+            answer = self._fleet_window = await self._ask_fleet(inp, len(page.records))
             self._base, self._window_why = answer.window, answer.why
         self._window = c.window or self._base
         ran, stop = await self._run_window(inp, page.records)
@@ -377,7 +378,7 @@ class BatchRun:
             cache_hit_share=c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
         )
 
-    async def _ask_fleet(self, inp: BatchInput) -> BatchWindow:
+    async def _ask_fleet(self, inp: BatchInput, records: int) -> BatchWindow:
         """The window for this page from the fleet (``batch_window``); the default when
         the activity cannot answer (it answers for a fleet that is away itself)."""
         try:
@@ -387,7 +388,8 @@ class BatchRun:
         try:
             answer: BatchWindow = await workflow.execute_local_activity(
                 "batch_window", BatchWindowRequest(batch_id=self._batch_id, model=model,
-                                                   max_window=inp.max_window),
+                                                   max_window=inp.max_window,
+                                                   records=records),
                 start_to_close_timeout=WINDOW_TIMEOUT, result_type=BatchWindow,
                 retry_policy=RetryPolicy(maximum_attempts=3))
         except FailureError as e:

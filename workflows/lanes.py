@@ -118,6 +118,8 @@ class BatchWindowRequest(BaseModel):
     model: str | None = None
     """The profile's model: only engines that serve it count; None: every engine."""
     max_window: int = Field(ge=1)
+    records: int | None = Field(default=None, ge=0)
+    """Records the page will run: the batch claims no more than that of the fit."""
 
 
 class EngineBatchRoom(BaseModel):

@@ -145,15 +145,38 @@ async def test_batches_that_ask_together_share_the_fit_by_their_claims(
     assert (await ask(acts, batch_id="tickets")).others == {"invoices": 20}
     # a lone batch-lane job is a batch of its own; another model's claims do not count
     await registry.batch_job_routed("e1", "job-abc")
-    await registry.claim_batch_window("gpu-batch", BatchClaim(window=50, model="big",
-                                                                at=time.time()))
+    await registry.claim_batch_window("gpu-batch", lambda _: BatchClaim(
+        window=50, model="big", at=time.time()))
     assert (await ask(acts, batch_id="tickets")).others == {"invoices": 20, "job-abc": 1}
     # claims older than BATCH_CLAIM_S are forgotten (and dropped from Redis)
-    await registry.claim_batch_window("old", BatchClaim(window=9, at=time.time()
-                                                        - BATCH_CLAIM_S - 1))
-    assert "old" not in (await ask(acts, batch_id="tickets")).others
-    assert await redis.hexists(BATCH_CLAIMS_KEY, "old") == 0
+    await registry.claim_batch_window("old", lambda _: BatchClaim(
+        window=9, at=time.time() - BATCH_CLAIM_S - 1))
+    # and so is an entry this version cannot read (garbage, another version's claim)
+    await redis.hset(BATCH_CLAIMS_KEY, "garbled", b"{not json")
+    assert not {"old", "garbled"} & set((await ask(acts, batch_id="tickets")).others)
+    assert not await redis.hexists(BATCH_CLAIMS_KEY, "old")
+    assert not await redis.hexists(BATCH_CLAIMS_KEY, "garbled")
     assert batch_of("nightly-L12") == "nightly" and batch_of("nightly-Lx") == "nightly-Lx"
+
+
+async def test_batches_asking_at_the_same_moment_see_each_others_claims(
+        redis: aioredis.Redis) -> None:
+    """The claims are read and written as one transaction: of batches that ask at once,
+    each but the first decides on the claims of those before it, and none claims more
+    of the page than it will run."""
+    registry = EngineRegistry(redis, ttl_s=5)
+    await registry.heartbeat(beat("e0", kv_fit=24))
+    acts = RoutingActivities(registry, redis)
+    answers = await asyncio.gather(*(ask(acts, batch_id=f"b{i}") for i in range(4)))
+    first = [a for a in answers if not a.others]
+    assert len(first) == 1 and first[0].window == 24  # only one saw no other batch
+    assert sorted(len(a.others) for a in answers) == [0, 1, 2, 3]
+    # a page of 5 records claims 5 of the fit, not the whole of it
+    await redis.delete(BATCH_CLAIMS_KEY)
+    small = await asyncio.wait_for(ActivityEnvironment().run(
+        acts.batch_window, BatchWindowRequest(batch_id="small", model="tiny", max_window=64,
+                                              records=5)), 30)
+    assert small.window == 24 and (await ask(acts, batch_id="big")).others == {"small": 5}
 
 
 async def test_the_activity_answers_the_default_while_redis_is_away(
