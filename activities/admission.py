@@ -88,7 +88,7 @@ class BatchAdmission:
     @property
     def effective_limit(self) -> int:
         """K after the KV fit: the batch steps admitted at once."""
-        fit = kv_fit_limit(self._kv_capacity(), list(self._prompt_tokens), self.config)
+        fit = self.kv_fit
         return max(self.config.k_min, min(self.limit, fit)) if fit else self.limit
 
     def interactive_p95_ms(self) -> float | None:

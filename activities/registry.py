@@ -326,10 +326,12 @@ class EngineRegistry:
         return await self._members_since(BATCH_JOBS_KEY, engine_ids, since)
 
     async def claim_batch_window(
-            self, batch_id: str, decide: Callable[[dict[str, BatchClaim]], BatchClaim], *,
-            attempts: int = 5) -> BatchClaim:
+            self, batch_id: str,
+            decide: Callable[[dict[str, BatchClaim]], tuple[BatchClaim, T]], *,
+            attempts: int = 5) -> T:
         """Read the windows other batches were given within ``BATCH_CLAIM_S`` and write
-        ``batch_id``'s, ``decide``d from them, as one optimistic transaction (WATCH): two
+        ``batch_id``'s, ``decide``d from them (with what else ``decide`` answers, which is
+        returned), as one optimistic transaction (WATCH): two
         batches asking at the same moment must not both decide on claims that lack the
         other's. Stale entries, and entries that do not parse (another version's), are
         dropped on the way. After ``attempts`` conflicts it writes without the guard."""
@@ -343,13 +345,13 @@ class EngineRegistry:
                                  else self._redis.hgetall(BATCH_CLAIMS_KEY))
                     live, dead = _live_claims(raw, time.time())
                     live.pop(batch_id, None)
-                    claim = decide(live)
+                    claim, answer = decide(live)
                     pipe.multi()
                     pipe.hset(BATCH_CLAIMS_KEY, batch_id, claim.model_dump_json())
                     if dead:
                         pipe.hdel(BATCH_CLAIMS_KEY, *dead)
                     await pipe.execute()
-                    return claim
+                    return answer
                 except WatchError:
                     continue
         raise AssertionError("unreachable: the last attempt is not guarded")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
@@ -49,11 +49,11 @@ from warmloop.workflows.contracts import (
     RouteRequest,
 )
 from warmloop.workflows.lanes import (
-    DEFAULT_BATCH_WINDOW,
     BatchWindow,
     BatchWindowRequest,
     EngineBatchRoom,
     batch_of,
+    default_batch_window,
     fleet_batch_window,
 )
 from warmloop.workflows.routing import (
@@ -140,7 +140,6 @@ class RoutingActivities:
         under way, or the windows they were given within ``BATCH_CLAIM_S``); the answer is
         claimed for the batches that ask after. Never fails for the fleet's state: with
         Redis away or no engine serving the model it answers the default and says why."""
-        default = min(req.max_window, DEFAULT_BATCH_WINDOW)
         try:
             async with asyncio.timeout(self._budget_s):
                 live = await self._registry.live()
@@ -153,29 +152,24 @@ class RoutingActivities:
                 ids = [e.engine_id for e in live]
                 if not live:
                     which = f" serving model {req.model}" if req.model else ""
-                    return BatchWindow(window=default, fit=None, why=f"no live engine{which}: "
-                                       f"the default {DEFAULT_BATCH_WINDOW}")
+                    return default_batch_window(req.max_window, f"no live engine{which}")
                 resident = await self._registry.batch_job_ids(ids)
                 rooms = [EngineBatchRoom(engine_id=e.engine_id, kv_fit=e.batch_kv_fit,
                                          batch_limit=e.batch_limit) for e in live]
-                answers: list[BatchWindow] = []
 
-                def decide(claims: dict[str, BatchClaim]) -> BatchClaim:
-                    answers.append(fleet_batch_window(
-                        rooms, max_window=req.max_window,
-                        others=_other_batches(req, resident, claims)))
+                def decide(claims: dict[str, BatchClaim]) -> tuple[BatchClaim, BatchWindow]:
+                    answer = fleet_batch_window(rooms, max_window=req.max_window,
+                                                others=_other_batches(req, resident, claims))
                     # claim what the page will run, not more
-                    window = answers[-1].window if req.records is None \
-                        else min(answers[-1].window, max(1, req.records))
-                    return BatchClaim(window=window, model=req.model, at=time.time())
+                    window = answer.window if req.records is None \
+                        else min(answer.window, max(1, req.records))
+                    return BatchClaim(window=window, model=req.model, at=time.time()), answer
 
-                await self._registry.claim_batch_window(req.batch_id, decide)
-                answer = answers[-1]
+                answer = await self._registry.claim_batch_window(req.batch_id, decide)
         except REDIS_ERRORS as e:
             self._outage.failed(e, what="batch_window")
-            return BatchWindow(window=default, fit=None,
-                               why=f"registry unreadable ({type(e).__name__}): the default "
-                               f"{DEFAULT_BATCH_WINDOW}")
+            return default_batch_window(req.max_window,
+                                        f"registry unreadable ({type(e).__name__})")
         self._outage.ok()
         log.info("batch_window", batch_id=req.batch_id, window=answer.window, fit=answer.fit,
                  others=answer.others, why=answer.why)
@@ -379,17 +373,13 @@ def _other_batches(req: BatchWindowRequest, resident: dict[str, list[str]],
                    claims: dict[str, BatchClaim]) -> dict[str, int]:
     """Each other batch on the engines: its jobs under way there, or the window it was
     given lately if more (its jobs have not reached an engine yet)."""
-    under_way: dict[str, int] = {}
-    for jobs in resident.values():
-        for job in jobs:
-            under_way[batch_of(job)] = under_way.get(batch_of(job), 0) + 1
-    others = {b: max(n, claims[b].window if b in claims else 0) for b, n in under_way.items()}
+    others = Counter(batch_of(job) for jobs in resident.values() for job in jobs)
     for b, c in claims.items():
-        same_engines = c.model is None or req.model is None or c.model == req.model
-        if b not in others and same_engines:
-            others[b] = c.window
+        # a claim counts where its batch has jobs here, or serves the same model
+        if b in others or c.model is None or req.model is None or c.model == req.model:
+            others[b] = max(others[b], c.window)
     others.pop(req.batch_id, None)
-    return others
+    return dict(others)
 
 
 async def _value(v: T) -> T:

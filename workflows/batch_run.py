@@ -44,6 +44,7 @@ from warmloop.workflows.lanes import (
     BatchWindow,
     BatchWindowRequest,
     adapt_window,
+    default_batch_window,
     estimate_finish_s,
 )
 from warmloop.workflows.profiles import UnknownProfileError, get_profile
@@ -397,11 +398,10 @@ class BatchRun:
             if isinstance(e, CancelledError):
                 raise
             cause = e.cause if isinstance(e, ActivityError) and e.cause else e
-            window = min(inp.max_window, DEFAULT_BATCH_WINDOW)
-            workflow.logger.warning("batch window: the fleet did not answer (%s); %d",
-                                    cause, window)
-            return BatchWindow(window=window, fit=None, why=one_line(
-                f"the fleet did not answer ({cause}): the default {window}"))
+            fallback = default_batch_window(
+                inp.max_window, one_line(f"the fleet did not answer ({cause})"))
+            workflow.logger.warning("batch window: %s", fallback.why)
+            return fallback
         workflow.logger.info("batch window %d for page %d: %s", answer.window,
                              self._carry.pages + 1, answer.why)
         return answer

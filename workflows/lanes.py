@@ -152,6 +152,15 @@ class BatchWindow(BaseModel):
     why: str
 
 
+def default_batch_window(max_window: int, reason: str,
+                         others: dict[str, int] | None = None) -> BatchWindow:
+    """The answer when the fleet cannot size the window (``reason`` says why):
+    ``DEFAULT_BATCH_WINDOW`` within ``max_window``."""
+    window = min(max_window, DEFAULT_BATCH_WINDOW)
+    return BatchWindow(window=window, fit=None, others=others or {},
+                       why=f"{reason}: the default {window}")
+
+
 def batch_of(job_id: str) -> str:
     """The batch a batch-lane job belongs to: ``BatchRun`` names its children
     ``{batch_id}-L{line}``; a batch-lane job submitted alone is a batch of its own."""
@@ -179,10 +188,8 @@ def fleet_batch_window(engines: list[EngineBatchRoom], *, max_window: int,
     said = [(e, e.kv_fit if e.kv_fit is not None else e.batch_limit) for e in engines]
     counted = [(e, n) for e, n in said if n is not None]
     if not counted:
-        window = min(max_window, DEFAULT_BATCH_WINDOW)
-        why = (f"no engine of {len(engines)} reports its batch room (no batch admission): "
-               f"the default {DEFAULT_BATCH_WINDOW}")
-        return BatchWindow(window=window, fit=None, others=others, why=why)
+        return default_batch_window(max_window, f"no engine of {len(engines)} reports its "
+                                    "batch room (no batch admission)", others)
     fit = sum(n for _, n in counted)
     taken = sum(others.values())
     share = fit // (len(others) + 1)

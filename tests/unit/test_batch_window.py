@@ -145,12 +145,12 @@ async def test_batches_that_ask_together_share_the_fit_by_their_claims(
     assert (await ask(acts, batch_id="tickets")).others == {"invoices": 20}
     # a lone batch-lane job is a batch of its own; another model's claims do not count
     await registry.batch_job_routed("e1", "job-abc")
-    await registry.claim_batch_window("gpu-batch", lambda _: BatchClaim(
-        window=50, model="big", at=time.time()))
+    await registry.claim_batch_window("gpu-batch", lambda _: (BatchClaim(
+        window=50, model="big", at=time.time()), None))
     assert (await ask(acts, batch_id="tickets")).others == {"invoices": 20, "job-abc": 1}
     # claims older than BATCH_CLAIM_S are forgotten (and dropped from Redis)
-    await registry.claim_batch_window("old", lambda _: BatchClaim(
-        window=9, at=time.time() - BATCH_CLAIM_S - 1))
+    await registry.claim_batch_window("old", lambda _: (BatchClaim(
+        window=9, at=time.time() - BATCH_CLAIM_S - 1), None))
     # and so is an entry this version cannot read (garbage, another version's claim)
     await redis.hset(BATCH_CLAIMS_KEY, "garbled", b"{not json")
     assert not {"old", "garbled"} & set((await ask(acts, batch_id="tickets")).others)
