@@ -221,11 +221,21 @@ def step_key_profile(key: str) -> str:
 TENANT_TOKENS = "warmloop:tenant:{}:tokens:{}"
 """Tokens (prompt plus completion) a tenant's steps used in one clock hour: tenant,
 hour window (``warmloop.workflows.tenants.hour_window``). Expires after the next hour."""
+TENANT_STARTS = "warmloop:tenant:{}:starts"
+"""A hash per tenant: the workflow ids a submit let start under ``max_jobs_in_flight``
+(field) and when (epoch seconds). Temporal's visibility shows a start a little after it,
+so two submits racing for a tenant's last slot would both see it free; each counts the
+other's entry instead."""
+TENANT_START_CLAIM_S = 300.0
+"""How long a start's entry counts (beside visibility, not instead of it): far beyond
+visibility's lag, so a job is never counted by neither."""
 
 
 class TenantUsage:
     """Each tenant's tokens per clock hour, counted by the inference workers as steps
-    end and read by the router (and a submit) against the tenant's ``tokens_per_hour``.
+    end and read by the router (and a submit) against the tenant's ``tokens_per_hour``;
+    and the jobs its submits started lately, which a submit counts beside Temporal's
+    visibility against ``max_jobs_in_flight`` (``claim_start``).
 
     Fixed windows, one key each, that expire by themselves: a counter is one INCRBY per
     step, and a quota check one GET. Callers treat a Redis error as "unknown" and let
@@ -248,6 +258,66 @@ class TenantUsage:
         raw = await self._redis.get(
             TENANT_TOKENS.format(tenant, hour_window(time.time() if now is None else now)))
         return int(raw) if raw is not None else 0
+
+    async def recent_starts(self, tenant: str) -> dict[str, float]:
+        """The workflow ids the tenant's submits let start within
+        ``TENANT_START_CLAIM_S`` (``claim_start``), with when (epoch seconds)."""
+        raw = await self._redis.hgetall(TENANT_STARTS.format(tenant))
+        return _live_starts(raw, time.time())[0]
+
+    async def claim_start(self, tenant: str, workflow_id: str,
+                          admit: Callable[[set[str]], bool], *, attempts: int = 5) -> bool:
+        """Record that ``workflow_id`` starts now if ``admit`` says yes to the others'
+        recent starts (``recent_starts``, less ``workflow_id``), read and written as
+        one optimistic transaction (WATCH): of two submits for a tenant's last slot, the
+        later one to write sees the earlier's start. True when recorded. After
+        ``attempts`` conflicts it decides and writes without the guard."""
+        key = TENANT_STARTS.format(tenant)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            for attempt in range(attempts):
+                guarded = attempt < attempts - 1
+                try:
+                    if guarded:
+                        await pipe.watch(key)
+                    raw = await (pipe.hgetall(key) if guarded else self._redis.hgetall(key))
+                    now = time.time()
+                    live, dead = _live_starts(raw, now)
+                    live.pop(workflow_id, None)
+                    if not admit(set(live)):
+                        return False  # leaving the block unwatches
+                    pipe.multi()
+                    pipe.hset(key, workflow_id, repr(now))
+                    if dead:
+                        pipe.hdel(key, *dead)
+                    pipe.expire(key, int(TENANT_START_CLAIM_S) + 60)
+                    await pipe.execute()
+                    return True
+                except WatchError:
+                    continue
+        raise AssertionError("unreachable: the last attempt is not guarded")
+
+    async def drop_start(self, tenant: str, workflow_id: str) -> None:
+        """Forget ``workflow_id``'s start (its start failed: it holds no slot)."""
+        await self._redis.hdel(TENANT_STARTS.format(tenant), workflow_id)
+
+
+def _live_starts(raw: dict[Any, Any], now: float) -> tuple[dict[str, float], list[str]]:
+    """The starts within ``TENANT_START_CLAIM_S`` (workflow id: when), and the fields to
+    drop (older, or not a time)."""
+    live: dict[str, float] = {}
+    dead: list[str] = []
+    for k, v in raw.items():
+        wid = k.decode() if isinstance(k, bytes) else k
+        try:
+            at = float(v)
+        except ValueError:
+            dead.append(wid)
+            continue
+        if now - at <= TENANT_START_CLAIM_S:
+            live[wid] = at
+        else:
+            dead.append(wid)
+    return live, dead
 
 
 _LABEL = re.compile(r'(\w+)="([^"]*)"')

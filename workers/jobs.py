@@ -11,6 +11,8 @@ search attribute, and is refused at submit when the tenant is at its quota
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import Mapping
@@ -18,8 +20,9 @@ from typing import Any
 
 import structlog
 from pydantic import ValidationError
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
+from temporalio.service import RPCError, RPCStatusCode
 
 from warmloop.activities.registry import REDIS_ERRORS, TenantUsage
 from warmloop.workers.clients import build_redis, connect
@@ -68,30 +71,103 @@ def running_jobs_query(tenant: str) -> str:
             f"AND WarmloopTenant = '{tenant}'")
 
 
+STARTING_GRACE_S = 60.0
+"""How long a recorded start that Temporal does not know yet counts as starting (its
+submit is between the record and the start); older, its start failed."""
+
+
+async def _visible_running(client: Client, tenant: str, enough: int) -> set[str]:
+    """Ids of the tenant's jobs that visibility shows running, at most ``enough``."""
+    ids: set[str] = set()
+    async for wf in client.list_workflows(running_jobs_query(tenant), page_size=enough):
+        ids.add(wf.id)
+        if len(ids) >= enough:
+            break
+    return ids
+
+
+async def _ended(client: Client, starts: Mapping[str, float]) -> set[str]:
+    """Of ``starts`` (workflow id: when its submit recorded it), those no longer in
+    flight: closed, or unknown to Temporal past ``STARTING_GRACE_S`` (a start that
+    failed without its record being dropped)."""
+    now = time.time()
+
+    async def ended(wid: str, at: float) -> bool:
+        try:
+            desc = await client.get_workflow_handle(wid).describe()
+        except RPCError as e:
+            if e.status == RPCStatusCode.NOT_FOUND:
+                return now - at > STARTING_GRACE_S
+            raise
+        return desc.status != WorkflowExecutionStatus.RUNNING
+
+    done = await asyncio.gather(*(ended(w, at) for w, at in starts.items()))
+    return {w for w, gone in zip(starts, done, strict=True) if gone}
+
+
+async def _claim_job_slot(client: Client, tenant: str, quota: TenantQuota, workflow_id: str,
+                          usage: TenantUsage | None) -> bool:
+    """Raise QuotaExceededError when the tenant's jobs in flight are at its
+    ``max_jobs_in_flight``, else
+    record ``workflow_id``'s start (True; False when there is nowhere to record it).
+
+    In flight: the running jobs visibility shows, and the starts the tenant's submits
+    recorded lately (``TenantUsage.claim_start``) that visibility does not show yet,
+    less those Temporal says have ended (asked only when the count reaches the limit).
+    Visibility alone lags the starts, so two submits racing for the last slot both
+    passed; the record, read and written in one transaction, lets only one. Redis away:
+    visibility alone (logged), as before."""
+    limit = quota.max_jobs_in_flight or 0
+    running = await _visible_running(client, tenant, limit)
+    if (why := over_jobs(tenant, quota, len(running))) is not None:
+        raise QuotaExceededError(why)
+    if usage is None:
+        return False
+    try:
+        starts = {w: at for w, at in (await usage.recent_starts(tenant)).items()
+                  if w not in running and w != workflow_id}
+        gone = await _ended(client, starts) if len(running) + len(starts) >= limit else set()
+        counted = len(running)
+
+        def admit(recent: set[str]) -> bool:
+            nonlocal counted
+            counted = len(running | (recent - gone))  # starts recorded since count too
+            return counted < limit
+
+        if await usage.claim_start(tenant, workflow_id, admit):
+            return True
+    except REDIS_ERRORS as e:
+        log.warning("tenant_starts_unknown", tenant=tenant, error=str(e) or type(e).__name__)
+        return False
+    raise QuotaExceededError(over_jobs(tenant, quota, counted) or "")
+
+
 async def check_tenant_quota(client: Client, tenant: str, quota: TenantQuota | None, *,
-                             usage: TenantUsage | None = None) -> None:
-    """Raise QuotaExceededError when ``tenant`` may start no job now: its running jobs
-    (the WarmloopTenant search attribute) are at ``max_jobs_in_flight``, or its tokens
-    this hour at ``tokens_per_hour`` (read from Redis through ``usage``; Redis away:
-    not refused, logged). Visibility lags the starts a little, so two submits racing
-    for a tenant's last slot may both pass."""
+                             usage: TenantUsage | None = None,
+                             workflow_id: str | None = None) -> bool:
+    """Raise QuotaExceededError when ``tenant`` may start no job now: its tokens this
+    hour are at ``tokens_per_hour`` (read from Redis through ``usage``; Redis away: not
+    refused, logged), or its jobs in flight at ``max_jobs_in_flight``. With
+    ``workflow_id`` and ``usage``, a job slot passed is recorded as that job's
+    (``_claim_job_slot``: True), so a submit racing this one counts it; the caller
+    drops the record if the start then fails. Without them, the running jobs are
+    visibility's alone, which lags the starts a little."""
     if quota is None:
-        return
-    if quota.max_jobs_in_flight is not None:
-        running = (await client.count_workflows(running_jobs_query(tenant))).count
-        why = over_jobs(tenant, quota, running)
-        if why is not None:
-            raise QuotaExceededError(why)
+        return False
     if quota.tokens_per_hour is not None and usage is not None:
         now = time.time()
         try:
             used = await usage.used(tenant, now)
         except REDIS_ERRORS as e:
             log.warning("tenant_usage_unknown", tenant=tenant, error=str(e) or type(e).__name__)
-            return
-        refused = over_tokens(tenant, quota, used, now)
-        if refused is not None:
-            raise QuotaExceededError(refused[0])
+        else:
+            refused = over_tokens(tenant, quota, used, now)
+            if refused is not None:
+                raise QuotaExceededError(refused[0])
+    if quota.max_jobs_in_flight is None:
+        return False
+    return await _claim_job_slot(client, tenant, quota, workflow_id or "",
+                                 usage if workflow_id else None)
 
 
 async def start_job(client: Client, job: JobInput, job_id: str, *,
@@ -99,22 +175,31 @@ async def start_job(client: Client, job: JobInput, job_id: str, *,
                     usage: TenantUsage | None = None) -> WorkflowHandle[Any, JobResult]:
     """Start ``job`` as ``job_id`` of its tenant (workflow ``<tenant>/<job id>``; the
     bare id for the default tenant) after its tenant's quota check, tagged with its
-    tenant. A job id names one job for good (Temporal's WorkflowAlreadyStartedError)."""
+    tenant. A job id names one job for good (Temporal's WorkflowAlreadyStartedError).
+    With ``usage`` (Redis), a ``max_jobs_in_flight`` quota holds against submits racing
+    this one, not only against the jobs visibility shows."""
     from warmloop.workflows.agent_job import SA_TENANT, AgentJob
 
-    await check_tenant_quota(client, job.tenant, quota, usage=usage)
-    return await client.start_workflow(
-        AgentJob.run, job, id=job_workflow_id(job.tenant, job_id),
-        task_queue=AGENT_TASK_QUEUE, id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-        search_attributes=TypedSearchAttributes([SearchAttributePair(SA_TENANT, job.tenant)]))
+    wid = job_workflow_id(job.tenant, job_id)
+    claimed = await check_tenant_quota(client, job.tenant, quota, usage=usage, workflow_id=wid)
+    try:
+        return await client.start_workflow(
+            AgentJob.run, job, id=wid,
+            task_queue=AGENT_TASK_QUEUE, id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+            search_attributes=TypedSearchAttributes([SearchAttributePair(SA_TENANT, job.tenant)]))
+    except BaseException:
+        if claimed and usage is not None:
+            with contextlib.suppress(*REDIS_ERRORS):
+                await usage.drop_start(job.tenant, wid)
+        raise
 
 
 async def submit_job(client: Client, job: JobInput, job_id: str,
                      settings: Settings) -> WorkflowHandle[Any, JobResult]:
     """``start_job`` with the tenant's quota from ``settings`` (the CLI's submit): a
-    Redis client for the token count only when the tenant has a tokens quota."""
+    Redis client only when the tenant has a quota (its tokens, its recent starts)."""
     quota = settings.tenants.get(job.tenant)
-    if quota is None or quota.tokens_per_hour is None:
+    if quota is None or (quota.tokens_per_hour is None and quota.max_jobs_in_flight is None):
         return await start_job(client, job, job_id, quota=quota)
     redis = build_redis(settings)
     try:
@@ -135,7 +220,9 @@ class JobClient:
     def __init__(self, client: Client, *, tenants: Mapping[str, TenantQuota] | None = None,
                  usage: TenantUsage | None = None, fleet: Settings | None = None) -> None:
         """``tenants``: their quotas, checked at submit (none: no quota); ``usage``: where
-        their tokens per hour are counted (without it, only jobs in flight are checked);
+        their tokens per hour and their recent starts are counted (without it, tokens
+        are not checked, and jobs in flight only as visibility shows them: two submits
+        racing for a tenant's last slot may both pass);
         ``fleet``: the settings to read the fleet from (its registry in Redis, else
         ``WARMLOOP_ENGINES``) for submit's check that an engine can serve the job, as
         ``warmloop submit`` checks (None: no check; ``connect`` passes its settings)."""
@@ -151,7 +238,8 @@ class JobClient:
         load_plugins(plugins=settings.plugins, profile_paths=settings.profile_paths,
                      toolsets=False)
         jobs = cls(await connect(settings), tenants=settings.tenants, fleet=settings)
-        if any(q.tokens_per_hour is not None for q in settings.tenants.values()):
+        if any(q.tokens_per_hour is not None or q.max_jobs_in_flight is not None
+               for q in settings.tenants.values()):
             jobs._redis = build_redis(settings)
             jobs._usage = TenantUsage(jobs._redis)
         return jobs

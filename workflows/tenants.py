@@ -132,7 +132,7 @@ class TenantQuota(BaseModel):
     max_jobs_in_flight: int | None = Field(default=None, ge=1)
     """Running jobs at once; a submit past it is refused (counted by the WarmloopTenant
     search attribute: visibility lags a little, so two submits racing for the last
-    slot may both pass)."""
+    slot may both pass unless the submit has Redis: ``TenantUsage.claim_start``)."""
     tokens_per_hour: int | None = Field(default=None, ge=1)
     """Prompt plus completion tokens of the tenant's steps per clock hour. A submit in a
     spent hour is refused; a running job's next step waits for the next hour (a

@@ -195,3 +195,79 @@ async def test_a_tenant_at_its_quota_is_refused_at_submit(
         assert "tokens_per_hour" in str(err.value) and tt in str(err.value)
     finally:
         await redis.delete(key)
+
+
+async def _cancel_all(jobs: JobClient, wids: list[str]) -> None:
+    for wid in wids:
+        with contextlib.suppress(RPCError):  # it may have ended already
+            await jobs.cancel(wid)
+    for wid in wids:
+        res = await asyncio.wait_for(jobs.result(wid), timeout=120)
+        assert res.state in (JobState.CANCELLED, JobState.LOOP_CAP, JobState.INVALID_OUTPUT)
+
+
+async def test_submits_racing_for_a_tenants_last_slot_start_one_job(
+    client: Client, stack: Stack, redis: aioredis.Redis,
+) -> None:
+    """Visibility shows a start a little after it: two submits at once each saw the
+    tenant's last slot free and both started. The starts recorded in Redis let one."""
+    tag = uuid.uuid4().hex[:6]
+    tenants = [f"tr{i}-{tag}" for i in range(3)]
+    jobs = JobClient(client, tenants={t: TenantQuota(max_jobs_in_flight=1) for t in tenants},
+                     usage=TenantUsage(redis))
+    task = bundled_tickets()[3]
+    long = JobLimits(max_steps=60, max_tool_calls=UNCAPPED)
+    started: list[str] = []
+    try:
+        for t in tenants:
+            outcomes = await asyncio.gather(
+                *(jobs.submit("ticket-triage", task, job_id=f"r{i}", tenant=t, tools=NO_FINISH,
+                              limits=long) for i in range(2)),
+                return_exceptions=True)
+            started += [o for o in outcomes if isinstance(o, str)]
+            refused = [o for o in outcomes if isinstance(o, QuotaExceededError)]
+            assert len(refused) == 1 and len(outcomes) == 2, outcomes
+            assert "max_jobs_in_flight" in str(refused[0]) and t in str(refused[0])
+        assert len(started) == len(tenants)
+    finally:
+        await _cancel_all(jobs, started)
+
+
+async def test_a_tenants_ended_or_failed_starts_hold_no_slot(
+    client: Client, stack: Stack, redis: aioredis.Redis,
+) -> None:
+    """A recorded start whose job has ended (or whose start failed) frees its slot at
+    once, not when its record expires; without Redis the quota is visibility's alone."""
+    tag = uuid.uuid4().hex[:6]
+    t = f"te-{tag}"
+    usage = TenantUsage(redis)
+    jobs = JobClient(client, tenants={t: TenantQuota(max_jobs_in_flight=1)}, usage=usage)
+    task = bundled_tickets()[5]
+    first = await jobs.submit("ticket-triage", task, job_id="e1", tenant=t, tools=NO_FINISH,
+                              limits=JobLimits(max_steps=1, max_tool_calls=UNCAPPED))
+    assert first in await usage.recent_starts(t)
+    await asyncio.wait_for(jobs.result(first), timeout=120)
+    # ended: its record stands, and Temporal says it is closed
+    second = await jobs.submit("ticket-triage", task, job_id="e2", tenant=t, tools=NO_FINISH,
+                               limits=JobLimits(max_steps=60, max_tool_calls=UNCAPPED))
+    try:
+        assert set(await usage.recent_starts(t)) >= {first, second}
+        with pytest.raises(QuotaExceededError):
+            await jobs.submit("ticket-triage", task, job_id="e3", tenant=t, tools=NO_FINISH)
+        assert "e3" not in str(await usage.recent_starts(t))  # a refusal records nothing
+    finally:
+        await _cancel_all(jobs, [second])
+    # a start that fails (the id was used) drops its record
+    with pytest.raises(Exception, match="already started"):
+        await jobs.submit("ticket-triage", task, job_id="e2", tenant=t, tools=NO_FINISH)
+    assert second not in await usage.recent_starts(t)
+    # Redis away: submits are checked against visibility alone, not refused
+    away = aioredis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.5)
+    alone = JobClient(client, tenants={t: TenantQuota(max_jobs_in_flight=1)},
+                      usage=TenantUsage(away))
+    try:
+        wid = await alone.submit("ticket-triage", task, job_id="e4", tenant=t, tools=NO_FINISH,
+                                 limits=JobLimits(max_steps=1, max_tool_calls=UNCAPPED))
+        await asyncio.wait_for(alone.result(wid), timeout=120)
+    finally:
+        await away.aclose()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 import boto3
@@ -32,6 +34,8 @@ from tests.unit.engine_fakes import (
 from warmloop.activities.directory import KvEventApplier, PrefixDirectory, prompt_chain
 from warmloop.activities.holds import HoldManager
 from warmloop.activities.registry import (
+    TENANT_START_CLAIM_S,
+    TENANT_STARTS,
     TENANT_TOKENS,
     EngineHeartbeat,
     EngineRegistry,
@@ -384,6 +388,46 @@ async def test_the_quota_fails_open_while_redis_is_away(server: RedisServer,
     assert (await generate(inf, step_request(tenant="acme"))).prompt_tokens == 300
 
 
+async def test_starts_claimed_at_once_for_a_tenants_last_slot_let_one_in(
+        redis: aioredis.Redis) -> None:
+    """Eight submits write their start at once for a one-slot tenant: each reads the
+    others' starts and writes its own in one transaction, so exactly one gets in."""
+    usage = TenantUsage(redis)
+
+    async def claim(i: int) -> bool:
+        return await usage.claim_start("acme", f"acme/j{i}", lambda others: not others)
+
+    claimed = await asyncio.gather(*(claim(i) for i in range(8)))
+    assert sum(claimed) == 1
+    winner = f"acme/j{claimed.index(True)}"
+    assert set(await usage.recent_starts("acme")) == {winner}
+    # a start is not counted against itself (a submit retried with the same id)
+    assert await usage.claim_start("acme", winner, lambda others: not others)
+    # another tenant's starts are its own
+    assert await usage.claim_start("globex", "globex/j0", lambda others: not others)
+    await usage.drop_start("acme", winner)
+    assert await usage.recent_starts("acme") == {}
+
+
+async def test_old_and_unreadable_starts_are_dropped_on_the_next_claim(
+        redis: aioredis.Redis) -> None:
+    usage = TenantUsage(redis)
+    key = TENANT_STARTS.format("acme")
+    await redis.hset(key, mapping={"acme/old": repr(time.time() - TENANT_START_CLAIM_S - 1),
+                                   "acme/garbled": "not a time",
+                                   "acme/recent": repr(time.time())})
+    seen: list[set[str]] = []
+
+    def admit(others: set[str]) -> bool:
+        seen.append(others)
+        return True
+
+    assert await usage.claim_start("acme", "acme/new", admit)
+    assert seen == [{"acme/recent"}]
+    assert set(await redis.hkeys(key)) == {b"acme/recent", b"acme/new"}
+    assert 0 < await redis.ttl(key) <= TENANT_START_CLAIM_S + 60  # expires by itself
+
+
 # ---- S3 ---------------------------------------------------------------------------------
 
 
@@ -424,22 +468,21 @@ async def test_the_inference_worker_stores_a_tenants_messages_under_its_prefix()
 # ---- submit ---------------------------------------------------------------------------------
 
 
-class _Count:
-    def __init__(self, count: int) -> None:
-        self.count = count
-
-
 class FakeTemporal:
-    """The two calls a submit makes: count the tenant's running jobs, start one."""
+    """The two calls a submit makes: list the tenant's running jobs, start one."""
 
     def __init__(self, running: int = 0) -> None:
         self.running = running
         self.queries: list[str] = []
         self.started: list[dict[str, Any]] = []
 
-    async def count_workflows(self, query: str | None = None) -> _Count:
+    async def _running(self) -> AsyncIterator[Any]:
+        for i in range(self.running):
+            yield SimpleNamespace(id=f"running-{i}")
+
+    def list_workflows(self, query: str | None = None, **kw: Any) -> AsyncIterator[Any]:
         self.queries.append(query or "")
-        return _Count(self.running)
+        return self._running()
 
     async def start_workflow(self, workflow: Any, arg: Any, **kw: Any) -> Any:
         self.started.append({"input": arg, **kw})
