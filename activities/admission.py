@@ -41,7 +41,12 @@ _MAX_TRACKED_JOBS = 10_000
 class BatchAdmission:
     def __init__(self, config: AdmissionConfig | None = None, *,
                  clock: Callable[[], float] = time.monotonic,
-                 kv_capacity_tokens: Callable[[], int] | None = None) -> None:
+                 kv_capacity_tokens: Callable[[], int] | None = None,
+                 block_size: Callable[[], int] | None = None) -> None:
+        """``kv_capacity_tokens`` and ``block_size``: the engine's KV pool and its block
+        (the latest heartbeat's; 0 tokens: unknown, no KV fit). Without ``block_size``
+        the fit counts tokens, which undercounts a job whose own part ends in a partly
+        filled block."""
         self.config = config or AdmissionConfig()
         self.limit = min(self.config.k_max, max(self.config.k_min, self.config.k_start))
         """K as adapted to interactive TTFT (before the KV fit)."""
@@ -53,6 +58,7 @@ class BatchAdmission:
         self._last_adjust = clock()
         self._clock = clock
         self._kv_capacity = kv_capacity_tokens or (lambda: 0)
+        self._block_size = block_size or (lambda: 1)
         # (order, arrival, future): a min-heap of waiters, continuing jobs first
         self._waiters: list[tuple[tuple[int, float], int, asyncio.Future[None]]] = []
         self._arrivals = itertools.count()
@@ -81,9 +87,10 @@ class BatchAdmission:
 
     @property
     def kv_fit(self) -> int | None:
-        """Batch jobs whose own tokens fit in ``kv_share`` of the pool at the batch
+        """Batch jobs whose own blocks fit in ``kv_share`` of the pool at the batch
         steps seen lately (``kv_fit_limit``); None before any (or the pool unknown)."""
-        return kv_fit_limit(self._kv_capacity(), list(self._prompt_tokens), self.config) or None
+        return kv_fit_limit(self._kv_capacity(), list(self._prompt_tokens), self.config,
+                            block_tokens=max(1, self._block_size())) or None
 
     @property
     def effective_limit(self) -> int:

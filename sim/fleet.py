@@ -754,7 +754,7 @@ class Fleet:
     def _limit(self, engine: Engine, adm: _Admission) -> int:
         if adm.fit_version != adm.version:  # a pure function of the samples: once each
             adm.fit = lanes.kv_fit_limit(engine.cal.kv_pool_tokens, list(adm.samples),
-                                         adm.cfg)
+                                         adm.cfg, block_tokens=engine.cal.block_size)
             adm.fit_version = adm.version
         fit = adm.fit
         return min(adm.k, fit) if fit > 0 else adm.k

@@ -89,17 +89,24 @@ def next_batch_limit(k: int, interactive_ttft_p95_ms: float | None,
 
 
 def kv_fit_limit(kv_capacity_tokens: int, samples: list[tuple[int, int]],
-                 config: AdmissionConfig) -> int:
+                 config: AdmissionConfig, *, block_tokens: int) -> int:
     """How many batch jobs fit in the KV pool at once: 0 when unknown.
 
     ``samples`` are recent batch steps' (prompt tokens, tokens shared by every job of
     the profile). A job under way keeps its own part cached between steps; the shared
-    prefix is cached once per engine."""
+    prefix is cached once per engine. Counted in whole blocks of ``block_tokens``, as the
+    pool holds them: the shared prefix's full blocks once, and a job's own part the rest
+    of its prompt's blocks, a partly filled last block as a whole one (in tokens, a job
+    with 60 own tokens on an engine of 128-token blocks counted for half the block it
+    takes). ``block_tokens=1`` counts tokens."""
+    if block_tokens < 1:
+        raise ValueError(f"kv_fit_limit: block_tokens must be >= 1, got {block_tokens}")
     if kv_capacity_tokens <= 0 or not samples:
         return 0
-    shared = max(s for _, s in samples)
-    own = sum(max(1, p - s) for p, s in samples) / len(samples)
-    room = config.kv_share * kv_capacity_tokens - shared
+    b = block_tokens
+    shared = max(s for _, s in samples) // b
+    own = sum(max(1, -(-p // b) - s // b) for p, s in samples) / len(samples)
+    room = config.kv_share * (kv_capacity_tokens // b) - shared
     return max(1, int(room // own))
 
 

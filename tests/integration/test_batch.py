@@ -100,9 +100,9 @@ async def test_a_batch_without_a_window_runs_with_the_jobs_the_engines_hold(
     assert measured, f"no engine published its batch KV fit: {fits}"
     for hb in live:
         if hb.batch_kv_fit is not None:
-            # at least one job, and no more than the pool's batch share at a token each
-            share = settings.admission.kv_share * hb.kv_capacity_tokens
-            assert 1 <= hb.batch_kv_fit <= share
+            # at least one job, and no more than the pool's batch share at a block each
+            share = settings.admission.kv_share * (hb.kv_capacity_tokens // hb.block_size)
+            assert hb.block_size > 1 and 1 <= hb.batch_kv_fit <= share, hb
     # the last page ran with their sum, as the progress query (a replay) tells
     last = (await handle.query(BatchRun.progress)).fleet_window
     assert last is not None and last.fit is not None, last

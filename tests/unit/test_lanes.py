@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -133,22 +134,45 @@ async def test_a_cancelled_waiter_gives_up_its_place() -> None:
 
 def test_k_is_held_to_the_jobs_that_fit_in_the_kv_pool() -> None:
     cfg = CFG.model_copy(update={"kv_share": 0.8})
-    # 10,000-token pool, 1,000 shared tokens, 1,000 tokens of each job's own
-    assert kv_fit_limit(10_000, [(2_000, 1_000)] * 3, cfg) == 7
-    assert kv_fit_limit(0, [(2_000, 1_000)], cfg) == 0  # pool unknown: no cap
-    assert kv_fit_limit(10_000, [], cfg) == 0
-    assert kv_fit_limit(1_000, [(9_000, 0)], cfg) == 1  # never below one
+    # counted in tokens: 10,000-token pool, 1,000 shared tokens, 1,000 of each job's own
+    assert kv_fit_limit(10_000, [(2_000, 1_000)] * 3, cfg, block_tokens=1) == 7
+    assert kv_fit_limit(0, [(2_000, 1_000)], cfg, block_tokens=16) == 0  # pool unknown
+    assert kv_fit_limit(10_000, [], cfg, block_tokens=16) == 0
+    assert kv_fit_limit(1_000, [(9_000, 0)], cfg, block_tokens=16) == 1  # never below one
     adm = BatchAdmission(CFG.model_copy(update={"k_start": 16}), clock=Clock(),
                          kv_capacity_tokens=lambda: 10_000)
     assert adm.effective_limit == 16
     adm.observe_batch(2_000, 1_000)
     assert adm.effective_limit == 7
+    with pytest.raises(ValueError, match="block_tokens"):
+        kv_fit_limit(10_000, [(2_000, 1_000)], cfg, block_tokens=0)
 
 
-@given(cap=st.integers(1_000, 1_000_000), own=st.integers(1, 5_000), more=st.integers(0, 5_000))
-def test_bigger_jobs_never_fit_more(cap: int, own: int, more: int) -> None:
-    assert kv_fit_limit(cap, [(own + more + 500, 500)], CFG) <= \
-        kv_fit_limit(cap, [(own + 500, 500)], CFG)
+def test_the_kv_fit_counts_whole_blocks() -> None:
+    """A job's own part takes whole blocks: 60 own tokens beside a 1,000-token shared
+    prefix on 128-token blocks take the block the prefix ends in (its last 104 tokens
+    are not a full, shared block) and the next one. In tokens, 2x as many fit."""
+    cfg = CFG.model_copy(update={"kv_share": 0.5})
+    pool = 128 * 1_000  # 1,000 blocks
+    # 7 full shared blocks (896 tokens); the prompt's 1,060 tokens end in block 9
+    blocks = kv_fit_limit(pool, [(1_060, 1_000)], cfg, block_tokens=128)
+    assert blocks == int((500 - 7) // 2) == 246
+    tokens = kv_fit_limit(pool, [(1_060, 1_000)], cfg, block_tokens=1)
+    assert tokens == int((64_000 - 1_000) // 60) == 1_050
+    # aligned to blocks, the two counts agree
+    assert kv_fit_limit(pool, [(1_024 + 256, 1_024)], cfg, block_tokens=128) == \
+        kv_fit_limit(pool, [(1_024 + 256, 1_024)], cfg, block_tokens=1) == 246
+    adm = BatchAdmission(cfg, clock=Clock(), kv_capacity_tokens=lambda: pool,
+                         block_size=lambda: 128)
+    adm.observe_batch(1_060, 1_000)
+    assert adm.kv_fit == blocks
+
+
+@given(cap=st.integers(1_000, 1_000_000), own=st.integers(1, 5_000), more=st.integers(0, 5_000),
+       block=st.sampled_from([1, 16, 128]))
+def test_bigger_jobs_never_fit_more(cap: int, own: int, more: int, block: int) -> None:
+    assert kv_fit_limit(cap, [(own + more + 500, 500)], CFG, block_tokens=block) <= \
+        kv_fit_limit(cap, [(own + 500, 500)], CFG, block_tokens=block)
 
 
 async def test_a_neighbour_over_target_holds_k_down_here() -> None:

@@ -370,8 +370,12 @@ class Gateway:
                 hb = self.fleet.engine(engine_id)
                 return hb.kv_capacity_tokens if hb is not None else 0
 
-            a = self._admissions[engine_id] = BatchAdmission(self.settings.admission,
-                                                             kv_capacity_tokens=capacity)
+            def block_size() -> int:
+                hb = self.fleet.engine(engine_id)
+                return hb.block_size if hb is not None else 1
+
+            a = self._admissions[engine_id] = BatchAdmission(
+                self.settings.admission, kv_capacity_tokens=capacity, block_size=block_size)
         return a
 
     async def _post(self, engine: EngineHeartbeat, path: str, body: bytes
