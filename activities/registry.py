@@ -208,6 +208,39 @@ async def nothing() -> None:
     round) that has nothing to send this time."""
 
 
+async def write_field_watched(
+        redis: aioredis.Redis, key: str, field: str,
+        decide: Callable[[dict[Any, Any]], tuple[str | None, list[str], T]], *,
+        attempts: int = 5, expire_s: int | None = None) -> T:
+    """Read the hash ``key`` and write its ``field`` as ``decide`` says, as one optimistic
+    transaction (WATCH), retried on a conflict: of two callers deciding at once, the later
+    to write decides again on what the earlier wrote. ``decide`` answers (the value to
+    write, None to write nothing; fields to drop; what to return). After ``attempts``
+    conflicts it decides and writes without the guard. ``expire_s``: the hash's TTL,
+    set with each write."""
+    async with redis.pipeline(transaction=True) as pipe:
+        for attempt in range(attempts):
+            guarded = attempt < attempts - 1
+            try:
+                if guarded:
+                    await pipe.watch(key)
+                raw = await (pipe.hgetall(key) if guarded else redis.hgetall(key))
+                value, dead, answer = decide(raw)
+                if value is None:
+                    return answer  # leaving the block unwatches
+                pipe.multi()
+                pipe.hset(key, field, value)
+                if dead:
+                    pipe.hdel(key, *dead)
+                if expire_s is not None:
+                    pipe.expire(key, expire_s)
+                await pipe.execute()
+                return answer
+            except WatchError:
+                continue
+    raise AssertionError("unreachable: the last attempt is not guarded")
+
+
 def step_key(job_id: str, step: int, profile: str) -> str:
     """In-flight key of a routed step; the profile tells the router which prefixes an
     engine is computing right now (a burst's shared prefix is computed once per engine)."""
@@ -272,29 +305,16 @@ class TenantUsage:
         one optimistic transaction (WATCH): of two submits for a tenant's last slot, the
         later one to write sees the earlier's start. True when recorded. After
         ``attempts`` conflicts it decides and writes without the guard."""
-        key = TENANT_STARTS.format(tenant)
-        async with self._redis.pipeline(transaction=True) as pipe:
-            for attempt in range(attempts):
-                guarded = attempt < attempts - 1
-                try:
-                    if guarded:
-                        await pipe.watch(key)
-                    raw = await (pipe.hgetall(key) if guarded else self._redis.hgetall(key))
-                    now = time.time()
-                    live, dead = _live_starts(raw, now)
-                    live.pop(workflow_id, None)
-                    if not admit(set(live)):
-                        return False  # leaving the block unwatches
-                    pipe.multi()
-                    pipe.hset(key, workflow_id, repr(now))
-                    if dead:
-                        pipe.hdel(key, *dead)
-                    pipe.expire(key, int(TENANT_START_CLAIM_S) + 60)
-                    await pipe.execute()
-                    return True
-                except WatchError:
-                    continue
-        raise AssertionError("unreachable: the last attempt is not guarded")
+        def write(raw: dict[Any, Any]) -> tuple[str | None, list[str], bool]:
+            now = time.time()
+            live, dead = _live_starts(raw, now)
+            live.pop(workflow_id, None)
+            admitted = admit(set(live))
+            return (repr(now) if admitted else None), dead, admitted
+
+        return await write_field_watched(
+            self._redis, TENANT_STARTS.format(tenant), workflow_id, write, attempts=attempts,
+            expire_s=int(TENANT_START_CLAIM_S) + 60)
 
     async def drop_start(self, tenant: str, workflow_id: str) -> None:
         """Forget ``workflow_id``'s start (its start failed: it holds no slot)."""
@@ -405,26 +425,14 @@ class EngineRegistry:
         batches asking at the same moment must not both decide on claims that lack the
         other's. Stale entries, and entries that do not parse (another version's), are
         dropped on the way. After ``attempts`` conflicts it writes without the guard."""
-        async with self._redis.pipeline(transaction=True) as pipe:
-            for attempt in range(attempts):
-                guarded = attempt < attempts - 1
-                try:
-                    if guarded:
-                        await pipe.watch(BATCH_CLAIMS_KEY)
-                    raw = await (pipe.hgetall(BATCH_CLAIMS_KEY) if guarded
-                                 else self._redis.hgetall(BATCH_CLAIMS_KEY))
-                    live, dead = _live_claims(raw, time.time())
-                    live.pop(batch_id, None)
-                    claim, answer = decide(live)
-                    pipe.multi()
-                    pipe.hset(BATCH_CLAIMS_KEY, batch_id, claim.model_dump_json())
-                    if dead:
-                        pipe.hdel(BATCH_CLAIMS_KEY, *dead)
-                    await pipe.execute()
-                    return answer
-                except WatchError:
-                    continue
-        raise AssertionError("unreachable: the last attempt is not guarded")
+        def write(raw: dict[Any, Any]) -> tuple[str | None, list[str], T]:
+            live, dead = _live_claims(raw, time.time())
+            live.pop(batch_id, None)
+            claim, answer = decide(live)
+            return claim.model_dump_json(), dead, answer
+
+        return await write_field_watched(self._redis, BATCH_CLAIMS_KEY, batch_id, write,
+                                         attempts=attempts)
 
     async def _members_since(self, key: str, engine_ids: list[str], since: float
                              ) -> dict[str, list[str]]:
