@@ -119,12 +119,24 @@ class JwtVerifier(TokenVerifier):
         self._jwks = jwt.PyJWKClient(url, cache_keys=False, lifespan=300)
 
     def verify(self, token: str) -> Identity:
+        return self.identity(self.claims(token))
+
+    def claims(self, token: str) -> dict[str, Any]:
+        """The token's claims once its signature, issuer, audience and expiry hold."""
         import jwt
 
         if not token:
             raise AuthError("no token")
         try:
-            key = self._jwks.get_signing_key_from_jwt(token)
+            if jwt.get_unverified_header(token).get("kid") is None:
+                # OIDC lets an issuer with one key leave the key id out
+                keys = self._jwks.get_signing_keys()
+                if len(keys) != 1:
+                    raise AuthError(f"the token names no key id and the issuer has "
+                                    f"{len(keys)} signing keys")
+                key = keys[0]
+            else:
+                key = self._jwks.get_signing_key_from_jwt(token)
             claims: dict[str, Any] = jwt.decode(
                 token, key.key, algorithms=self.ALGORITHMS, audience=self._audience,
                 issuer=self._issuer, options={"require": ["exp", "iss", "aud", "sub"]})
@@ -134,6 +146,10 @@ class JwtVerifier(TokenVerifier):
             raise AuthError(f"the token's signing key is unknown ({e})") from None
         except jwt.InvalidTokenError as e:
             raise AuthError(f"the token is not valid ({e})") from None
+        return claims
+
+    def identity(self, claims: dict[str, Any]) -> Identity:
+        """The person verified claims name: subject, roles and tenants."""
         roles = _names(claims.get(self._roles_claim, []), self._roles_claim)
         tenants = claims.get("tenants")
         return Identity(subject=str(claims["sub"]), roles=roles,

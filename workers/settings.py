@@ -301,6 +301,18 @@ class Settings(BaseSettings):
     """Where the issuer's signing keys are; default <issuer>/.well-known/jwks.json."""
     oidc_roles_claim: str = "roles"
     """The JWT claim that lists the approver's roles."""
+    oidc_client_id: str | None = None
+    """The inbox's client id at ``oidc_issuer``: with it the sign-in page offers a sign-in
+    at the identity provider (OpenID Connect's authorization code flow with PKCE)
+    beside the pasted token, and the ID token the issuer returns for this client is
+    the session's (verified again on every request, so its expiry ends the session)."""
+    oidc_client_secret: str | None = Field(default=None, repr=False)
+    """The client's secret for a confidential client (sent to the token endpoint as
+    ``client_secret_post``); None: a public client, PKCE alone."""
+    inbox_url: str | None = None
+    """The inbox's URL as browsers reach it (behind a proxy, its public https URL); the
+    identity provider sends people back to ``<inbox_url>/signin/callback``, which must be
+    registered for the client. None: the URL the sign-in request arrived on."""
     approval_signing_key: Path | None = None
     """Ed25519 private key (PEM) the approvals service signs decision assertions with;
     default <state_dir>/auth/approval-signing.pem. Only the approvals service (inbox,

@@ -43,7 +43,15 @@ from warmloop.workers.identity import (
     bearer_token,
 )
 from warmloop.workers.inbox.backend import InboxBackend, TemporalBackend, TranscriptUnavailable
-from warmloop.workers.inbox.session import COOKIE_NAME, Session, SessionSealer
+from warmloop.workers.inbox.oidc import CALLBACK_PATH, OidcLogin, ProviderUnavailableError
+from warmloop.workers.inbox.session import (
+    COOKIE_NAME,
+    LOGIN_COOKIE_NAME,
+    LOGIN_TTL_S,
+    LoginState,
+    Session,
+    SessionSealer,
+)
 from warmloop.workers.settings import Settings
 from warmloop.workflows.contracts import (
     ApprovalRecord,
@@ -195,8 +203,9 @@ class _Inbox:
     """The routes, over one backend, one verifier and one session sealer."""
 
     def __init__(self, backend: InboxBackend, verifier: TokenVerifier,
-                 sealer: SessionSealer) -> None:
+                 sealer: SessionSealer, oidc: OidcLogin | None = None) -> None:
         self.backend, self.verifier, self.sealer = backend, verifier, sealer
+        self.oidc = oidc
         self.env = _environment()
 
     # ---- sessions and identity ------------------------------------------------------
@@ -208,12 +217,26 @@ class _Inbox:
         """In a thread: a JWT verifier may fetch its issuer's keys over the network."""
         return await asyncio.to_thread(self.verifier.verify, token)
 
+    async def _session_who(self, session: Session) -> Identity:
+        """The session's person, its token verified again as where it came from says
+        (a pasted token, or the identity provider's ID token). Raises AuthError."""
+        if session.token is None:
+            raise AuthError("not signed in")
+        if session.source == "oidc":
+            if self.oidc is None:
+                raise AuthError("sign-in at the identity provider is not configured here")
+            try:
+                return await self.oidc.verify(session.token)
+            except ProviderUnavailableError as e:
+                raise AuthError(str(e)) from None
+        return await self._verify(session.token)
+
     async def _web_who(self, request: Request) -> tuple[Session, Identity]:
         session = self._session(request)
         if session.token is None:
             raise _SignInNeeded("Sign in to see your approvals.")
         try:
-            return session, await self._verify(session.token)
+            return session, await self._session_who(session)
         except AuthError as e:
             raise _SignInNeeded(f"Your session ended: {e}. Sign in again.") from None
 
@@ -234,11 +257,16 @@ class _Inbox:
     def page(self, request: Request, template: str, session: Session, *,
              who: Identity | None = None, status: int = 200, **context: Any) -> HTMLResponse:
         """Render a page; the session's flash is shown once and dropped."""
-        html = self.env.get_template(template).render(
-            who=who, csrf=session.csrf, flash=session.flash, **context)
-        response = HTMLResponse(html, status_code=status)
+        response = HTMLResponse(self._render(template, session, who=who, **context),
+                                status_code=status)
         self._set_cookie(request, response, session.with_flash(None))
         return response
+
+    def _render(self, template: str, session: Session, *, who: Identity | None,
+                **context: Any) -> str:
+        return self.env.get_template(template).render(
+            who=who, csrf=session.csrf, flash=session.flash, oidc=self.oidc is not None,
+            **context)
 
     # ---- the approval a request is about ------------------------------------------------
 
@@ -276,6 +304,62 @@ class _Inbox:
         session = self._session(request)
         return self.page(request, "signin.html", session, error=None,
                          next=_safe_next(request.query_params.get("next", "/")))
+
+    def page_signin(self, request: Request, session: Session, *, status: int, error: str,
+                    next_url: str = "/") -> HTMLResponse:
+        return self.page(request, "signin.html", session, status=status, error=error,
+                         next=next_url)
+
+    async def signin_oidc(self, request: Request) -> Response:
+        """Off to the identity provider, with this sign-in's state in its own cookie."""
+        if self.oidc is None:
+            raise _Refusal(404, "Not here", "Sign-in at an identity provider is not "
+                           "configured (WARMLOOP_OIDC_CLIENT_ID).")
+        login = LoginState.new(_safe_next(request.query_params.get("next", "/")))
+        try:
+            url = await self.oidc.start(login, str(request.base_url))
+        except ProviderUnavailableError as e:
+            raise _Refusal(503, "Identity provider unavailable", str(e)) from None
+        response = RedirectResponse(url, status_code=303)
+        # Lax, not Strict: the provider's redirect back is a cross-site navigation
+        response.set_cookie(LOGIN_COOKIE_NAME, self.sealer.seal_login(login), path="/signin",
+                            httponly=True, samesite="lax",
+                            secure=request.url.scheme == "https", max_age=LOGIN_TTL_S)
+        return response
+
+    async def signin_callback(self, request: Request) -> Response:
+        """The provider's answer: checked, the ID token becomes the session's. The page
+        goes on to where the person was headed with a same-site refresh: the session
+        cookie (SameSite=Strict) is not sent on a redirect chain the provider started."""
+        if self.oidc is None:
+            raise _Refusal(404, "Not here", "Sign-in at an identity provider is not "
+                           "configured (WARMLOOP_OIDC_CLIENT_ID).")
+        login = self.sealer.open_login(request.cookies.get(LOGIN_COOKIE_NAME))
+        session = self._session(request)
+        try:
+            id_token, who = await self.oidc.finish(login, request.query_params,
+                                                   str(request.base_url))
+        except AuthError as e:
+            response: Response = self.page_signin(
+                request, session, status=401, error=f"Sign-in refused: {e}.",
+                next_url=login.next if login else "/")
+        except ProviderUnavailableError as e:
+            response = self.page(request, "error.html", session, status=503,
+                                 title="Identity provider unavailable", message=str(e))
+        else:
+            if len(id_token) > MAX_TOKEN_CHARS:
+                response = self.page_signin(
+                    request, session, status=401,
+                    error=f"The identity provider's ID token is longer than "
+                          f"{MAX_TOKEN_CHARS} characters; the session cannot hold it.")
+            else:
+                signed_in = Session.signed_in(id_token, source="oidc")
+                response = HTMLResponse(self._render(
+                    "continue.html", signed_in, who=who, next=login.next if login else "/"))
+                self._set_cookie(request, response,
+                                 signed_in.with_flash(f"Signed in as {who.subject}."))
+        response.delete_cookie(LOGIN_COOKIE_NAME, path="/signin")
+        return response
 
     async def signin(self, request: Request) -> Response:
         session = self._session(request)
@@ -422,7 +506,7 @@ class _Inbox:
         who = None
         if session.token is not None:
             try:
-                who = await self._verify(session.token)
+                who = await self._session_who(session)
             except AuthError:
                 who = None
         return self.page(request, "error.html", session, who=who, status=exc.status,
@@ -459,7 +543,7 @@ def create_app(settings: Settings, *, backend: InboxBackend | None = None,
                client_factory: Callable[[], Awaitable[Client]] | None = None,
                verifier: TokenVerifier | None = None, signer: AssertionSigner | None = None,
                s3: Any = None, mounts: Sequence[BaseRoute] = (),
-               session_key: bytes | None = None) -> Starlette:
+               session_key: bytes | None = None, oidc: OidcLogin | None = None) -> Starlette:
     """The inbox as an ASGI app. Anything not given is built from ``settings`` once,
     here: the token verifier, the assertion signer (which needs the private signing
     key: only the approvals service should hold it), S3 and a lazily connected
@@ -467,7 +551,9 @@ def create_app(settings: Settings, *, backend: InboxBackend | None = None,
 
     ``mounts``: extra routes, e.g. ``Mount("/codec", codec_app)``; they get none of the
     inbox's headers or sessions. ``session_key``: 32 bytes shared by replicas; None
-    makes a random one (everyone is signed out when the process restarts)."""
+    makes a random one (everyone is signed out when the process restarts). ``oidc``:
+    sign-in at an identity provider; default from ``oidc_issuer`` and ``oidc_client_id``
+    when both are set (none otherwise: pasted tokens only)."""
     if backend is None:
         from warmloop.workers.clients import build_s3, connect
         from warmloop.workers.identity import signer_from_settings
@@ -483,7 +569,11 @@ def create_app(settings: Settings, *, backend: InboxBackend | None = None,
         from warmloop.workers.identity import verifier_from_settings
 
         verifier = verifier_from_settings(settings)
-    inbox = _Inbox(backend, verifier, SessionSealer(session_key))
+    if oidc is None and settings.oidc_issuer and settings.oidc_client_id:
+        oidc = OidcLogin(issuer=settings.oidc_issuer, client_id=settings.oidc_client_id,
+                         client_secret=settings.oidc_client_secret,
+                         roles_claim=settings.oidc_roles_claim, inbox_url=settings.inbox_url)
+    inbox = _Inbox(backend, verifier, SessionSealer(session_key), oidc)
     # a tenant's job ids hold a slash (<tenant>/<job id>)
     approval = "/approvals/{job_id:path}/{approval_id}"
     api = "/api/approvals/{job_id:path}/{approval_id}"
@@ -492,6 +582,8 @@ def create_app(settings: Settings, *, backend: InboxBackend | None = None,
         Route("/static/inbox.css", inbox.stylesheet),
         Route("/signin", inbox.signin_form, methods=["GET"]),
         Route("/signin", inbox.signin, methods=["POST"]),
+        Route("/signin/oidc", inbox.signin_oidc, methods=["GET"]),
+        Route(CALLBACK_PATH, inbox.signin_callback, methods=["GET"]),
         Route("/signout", inbox.signout_form, methods=["GET"]),
         Route("/signout", inbox.signout, methods=["POST"]),
         Route("/", inbox.inbox),

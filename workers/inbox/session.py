@@ -17,6 +17,7 @@ import os
 import secrets
 import time
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -27,6 +28,7 @@ SIGNED_IN_TTL_S = 8 * 3600
 ANONYMOUS_TTL_S = 3600
 """A signed-out session (only its CSRF token, for the sign-in form) lasts an hour."""
 _AAD = b"warmloop-inbox-session-v1"
+_LOGIN_AAD = b"warmloop-inbox-login-v1"
 _NONCE_BYTES = 12
 
 
@@ -39,6 +41,10 @@ class Session:
     token: str | None = None
     flash: str | None = None
     """A one-line notice shown once on the next page (after a decision's redirect)."""
+    source: str = "token"
+    """Where ``token`` came from: "token", pasted (a bearer token for the API's
+    verifier), or "oidc", the ID token of the identity provider's sign-in (verified as
+    this client's)."""
 
     @classmethod
     def anonymous(cls, now: float | None = None) -> Session:
@@ -46,10 +52,11 @@ class Session:
                    expires=(now or time.time()) + ANONYMOUS_TTL_S)
 
     @classmethod
-    def signed_in(cls, token: str, now: float | None = None) -> Session:
+    def signed_in(cls, token: str, now: float | None = None, *,
+                  source: str = "token") -> Session:
         """A fresh CSRF token at sign-in: one planted before it (session fixation)
         is worth nothing after it."""
-        return cls(csrf=secrets.token_urlsafe(32), token=token,
+        return cls(csrf=secrets.token_urlsafe(32), token=token, source=source,
                    expires=(now or time.time()) + SIGNED_IN_TTL_S)
 
     def with_flash(self, flash: str | None) -> Session:
@@ -58,6 +65,32 @@ class Session:
     def csrf_ok(self, presented: str | None) -> bool:
         """Constant-time comparison with the form's hidden field."""
         return bool(presented) and hmac.compare_digest(self.csrf, str(presented))
+
+
+LOGIN_COOKIE_NAME = "warmloop_inbox_login"
+LOGIN_TTL_S = 600
+"""A sign-in at the identity provider must come back within ten minutes."""
+
+
+@dataclass(frozen=True)
+class LoginState:
+    """A sign-in at the identity provider under way, kept in its own cookie until the
+    provider sends the person back: the ``state`` the callback must echo (it binds the
+    answer to this browser), the ID token's expected ``nonce``, PKCE's code verifier,
+    and where to go afterwards. Its cookie is SameSite=Lax: the session's, Strict, is
+    not sent on the provider's redirect back."""
+
+    state: str
+    nonce: str
+    code_verifier: str
+    next: str
+    expires: float
+
+    @classmethod
+    def new(cls, next_url: str, now: float | None = None) -> LoginState:
+        return cls(state=secrets.token_urlsafe(32), nonce=secrets.token_urlsafe(32),
+                   code_verifier=secrets.token_urlsafe(64), next=next_url,
+                   expires=(now or time.time()) + LOGIN_TTL_S)
 
 
 class SessionSealer:
@@ -71,17 +104,40 @@ class SessionSealer:
         self._aead = AESGCM(key if key is not None else AESGCM.generate_key(bit_length=256))
 
     def seal(self, session: Session) -> str:
-        nonce = os.urandom(_NONCE_BYTES)
-        data = json.dumps(asdict(session), separators=(",", ":")).encode()
-        return base64.urlsafe_b64encode(nonce + self._aead.encrypt(nonce, data, _AAD)).decode()
+        return self._seal(asdict(session), _AAD)
 
     def open(self, value: str | None, now: float | None = None) -> Session | None:
+        data = self._open(value, _AAD)
+        try:
+            session = Session(**data) if data is not None else None
+        except TypeError:
+            return None
+        return session if session and session.expires > (now or time.time()) else None
+
+    def seal_login(self, login: LoginState) -> str:
+        return self._seal(asdict(login), _LOGIN_AAD)
+
+    def open_login(self, value: str | None, now: float | None = None) -> LoginState | None:
+        """The sign-in under way, or None (none, tampered, another key, expired). A
+        session cookie never opens as one, nor one as a session (another AAD)."""
+        data = self._open(value, _LOGIN_AAD)
+        try:
+            login = LoginState(**data) if data is not None else None
+        except TypeError:
+            return None
+        return login if login and login.expires > (now or time.time()) else None
+
+    def _seal(self, data: dict[str, Any], aad: bytes) -> str:
+        nonce = os.urandom(_NONCE_BYTES)
+        raw = json.dumps(data, separators=(",", ":")).encode()
+        return base64.urlsafe_b64encode(nonce + self._aead.encrypt(nonce, raw, aad)).decode()
+
+    def _open(self, value: str | None, aad: bytes) -> dict[str, Any] | None:
         if not value:
             return None
         try:
             raw = base64.urlsafe_b64decode(value.encode())
-            data = self._aead.decrypt(raw[:_NONCE_BYTES], raw[_NONCE_BYTES:], _AAD)
-            session = Session(**json.loads(data))
+            data = json.loads(self._aead.decrypt(raw[:_NONCE_BYTES], raw[_NONCE_BYTES:], aad))
         except (InvalidTag, ValueError, TypeError, binascii.Error):
             return None
-        return session if session.expires > (now or time.time()) else None
+        return data if isinstance(data, dict) else None

@@ -1,0 +1,168 @@
+"""The inbox's sign-in at an identity provider (OpenID Connect's authorization code flow)
+against a real OpenID provider server (``oidc-provider-mock``: authlib's provider, its
+own HTTP server, keys and JWKS) on loopback, the inbox on a fake backend. The person's
+subject and roles come from the provider's ID token; an answer this browser did not
+ask for, a refusal at the provider, an ID token for another sign-in or another client,
+and a provider that is down each end on a clear page, signed out. The same in a real
+browser: tests/browser/test_inbox_oidc_browser.py."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
+
+import httpx
+import oidc_provider_mock
+import pytest
+from starlette.testclient import TestClient
+
+from tests.unit.test_inbox import FakeVerifier, make_backend
+from warmloop.workers.inbox import create_app
+from warmloop.workers.inbox.oidc import OidcLogin, pkce_challenge
+from warmloop.workers.inbox.session import COOKIE_NAME, LOGIN_COOKIE_NAME, Session, SessionSealer
+from warmloop.workers.settings import Settings
+
+CLIENT = "warmloop-inbox"
+KEY = b"k" * 32
+
+
+@pytest.fixture(scope="module")
+def idp() -> Iterator[str]:
+    """A real OpenID provider on loopback; any client id, any redirect URI."""
+    with oidc_provider_mock.run_server_in_thread() as server:
+        url = f"http://localhost:{server.server_port}"
+        for sub, roles in (("bob", ["finance-lead"]), ("mallory", [])):
+            httpx.put(f"{url}/users/{sub}", json={"roles": roles}).raise_for_status()
+        yield url
+
+
+def inbox(issuer: str, client_id: str = CLIENT) -> TestClient:
+    """The inbox as a confidential client (the provider takes any secret)."""
+    oidc = OidcLogin(issuer=issuer, client_id=client_id, client_secret="inbox-secret")
+    app = create_app(Settings(), backend=make_backend(), verifier=FakeVerifier(),
+                     session_key=KEY, oidc=oidc)
+    return TestClient(app, follow_redirects=False)
+
+
+def start(web: TestClient, next_url: str = "/history") -> str:
+    """The inbox's redirect to the provider (its login cookie kept by the client)."""
+    r = web.get("/signin/oidc", params={"next": next_url})
+    assert r.status_code == 303, r.text
+    assert LOGIN_COOKIE_NAME in r.cookies
+    return r.headers["location"]
+
+
+def authorize(authorize_url: str, sub: str = "bob", *, deny: bool = False,
+              **replace: str) -> str:
+    """The person at the provider's form: the callback URL it sends them back to.
+    ``replace``: authorization request parameters changed on the way (an attacker's)."""
+    if replace:
+        parts = urlsplit(authorize_url)
+        query = {k: v[0] for k, v in parse_qs(parts.query).items()} | replace
+        authorize_url = urlunsplit(parts._replace(query=urlencode(query)))
+    form = {"action": "deny"} if deny else {"sub": sub}
+    r = httpx.post(authorize_url, data=form)
+    assert r.status_code == 302, r.text
+    return r.headers["location"]
+
+
+def come_back(web: TestClient, callback_url: str) -> Any:
+    parts = urlsplit(callback_url)
+    assert parts.path == "/signin/callback"
+    return web.get(f"{parts.path}?{parts.query}")
+
+
+def test_a_person_signs_in_at_the_provider_with_its_roles(idp: str) -> None:
+    with inbox(idp) as web:
+        page = web.get("/signin")
+        assert 'href="/signin/oidc?next=/"' in page.text  # offered beside the token form
+        to_provider = start(web, "/history")
+        query = parse_qs(urlsplit(to_provider).query)
+        assert to_provider.startswith(f"{idp}/oauth2/authorize?")
+        assert query["client_id"] == [CLIENT] and query["response_type"] == ["code"]
+        assert query["redirect_uri"] == ["http://testserver/signin/callback"]
+        assert query["code_challenge_method"] == ["S256"] and "openid" in query["scope"][0]
+        r = come_back(web, authorize(to_provider, "bob"))
+        assert r.status_code == 200, r.text
+        # a same-site refresh to where the person was headed (the Strict session cookie
+        # is not sent on the provider's redirect chain)
+        assert '<meta http-equiv="refresh" content="0; url=/history">' in r.text
+        assert COOKIE_NAME in r.cookies
+        assert r.cookies.get(LOGIN_COOKIE_NAME) is None  # the sign-in under way is over
+        history = web.get("/history")
+        assert history.status_code == 200
+        assert re.search(r'data-testid="subject">bob<', history.text)
+        assert "finance-lead" in history.text and "Signed in as bob." in history.text
+        # the session holds the provider's ID token, verified as this client's
+        session = SessionSealer(KEY).open(web.cookies.get(COOKIE_NAME))
+        assert session is not None and session.source == "oidc" and session.token
+        # a person the provider knows without roles signs in, and may decide nothing
+        with inbox(idp) as web2:
+            assert come_back(web2, authorize(start(web2, "/"), "mallory")).status_code == 200
+            assert "no roles" in web2.get("/").text
+
+
+def test_an_answer_this_browser_did_not_ask_for_is_refused(idp: str) -> None:
+    with inbox(idp) as web, inbox(idp) as other:
+        callback = authorize(start(web))
+        # another browser (no login cookie: a code sent to a victim's inbox)
+        r = come_back(other, callback)
+        assert r.status_code == 401 and "no sign-in was under way" in r.text
+        assert other.get("/").status_code == 303  # still signed out
+        # this browser, the state changed
+        tampered = callback.replace("state=", "state=x")
+        r = come_back(web, tampered)
+        assert r.status_code == 401 and "state mismatch" in r.text
+        # the login cookie went with the failed answer: the genuine one is refused now
+        assert come_back(web, callback).status_code == 401
+
+
+def test_a_refusal_at_the_provider_signs_no_one_in(idp: str) -> None:
+    with inbox(idp) as web:
+        r = come_back(web, authorize(start(web), deny=True))
+        assert r.status_code == 401 and "refused the sign-in (access_denied: " in r.text
+        assert web.get("/").status_code == 303
+
+
+def test_an_id_token_issued_for_another_sign_in_is_refused(idp: str) -> None:
+    """The nonce the provider puts in the ID token is the one the inbox asked for."""
+    with inbox(idp) as web:
+        r = come_back(web, authorize(start(web), nonce="someone-elses"))
+        assert r.status_code == 401 and "nonce mismatch" in r.text
+        assert web.get("/").status_code == 303
+
+
+def test_an_id_token_of_another_client_does_not_open_a_session(idp: str) -> None:
+    """A session whose ID token was issued to another client (its aud) is signed out at
+    the next request, as an expired one would be."""
+    with inbox(idp, client_id="someone-else") as foreign:
+        come_back(foreign, authorize(start(foreign)))
+        stolen = SessionSealer(KEY).open(foreign.cookies.get(COOKIE_NAME))
+        assert stolen is not None and stolen.token
+    with inbox(idp) as web:
+        web.cookies.set(COOKIE_NAME, SessionSealer(KEY).seal(
+            Session.signed_in(stolen.token, source="oidc")))
+        r = web.get("/")
+        assert r.status_code == 303 and r.headers["location"].startswith("/signin")
+
+
+def test_a_provider_that_is_down_gets_a_clear_page() -> None:
+    with inbox("http://127.0.0.1:1") as web:
+        r = web.get("/signin/oidc")
+        assert r.status_code == 503
+        assert "discovery document" in r.text and "Identity provider unavailable" in r.text
+
+
+def test_without_a_client_id_no_sign_in_at_a_provider_is_offered() -> None:
+    app = create_app(Settings(), backend=make_backend(), verifier=FakeVerifier())
+    with TestClient(app, follow_redirects=False) as web:
+        assert "/signin/oidc" not in web.get("/signin").text
+        assert web.get("/signin/oidc").status_code == 404
+        assert web.get("/signin/callback?code=x&state=y").status_code == 404
+
+
+def test_pkce_challenge_is_rfc_7636s_example() -> None:
+    assert pkce_challenge("dBjftJeZ4CVP-mB92K27uhbUJU1p1r_wW1gFWFOEjXk") == \
+        "E9Melhoa2OwvFrEMTJguCHaoeK1t8URWbuGJSstw-cM"

@@ -1,0 +1,192 @@
+"""Sign-in at the identity provider: OpenID Connect's authorization code flow with PKCE.
+
+The inbox is the client (the relying party). ``start`` sends the person to the issuer's
+authorization endpoint with a fresh ``state``, ``nonce`` and PKCE challenge, kept in a
+sealed cookie (``LoginState``); ``finish`` takes the provider's answer at
+``/signin/callback``, checks the ``state`` against the cookie's, trades the code for
+tokens at the token endpoint (with the PKCE verifier, and the client secret for a
+confidential client), and verifies the ID token: the issuer's signature (its JWKS),
+``iss``, ``aud`` (this client), ``exp`` and the ``nonce``. The ID token is the session's
+token from then on, verified again on every request like a pasted one.
+
+Endpoints come from the issuer's discovery document
+(``<issuer>/.well-known/openid-configuration``), read once and kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlencode
+
+import httpx
+
+from warmloop.workers.identity import AuthError, Identity, JwtVerifier
+from warmloop.workers.inbox.session import LoginState
+
+CALLBACK_PATH = "/signin/callback"
+DISCOVERY_TIMEOUT_S = 10.0
+
+
+class ProviderUnavailableError(Exception):
+    """The identity provider did not answer as it should (discovery or the token
+    endpoint); the message is safe to show the person."""
+
+
+@dataclass(frozen=True)
+class ProviderEndpoints:
+    """What the inbox reads of the issuer's discovery document."""
+
+    issuer: str
+    authorization_endpoint: str
+    token_endpoint: str
+    jwks_uri: str
+
+
+def pkce_challenge(code_verifier: str) -> str:
+    """PKCE's S256 challenge of a code verifier (RFC 7636)."""
+    digest = hashlib.sha256(code_verifier.encode()).digest()
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+class OidcLogin:
+    """The inbox's sign-in at ``issuer`` as client ``client_id``.
+
+    Hazard: the redirect URI must be the one registered for the client at the provider;
+    behind a proxy, give ``inbox_url`` (``WARMLOOP_INBOX_URL``) or the provider refuses
+    the sign-in (or, if it allowed any, the code could be sent elsewhere)."""
+
+    def __init__(self, *, issuer: str, client_id: str, client_secret: str | None = None,
+                 roles_claim: str = "roles", inbox_url: str | None = None,
+                 scope: str = "openid profile email",
+                 http: httpx.AsyncClient | None = None) -> None:
+        if not issuer or not client_id:
+            raise ValueError("OIDC sign-in needs WARMLOOP_OIDC_ISSUER and "
+                             "WARMLOOP_OIDC_CLIENT_ID")
+        self.issuer = issuer.rstrip("/")
+        self.client_id, self._secret = client_id, client_secret
+        self._roles_claim, self._scope = roles_claim, scope
+        self._inbox_url = inbox_url.rstrip("/") if inbox_url else None
+        self._http = http or httpx.AsyncClient(timeout=DISCOVERY_TIMEOUT_S)
+        self._endpoints: ProviderEndpoints | None = None
+        self._verifier: JwtVerifier | None = None
+        self._lock = asyncio.Lock()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    def redirect_uri(self, base_url: str) -> str:
+        """Where the provider sends the person back: ``inbox_url`` if set, else the
+        base URL the request arrived on."""
+        return (self._inbox_url or base_url.rstrip("/")) + CALLBACK_PATH
+
+    async def endpoints(self) -> ProviderEndpoints:
+        """The issuer's endpoints (its discovery document, fetched once)."""
+        async with self._lock:
+            if self._endpoints is None:
+                url = self.issuer + "/.well-known/openid-configuration"
+                try:
+                    resp = await self._http.get(url)
+                    resp.raise_for_status()
+                    doc = resp.json()
+                    found = ProviderEndpoints(
+                        issuer=str(doc["issuer"]).rstrip("/"),
+                        authorization_endpoint=str(doc["authorization_endpoint"]),
+                        token_endpoint=str(doc["token_endpoint"]),
+                        jwks_uri=str(doc["jwks_uri"]))
+                except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+                    raise ProviderUnavailableError(
+                        f"the identity provider's discovery document ({url}) could not be "
+                        f"read ({type(e).__name__})") from None
+                if found.issuer != self.issuer:
+                    raise ProviderUnavailableError(
+                        f"the discovery document names issuer {found.issuer}, not "
+                        f"{self.issuer}; set WARMLOOP_OIDC_ISSUER to the issuer exactly")
+                self._endpoints = found
+                self._verifier = JwtVerifier(issuer=found.issuer, audience=self.client_id,
+                                             jwks_url=found.jwks_uri,
+                                             roles_claim=self._roles_claim)
+            return self._endpoints
+
+    async def start(self, login: LoginState, base_url: str) -> str:
+        """The authorization request's URL for ``login`` (whose state, nonce and code
+        verifier the caller keeps in the login cookie)."""
+        ep = await self.endpoints()
+        query = urlencode({
+            "response_type": "code", "client_id": self.client_id,
+            "redirect_uri": self.redirect_uri(base_url), "scope": self._scope,
+            "state": login.state, "nonce": login.nonce,
+            "code_challenge": pkce_challenge(login.code_verifier),
+            "code_challenge_method": "S256"})
+        sep = "&" if "?" in ep.authorization_endpoint else "?"
+        return f"{ep.authorization_endpoint}{sep}{query}"
+
+    async def finish(self, login: LoginState | None, params: Mapping[str, str],
+                     base_url: str) -> tuple[str, Identity]:
+        """The provider's answer at the callback, checked: (the ID token, the person).
+        Raises AuthError for an answer this browser did not ask for, a refusal at the
+        provider, or an ID token that does not verify; ProviderUnavailableError when the
+        token endpoint fails."""
+        if login is None:
+            raise AuthError("no sign-in was under way in this browser (or it took more "
+                            "than ten minutes); start again")
+        if "error" in params:
+            # before the state: some providers leave it out of a refusal, which carries
+            # no code and opens no session either way
+            why = params["error"][:60]
+            if params.get("error_description"):
+                why += ": " + params["error_description"][:200]
+            raise AuthError(f"the identity provider refused the sign-in ({why})")
+        if not hmac.compare_digest(login.state, params.get("state", "")):
+            raise AuthError("the answer does not belong to this browser's sign-in "
+                            "(state mismatch); start again")
+        code = params.get("code", "")
+        if not code:
+            raise AuthError("the identity provider sent no authorization code")
+        ep = await self.endpoints()
+        form = {"grant_type": "authorization_code", "code": code,
+                "redirect_uri": self.redirect_uri(base_url), "client_id": self.client_id,
+                "code_verifier": login.code_verifier}
+        if self._secret:
+            form["client_secret"] = self._secret
+        try:
+            resp = await self._http.post(ep.token_endpoint, data=form,
+                                         headers={"Accept": "application/json"})
+            body: Any = resp.json()
+        except (httpx.HTTPError, ValueError) as e:
+            raise ProviderUnavailableError(
+                f"the identity provider's token endpoint did not answer "
+                f"({type(e).__name__})") from None
+        if resp.status_code != 200 or not isinstance(body, dict):
+            refusal = body.get("error") if isinstance(body, dict) else None
+            raise AuthError(f"the identity provider refused the code "
+                            f"({str(refusal or resp.status_code)[:200]})")
+        id_token = body.get("id_token")
+        if not isinstance(id_token, str) or not id_token:
+            raise AuthError("the identity provider sent no ID token (is 'openid' among "
+                            "the client's scopes?)")
+        claims = await self._claims(id_token)
+        if not hmac.compare_digest(str(claims.get("nonce", "")), login.nonce):
+            raise AuthError("the ID token was not issued for this sign-in (nonce mismatch)")
+        return id_token, await self._identity(claims)
+
+    async def verify(self, id_token: str) -> Identity:
+        """A session's ID token, verified again (on every request): the person, or
+        AuthError once it has expired or its key is gone."""
+        return await self._identity(await self._claims(id_token))
+
+    async def _claims(self, id_token: str) -> dict[str, Any]:
+        """Claims of an ID token issued to this client (signature, iss, aud, exp); the
+        verification in a thread: the issuer's keys may be fetched."""
+        await self.endpoints()
+        assert self._verifier is not None  # set with the endpoints
+        return await asyncio.to_thread(self._verifier.claims, id_token)
+
+    async def _identity(self, claims: dict[str, Any]) -> Identity:
+        assert self._verifier is not None
+        return self._verifier.identity(claims)
