@@ -1200,7 +1200,8 @@ class AgentJob:
         asked = workflow.now()
         call = {"arguments": args, "job_id": self._job_id, "step": step, "task_id": task_id,
                 "idempotency_key": effect_idempotency_key(
-                    self._job_id, step, spec.name, spec.effect_identity(task_id, args))}
+                    self._job_id, step, spec.name, spec.effect_identity(task_id, args),
+                    owner=spec.effect_owner(self._job_id))}
         try:
             raw = await workflow.execute_activity(
                 runner.activity, call, task_queue=runner.task_queue,

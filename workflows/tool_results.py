@@ -18,17 +18,19 @@ def idempotency_key(job_id: str, step: int, tool: str) -> str:
     return f"{job_id}:{step}:{tool}"
 
 
-def effect_idempotency_key(job_id: str, step: int, tool: str, identity: str | None) -> str:
+def effect_idempotency_key(job_id: str, step: int, tool: str, identity: str | None, *,
+                           owner: str | None = None) -> str:
     """The key a side effect is made idempotent with downstream (``Idempotency-Key``,
     ``ToolContext.idempotency_key``, a user's activity): ``idempotency_key`` when the
     tool declares no identity; else the same for every call that changes the same thing
-    (``ToolSpec.effect_identity``), whatever its step, so the service dedupes it too.
-    The identity is hashed: it may hold any argument value, and a header must stay
-    short and ASCII."""
+    (``ToolSpec.effect_identity``), whatever its step, so the service dedupes it too:
+    within the job, or within ``owner`` (``ToolSpec.effect_owner``: the tenant, for an
+    effect applied once across its jobs). The identity is hashed: it may hold any
+    argument value, and a header must stay short and ASCII."""
     if identity is None:
         return idempotency_key(job_id, step, tool)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:32]
-    return f"{job_id}:{tool}:{digest}"
+    return f"{owner or job_id}:{tool}:{digest}"
 
 
 def cut_for_prompt(text: str, limit: int) -> str:

@@ -163,12 +163,13 @@ class ToolActivities:
         tool runs (a repeat never runs it), and written after; the record that stands
         (ours, or a concurrent attempt's) is what the model reads."""
         identity = spec.effect_identity(req.task_id, req.arguments)
-        done = await self._ledger.recorded(req.job_id, req.step, identity)
+        owner = spec.effect_owner(req.job_id)
+        done = await self._ledger.recorded(req.job_id, req.step, identity, owner)
         if done is not None and done.output is not None:
             await self._ledger.note_repeat(req.job_id)
             return self._repeat(profile, spec, req, done)
         outcome = await self._call(spec, req, effect_idempotency_key(
-            req.job_id, req.step, req.name, identity))
+            req.job_id, req.step, req.name, identity, owner=owner))
         if isinstance(spec.runner, PythonRunner | HttpRunner):
             if not outcome.result.ok:
                 return outcome.result  # nothing changed: the model may correct and retry
@@ -176,7 +177,7 @@ class ToolActivities:
             return outcome.result  # the toolset refused (not found, wrong amount, ...)
         record = await self._ledger.apply_once(
             req.job_id, req.step, req.name, ok=outcome.result.ok, output=outcome.result.output,
-            effect=outcome.effect, identity=identity)
+            effect=outcome.effect, identity=identity, owner=owner)
         if record.fresh or record.output is None:
             return outcome.result
         return self._repeat(profile, spec, req, record)
@@ -188,13 +189,18 @@ class ToolActivities:
         call reads its own result unchanged; a call at another step reads that result
         marked "already applied", so the model knows nothing changed this time."""
         output = done.output or ""
-        if done.step == req.step:
+        other_job = done.job_id is not None and done.job_id != req.job_id
+        if done.step == req.step and not other_job:
             return ToolResult(ok=done.ok, output=output)
-        log.info("effect_deduplicated", tool=req.name, applied_at=done.step)
+        log.info("effect_deduplicated", tool=req.name, applied_at=done.step,
+                 applied_by=done.job_id)
         per = list(dict.fromkeys([profile.task_id_field, *(spec.effect_key or ())]))
+        where = (f"by job {done.job_id} at step {done.step}" if other_job
+                 else f"at step {done.step}")
+        scope = " across the tenant's jobs" if spec.effect_scope == "tenant" else ""
         return ToolResult(ok=done.ok, output=(
-            f"already applied at step {done.step} ({req.name} applies once per "
-            f"{' and '.join(per)}); not applied again. It answered: {output}"))
+            f"already applied {where} ({req.name} applies once per "
+            f"{' and '.join(per)}{scope}); not applied again. It answered: {output}"))
 
     async def _call(self, spec: ToolSpec, req: ToolRequest, key: str, *,
                     hedge: bool = False) -> ToolOutcome:

@@ -69,13 +69,17 @@ class EffectRecord:
     theirs, the ledger keeps their answer)."""
     identity: str | None = None
     """``ToolSpec.effect_identity`` of the call, or None when keyed by (job, step)."""
+    job_id: str | None = None
+    """The job whose call applied it; None in a record written before records carried
+    it (always this job's then: identities were per job)."""
     fresh: bool = False
     """True for the record this very call wrote (not stored)."""
 
     def to_json(self) -> str:
         return json.dumps({"tool": self.tool, "step": self.step, "ok": self.ok,
                            "output": self.output, "effect": self.effect,
-                           "identity": self.identity}, sort_keys=True)
+                           "identity": self.identity, "job_id": self.job_id},
+                          sort_keys=True)
 
     @classmethod
     def from_json(cls, raw: str | bytes, key_step: int | None) -> EffectRecord:
@@ -85,7 +89,7 @@ class EffectRecord:
         if "step" in data:
             return cls(tool=data["tool"], step=int(data["step"]), ok=bool(data["ok"]),
                        output=data["output"], effect=data.get("effect"),
-                       identity=data.get("identity"))
+                       identity=data.get("identity"), job_id=data.get("job_id"))
         rest = {k: v for k, v in data.items() if k not in ("tool", "ok", "output")}
         return cls(tool=data.get("tool", ""), step=-1 if key_step is None else key_step,
                    ok=bool(data.get("ok", True)), output=data.get("output"),
@@ -96,9 +100,11 @@ class EffectLedger:
     """Side effects in Redis, one key each: SET NX makes each apply once.
 
     The key is the effect's business identity when its tool declares one
-    (``ToolSpec.effect_key``): an invoice is paid once however many steps ask. Otherwise
-    it is (job, step), which only makes a retried or re-run call idempotent. Each record
-    keeps the applying call's result, which a repeat answers with.
+    (``ToolSpec.effect_key``): an invoice is paid once however many steps ask; within
+    the job, or within its tenant for ``effect_scope="tenant"`` (the ``owner``), however
+    many jobs ask. Otherwise it is (job, step), which only makes a retried or re-run
+    call idempotent. Each record keeps the applying call's result (and job), which a
+    repeat answers with.
 
     Redis is not optional here: an effect is "applied" when its record is written, so
     without Redis nothing can be applied safely. Every method raises
@@ -109,30 +115,41 @@ class EffectLedger:
         self._redis = redis
 
     @staticmethod
-    def key(job_id: str, step: int, identity: str | None = None) -> str:
+    def key(job_id: str, step: int, identity: str | None = None,
+            owner: str | None = None) -> str:
         """The record's key; an identity is hashed (it holds argument values of any
-        length), and kept readable inside the record."""
+        length), and kept readable inside the record. ``owner``: whose effects the
+        identity is unique among (``ToolSpec.effect_owner``; default the job)."""
         if identity is None:
             return f"warmloop:effect:{job_id}:{step}"
-        return f"warmloop:effect:{job_id}:id:{hashlib.sha256(identity.encode()).hexdigest()}"
+        digest = hashlib.sha256(identity.encode()).hexdigest()
+        return f"warmloop:effect:{owner or job_id}:id:{digest}"
 
     @staticmethod
     def _counts_key(job_id: str) -> str:
         return f"warmloop:effects:{job_id}"
 
+    @staticmethod
+    def _shared_key(job_id: str) -> str:
+        """The keys of the effects the job applied under another owner (its tenant)."""
+        return f"warmloop:effects-shared:{job_id}"
+
     async def apply_once(self, job_id: str, step: int, tool: str, *, ok: bool, output: str,
-                         effect: dict[str, Any] | None = None,
-                         identity: str | None = None) -> EffectRecord:
+                         effect: dict[str, Any] | None = None, identity: str | None = None,
+                         owner: str | None = None) -> EffectRecord:
         """Record the effect unless its key holds one already; returns the record that
         stands: this call's (``fresh``) or the earlier one (a retry, a repeat at another
-        step, or a concurrent attempt that won)."""
+        step or, with an ``owner`` other than the job, in another job, or a concurrent
+        attempt that won)."""
         record = EffectRecord(tool=tool, step=step, ok=ok, output=output, effect=effect,
-                              identity=identity)
-        key = self.key(job_id, step, identity)
+                              identity=identity, job_id=job_id)
+        key = self.key(job_id, step, identity, owner)
         try:
             applied = await self._redis.set(key, record.to_json(), nx=True)
             await self._redis.hincrby(self._counts_key(job_id),
                                       "applied" if applied else "deduplicated", 1)
+            if applied and identity is not None and owner not in (None, job_id):
+                await self._redis.sadd(self._shared_key(job_id), key)
             if applied:
                 return replace(record, fresh=True)
             raw = await self._redis.get(key)
@@ -141,12 +158,12 @@ class EffectLedger:
         # gone between SET and GET only if someone deleted it: ours is what was applied
         return record if raw is None else EffectRecord.from_json(raw, step)
 
-    async def recorded(self, job_id: str, step: int,
-                       identity: str | None = None) -> EffectRecord | None:
+    async def recorded(self, job_id: str, step: int, identity: str | None = None,
+                       owner: str | None = None) -> EffectRecord | None:
         """The effect recorded under this call's key, or None: checked before a side
         effect runs, so a repeat never runs it again."""
         try:
-            raw = await self._redis.get(self.key(job_id, step, identity))
+            raw = await self._redis.get(self.key(job_id, step, identity, owner))
         except RedisError as e:
             raise _unavailable(e) from e
         return None if raw is None else EffectRecord.from_json(raw, step)
@@ -159,7 +176,8 @@ class EffectLedger:
             raise _unavailable(e) from e
 
     async def effects(self, job_id: str) -> dict[int, dict[str, Any]]:
-        """Every effect applied for ``job_id``, by the step that applied it."""
+        """Every effect applied by ``job_id``'s calls, by the step that applied it (its
+        tenant's shared ones included)."""
         prefix = f"warmloop:effect:{job_id}:"
         out: dict[int, dict[str, Any]] = {}
         async for key in self._redis.scan_iter(match=_glob_escape(prefix) + "*"):
@@ -170,6 +188,11 @@ class EffectLedger:
             raw = await self._redis.get(k)
             if raw is not None:
                 rec = EffectRecord.from_json(raw, int(rest) if rest.isdigit() else None)
+                out[rec.step] = json.loads(rec.to_json())
+        for key in await self._redis.smembers(self._shared_key(job_id)):
+            raw = await self._redis.get(key)
+            if raw is not None:
+                rec = EffectRecord.from_json(raw, None)
                 out[rec.step] = json.loads(rec.to_json())
         return out
 

@@ -35,6 +35,7 @@ class FakeRedis:
     def __init__(self) -> None:
         self.kv: dict[str, str] = {}
         self.hashes: dict[str, dict[str, int]] = {}
+        self.sets: dict[str, set[str]] = {}
         self.down = False
 
     def _check(self) -> None:
@@ -62,6 +63,14 @@ class FakeRedis:
     async def hgetall(self, key: str) -> dict[str, int]:
         self._check()
         return dict(self.hashes.get(key, {}))
+
+    async def sadd(self, key: str, *members: str) -> None:
+        self._check()
+        self.sets.setdefault(key, set()).update(members)
+
+    async def smembers(self, key: str) -> frozenset[str]:
+        self._check()
+        return frozenset(self.sets.get(key, ()))
 
     async def scan_iter(self, match: str) -> AsyncIterator[str]:
         self._check()
@@ -314,4 +323,114 @@ def test_a_profile_document_declares_an_identity() -> None:
     assert spec.effect_key == ("order_id",) and spec.task_args == ("order_id",)
     doc["tools"][0]["effect_key"] = ["amount"]
     with pytest.raises(ProfileDocumentError, match="amount"):
+        profile_from_document(doc)
+
+
+# ---- once across the tenant's jobs (effect_scope="tenant"), over a real redis-server -----
+
+
+@pytest.fixture
+def tenant_profile() -> Iterator[None]:
+    """An order profile whose function and HTTP tools change each order once, whichever
+    of the tenant's jobs asks."""
+    note = tool(side_effect=True, effect_key=("order_id",), task_args=("order_id",),
+                effect_scope="tenant", name="tenant_note")(_order_note)
+    refund = ToolSpec("refund", "Refund an order.", OrderArgs, side_effect=True,
+                      effect_key=("order_id",), task_args=("order_id",), effect_scope="tenant",
+                      runner=HttpRunner(url="http://refunds.test/refund"))
+    profile = Profile(name="effect-tenant-test", system_prompt="s", task_model=OrderTask,
+                      task_id_field="order_id",
+                      tools=(note.spec, refund, ToolSpec("done", "d", OrderArgs,
+                                                         finishes_job=True)))
+    REGISTRY.add(profile, source="test")
+    CALLS.clear()
+    SEEN.clear()
+    yield
+    REGISTRY.remove(profile.name)
+
+
+@pytest.fixture
+def shared_acts(client: Any) -> ToolActivities:
+    """The tool activities over a real redis-server (conftest's ``client``)."""
+    def resolve(path: str) -> FunctionTool:
+        return tool(side_effect=True, effect_key=("order_id",), task_args=("order_id",),
+                    effect_scope="tenant", name="tenant_note")(_order_note)
+
+    http = httpx.AsyncClient(transport=httpx.MockTransport(_service))
+    return ToolActivities([], EffectLedger(client), s3=None, bucket="b", http=http,
+                          resolve_function=resolve)
+
+
+def _order(job_id: str, step: int, name: str, **more: Any) -> ToolRequest:
+    return ToolRequest(job_id=job_id, step=step, profile="effect-tenant-test", task_id="O1234",
+                       name=name, arguments={"order_id": "O1234", **more})
+
+
+async def test_a_tenant_scoped_effect_applies_once_across_the_tenants_jobs(
+        shared_acts: ToolActivities, tenant_profile: None, client: Any) -> None:
+    """Two jobs of tenant acme refund order O1234: the service is called once, with one
+    idempotency key; the second job reads the first's answer, by which job and step.
+    Another tenant's job on the same order is its own; a retry of the applying call
+    reads its own answer unchanged."""
+    first = await shared_acts.run_tool(_order("acme/j1", 3, "refund"))
+    retry = await shared_acts.run_tool(_order("acme/j1", 3, "refund"))
+    second = await shared_acts.run_tool(_order("acme/j2", 3, "refund"))  # same step number
+    assert first == retry == ToolResult(ok=True, output="refunded O1234")
+    assert second.ok and "already applied by job acme/j1 at step 3" in second.output
+    assert "across the tenant's jobs" in second.output and "refunded O1234" in second.output
+    assert len(SEEN) == 1
+    assert SEEN[0].headers["Idempotency-Key"].startswith("tenant:acme:refund:")
+    other = await shared_acts.run_tool(_order("globex/j1", 2, "refund"))
+    assert other == ToolResult(ok=True, output="refunded O1234") and len(SEEN) == 2
+    assert SEEN[1].headers["Idempotency-Key"].startswith("tenant:globex:refund:")
+    # the function tool: called once for the tenant, the same key in both jobs
+    await shared_acts.run_tool(_order("acme/j1", 4, "tenant_note", note="called"))
+    again = await shared_acts.run_tool(_order("acme/j2", 5, "tenant_note", note="called"))
+    assert "already applied by job acme/j1 at step 4" in again.output and len(CALLS) == 1
+    assert CALLS[0][1].startswith("tenant:acme:tenant_note:")
+    # each job's ledger view: what it applied (the tenant's records included)
+    ledger = EffectLedger(client)
+    assert sorted(await ledger.effects("acme/j1")) == [3, 4]
+    assert await ledger.effects("acme/j2") == {}
+    assert await ledger.counts("acme/j2") == {"deduplicated": 2}
+
+
+async def test_jobs_racing_for_a_tenant_scoped_effect_apply_it_once(
+        shared_acts: ToolActivities, tenant_profile: None) -> None:
+    """Eight jobs ask at once: the ledger's SET NX lets one apply; the service may be
+    called by several (each before the others wrote), all with the one key it dedupes
+    by, and every job but one reads the winner's answer."""
+    results = await asyncio.gather(*(shared_acts.run_tool(_order(f"acme/r{i}", 2, "refund"))
+                                     for i in range(8)))
+    assert all(r.ok and "refunded O1234" in r.output for r in results)
+    assert sum("already applied" not in r.output for r in results) == 1
+    assert {req.headers["Idempotency-Key"] for req in SEEN} == {
+        SEEN[0].headers["Idempotency-Key"]}
+
+
+def test_a_tenant_scope_needs_an_identity() -> None:
+    with pytest.raises(ValueError, match="effect_key"):
+        ToolSpec("pay", "Pay.", OrderArgs, side_effect=True, effect_scope="tenant")
+    spec = ToolSpec("pay", "Pay.", OrderArgs, side_effect=True, effect_key=(),
+                    effect_scope="tenant")
+    assert spec.effect_owner("acme/j1") == "tenant:acme"
+    assert spec.effect_owner("j1") == "tenant:default"
+    assert ToolSpec("pay", "Pay.", OrderArgs, side_effect=True,
+                    effect_key=()).effect_owner("acme/j1") == "acme/j1"
+    doc: dict[str, Any] = {
+        "name": "doc-tenant", "system_prompt": "s", "task_id_field": "order_id",
+        "task_schema": {"type": "object", "properties": {"order_id": {
+            "type": "string", "pattern": "^O[0-9]{4}$"}}, "required": ["order_id"]},
+        "tools": [
+            {"name": "refund", "description": "Refund.", "side_effect": True,
+             "effect_key": ["order_id"], "effect_scope": "tenant",
+             "http": {"url": "http://refunds.test/refund"},
+             "arguments": {"type": "object", "properties": {"order_id": {
+                 "type": "string", "pattern": "^O[0-9]{4}$"}}, "required": ["order_id"]}},
+            {"name": "done", "description": "Done.", "finishes_job": True,
+             "arguments": {"type": "object", "properties": {}}},
+        ]}
+    assert profile_from_document(doc).tool("refund").effect_scope == "tenant"
+    doc["tools"][0]["effect_scope"] = "world"
+    with pytest.raises(ProfileDocumentError, match="effect_scope"):
         profile_from_document(doc)

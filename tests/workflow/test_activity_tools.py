@@ -41,11 +41,11 @@ class DoneArgs(BaseModel):
 
 
 def _profile(name: str, activity_name: str, pickup_s: float = 60.0,
-             queue: str = USER_QUEUE) -> Profile:
+             queue: str = USER_QUEUE, **identity: Any) -> Profile:
     return Profile(
         name=name, system_prompt="You refund orders.", task_model=Task, task_id_field="order_id",
         tools=(ToolSpec("refund", "Refund an order.", RefundArgs, side_effect=True,
-                        retry=ToolRetry(max_attempts=2, initial_interval_s=0.1),
+                        retry=ToolRetry(max_attempts=2, initial_interval_s=0.1), **identity,
                         runner=ActivityRunner(activity=activity_name, task_queue=queue,
                                               pickup_timeout_s=pickup_s)),
                ToolSpec("finish", "Done.", DoneArgs, finishes_job=True)),
@@ -53,7 +53,9 @@ def _profile(name: str, activity_name: str, pickup_s: float = 60.0,
 
 
 PROFILES = [_profile("acme-refunds", "acme_refund"), _profile("acme-flaky", "acme_flaky"),
-            _profile("acme-unserved", "acme_refund", pickup_s=5, queue="acme-nobody")]
+            _profile("acme-unserved", "acme_refund", pickup_s=5, queue="acme-nobody"),
+            _profile("acme-once", "acme_refund", effect_key=("order_id",),
+                     effect_scope="tenant")]
 CALLS: list[dict[str, Any]] = []
 
 
@@ -107,6 +109,19 @@ async def test_an_activity_tool_runs_on_the_users_queue(
     assert answer.role == "tool" and '"refunded": "O2"' in answer.content
     assert "[cut: " in answer.content and len(answer.content) < 400  # the profile's cap
     assert [p.kind for p in fakes.pauses] == ["tool:refund"]
+
+
+async def test_an_activity_tools_tenant_scoped_effect_has_one_key_in_every_job(
+        time_skipping_env: WorkflowEnvironment) -> None:
+    """``effect_scope="tenant"``: the user's activity gets the same idempotency key in
+    two jobs refunding the same order (it dedupes the refund by it); a job-scoped
+    identity's key names the job."""
+    first = await _run(time_skipping_env, _script(), "acme-once")
+    second = await _run(time_skipping_env, _script(), "acme-once")
+    assert first.state == second.state == JobState.FINISHED
+    keys = [c["idempotency_key"] for c in CALLS]
+    assert len(keys) == 2 and keys[0] == keys[1]
+    assert keys[0].startswith("tenant:default:refund:") and first.job_id not in keys[0]
 
 
 async def test_a_pause_that_cannot_be_recorded_does_not_fail_the_job(

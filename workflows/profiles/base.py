@@ -142,6 +142,13 @@ class ToolSpec:
     at another step is not applied again: the model reads the first call's result,
     marked "already applied". None (the default, and what a user's tool gets unless it
     opts in): once per (job, step), which only makes a retried call idempotent."""
+    effect_scope: Literal["job", "tenant"] = "job"
+    """Where an ``effect_key`` identity applies once: "job" (the default), within the
+    job; "tenant", across every job of the tenant, for a change that must happen once
+    whichever job asks (an invoice paid once, though two jobs reconcile it). A later
+    job's call then reads the first one's result, marked "already applied by job J at
+    step N", and a function, HTTP or activity tool gets the same idempotency key in
+    every job. Needs ``effect_key``."""
     task_args: tuple[str, ...] = ()
     """Arguments that name the job's own task record: a call whose value is not the
     task's id is refused (a one-line error the model reads) and nothing runs, so a model
@@ -193,6 +200,12 @@ class ToolSpec:
         if self.effect_key is not None and not self.side_effect:
             raise ValueError(f"tool {self.name!r}: effect_key needs side_effect=True (only a "
                              "side effect has an identity to apply once by)")
+        if self.effect_scope not in ("job", "tenant"):
+            raise ValueError(f"tool {self.name!r}: effect_scope must be 'job' or 'tenant', "
+                             f"got {self.effect_scope!r}")
+        if self.effect_scope != "job" and self.effect_key is None:
+            raise ValueError(f"tool {self.name!r}: effect_scope={self.effect_scope!r} needs an "
+                             "effect_key (the identity that applies once across jobs)")
 
     def effect_identity(self, task_id: str, arguments: dict[str, Any]) -> str | None:
         """What the effect of this call changes, as a canonical string (the same for
@@ -203,6 +216,15 @@ class ToolSpec:
             return None
         return json.dumps([self.name, task_id, {k: arguments.get(k) for k in self.effect_key}],
                           sort_keys=True, separators=(",", ":"), default=str)
+
+    def effect_owner(self, job_id: str) -> str:
+        """Whose effects a call's identity is unique among (``effect_scope``): the job,
+        or ``tenant:<tenant>`` for the job's tenant. Pure: the workflow may call it."""
+        if self.effect_scope == "job":
+            return job_id
+        from warmloop.workflows.tenants import tenant_of
+
+        return f"tenant:{tenant_of(job_id)}"
 
     def openai_schema(self) -> dict[str, Any]:
         """The tool as the OpenAI API declares it (a fresh copy: callers may edit it).

@@ -72,6 +72,9 @@ class ToolDoc(_Strict):
         default=None, description="Arguments that, with the tool and the task's record "
         "id, identify the side effect: it applies once per identity in a job ([] once per "
         "task record). Unset: once per step.")
+    effect_scope: Literal["job", "tenant"] = Field(
+        default="job", description="Where an effect_key identity applies once: within the "
+        "job, or across every job of the tenant (an invoice paid once, whichever job asks).")
     task_args: list[str] = Field(
         default_factory=list, description="Arguments that must name the job's own task "
         "record; a call naming another is refused.")
@@ -216,7 +219,7 @@ def _tool(profile: str, i: int, t: ToolDoc,
             name=t.name, description=t.description, args=args, finishes_job=t.finishes_job,
             max_calls=t.max_calls, side_effect=t.side_effect,
             effect_key=None if t.effect_key is None else tuple(t.effect_key),
-            task_args=tuple(t.task_args), timeout_s=t.timeout_s,
+            effect_scope=t.effect_scope, task_args=tuple(t.task_args), timeout_s=t.timeout_s,
             retry=ToolRetry(max_attempts=t.max_attempts,
                             initial_interval_s=t.retry_initial_interval_s),
             pause_median_s=t.pause_median_s, pause_p90_s=t.pause_p90_s, runner=runner,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, get_type_hints
+from typing import Any, Literal, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, create_model
 
@@ -29,7 +29,8 @@ class ToolContext:
     idempotency_key: str
     """``<job>:<step>:<tool>``: the same for every retry of one call; for a tool with an
     ``effect_key``, ``<job>:<tool>:<digest of the effect's identity>``, the same for
-    every call that changes the same thing."""
+    every call that changes the same thing (``tenant:<tenant>`` in place of the job
+    with ``effect_scope="tenant"``: the same in every job of the tenant)."""
 
 
 class FunctionTool:
@@ -60,7 +61,7 @@ def tool(
     retry_initial_interval_s: float = 0.5, non_retryable: tuple[str, ...] = (),
     pause_median_s: float = 1.0, pause_p90_s: float = 5.0,
     effect_key: tuple[str, ...] | None = None, task_args: tuple[str, ...] = (),
-    read_only: bool = False,
+    read_only: bool = False, effect_scope: Literal["job", "tenant"] = "job",
 ) -> Any:
     """Make a function a tool. Its parameters become the tool's arguments: every one
     must be annotated, and strings must be bounded (``Literal[...]`` or
@@ -78,7 +79,9 @@ def tool(
 
     ``effect_key`` (opt-in, with ``side_effect=True``): the parameters that, with the tool
     and the task's record id, identify what the call changes; the function then runs
-    once per that identity in a job, not once per step (``ToolSpec.effect_key``).
+    once per that identity in a job, not once per step (``ToolSpec.effect_key``);
+    ``effect_scope="tenant"``: once per identity across all of the tenant's jobs
+    (``ToolSpec.effect_scope``).
     ``task_args``: parameters that must name the job's own task record, or the call is
     refused before the function runs (``ToolSpec.task_args``).
 
@@ -114,6 +117,7 @@ def tool(
         spec = ToolSpec(
             name=tool_name, description=doc, args=args, finishes_job=finishes_job,
             max_calls=max_calls, side_effect=side_effect, effect_key=effect_key,
+            effect_scope=effect_scope,
             task_args=task_args, timeout_s=timeout_s,
             retry=ToolRetry(max_attempts=max_attempts,
                             initial_interval_s=retry_initial_interval_s,
