@@ -17,7 +17,7 @@ import os
 import secrets
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -93,6 +93,9 @@ class LoginState:
                    expires=(now or time.time()) + LOGIN_TTL_S)
 
 
+_Sealed = TypeVar("_Sealed", Session, LoginState)
+
+
 class SessionSealer:
     """Seals a Session into a cookie value and opens it again.
 
@@ -107,12 +110,7 @@ class SessionSealer:
         return self._seal(asdict(session), _AAD)
 
     def open(self, value: str | None, now: float | None = None) -> Session | None:
-        data = self._open(value, _AAD)
-        try:
-            session = Session(**data) if data is not None else None
-        except TypeError:
-            return None
-        return session if session and session.expires > (now or time.time()) else None
+        return self._open_as(Session, value, _AAD, now)
 
     def seal_login(self, login: LoginState) -> str:
         return self._seal(asdict(login), _LOGIN_AAD)
@@ -120,12 +118,18 @@ class SessionSealer:
     def open_login(self, value: str | None, now: float | None = None) -> LoginState | None:
         """The sign-in under way, or None (none, tampered, another key, expired). A
         session cookie never opens as one, nor one as a session (another AAD)."""
-        data = self._open(value, _LOGIN_AAD)
-        try:
-            login = LoginState(**data) if data is not None else None
-        except TypeError:
+        return self._open_as(LoginState, value, _LOGIN_AAD, now)
+
+    def _open_as(self, kind: type[_Sealed], value: str | None, aad: bytes,
+                 now: float | None) -> _Sealed | None:
+        data = self._open(value, aad)
+        if data is None:
             return None
-        return login if login and login.expires > (now or time.time()) else None
+        try:
+            opened = kind(**data)
+        except TypeError:  # another version's fields
+            return None
+        return opened if opened.expires > (now or time.time()) else None
 
     def _seal(self, data: dict[str, Any], aad: bytes) -> str:
         nonce = os.urandom(_NONCE_BYTES)
