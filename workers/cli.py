@@ -1083,6 +1083,13 @@ def replay(
         "round_robin, least_loaded."),
     reset: bool = typer.Option(True, "--reset/--no-reset",
                                help="Reset the engines' prefix caches before each policy."),
+    arrivals: bool = typer.Option(
+        False, "--arrivals", help="Start each job at its line's arrival_s (seconds after "
+        "the earliest line's), as production did, instead of keeping --window jobs "
+        "running; every line needs one."),
+    speed: float = typer.Option(1.0, "--speed", min=0.01, max=1000.0,
+                                help="With --arrivals: play the arrivals this many times "
+                                "faster."),
 ) -> None:
     """Replay recorded jobs on the real engines, once per routing policy: every step is
     generated through the real routing and holds, but the transcript gets the recorded
@@ -1097,16 +1104,19 @@ def replay(
         prepared = rp.prepare(rp.load_trace(trace), str(trace))
     except (TraceError, ValueError) as e:
         fail(f"{trace}: {e}" if isinstance(e, TraceError) else str(e))
+    if arrivals and (why := rp.arrival_problem(prepared)):
+        fail(f"{trace}: {why}")
+    pace = speed if arrivals else None
     err = Console(stderr=True)
 
     async def go() -> None:
         client = await connect(settings)
         try:
             runs = await rp.replay(settings, prepared, policies, client=client, window=window,
-                                   reset=reset, log=err)
+                                   reset=reset, log=err, speed=pace)
         except RuntimeError as e:
             fail(str(e))
-        rp.print_report(console, prepared, runs, window)
+        rp.print_report(console, prepared, runs, window, pace)
 
     run(go())
 

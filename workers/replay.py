@@ -88,6 +88,9 @@ class PreparedTrace:
     """(line number, input) per job, in trace order."""
     prompts: list[InlinePrompt]
     """Distinct inline prompts, to store before the jobs start."""
+    arrivals: list[float] | None = None
+    """Each job's start, in seconds after the first's (the lines' ``arrival_s``), when
+    every line has one; None otherwise."""
 
     @property
     def steps(self) -> int:
@@ -125,10 +128,23 @@ def prepare(lines: list[tuple[int, TraceJob]], source: str) -> PreparedTrace:
             profile=name, task=line.task_object,
             # the step cap only: a token, cost or wall-time cap would put run-dependent
             # figures in the prompt's budget line, and the prompts must not differ by run
-            limits=JobLimits(max_steps=len(line.steps)),
+            limits=JobLimits(max_steps=len(line.steps)), lane=line.lane,
             replay=replay_script(line, kinds))))
     distinct = list({p.name: p for p in prompts.values()}.values())
-    return PreparedTrace(source=source, jobs=jobs, prompts=distinct)
+    times = [line.arrival_s for _, line in lines]
+    arrivals = None
+    if all(t is not None for t in times):
+        first = min(t for t in times if t is not None)
+        arrivals = [t - first for t in times if t is not None]
+    return PreparedTrace(source=source, jobs=jobs, prompts=distinct, arrivals=arrivals)
+
+
+def arrival_problem(trace: PreparedTrace) -> str | None:
+    """Why the trace cannot be replayed at its recorded arrivals; None when it can."""
+    if trace.arrivals is not None:
+        return None
+    return ("--arrivals needs every line's arrival_s (the seconds at which the job "
+            "arrived); this trace has none on some lines: replay it with --window instead")
 
 
 # ---- one configuration -------------------------------------------------------------------
@@ -156,6 +172,9 @@ class ConfigRun:
     digest: str
     hashed_steps: int
     caches_reset: str
+    start_lag_max_s: float | None = None
+    """At recorded arrivals: the latest any job started after its arrival (the start
+    call's own time included); None when a window paced the jobs."""
 
     @property
     def hit_rate(self) -> float:
@@ -181,6 +200,8 @@ class ConfigRun:
             "ttft_p50_ms": round(self.ttft_p50_ms, 1), "ttft_p95_ms": round(self.ttft_p95_ms, 1),
             "makespan_s": round(self.makespan_s, 2), "prompt_digest": self.digest,
             "hashed_steps": self.hashed_steps, "caches_reset": self.caches_reset,
+            "start_lag_max_s": (None if self.start_lag_max_s is None
+                                else round(self.start_lag_max_s, 3)),
         }
 
 
@@ -204,7 +225,11 @@ async def live_fleet(client: Client, redis: aioredis.Redis, http: httpx.AsyncCli
 
 
 async def run_config(fleet: Fleet, trace: PreparedTrace, routing: RoutingPolicy, *,
-                     window: int, tag: str, reset: bool, log: Console) -> ConfigRun:
+                     window: int, tag: str, reset: bool, log: Console,
+                     speed: float | None = None) -> ConfigRun:
+    """``speed``: start each job at its recorded arrival divided by ``speed`` (the
+    window does not apply: production's jobs did not wait for one another); None: keep
+    ``window`` jobs running, in trace order."""
     if not reset:
         caches_reset = "no (--no-reset)"
     else:
@@ -216,15 +241,26 @@ async def run_config(fleet: Fleet, trace: PreparedTrace, routing: RoutingPolicy,
             log.print(f"[yellow]warning:[/] prefix caches not reset ({e}); this "
                       "configuration starts with what the last one left", highlight=False)
     before = await engine_counters(fleet.http, fleet.urls)
-    slots = asyncio.Semaphore(window)  # FIFO: jobs start in trace order
+    paced = speed is not None and trace.arrivals is not None
+    slots = asyncio.Semaphore(len(trace.jobs) if paced else window)  # FIFO: trace order
     started = time.monotonic()
+    lags: list[float] = []
+    """How late each job started after its recorded arrival (paced runs)."""
 
     async def one(i: int, job: JobInput) -> JobResult | None:
+        if paced:
+            assert trace.arrivals is not None and speed is not None
+            # when the job arrived, on the replay's clock (a timer, not a wait on others)
+            await asyncio.sleep(max(0.0, started + trace.arrivals[i] / speed
+                                    - time.monotonic()))
         async with slots:
             handle = await fleet.client.start_workflow(
                 AgentJob.run, job.model_copy(update={"routing": routing}),
                 id=f"replay-{tag}-{routing}-{i:04d}", task_queue=AGENT_TASK_QUEUE,
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE)
+            if paced:
+                assert trace.arrivals is not None and speed is not None
+                lags.append(time.monotonic() - started - trace.arrivals[i] / speed)
             try:
                 return await handle.result()
             except Exception as e:  # noqa: BLE001 - a failed workflow is counted, not fatal
@@ -251,12 +287,13 @@ async def run_config(fleet: Fleet, trace: PreparedTrace, routing: RoutingPolicy,
         cost_unknown_steps=sum(r.usage.cost_unknown_steps for _, r in done),
         ttft_p50_ms=percentile(ttfts, 50), ttft_p95_ms=percentile(ttfts, 95),
         makespan_s=makespan, digest=prompt_digest(hashes), hashed_steps=len(hashes),
-        caches_reset=caches_reset,
+        caches_reset=caches_reset, start_lag_max_s=max(lags) if lags else None,
     )
 
 
 async def replay(settings: Settings, trace: PreparedTrace, routings: list[RoutingPolicy], *,
-                 client: Client, window: int, reset: bool, log: Console) -> list[ConfigRun]:
+                 client: Client, window: int, reset: bool, log: Console,
+                 speed: float | None = None) -> list[ConfigRun]:
     """Store the trace's inline prompts, then run every configuration in turn."""
     from warmloop.workers.clients import build_redis, build_s3
 
@@ -275,11 +312,13 @@ async def replay(settings: Settings, trace: PreparedTrace, routings: list[Routin
             fleet = await live_fleet(client, redis, http, settings)
             runs = []
             for routing in routings:
+                pace = (f"at the recorded arrivals x{speed:g}" if speed is not None
+                        else f"window {window}")
                 log.print(f"replaying {len(trace.jobs)} jobs ({trace.steps} steps) with routing "
-                          f"{routing} on {', '.join(fleet.engine_ids)}, window {window} ...",
+                          f"{routing} on {', '.join(fleet.engine_ids)}, {pace} ...",
                           highlight=False)
                 r = await run_config(fleet, trace, routing, window=window, tag=tag,
-                                     reset=reset, log=log)
+                                     reset=reset, log=log, speed=speed)
                 log.print(f"  done in {r.makespan_s:.1f}s: hit rate {r.hit_rate:.3f}, prefill "
                           f"{r.prefill_tokens:,} tokens, digest {r.digest}", highlight=False)
                 runs.append(r)
@@ -339,20 +378,27 @@ def report_table(runs: list[ConfigRun], *, title: str) -> Table:
     row("makespan (s)", lambda r: f"{r.makespan_s:.1f}", lambda r: r.makespan_s)
     row("prompt digest (hashed steps)", lambda r: f"{r.digest} ({r.hashed_steps})")
     row("caches reset before", lambda r: r.caches_reset)
+    if any(r.start_lag_max_s is not None for r in runs):
+        row("latest start after its arrival (s)",
+            lambda r: "-" if r.start_lag_max_s is None else f"{r.start_lag_max_s:.2f}")
     return table
 
 
-def summary(trace: PreparedTrace, runs: list[ConfigRun], window: int) -> dict[str, Any]:
+def summary(trace: PreparedTrace, runs: list[ConfigRun], window: int,
+            speed: float | None = None) -> dict[str, Any]:
+    """The report's JSON line: ``window`` null when the jobs started at their recorded
+    arrivals (``speed``)."""
     return {"trace": trace.source, "jobs": len(trace.jobs), "steps": trace.steps,
-            "inline_prompts": len(trace.prompts), "window": window,
+            "inline_prompts": len(trace.prompts),
+            "window": None if speed is not None else window, "arrivals_speed": speed,
             "configs": [r.as_json() for r in runs]}
 
 
 def print_report(console: Console, trace: PreparedTrace, runs: list[ConfigRun],
-                 window: int) -> None:
+                 window: int, speed: float | None = None) -> None:
+    pace = f"recorded arrivals x{speed:g}" if speed is not None else f"window {window}"
     console.print(report_table(runs, title=f"warmloop replay {trace.source}: {len(trace.jobs)} "
-                                           f"jobs, {trace.steps} recorded steps, window "
-                                           f"{window}"))
+                                           f"jobs, {trace.steps} recorded steps, {pace}"))
     digests = {r.digest for r in runs}
     if len(digests) == 1:
         console.print(f"every configuration sent the same prompts (digest {runs[0].digest})",
@@ -360,4 +406,4 @@ def print_report(console: Console, trace: PreparedTrace, runs: list[ConfigRun],
     else:
         console.print("[yellow]the prompt digests differ[/]: some steps were not replayed "
                       "alike (a job ended early, or a worker that reports no prompt hash)")
-    print(json.dumps(summary(trace, runs, window)), flush=True)
+    print(json.dumps(summary(trace, runs, window, speed)), flush=True)

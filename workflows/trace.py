@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from warmloop.workflows.contracts import FunctionCall, ReplayScript, ReplayStep, ToolCall
+from warmloop.workflows.contracts import FunctionCall, Lane, ReplayScript, ReplayStep, ToolCall
 from warmloop.workflows.profiles import Profile, ToolSpec
 from warmloop.workflows.prompt import canonical_json
 
@@ -116,6 +116,13 @@ class TraceJob(BaseModel):
     task: Any
     """An object (validated by the profile, if one is named) or free text."""
     steps: list[TraceStep] = Field(min_length=1, max_length=10_000)
+    arrival_s: float | None = Field(default=None, ge=0, le=1e11)
+    """When the job arrived, in seconds on any clock the trace shares (epoch seconds
+    will do; the earliest line's is the replay's start): ``warmloop replay --arrivals``
+    starts each job then, as production did, instead of keeping a window of jobs
+    running. Bounded so that epoch milliseconds are refused, not replayed 1,000x slow."""
+    lane: Lane = Lane.INTERACTIVE
+    """The lane the job ran in (a batch job goes through the engines' batch admission)."""
 
     @field_validator("task")
     @classmethod

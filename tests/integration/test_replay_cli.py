@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+from temporalio.client import Client
 
 from bench.make_trace import make_trace
 from tests.integration.cli import warmloop
 from warmloop.infra.stack import Stack
+from warmloop.workflows.contracts import JobInput
 
 pytestmark = pytest.mark.integration
 
@@ -55,3 +58,38 @@ async def test_a_replayed_trace_sends_the_same_prompts_every_run(stack: Stack,
     assert "hit rate (engine counters)" in first.stdout
     assert "cache_aware" in first.stdout and "round_robin" in first.stdout
     assert "every configuration sent the same prompts" in first.stdout
+
+
+async def test_a_trace_replayed_at_its_arrivals_starts_no_job_before_it_arrived(
+        stack: Stack, client: Client, tmp_path: Path) -> None:
+    """``--arrivals --speed 4``: jobs recorded 4 s apart start 1 s apart, none early
+    (their workflows' start times, from Temporal), a batch line in the batch lane."""
+    lines = make_trace(jobs=3, seed=5)
+    for i, x in enumerate(lines):
+        x["arrival_s"] = 1_700_000_000.0 + 4.0 * i  # epoch seconds, as a log has them
+    lines[2]["lane"] = "batch"
+    trace = tmp_path / "arrivals.jsonl"
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    since = datetime.now(UTC) - timedelta(seconds=1)
+    out = await asyncio.to_thread(warmloop, "replay", str(trace), "--arrivals", "--speed", "4")
+    assert out.returncode == 0, out.stderr
+    summary = last_json(out.stdout)
+    assert summary["window"] is None and summary["arrivals_speed"] == 4
+    [config] = summary["configs"]
+    assert config["states"] == {"FINISHED": len(lines)}
+    assert config["start_lag_max_s"] is not None and config["start_lag_max_s"] >= 0
+    assert "latest start after its arrival" in out.stdout
+    query = f"WorkflowType = 'AgentJob' AND StartTime >= '{since.isoformat()}'"
+    runs = sorted([wf async for wf in client.list_workflows(query)
+                   if wf.id.startswith("replay-")], key=lambda wf: wf.id)
+    assert len(runs) == len(lines)
+    starts = [wf.start_time for wf in runs]
+    for i, t in enumerate(starts):  # the ids number the jobs in trace order
+        assert (t - starts[0]).total_seconds() >= i * 4.0 / 4 - 0.05, starts
+    lanes = []
+    for wf in runs:  # each job's input, as its workflow history has it
+        history = await client.get_workflow_handle(wf.id).fetch_history()
+        started = history.events[0].workflow_execution_started_event_attributes
+        [job] = await client.data_converter.decode(started.input.payloads, [JobInput])
+        lanes.append(job.lane)
+    assert lanes == ["interactive", "interactive", "batch"]

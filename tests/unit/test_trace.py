@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from warmloop.workers.cli import app
-from warmloop.workers.replay import prepare
+from warmloop.workers.replay import arrival_problem, prepare
 from warmloop.workflows.trace import (
     TraceError,
     inline_prompts,
@@ -175,3 +175,32 @@ def test_the_cli_refuses_a_bad_trace_before_it_connects(
     good.write_text(json.dumps(PROFILE_LINE))
     out = CliRunner().invoke(app, ["replay", str(good), "--routing", "random"])
     assert out.exit_code == 1 and "--routing 'random'" in out.output
+
+
+def test_recorded_arrivals_and_lanes_carry_into_the_replay() -> None:
+    """Arrivals count from the earliest line (any clock the trace shares); a batch line
+    runs in the batch lane; one line without an arrival leaves the trace to a window."""
+    batch = {**INLINE_LINE, "arrival_s": 1_700_000_012.5, "lane": "batch"}
+    trace = prepare(parse_trace(lines({**PROFILE_LINE, "arrival_s": 1_700_000_010.0}, batch,
+                                      {**PROFILE_LINE, "arrival_s": 1_700_000_011.0})), "t")
+    assert trace.arrivals == [0.0, 2.5, 1.0]
+    assert [j.lane for _, j in trace.jobs] == ["interactive", "batch", "interactive"]
+    assert arrival_problem(trace) is None
+    partial = prepare(parse_trace(lines({**PROFILE_LINE, "arrival_s": 3.0}, PROFILE_LINE)), "t")
+    assert partial.arrivals is None
+    assert "arrival_s" in (arrival_problem(partial) or "")
+    assert "arrival_s: Input should be greater than or equal to 0" in error_of(
+        {**PROFILE_LINE, "arrival_s": -1})
+    assert "lane: Input should be 'interactive' or 'batch'" in error_of(
+        {**PROFILE_LINE, "lane": "express"})
+
+
+def test_the_cli_refuses_arrivals_a_trace_lacks_before_it_connects(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("WARMLOOP_TEMPORAL_ADDRESS", "127.0.0.1:1")
+    t = tmp_path / "t.jsonl"
+    t.write_text("\n".join(lines({**PROFILE_LINE, "arrival_s": 0}, PROFILE_LINE)))
+    out = CliRunner().invoke(app, ["replay", str(t), "--arrivals"])
+    assert out.exit_code == 1 and "--arrivals needs every line's arrival_s" in out.output
+    assert "cannot reach Temporal" not in out.output
