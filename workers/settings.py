@@ -306,7 +306,7 @@ class Settings(BaseSettings):
     at the identity provider (OpenID Connect's authorization code flow with PKCE)
     beside the pasted token, and the ID token the issuer returns for this client is
     the session's (verified again on every request, so its expiry ends the session)."""
-    oidc_client_secret: str | None = Field(default=None, repr=False)
+    oidc_client_secret: SecretStr | None = None
     """The client's secret for a confidential client (sent to the token endpoint as
     ``client_secret_post``); None: a public client, PKCE alone."""
     inbox_url: str | None = None
@@ -326,6 +326,10 @@ class Settings(BaseSettings):
     """The approvals service (web inbox and its API) that the CLI's approval commands call."""
     inbox_port: int = Field(default=8300, ge=1024, le=65535)
     """Port of the web inbox the embedded stack runs (``warmloop ui`` serves it)."""
+    inbox_session_key: SecretStr | None = None
+    """AES-256 key (base64 of 32 random bytes) sealing the inbox's session cookies. Give
+    every replica the same one, and keep it across restarts, or a restart (or another
+    replica) signs everyone out. None: a random key per start."""
     gateway_port: int = Field(default=8500, ge=1024, le=65535)
     """Port of the OpenAI-compatible gateway (``warmloop gateway``; the embedded stack's
     ``gateway`` part)."""
@@ -426,7 +430,8 @@ class Settings(BaseSettings):
         return None if v is None else v.expanduser().resolve()
 
     @field_serializer("temporal_api_key", "redis_password", "s3_secret_access_key",
-                      "payload_key", "payload_old_keys", when_used="json")
+                      "payload_key", "payload_old_keys", "oidc_client_secret",
+                      "inbox_session_key", when_used="json")
     def _secrets_in_clear_for_children(self, v: SecretStr | None) -> str | None:
         """JSON dumps carry secrets in clear: ``settings_env`` (infra/stack.py) passes a
         child process its settings as ``model_dump(mode="json")``, and a masked
@@ -494,6 +499,8 @@ class Settings(BaseSettings):
                          "standard AWS chain")
         if self.payload_key is not None:
             decode_payload_key("payload_key", self.payload_key.get_secret_value())
+        if self.inbox_session_key is not None:
+            decode_payload_key("inbox_session_key", self.inbox_session_key.get_secret_value())
         old = self.payload_old_key_ring()
         if old and self.payload_key is None:
             raise ValueError("payload_old_keys without payload_key: set the current key too "

@@ -3,6 +3,7 @@ sign-in, who sees what, decisions and refusals, CSRF, escaping, 401s."""
 
 from __future__ import annotations
 
+import base64
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -295,6 +296,30 @@ def test_sealed_sessions_expire_and_do_not_open_under_another_key() -> None:
     assert SessionSealer(b"j" * 32).open(value, now=1001.0) is None
     assert sealer.open("not base64 !!", now=1001.0) is None
     assert not s.csrf_ok(None) and not s.csrf_ok("") and s.csrf_ok(s.csrf)
+
+
+def test_replicas_with_the_same_session_key_share_sessions() -> None:
+    """``WARMLOOP_INBOX_SESSION_KEY``: a session made by one inbox (a replica, or before
+    a restart) opens in another; without it each start makes its own key."""
+    key = base64.b64encode(b"s" * 32).decode()
+    settings = Settings(inbox_session_key=key)
+
+    def replica(s: Settings) -> TestClient:
+        return TestClient(create_app(s, backend=make_backend(), verifier=FakeVerifier()),
+                          follow_redirects=False)
+
+    with replica(settings) as a, replica(settings) as b, replica(Settings()) as other:
+        sign_in(a, "tok-bob")
+        cookie = a.cookies.get(COOKIE_NAME)
+        assert cookie
+        b.cookies.set(COOKIE_NAME, cookie)
+        assert b.get("/").status_code == 200  # signed in on the other replica
+        other.cookies.set(COOKIE_NAME, cookie)
+        assert other.get("/").status_code == 303  # a random key: signed out
+    with pytest.raises(ValueError, match="inbox_session_key decodes to 9 bytes"):
+        Settings(inbox_session_key=base64.b64encode(b"too-short").decode())
+    with pytest.raises(ValueError, match="inbox_session_key is not base64"):
+        Settings(inbox_session_key="not a key!")
 
 
 # ---- the inbox, the detail page and decisions ---------------------------------------------

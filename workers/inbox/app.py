@@ -52,7 +52,7 @@ from warmloop.workers.inbox.session import (
     Session,
     SessionSealer,
 )
-from warmloop.workers.settings import Settings
+from warmloop.workers.settings import Settings, decode_payload_key
 from warmloop.workflows.contracts import (
     ApprovalRecord,
     ChatMessage,
@@ -551,7 +551,8 @@ def create_app(settings: Settings, *, backend: InboxBackend | None = None,
 
     ``mounts``: extra routes, e.g. ``Mount("/codec", codec_app)``; they get none of the
     inbox's headers or sessions. ``session_key``: 32 bytes shared by replicas; None
-    makes a random one (everyone is signed out when the process restarts). ``oidc``:
+    takes ``inbox_session_key``, else makes a random one (everyone is signed out when
+    the process restarts). ``oidc``:
     sign-in at an identity provider; default from ``oidc_issuer`` and ``oidc_client_id``
     when both are set (none otherwise: pasted tokens only)."""
     if backend is None:
@@ -570,9 +571,13 @@ def create_app(settings: Settings, *, backend: InboxBackend | None = None,
 
         verifier = verifier_from_settings(settings)
     if oidc is None and settings.oidc_issuer and settings.oidc_client_id:
+        secret = settings.oidc_client_secret
         oidc = OidcLogin(issuer=settings.oidc_issuer, client_id=settings.oidc_client_id,
-                         client_secret=settings.oidc_client_secret,
+                         client_secret=secret.get_secret_value() if secret else None,
                          roles_claim=settings.oidc_roles_claim, inbox_url=settings.inbox_url)
+    if session_key is None and settings.inbox_session_key is not None:
+        session_key = decode_payload_key("inbox_session_key",
+                                         settings.inbox_session_key.get_secret_value())
     inbox = _Inbox(backend, verifier, SessionSealer(session_key), oidc)
     # a tenant's job ids hold a slash (<tenant>/<job id>)
     approval = "/approvals/{job_id:path}/{approval_id}"
