@@ -7,9 +7,11 @@ worker that comes back rejoins with its next heartbeat.
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -211,21 +213,19 @@ async def nothing() -> None:
 async def write_field_watched(
         redis: aioredis.Redis, key: str, field: str,
         decide: Callable[[dict[Any, Any]], tuple[str | None, list[str], T]], *,
-        attempts: int = 5, expire_s: int | None = None) -> T:
+        attempts: int = 12, expire_s: int | None = None) -> T:
     """Read the hash ``key`` and write its ``field`` as ``decide`` says, as one optimistic
-    transaction (WATCH), retried on a conflict: of two callers deciding at once, the later
-    to write decides again on what the earlier wrote. ``decide`` answers (the value to
-    write, None to write nothing; fields to drop; what to return). After ``attempts``
-    conflicts it decides and writes without the guard. ``expire_s``: the hash's TTL,
-    set with each write."""
+    transaction (WATCH), retried on a conflict after a short random wait: of two callers
+    deciding at once, the later to write decides again on what the earlier wrote.
+    ``decide`` answers (the value to write, None to write nothing; fields to drop; what
+    to return). After ``attempts`` conflicts it raises ``WatchError`` (a RedisError):
+    it never writes unguarded, which under a burst let many callers decide on the same
+    stale read. ``expire_s``: the hash's TTL, set with each write."""
     async with redis.pipeline(transaction=True) as pipe:
         for attempt in range(attempts):
-            guarded = attempt < attempts - 1
             try:
-                if guarded:
-                    await pipe.watch(key)
-                raw = await (pipe.hgetall(key) if guarded else redis.hgetall(key))
-                value, dead, answer = decide(raw)
+                await pipe.watch(key)
+                value, dead, answer = decide(await pipe.hgetall(key))
                 if value is None:
                     return answer  # leaving the block unwatches
                 pipe.multi()
@@ -237,8 +237,49 @@ async def write_field_watched(
                 await pipe.execute()
                 return answer
             except WatchError:
-                continue
-    raise AssertionError("unreachable: the last attempt is not guarded")
+                await pipe.reset()
+                await asyncio.sleep(random.uniform(0, 0.005 * (attempt + 1)))
+    raise WatchError(f"{key}: {attempts} conflicting writers in a row; try again")
+
+
+_CLAIM_START = """
+local now, window, expire = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local me, limit, nrun = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
+local running, ended = {}, {}
+for i = 7, 6 + nrun do running[ARGV[i]] = true end
+for i = 7 + nrun, #ARGV do ended[ARGV[i]] = true end
+local flat = redis.call('HGETALL', KEYS[1])
+local count, mine = nrun, 0
+for i = 1, #flat, 2 do
+  local id, at = flat[i], tonumber(flat[i + 1])
+  if at == nil or now - at > window or ended[id] then
+    redis.call('HDEL', KEYS[1], id)
+  elseif id == me then
+    mine = 1
+  elseif not running[id] then
+    count = count + 1
+  end
+end
+if count >= limit then return {0, count, mine} end
+if mine == 0 then redis.call('HSET', KEYS[1], me, ARGV[1]) end
+redis.call('EXPIRE', KEYS[1], expire)
+return {1, count, mine}
+"""
+"""``TenantUsage.claim_start`` in one step on the server: count the tenant's jobs in
+flight (the running ones the caller saw, plus the recorded starts it did not, less the
+ended), and record this start if there is room."""
+
+
+@dataclass(frozen=True)
+class StartClaim:
+    """What ``TenantUsage.claim_start`` decided, and on what count."""
+
+    admitted: bool
+    in_flight: int
+    """The tenant's jobs counted in flight, this one not included."""
+    recorded_before: bool
+    """The workflow id had a recent start already (a repeated submit): it was kept, not
+    written again, and is not this submit's to drop."""
 
 
 def step_key(job_id: str, step: int, profile: str) -> str:
@@ -298,23 +339,23 @@ class TenantUsage:
         raw = await self._redis.hgetall(TENANT_STARTS.format(tenant))
         return _live_starts(raw, time.time())[0]
 
-    async def claim_start(self, tenant: str, workflow_id: str,
-                          admit: Callable[[set[str]], bool], *, attempts: int = 5) -> bool:
-        """Record that ``workflow_id`` starts now if ``admit`` says yes to the others'
-        recent starts (``recent_starts``, less ``workflow_id``), read and written as
-        one optimistic transaction (WATCH): of two submits for a tenant's last slot, the
-        later one to write sees the earlier's start. True when recorded. After
-        ``attempts`` conflicts it decides and writes without the guard."""
-        def write(raw: dict[Any, Any]) -> tuple[str | None, list[str], bool]:
-            now = time.time()
-            live, dead = _live_starts(raw, now)
-            live.pop(workflow_id, None)
-            admitted = admit(set(live))
-            return (repr(now) if admitted else None), dead, admitted
-
-        return await write_field_watched(
-            self._redis, TENANT_STARTS.format(tenant), workflow_id, write, attempts=attempts,
-            expire_s=int(TENANT_START_CLAIM_S) + 60)
+    async def claim_start(self, tenant: str, workflow_id: str, *, limit: int,
+                          running: Collection[str], ended: Collection[str] = ()
+                          ) -> StartClaim:
+        """Record that ``workflow_id`` starts now if the tenant's jobs in flight leave room
+        under ``limit``: ``running`` (visibility's), plus the starts recorded within
+        ``TENANT_START_CLAIM_S`` that are neither running nor ``ended`` (Temporal says so;
+        they are dropped). One Lua script, so submits racing for the last slot are
+        counted one after another however many there are (a WATCH loop gave way under a
+        burst of them)."""
+        run = sorted(running)
+        raw = await self._redis.eval(  # type: ignore[misc]
+            _CLAIM_START, 1, TENANT_STARTS.format(tenant), repr(time.time()),
+            str(TENANT_START_CLAIM_S), str(int(TENANT_START_CLAIM_S) + 60), workflow_id,
+            str(limit), str(len(run)), *run, *sorted(ended))
+        admitted, counted, mine = (int(v) for v in raw)
+        return StartClaim(admitted=bool(admitted), in_flight=counted,
+                          recorded_before=bool(mine))
 
     async def drop_start(self, tenant: str, workflow_id: str) -> None:
         """Forget ``workflow_id``'s start (its start failed: it holds no slot)."""

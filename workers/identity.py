@@ -59,6 +59,11 @@ class AuthError(Exception):
     """A token that does not verify; the message is safe to show the person."""
 
 
+class KeysUnavailableError(Exception):
+    """The issuer's signing keys could not be fetched: a token's validity is unknown,
+    not refused. Callers answer "try again" (503) and keep the person signed in."""
+
+
 class TokenVerifier(ABC):
     """Turns a bearer token into a verified identity."""
 
@@ -109,14 +114,15 @@ class JwtVerifier(TokenVerifier):
     ALGORITHMS = ["RS256", "RS384", "RS512", "ES256", "ES384", "PS256", "EdDSA"]
 
     def __init__(self, *, issuer: str, audience: str, jwks_url: str | None = None,
-                 roles_claim: str = "roles") -> None:
+                 roles_claim: str = "roles", keys_timeout_s: float = 5.0) -> None:
         import jwt
 
         self._issuer, self._audience, self._roles_claim = issuer, audience, roles_claim
         url = jwks_url or issuer.rstrip("/") + "/.well-known/jwks.json"
         # The JWKS is cached (300 s) but single keys are not: a key the issuer removed
         # stops verifying when the cache expires, not at the next restart.
-        self._jwks = jwt.PyJWKClient(url, cache_keys=False, lifespan=300)
+        self._jwks = jwt.PyJWKClient(url, cache_keys=False, lifespan=300,
+                                     timeout=keys_timeout_s)
 
     def verify(self, token: str) -> Identity:
         return self.identity(self.claims(token))
@@ -142,6 +148,9 @@ class JwtVerifier(TokenVerifier):
                 issuer=self._issuer, options={"require": ["exp", "iss", "aud", "sub"]})
         except jwt.ExpiredSignatureError:
             raise AuthError("the token has expired; sign in again") from None
+        except jwt.PyJWKClientConnectionError as e:
+            raise KeysUnavailableError(f"the identity provider's keys could not be fetched "
+                                       f"({type(e).__name__}); try again shortly") from None
         except jwt.PyJWKClientError as e:
             raise AuthError(f"the token's signing key is unknown ({e})") from None
         except jwt.InvalidTokenError as e:

@@ -22,6 +22,7 @@ import structlog
 from pydantic import ValidationError
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
+from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from warmloop.activities.registry import REDIS_ERRORS, TenantUsage
@@ -86,19 +87,28 @@ async def _visible_running(client: Client, tenant: str, enough: int) -> set[str]
     return ids
 
 
+DESCRIBES_AT_ONCE = 16
+"""Temporal describes a submit sends at once (near the limit, one per recorded start
+visibility does not show)."""
+
+
 async def _ended(client: Client, starts: Mapping[str, float]) -> set[str]:
     """Of ``starts`` (workflow id: when its submit recorded it), those no longer in
     flight: closed, or unknown to Temporal past ``STARTING_GRACE_S`` (a start that
-    failed without its record being dropped)."""
+    failed without its record being dropped). A describe that fails otherwise counts
+    the job in flight (the quota errs on the safe side; logged)."""
     now = time.time()
+    slots = asyncio.Semaphore(DESCRIBES_AT_ONCE)
 
     async def ended(wid: str, at: float) -> bool:
-        try:
-            desc = await client.get_workflow_handle(wid).describe()
-        except RPCError as e:
-            if e.status == RPCStatusCode.NOT_FOUND:
-                return now - at > STARTING_GRACE_S
-            raise
+        async with slots:
+            try:
+                desc = await client.get_workflow_handle(wid).describe()
+            except RPCError as e:
+                if e.status == RPCStatusCode.NOT_FOUND:
+                    return now - at > STARTING_GRACE_S
+                log.warning("tenant_start_undescribed", workflow_id=wid, error=str(e)[:200])
+                return False
         return desc.status != WorkflowExecutionStatus.RUNNING
 
     done = await asyncio.gather(*(ended(w, at) for w, at in starts.items()))
@@ -108,15 +118,16 @@ async def _ended(client: Client, starts: Mapping[str, float]) -> set[str]:
 async def _claim_job_slot(client: Client, tenant: str, quota: TenantQuota, workflow_id: str,
                           usage: TenantUsage | None) -> bool:
     """Raise QuotaExceededError when the tenant's jobs in flight are at its
-    ``max_jobs_in_flight``, else
-    record ``workflow_id``'s start (True; False when there is nowhere to record it).
+    ``max_jobs_in_flight``, else record ``workflow_id``'s start: True when this submit
+    recorded it (its to drop if the start fails), False when there is nowhere to record
+    it or the id had a recent start already (a repeated submit).
 
     In flight: the running jobs visibility shows, and the starts the tenant's submits
     recorded lately (``TenantUsage.claim_start``) that visibility does not show yet,
-    less those Temporal says have ended (asked only when the count reaches the limit).
-    Visibility alone lags the starts, so two submits racing for the last slot both
-    passed; the record, read and written in one transaction, lets only one. Redis away:
-    visibility alone (logged), as before."""
+    less those Temporal says have ended (asked only when the count reaches the limit;
+    they are dropped from the record). Visibility alone lags the starts, so two submits
+    racing for the last slot both passed; the record, counted and written in one step
+    on the server, lets one. Redis away: visibility alone (logged), as before."""
     limit = quota.max_jobs_in_flight or 0
     running = await _visible_running(client, tenant, limit)
     if (why := over_jobs(tenant, quota, len(running))) is not None:
@@ -127,19 +138,14 @@ async def _claim_job_slot(client: Client, tenant: str, quota: TenantQuota, workf
         starts = {w: at for w, at in (await usage.recent_starts(tenant)).items()
                   if w not in running and w != workflow_id}
         gone = await _ended(client, starts) if len(running) + len(starts) >= limit else set()
-        counted = len(running)
-
-        def admit(recent: set[str]) -> bool:
-            nonlocal counted
-            counted = len(running | (recent - gone))  # starts recorded since count too
-            return counted < limit
-
-        if await usage.claim_start(tenant, workflow_id, admit):
-            return True
+        claim = await usage.claim_start(tenant, workflow_id, limit=limit, running=running,
+                                        ended=gone)
     except REDIS_ERRORS as e:
         log.warning("tenant_starts_unknown", tenant=tenant, error=str(e) or type(e).__name__)
         return False
-    raise QuotaExceededError(over_jobs(tenant, quota, counted) or "")
+    if not claim.admitted:
+        raise QuotaExceededError(over_jobs(tenant, quota, claim.in_flight) or "")
+    return not claim.recorded_before
 
 
 async def check_tenant_quota(client: Client, tenant: str, quota: TenantQuota | None, *,
@@ -187,7 +193,11 @@ async def start_job(client: Client, job: JobInput, job_id: str, *,
             AgentJob.run, job, id=wid,
             task_queue=AGENT_TASK_QUEUE, id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
             search_attributes=TypedSearchAttributes([SearchAttributePair(SA_TENANT, job.tenant)]))
+    except WorkflowAlreadyStartedError:
+        raise  # the id's job exists: its record (if any) stands for it
     except BaseException:
+        # Hazard: a start that succeeded but whose answer was lost lands here too; its
+        # record goes, and until visibility shows the job its slot looks free.
         if claimed and usage is not None:
             with contextlib.suppress(*REDIS_ERRORS):
                 await usage.drop_start(job.tenant, wid)

@@ -15,6 +15,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 from temporalio.client import Client
+from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError
 
 from tests.polling import eventually
@@ -236,8 +237,9 @@ async def test_submits_racing_for_a_tenants_last_slot_start_one_job(
 async def test_a_tenants_ended_or_failed_starts_hold_no_slot(
     client: Client, stack: Stack, redis: aioredis.Redis,
 ) -> None:
-    """A recorded start whose job has ended (or whose start failed) frees its slot at
-    once, not when its record expires; without Redis the quota is visibility's alone."""
+    """A recorded start whose job has ended frees its slot at once, not when its record
+    expires; a repeated id keeps the job's record; without Redis the quota is
+    visibility's alone."""
     tag = uuid.uuid4().hex[:6]
     t = f"te-{tag}"
     usage = TenantUsage(redis)
@@ -257,10 +259,15 @@ async def test_a_tenants_ended_or_failed_starts_hold_no_slot(
         assert "e3" not in str(await usage.recent_starts(t))  # a refusal records nothing
     finally:
         await _cancel_all(jobs, [second])
-    # a start that fails (the id was used) drops its record
-    with pytest.raises(Exception, match="already started"):
+    # a submit repeating a job's id is refused by Temporal, and the job's record stands
+    with pytest.raises(WorkflowAlreadyStartedError):
         await jobs.submit("ticket-triage", task, job_id="e2", tenant=t, tools=NO_FINISH)
+    assert second in await usage.recent_starts(t)
+    # the next submit's count finds it ended (Temporal says so) and drops it
+    third = await jobs.submit("ticket-triage", task, job_id="e5", tenant=t, tools=NO_FINISH,
+                              limits=JobLimits(max_steps=1, max_tool_calls=UNCAPPED))
     assert second not in await usage.recent_starts(t)
+    await asyncio.wait_for(jobs.result(third), timeout=120)
     # Redis away: submits are checked against visibility alone, not refused
     away = aioredis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.5)
     alone = JobClient(client, tenants={t: TenantQuota(max_jobs_in_flight=1)},

@@ -379,15 +379,15 @@ async def test_a_tenant_scoped_effect_applies_once_across_the_tenants_jobs(
     assert second.ok and "already applied by job acme/j1 at step 3" in second.output
     assert "across the tenant's jobs" in second.output and "refunded O1234" in second.output
     assert len(SEEN) == 1
-    assert SEEN[0].headers["Idempotency-Key"].startswith("tenant:acme:refund:")
+    assert SEEN[0].headers["Idempotency-Key"].startswith("acme/*:refund:")
     other = await shared_acts.run_tool(_order("globex/j1", 2, "refund"))
     assert other == ToolResult(ok=True, output="refunded O1234") and len(SEEN) == 2
-    assert SEEN[1].headers["Idempotency-Key"].startswith("tenant:globex:refund:")
+    assert SEEN[1].headers["Idempotency-Key"].startswith("globex/*:refund:")
     # the function tool: called once for the tenant, the same key in both jobs
     await shared_acts.run_tool(_order("acme/j1", 4, "tenant_note", note="called"))
     again = await shared_acts.run_tool(_order("acme/j2", 5, "tenant_note", note="called"))
     assert "already applied by job acme/j1 at step 4" in again.output and len(CALLS) == 1
-    assert CALLS[0][1].startswith("tenant:acme:tenant_note:")
+    assert CALLS[0][1].startswith("acme/*:tenant_note:")
     # each job's ledger view: what it applied (the tenant's records included)
     ledger = EffectLedger(client)
     assert sorted(await ledger.effects("acme/j1")) == [3, 4]
@@ -413,8 +413,8 @@ def test_a_tenant_scope_needs_an_identity() -> None:
         ToolSpec("pay", "Pay.", OrderArgs, side_effect=True, effect_scope="tenant")
     spec = ToolSpec("pay", "Pay.", OrderArgs, side_effect=True, effect_key=(),
                     effect_scope="tenant")
-    assert spec.effect_owner("acme/j1") == "tenant:acme"
-    assert spec.effect_owner("j1") == "tenant:default"
+    assert spec.effect_owner("acme/j1") == "acme/*"
+    assert spec.effect_owner("j1") == "default/*"
     assert ToolSpec("pay", "Pay.", OrderArgs, side_effect=True,
                     effect_key=()).effect_owner("acme/j1") == "acme/j1"
     doc: dict[str, Any] = {

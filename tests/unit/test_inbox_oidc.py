@@ -20,7 +20,7 @@ from starlette.testclient import TestClient
 
 from tests.unit.test_inbox import FakeVerifier, make_backend
 from warmloop.workers.inbox import create_app
-from warmloop.workers.inbox.oidc import OidcLogin, pkce_challenge
+from warmloop.workers.inbox.oidc import OidcLogin, azp_problem, pkce_challenge
 from warmloop.workers.inbox.session import COOKIE_NAME, LOGIN_COOKIE_NAME, Session, SessionSealer
 from warmloop.workers.settings import Settings
 
@@ -90,7 +90,10 @@ def test_a_person_signs_in_at_the_provider_with_its_roles(idp: str) -> None:
         # is not sent on the provider's redirect chain)
         assert '<meta http-equiv="refresh" content="0; url=/history">' in r.text
         assert COOKIE_NAME in r.cookies
-        assert r.cookies.get(LOGIN_COOKIE_NAME) is None  # the sign-in under way is over
+        # the sign-in under way is over: its cookie deleted, in the response and the jar
+        assert any(h.startswith(f"{LOGIN_COOKIE_NAME}=") and "Max-Age=0" in h
+                   for h in r.headers.get_list("set-cookie"))
+        assert web.cookies.get(LOGIN_COOKIE_NAME) is None
         history = web.get("/history")
         assert history.status_code == 200
         assert re.search(r'data-testid="subject">bob<', history.text)
@@ -166,3 +169,50 @@ def test_without_a_client_id_no_sign_in_at_a_provider_is_offered() -> None:
 def test_pkce_challenge_is_rfc_7636s_example() -> None:
     assert pkce_challenge("dBjftJeZ4CVP-mB92K27uhbUJU1p1r_wW1gFWFOEjXk") == \
         "E9Melhoa2OwvFrEMTJguCHaoeK1t8URWbuGJSstw-cM"
+
+
+def test_no_redirect_off_site_after_signing_in(idp: str) -> None:
+    """A next path with a tab (browsers drop it: ``/<tab>/evil`` is ``//evil``) or a
+    scheme-relative one lands on the inbox's front page."""
+    for bad in ("/\t/evil.example", "//evil.example", "/\\evil.example", "/ok\n/x"):
+        with inbox(idp) as web:
+            r = come_back(web, authorize(start(web, bad)))
+            assert r.status_code == 200
+            assert '<meta http-equiv="refresh" content="0; url=/">' in r.text, bad
+
+
+def test_a_forged_callback_signs_no_one_out(idp: str) -> None:
+    """The callback is reached from other sites, where the browser sends no session
+    cookie: its refusals set none, so a link to it cannot end a session."""
+    with inbox(idp) as web:
+        come_back(web, authorize(start(web)))
+        for query in ("error=access_denied", "code=x&state=y"):
+            r = web.get(f"/signin/callback?{query}")
+            assert r.status_code == 401
+            assert not any(h.startswith(f"{COOKIE_NAME}=")
+                           for h in r.headers.get_list("set-cookie"))
+        assert web.get("/").status_code == 200  # still signed in
+
+
+def test_a_provider_down_after_a_restart_keeps_people_signed_in(idp: str) -> None:
+    """An inbox restarted (same session key) while its provider is unreachable answers
+    503 and keeps the session: the ID token's validity is unknown, not refused."""
+    with inbox(idp) as web:
+        come_back(web, authorize(start(web)))
+        cookie = web.cookies.get(COOKIE_NAME)
+    with inbox("http://127.0.0.1:1") as restarted:  # its provider unreachable
+        restarted.cookies.set(COOKIE_NAME, cookie or "")
+        r = restarted.get("/")
+        assert r.status_code == 503 and "Identity provider unavailable" in r.text
+        kept = SessionSealer(KEY).open(r.cookies.get(COOKIE_NAME))  # what the page set
+        assert kept is not None and kept.token and kept.source == "oidc"
+        api = restarted.get("/api/approvals")
+        assert api.status_code == 401  # the API takes bearer tokens, not the cookie
+
+
+def test_an_id_token_for_several_audiences_must_name_this_client_its_azp() -> None:
+    assert azp_problem({"aud": CLIENT}, CLIENT) is None
+    assert azp_problem({"aud": [CLIENT]}, CLIENT) is None
+    assert azp_problem({"aud": [CLIENT, "other"], "azp": CLIENT}, CLIENT) is None
+    assert "azp" in (azp_problem({"aud": [CLIENT, "other"], "azp": "other"}, CLIENT) or "")
+    assert "azp" in (azp_problem({"aud": [CLIENT, "other"]}, CLIENT) or "")

@@ -18,7 +18,8 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 from moto import mock_aws
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
+from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import ActivityEnvironment
 
 from tests.unit.engine_fakes import (
@@ -388,42 +389,47 @@ async def test_the_quota_fails_open_while_redis_is_away(server: RedisServer,
     assert (await generate(inf, step_request(tenant="acme"))).prompt_tokens == 300
 
 
-async def test_starts_claimed_at_once_for_a_tenants_last_slot_let_one_in(
+async def test_starts_claimed_at_once_for_a_tenants_last_slots_let_that_many_in(
         redis: aioredis.Redis) -> None:
-    """Eight submits write their start at once for a one-slot tenant: each reads the
-    others' starts and writes its own in one transaction, so exactly one gets in."""
+    """Forty submits write their start at once for a five-slot tenant: the count and
+    the write are one step on the server, so exactly five get in (a WATCH loop that
+    wrote unguarded after its retries let 18 in)."""
     usage = TenantUsage(redis)
 
     async def claim(i: int) -> bool:
-        return await usage.claim_start("acme", f"acme/j{i}", lambda others: not others)
+        return (await usage.claim_start("acme", f"acme/j{i}", limit=5, running=set())).admitted
 
-    claimed = await asyncio.gather(*(claim(i) for i in range(8)))
-    assert sum(claimed) == 1
-    winner = f"acme/j{claimed.index(True)}"
-    assert set(await usage.recent_starts("acme")) == {winner}
-    # a start is not counted against itself (a submit retried with the same id)
-    assert await usage.claim_start("acme", winner, lambda others: not others)
+    claimed = await asyncio.gather(*(claim(i) for i in range(40)))
+    assert sum(claimed) == 5
+    winners = {f"acme/j{i}" for i, ok in enumerate(claimed) if ok}
+    assert set(await usage.recent_starts("acme")) == winners
+    # a refusal says on what count
+    refused = await usage.claim_start("acme", "acme/late", limit=5, running=set())
+    assert not refused.admitted and refused.in_flight == 5
+    # a start is not counted against itself, and a repeated submit's record stands
+    again = await usage.claim_start("acme", sorted(winners)[0], limit=5, running=set())
+    assert again.admitted and again.recorded_before and again.in_flight == 4
+    # running jobs visibility shows are counted once, recorded or not
+    shown = await usage.claim_start("acme", "acme/x", limit=7,
+                                    running={*sorted(winners)[:2], "acme/old-1"})
+    assert shown.admitted and shown.in_flight == 6
     # another tenant's starts are its own
-    assert await usage.claim_start("globex", "globex/j0", lambda others: not others)
-    await usage.drop_start("acme", winner)
-    assert await usage.recent_starts("acme") == {}
+    assert (await usage.claim_start("globex", "globex/j0", limit=1, running=set())).admitted
+    await usage.drop_start("acme", "acme/x")
+    assert "acme/x" not in await usage.recent_starts("acme")
 
 
-async def test_old_and_unreadable_starts_are_dropped_on_the_next_claim(
+async def test_ended_old_and_unreadable_starts_are_dropped_by_the_next_claim(
         redis: aioredis.Redis) -> None:
     usage = TenantUsage(redis)
     key = TENANT_STARTS.format("acme")
     await redis.hset(key, mapping={"acme/old": repr(time.time() - TENANT_START_CLAIM_S - 1),
                                    "acme/garbled": "not a time",
+                                   "acme/ended": repr(time.time()),
                                    "acme/recent": repr(time.time())})
-    seen: list[set[str]] = []
-
-    def admit(others: set[str]) -> bool:
-        seen.append(others)
-        return True
-
-    assert await usage.claim_start("acme", "acme/new", admit)
-    assert seen == [{"acme/recent"}]
+    claim = await usage.claim_start("acme", "acme/new", limit=2, running=set(),
+                                    ended={"acme/ended"})
+    assert claim.admitted and claim.in_flight == 1  # acme/recent
     assert set(await redis.hkeys(key)) == {b"acme/recent", b"acme/new"}
     assert 0 < await redis.ttl(key) <= TENANT_START_CLAIM_S + 60  # expires by itself
 
@@ -475,6 +481,8 @@ class FakeTemporal:
         self.running = running
         self.queries: list[str] = []
         self.started: list[dict[str, Any]] = []
+        self.fail: BaseException | None = None
+        """What the next start raises (then cleared)."""
 
     async def _running(self) -> AsyncIterator[Any]:
         for i in range(self.running):
@@ -485,6 +493,9 @@ class FakeTemporal:
         return self._running()
 
     async def start_workflow(self, workflow: Any, arg: Any, **kw: Any) -> Any:
+        if self.fail is not None:
+            fail, self.fail = self.fail, None
+            raise fail
         self.started.append({"input": arg, **kw})
         return object()
 
@@ -534,6 +545,25 @@ async def test_submit_refuses_a_tenant_at_its_jobs_in_flight() -> None:
     temporal.running = 1
     assert await jobs.submit(TRIAGE, TASK, tenant="acme", job_id="x") == "acme/x"
     assert await jobs.submit(TRIAGE, TASK, tenant="globex", job_id="x") == "globex/x"
+
+
+async def test_a_failed_start_drops_its_record_and_a_repeated_id_keeps_the_first(
+        redis: aioredis.Redis) -> None:
+    """A start that fails frees the slot it recorded; a submit repeating a started job's
+    id (Temporal: already started) leaves that job's record, which still counts."""
+    temporal = FakeTemporal()
+    usage = TenantUsage(redis)
+    jobs = JobClient(temporal, tenants={"acme": TenantQuota(max_jobs_in_flight=2)},  # type: ignore[arg-type]
+                     usage=usage)
+    temporal.fail = RPCError("unavailable", RPCStatusCode.UNAVAILABLE, b"")
+    with pytest.raises(RPCError):
+        await jobs.submit(TRIAGE, TASK, tenant="acme", job_id="a")
+    assert await usage.recent_starts("acme") == {}
+    assert await jobs.submit(TRIAGE, TASK, tenant="acme", job_id="b") == "acme/b"
+    temporal.fail = WorkflowAlreadyStartedError("acme/b", "AgentJob")
+    with pytest.raises(WorkflowAlreadyStartedError):
+        await jobs.submit(TRIAGE, TASK, tenant="acme", job_id="b")
+    assert set(await usage.recent_starts("acme")) == {"acme/b"}
 
 
 async def test_submit_refuses_a_tenant_that_spent_its_hour_and_fails_open_without_redis(

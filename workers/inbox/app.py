@@ -39,6 +39,7 @@ from warmloop.workers.identity import (
     AssertionSigner,
     AuthError,
     Identity,
+    KeysUnavailableError,
     TokenVerifier,
     bearer_token,
 )
@@ -184,8 +185,12 @@ def _form_text(form: Mapping[str, Any], name: str) -> str:
 
 
 def _safe_next(target: str) -> str:
-    """Only a path of this site: never an open redirect to another host."""
-    ok = target.startswith("/") and not target.startswith("//") and "\\" not in target
+    """Only a path of this site: never an open redirect to another host. Whitespace and
+    control characters are refused too: browsers drop tabs and newlines from a URL, so
+    ``/<tab>/evil.example`` in a page (the sign-in's refresh) would become
+    ``//evil.example``."""
+    ok = (target.startswith("/") and not target.startswith("//") and "\\" not in target
+          and not any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F for c in target))
     return target if ok else "/"
 
 
@@ -225,10 +230,9 @@ class _Inbox:
         if session.source == "oidc":
             if self.oidc is None:
                 raise AuthError("sign-in at the identity provider is not configured here")
-            try:
-                return await self.oidc.verify(session.token)
-            except ProviderUnavailableError as e:
-                raise AuthError(str(e)) from None
+            # the provider or its keys unreachable: ProviderUnavailableError or
+            # KeysUnavailableError, a 503 that keeps the session (not a sign-out)
+            return await self.oidc.verify(session.token)
         return await self._verify(session.token)
 
     async def _web_who(self, request: Request) -> tuple[Session, Identity]:
@@ -330,36 +334,38 @@ class _Inbox:
     async def signin_callback(self, request: Request) -> Response:
         """The provider's answer: checked, the ID token becomes the session's. The page
         goes on to where the person was headed with a same-site refresh: the session
-        cookie (SameSite=Strict) is not sent on a redirect chain the provider started."""
+        cookie (SameSite=Strict) is not sent on a redirect chain the provider started.
+        Only a sign-in that succeeds sets the session cookie: this page is reached from
+        another site, where the browser sends none, and answering a forged link with an
+        empty session would sign the person out."""
         if self.oidc is None:
             raise _Refusal(404, "Not here", "Sign-in at an identity provider is not "
                            "configured (WARMLOOP_OIDC_CLIENT_ID).")
         login = self.sealer.open_login(request.cookies.get(LOGIN_COOKIE_NAME))
-        session = self._session(request)
         try:
             id_token, who = await self.oidc.finish(login, request.query_params,
                                                    str(request.base_url))
-        except AuthError as e:
-            response: Response = self.page_signin(
-                request, session, status=401, error=f"Sign-in refused: {e}.",
-                next_url=login.next if login else "/")
-        except ProviderUnavailableError as e:
-            response = self.page(request, "error.html", session, status=503,
-                                 title="Identity provider unavailable", message=str(e))
-        else:
             if len(id_token) > MAX_TOKEN_CHARS:
-                response = self.page_signin(
-                    request, session, status=401,
-                    error=f"The identity provider's ID token is longer than "
-                          f"{MAX_TOKEN_CHARS} characters; the session cannot hold it.")
-            else:
-                signed_in = Session.signed_in(id_token, source="oidc")
-                response = HTMLResponse(self._render(
-                    "continue.html", signed_in, who=who, next=login.next if login else "/"))
-                self._set_cookie(request, response,
-                                 signed_in.with_flash(f"Signed in as {who.subject}."))
+                raise AuthError(f"the identity provider's ID token is longer than "
+                                f"{MAX_TOKEN_CHARS} characters; the session cannot hold it")
+        except AuthError as e:
+            response: Response = self._cookieless_error(
+                401, "Sign-in refused", f"Sign-in refused: {e}. Sign in again from /signin.")
+        except (ProviderUnavailableError, KeysUnavailableError) as e:
+            response = self._cookieless_error(503, "Identity provider unavailable", str(e))
+        else:
+            signed_in = Session.signed_in(id_token, source="oidc")
+            response = HTMLResponse(self._render(
+                "continue.html", signed_in, who=who, next=login.next if login else "/"))
+            # a long subject must not push the sealed cookie past browsers' 4 KiB
+            self._set_cookie(request, response,
+                             signed_in.with_flash(f"Signed in as {who.subject[:80]}."))
         response.delete_cookie(LOGIN_COOKIE_NAME, path="/signin")
         return response
+
+    def _cookieless_error(self, status: int, title: str, message: str) -> HTMLResponse:
+        return HTMLResponse(self._render("error.html", Session.anonymous(), who=None,
+                                         title=title, message=message), status_code=status)
 
     async def signin(self, request: Request) -> Response:
         session = self._session(request)
@@ -507,10 +513,15 @@ class _Inbox:
         if session.token is not None:
             try:
                 who = await self._session_who(session)
-            except AuthError:
+            except (AuthError, KeysUnavailableError, ProviderUnavailableError):
                 who = None
         return self.page(request, "error.html", session, who=who, status=exc.status,
                          title=exc.title, message=exc.message)
+
+    async def on_provider_down(self, request: Request, exc: Exception) -> Response:
+        """The identity provider (or its keys) unreachable: try again, still signed in."""
+        return await self.on_refusal(request, _Refusal(503, "Identity provider unavailable",
+                                                       str(exc)))
 
     async def on_unavailable(self, request: Request, exc: Exception) -> Response:
         """Temporal unreachable or refusing: say so, without a stack trace."""
@@ -609,6 +620,8 @@ def create_app(settings: Settings, *, backend: InboxBackend | None = None,
             _SignInNeeded: inbox.on_sign_in_needed,
             _Refusal: inbox.on_refusal,
             RPCError: inbox.on_unavailable,
+            KeysUnavailableError: inbox.on_provider_down,
+            ProviderUnavailableError: inbox.on_provider_down,
             HTTPException: inbox.on_http,
         },
     )

@@ -19,6 +19,7 @@ import asyncio
 import base64
 import hashlib
 import hmac
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,8 @@ from warmloop.workers.identity import AuthError, Identity, JwtVerifier
 from warmloop.workers.inbox.session import LoginState
 
 CALLBACK_PATH = "/signin/callback"
-DISCOVERY_TIMEOUT_S = 10.0
+DISCOVERY_TIMEOUT_S = 5.0
+RETRY_DISCOVERY_S = 10.0
 
 
 class ProviderUnavailableError(Exception):
@@ -52,6 +54,15 @@ def pkce_challenge(code_verifier: str) -> str:
     """PKCE's S256 challenge of a code verifier (RFC 7636)."""
     digest = hashlib.sha256(code_verifier.encode()).digest()
     return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+def azp_problem(claims: Mapping[str, Any], client_id: str) -> str | None:
+    """Why an ID token naming several audiences is not this client's (OpenID Connect
+    Core 3.1.3.7: then ``azp`` must be the client); None when it is."""
+    aud = claims.get("aud")
+    if isinstance(aud, list) and len(aud) > 1 and claims.get("azp") != client_id:
+        return "the ID token was issued to another party (its azp is not this client)"
+    return None
 
 
 class OidcLogin:
@@ -76,6 +87,10 @@ class OidcLogin:
         self._endpoints: ProviderEndpoints | None = None
         self._verifier: JwtVerifier | None = None
         self._lock = asyncio.Lock()
+        self._failed: tuple[float, str] | None = None
+        """When discovery last failed, and why: repeated within ``RETRY_DISCOVERY_S``
+        without asking again, so a provider that is down does not stack up requests
+        each waiting out its own timeout."""
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -89,6 +104,9 @@ class OidcLogin:
         """The issuer's endpoints (its discovery document, fetched once)."""
         async with self._lock:
             if self._endpoints is None:
+                if self._failed is not None and \
+                        time.monotonic() - self._failed[0] < RETRY_DISCOVERY_S:
+                    raise ProviderUnavailableError(self._failed[1])
                 url = self.issuer + "/.well-known/openid-configuration"
                 try:
                     resp = await self._http.get(url)
@@ -100,9 +118,10 @@ class OidcLogin:
                         token_endpoint=str(doc["token_endpoint"]),
                         jwks_uri=str(doc["jwks_uri"]))
                 except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
-                    raise ProviderUnavailableError(
-                        f"the identity provider's discovery document ({url}) could not be "
-                        f"read ({type(e).__name__})") from None
+                    why = (f"the identity provider's discovery document ({url}) could not "
+                           f"be read ({type(e).__name__})")
+                    self._failed = (time.monotonic(), why)
+                    raise ProviderUnavailableError(why) from None
                 if found.issuer != self.issuer:
                     raise ProviderUnavailableError(
                         f"the discovery document names issuer {found.issuer}, not "
@@ -173,6 +192,8 @@ class OidcLogin:
         claims = await self._claims(id_token)
         if not hmac.compare_digest(str(claims.get("nonce", "")), login.nonce):
             raise AuthError("the ID token was not issued for this sign-in (nonce mismatch)")
+        if (not_ours := azp_problem(claims, self.client_id)) is not None:
+            raise AuthError(not_ours)
         return id_token, await self._identity(claims)
 
     async def verify(self, id_token: str) -> Identity:

@@ -148,7 +148,10 @@ class ToolSpec:
     whichever job asks (an invoice paid once, though two jobs reconcile it). A later
     job's call then reads the first one's result, marked "already applied by job J at
     step N", and a function, HTTP or activity tool gets the same idempotency key in
-    every job. Needs ``effect_key``."""
+    every job. Needs ``effect_key``. Hazard: jobs asking at the same moment may each
+    call a function, HTTP or activity tool before the ledger holds the first answer
+    (the ledger records after the call); they all send that one key, which the tool
+    must dedupe by. A toolset's effects are applied by the ledger itself, once."""
     task_args: tuple[str, ...] = ()
     """Arguments that name the job's own task record: a call whose value is not the
     task's id is refused (a one-line error the model reads) and nothing runs, so a model
@@ -219,12 +222,14 @@ class ToolSpec:
 
     def effect_owner(self, job_id: str) -> str:
         """Whose effects a call's identity is unique among (``effect_scope``): the job,
-        or ``tenant:<tenant>`` for the job's tenant. Pure: the workflow may call it."""
+        or ``<tenant>/*`` for the job's tenant: no job's id (ids hold no ``*``, a bare
+        id no ``/``), so a job's own keys never meet a tenant's. Pure: the workflow may
+        call it."""
         if self.effect_scope == "job":
             return job_id
         from warmloop.workflows.tenants import tenant_of
 
-        return f"tenant:{tenant_of(job_id)}"
+        return f"{tenant_of(job_id)}/*"
 
     def openai_schema(self) -> dict[str, Any]:
         """The tool as the OpenAI API declares it (a fresh copy: callers may edit it).

@@ -29,7 +29,7 @@ class ToolContext:
     idempotency_key: str
     """``<job>:<step>:<tool>``: the same for every retry of one call; for a tool with an
     ``effect_key``, ``<job>:<tool>:<digest of the effect's identity>``, the same for
-    every call that changes the same thing (``tenant:<tenant>`` in place of the job
+    every call that changes the same thing (``<tenant>/*`` in place of the job
     with ``effect_scope="tenant"``: the same in every job of the tenant)."""
 
 
