@@ -25,6 +25,7 @@ from typing import TypeVar
 
 import redis.asyncio as aioredis
 import structlog
+from redis.exceptions import WatchError
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
@@ -166,6 +167,8 @@ class RoutingActivities:
                     return BatchClaim(window=window, model=req.model, at=time.time()), answer
 
                 answer = await self._registry.claim_batch_window(req.batch_id, decide)
+        except WatchError:  # Redis answered: too many batches asking at once, not an outage
+            return default_batch_window(req.max_window, "too many batches asking at once")
         except REDIS_ERRORS as e:
             self._outage.failed(e, what="batch_window")
             return default_batch_window(req.max_window,

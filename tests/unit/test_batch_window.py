@@ -179,6 +179,24 @@ async def test_batches_asking_at_the_same_moment_see_each_others_claims(
     assert small.window == 24 and (await ask(acts, batch_id="big")).others == {"small": 5}
 
 
+async def test_a_crowd_of_batches_asking_at_once_never_decides_on_a_stale_read(
+        redis: aioredis.Redis) -> None:
+    """Thirty batches at once: each claim is written only on the read it decided on
+    (never unguarded after its retries), so the batches that got an answer from the
+    fleet each saw a different number of others; one that ran out of retries gets the
+    default, and says so."""
+    registry = EngineRegistry(redis, ttl_s=5)
+    await registry.heartbeat(beat("e0", kv_fit=240))
+    acts = RoutingActivities(registry, redis)
+    answers = await asyncio.gather(*(ask(acts, batch_id=f"c{i}") for i in range(30)))
+    decided = [a for a in answers if a.fit is not None]
+    crowded = [a for a in answers if a.fit is None]
+    assert all("too many batches asking at once" in a.why for a in crowded)
+    seen = sorted(len(a.others) for a in decided)
+    assert seen == list(range(len(decided))), seen  # one after another
+    assert len(decided) >= 2
+
+
 async def test_the_activity_answers_the_default_while_redis_is_away(
         server: RedisServer, client: aioredis.Redis) -> None:
     registry = EngineRegistry(client, ttl_s=5)
