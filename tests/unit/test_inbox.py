@@ -298,6 +298,17 @@ def test_sealed_sessions_expire_and_do_not_open_under_another_key() -> None:
     assert not s.csrf_ok(None) and not s.csrf_ok("") and s.csrf_ok(s.csrf)
 
 
+def test_cookies_are_secure_when_the_inbox_url_is_https() -> None:
+    """Behind a TLS proxy that does not forward the scheme, the request looks like
+    http: ``WARMLOOP_INBOX_URL=https://...`` still marks the cookies Secure."""
+    for url, secure in (("https://approvals.example.com", True), (None, False)):
+        app = create_app(Settings(inbox_url=url), backend=make_backend(),
+                         verifier=FakeVerifier())
+        with TestClient(app, follow_redirects=False) as web:
+            cookie = web.get("/signin").headers["set-cookie"]
+            assert ("; secure" in cookie.lower()) == secure, cookie
+
+
 def test_replicas_with_the_same_session_key_share_sessions() -> None:
     """``WARMLOOP_INBOX_SESSION_KEY``: a session made by one inbox (a replica, or before
     a restart) opens in another; without it each start makes its own key."""

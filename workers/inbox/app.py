@@ -13,9 +13,10 @@ credential to ride on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -208,10 +209,17 @@ class _Inbox:
     """The routes, over one backend, one verifier and one session sealer."""
 
     def __init__(self, backend: InboxBackend, verifier: TokenVerifier,
-                 sealer: SessionSealer, oidc: OidcLogin | None = None) -> None:
+                 sealer: SessionSealer, oidc: OidcLogin | None = None, *,
+                 https: bool = False) -> None:
+        """``https``: browsers reach the inbox over https (``inbox_url`` says so), so its
+        cookies are Secure even where the proxy before it does not say the scheme."""
         self.backend, self.verifier, self.sealer = backend, verifier, sealer
         self.oidc = oidc
         self.env = _environment()
+        self._https = https
+
+    def _secure(self, request: Request) -> bool:
+        return self._https or request.url.scheme == "https"
 
     # ---- sessions and identity ------------------------------------------------------
 
@@ -255,7 +263,7 @@ class _Inbox:
 
     def _set_cookie(self, request: Request, response: Response, session: Session) -> None:
         response.set_cookie(COOKIE_NAME, self.sealer.seal(session), path="/", httponly=True,
-                            samesite="strict", secure=request.url.scheme == "https",
+                            samesite="strict", secure=self._secure(request),
                             max_age=max(1, int(session.expires - datetime.now(UTC).timestamp())))
 
     def page(self, request: Request, template: str, session: Session, *,
@@ -328,7 +336,7 @@ class _Inbox:
         # Lax, not Strict: the provider's redirect back is a cross-site navigation
         response.set_cookie(LOGIN_COOKIE_NAME, self.sealer.seal_login(login), path="/signin",
                             httponly=True, samesite="lax",
-                            secure=request.url.scheme == "https", max_age=LOGIN_TTL_S)
+                            secure=self._secure(request), max_age=LOGIN_TTL_S)
         return response
 
     async def signin_callback(self, request: Request) -> Response:
@@ -589,7 +597,17 @@ def create_app(settings: Settings, *, backend: InboxBackend | None = None,
     if session_key is None and settings.inbox_session_key is not None:
         session_key = decode_payload_key("inbox_session_key",
                                          settings.inbox_session_key.get_secret_value())
-    inbox = _Inbox(backend, verifier, SessionSealer(session_key), oidc)
+    inbox = _Inbox(backend, verifier, SessionSealer(session_key), oidc,
+                   https=(settings.inbox_url or "").startswith("https://"))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            if oidc is not None:
+                await oidc.aclose()
+
     # a tenant's job ids hold a slash (<tenant>/<job id>)
     approval = "/approvals/{job_id:path}/{approval_id}"
     api = "/api/approvals/{job_id:path}/{approval_id}"
@@ -615,6 +633,7 @@ def create_app(settings: Settings, *, backend: InboxBackend | None = None,
     skip = tuple(p for p in (getattr(m, "path", None) for m in mounts) if p)
     return Starlette(
         routes=routes,
+        lifespan=lifespan,
         middleware=[Middleware(_SecurityHeaders, skip=skip)],
         exception_handlers={
             _SignInNeeded: inbox.on_sign_in_needed,
