@@ -28,6 +28,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import structlog
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -40,6 +41,8 @@ from warmloop.workflows.approval_auth import (
     parse_assertion,
     signing_input,
 )
+
+log = structlog.get_logger(__name__)
 
 if TYPE_CHECKING:
     from warmloop.workers.settings import Settings
@@ -114,15 +117,45 @@ class JwtVerifier(TokenVerifier):
     ALGORITHMS = ["RS256", "RS384", "RS512", "ES256", "ES384", "PS256", "EdDSA"]
 
     def __init__(self, *, issuer: str, audience: str, jwks_url: str | None = None,
-                 roles_claim: str = "roles", keys_timeout_s: float = 5.0) -> None:
+                 roles_claim: str = "roles", keys_timeout_s: float = 5.0,
+                 keys_lifespan_s: float = 300.0) -> None:
         import jwt
 
         self._issuer, self._audience, self._roles_claim = issuer, audience, roles_claim
         url = jwks_url or issuer.rstrip("/") + "/.well-known/jwks.json"
-        # The JWKS is cached (300 s) but single keys are not: a key the issuer removed
-        # stops verifying when the cache expires, not at the next restart.
-        self._jwks = jwt.PyJWKClient(url, cache_keys=False, lifespan=300,
+        # The JWKS is cached (``keys_lifespan_s``) but single keys are not: a key the
+        # issuer removed stops verifying when the cache expires, not at the next restart.
+        self._jwks = jwt.PyJWKClient(url, cache_keys=False, lifespan=keys_lifespan_s,
                                      timeout=keys_timeout_s)
+        self._last_keys: list[Any] = []
+        """The keys of the last JWKS fetched: used while the issuer cannot be reached
+        (its keys past the cache's lifespan), so an outage of the identity provider
+        does not refuse every token signed with a key it published."""
+
+    def _signing_key(self, token: str) -> Any:
+        """The JWKS key the token names (its ``kid``, or the issuer's one key), refetched
+        for a key id the cached set lacks (a rotation; PyJWT's cooldown keeps a flood of
+        made-up ids from hammering the issuer). The issuer unreachable: its last keys."""
+        import jwt
+
+        kid = jwt.get_unverified_header(token).get("kid")
+        try:
+            key = (_pick(self._jwks.get_signing_keys(), None) if kid is None
+                   else self._jwks.get_signing_key(kid))
+            self._last_keys = self._jwks.get_signing_keys()  # the set just used: cached
+        except jwt.PyJWKClientConnectionError as e:
+            if not self._last_keys:
+                raise KeysUnavailableError(
+                    f"the identity provider's keys could not be fetched "
+                    f"({type(e).__name__}); try again shortly") from None
+            log.warning("jwks_unreachable_using_last_keys", error=str(e)[:200])
+            key = _pick(self._last_keys, kid)
+        if key is None:
+            raise AuthError(f"the token's signing key is unknown (no key {kid!r} among the "
+                            "issuer's)" if kid is not None else
+                            "the token names no key id and the issuer has several signing "
+                            "keys")
+        return key
 
     def verify(self, token: str) -> Identity:
         return self.identity(self.claims(token))
@@ -134,23 +167,12 @@ class JwtVerifier(TokenVerifier):
         if not token:
             raise AuthError("no token")
         try:
-            if jwt.get_unverified_header(token).get("kid") is None:
-                # OIDC lets an issuer with one key leave the key id out
-                keys = self._jwks.get_signing_keys()
-                if len(keys) != 1:
-                    raise AuthError(f"the token names no key id and the issuer has "
-                                    f"{len(keys)} signing keys")
-                key = keys[0]
-            else:
-                key = self._jwks.get_signing_key_from_jwt(token)
+            key = self._signing_key(token)
             claims: dict[str, Any] = jwt.decode(
                 token, key.key, algorithms=self.ALGORITHMS, audience=self._audience,
                 issuer=self._issuer, options={"require": ["exp", "iss", "aud", "sub"]})
         except jwt.ExpiredSignatureError:
             raise AuthError("the token has expired; sign in again") from None
-        except jwt.PyJWKClientConnectionError as e:
-            raise KeysUnavailableError(f"the identity provider's keys could not be fetched "
-                                       f"({type(e).__name__}); try again shortly") from None
         except jwt.PyJWKClientError as e:
             raise AuthError(f"the token's signing key is unknown ({e})") from None
         except jwt.InvalidTokenError as e:
@@ -163,6 +185,14 @@ class JwtVerifier(TokenVerifier):
         tenants = claims.get("tenants")
         return Identity(subject=str(claims["sub"]), roles=roles,
                         tenants=None if tenants is None else _names(tenants, "tenants"))
+
+
+def _pick(keys: list[Any], kid: str | None) -> Any:
+    """The key ``kid`` names, or the only key when the token names none (OIDC lets an
+    issuer with one key leave the id out); None otherwise."""
+    if kid is None:
+        return keys[0] if len(keys) == 1 else None
+    return next((k for k in keys if k.key_id == kid), None)
 
 
 def _names(value: Any, claim: str) -> frozenset[str]:

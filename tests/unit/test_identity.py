@@ -38,6 +38,7 @@ from warmloop.workers.identity import (
     AuthError,
     Identity,
     JwtVerifier,
+    KeysUnavailableError,
     TokenFileVerifier,
     ensure_dev_identities,
     install_verify_keys,
@@ -317,6 +318,24 @@ def test_a_key_removed_from_the_jwks_stops_verifying(rsa_key: rsa.RSAPrivateKey,
     assert verifier.verify(_token(replacement, kid="test-key-2")).subject == "alice"
     with pytest.raises(AuthError):
         verifier.verify(_token(rsa_key))
+
+
+def test_an_unreachable_issuer_past_the_cache_verifies_with_its_last_keys(
+        rsa_key: rsa.RSAPrivateKey, jwks: Jwks, clock: Clock) -> None:
+    """The identity provider down past the JWKS cache's lifespan: tokens signed with a
+    key it published still verify (not everyone signed out); a verifier that never
+    fetched the keys (a restart) says they are unavailable, which is not a refusal."""
+    verifier = JwtVerifier(issuer=ISSUER, audience=AUDIENCE, jwks_url=jwks.url,
+                           keys_timeout_s=1.0)
+    assert verifier.verify(_token(rsa_key)).subject == "alice"
+    jwks.close()  # the provider is down
+    clock.now += 3600  # well past the cache's 300 s
+    assert verifier.verify(_token(rsa_key)).subject == "alice"
+    with pytest.raises(AuthError, match="signing key is unknown"):
+        verifier.verify(_token(_rsa_key(), kid="made-up"))  # a key it never published
+    with pytest.raises(KeysUnavailableError):
+        JwtVerifier(issuer=ISSUER, audience=AUDIENCE, jwks_url=jwks.url,
+                    keys_timeout_s=1.0).verify(_token(rsa_key))
 
 
 def test_the_jwks_is_cached_between_verifies(rsa_key: rsa.RSAPrivateKey, jwks: Jwks,
