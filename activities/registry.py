@@ -337,7 +337,7 @@ class TenantUsage:
         """The workflow ids the tenant's submits let start within
         ``TENANT_START_CLAIM_S`` (``claim_start``), with when (epoch seconds)."""
         raw = await self._redis.hgetall(TENANT_STARTS.format(tenant))
-        return _live_starts(raw, time.time())[0]
+        return _live_starts(raw, time.time())
 
     async def claim_start(self, tenant: str, workflow_id: str, *, limit: int,
                           running: Collection[str], ended: Collection[str] = ()
@@ -362,23 +362,18 @@ class TenantUsage:
         await self._redis.hdel(TENANT_STARTS.format(tenant), workflow_id)
 
 
-def _live_starts(raw: dict[Any, Any], now: float) -> tuple[dict[str, float], list[str]]:
-    """The starts within ``TENANT_START_CLAIM_S`` (workflow id: when), and the fields to
-    drop (older, or not a time)."""
+def _live_starts(raw: dict[Any, Any], now: float) -> dict[str, float]:
+    """The starts within ``TENANT_START_CLAIM_S`` (workflow id: when); older ones, and
+    values that are not a time, are left out (``claim_start`` drops them)."""
     live: dict[str, float] = {}
-    dead: list[str] = []
     for k, v in raw.items():
-        wid = k.decode() if isinstance(k, bytes) else k
         try:
             at = float(v)
         except ValueError:
-            dead.append(wid)
             continue
         if now - at <= TENANT_START_CLAIM_S:
-            live[wid] = at
-        else:
-            dead.append(wid)
-    return live, dead
+            live[k.decode() if isinstance(k, bytes) else k] = at
+    return live
 
 
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
@@ -465,7 +460,8 @@ class EngineRegistry:
         returned), as one optimistic transaction (WATCH): two
         batches asking at the same moment must not both decide on claims that lack the
         other's. Stale entries, and entries that do not parse (another version's), are
-        dropped on the way. After ``attempts`` conflicts it writes without the guard."""
+        dropped on the way. After ``attempts`` conflicts it raises ``WatchError``
+        (``write_field_watched``)."""
         def write(raw: dict[Any, Any]) -> tuple[str | None, list[str], T]:
             live, dead = _live_claims(raw, time.time())
             live.pop(batch_id, None)

@@ -140,9 +140,12 @@ class JwtVerifier(TokenVerifier):
 
         kid = jwt.get_unverified_header(token).get("kid")
         try:
-            key = (_pick(self._jwks.get_signing_keys(), None) if kid is None
-                   else self._jwks.get_signing_key(kid))
-            self._last_keys = self._jwks.get_signing_keys()  # the set just used: cached
+            if kid is None:
+                self._last_keys = self._jwks.get_signing_keys()
+                key = _pick(self._last_keys, None)
+            else:
+                key = self._jwks.get_signing_key(kid)
+                self._last_keys = self._jwks.get_signing_keys()  # the set just used: cached
         except jwt.PyJWKClientConnectionError as e:
             if not self._last_keys:
                 raise KeysUnavailableError(

@@ -241,26 +241,25 @@ async def run_config(fleet: Fleet, trace: PreparedTrace, routing: RoutingPolicy,
             log.print(f"[yellow]warning:[/] prefix caches not reset ({e}); this "
                       "configuration starts with what the last one left", highlight=False)
     before = await engine_counters(fleet.http, fleet.urls)
-    paced = speed is not None and trace.arrivals is not None
-    slots = asyncio.Semaphore(len(trace.jobs) if paced else window)  # FIFO: trace order
+    due = ([a / speed for a in trace.arrivals]
+           if speed is not None and trace.arrivals is not None else None)
+    """Each job's start, in seconds after the run's (paced runs)."""
+    slots = asyncio.Semaphore(len(trace.jobs) if due is not None else window)  # FIFO
     started = time.monotonic()
     lags: list[float] = []
     """How late each job started after its recorded arrival (paced runs)."""
 
     async def one(i: int, job: JobInput) -> JobResult | None:
-        if paced:
-            assert trace.arrivals is not None and speed is not None
+        if due is not None:
             # when the job arrived, on the replay's clock (a timer, not a wait on others)
-            await asyncio.sleep(max(0.0, started + trace.arrivals[i] / speed
-                                    - time.monotonic()))
+            await asyncio.sleep(max(0.0, started + due[i] - time.monotonic()))
         async with slots:
             handle = await fleet.client.start_workflow(
                 AgentJob.run, job.model_copy(update={"routing": routing}),
                 id=f"replay-{tag}-{routing}-{i:04d}", task_queue=AGENT_TASK_QUEUE,
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE)
-            if paced:
-                assert trace.arrivals is not None and speed is not None
-                lags.append(time.monotonic() - started - trace.arrivals[i] / speed)
+            if due is not None:
+                lags.append(time.monotonic() - started - due[i])
             try:
                 return await handle.result()
             except Exception as e:  # noqa: BLE001 - a failed workflow is counted, not fatal
@@ -312,10 +311,9 @@ async def replay(settings: Settings, trace: PreparedTrace, routings: list[Routin
             fleet = await live_fleet(client, redis, http, settings)
             runs = []
             for routing in routings:
-                pace = (f"at the recorded arrivals x{speed:g}" if speed is not None
-                        else f"window {window}")
                 log.print(f"replaying {len(trace.jobs)} jobs ({trace.steps} steps) with routing "
-                          f"{routing} on {', '.join(fleet.engine_ids)}, {pace} ...",
+                          f"{routing} on {', '.join(fleet.engine_ids)}, "
+                          f"{pace_label(window, speed)} ...",
                           highlight=False)
                 r = await run_config(fleet, trace, routing, window=window, tag=tag,
                                      reset=reset, log=log, speed=speed)
@@ -384,6 +382,11 @@ def report_table(runs: list[ConfigRun], *, title: str) -> Table:
     return table
 
 
+def pace_label(window: int, speed: float | None) -> str:
+    """How the jobs were started: at their recorded arrivals, or in a window."""
+    return f"at the recorded arrivals x{speed:g}" if speed is not None else f"window {window}"
+
+
 def summary(trace: PreparedTrace, runs: list[ConfigRun], window: int,
             speed: float | None = None) -> dict[str, Any]:
     """The report's JSON line: ``window`` null when the jobs started at their recorded
@@ -396,9 +399,9 @@ def summary(trace: PreparedTrace, runs: list[ConfigRun], window: int,
 
 def print_report(console: Console, trace: PreparedTrace, runs: list[ConfigRun],
                  window: int, speed: float | None = None) -> None:
-    pace = f"recorded arrivals x{speed:g}" if speed is not None else f"window {window}"
     console.print(report_table(runs, title=f"warmloop replay {trace.source}: {len(trace.jobs)} "
-                                           f"jobs, {trace.steps} recorded steps, {pace}"))
+                                           f"jobs, {trace.steps} recorded steps, "
+                                           f"{pace_label(window, speed)}"))
     digests = {r.digest for r in runs}
     if len(digests) == 1:
         console.print(f"every configuration sent the same prompts (digest {runs[0].digest})",

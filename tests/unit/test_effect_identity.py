@@ -9,6 +9,7 @@ without Redis nothing is applied.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fnmatch
 import json
 from collections.abc import AsyncIterator, Iterator
@@ -114,21 +115,31 @@ def _service(request: httpx.Request) -> httpx.Response:
     return httpx.Response(200, text=f"refunded {json.loads(request.content)['order_id']}")
 
 
-@pytest.fixture
-def function_profile() -> Iterator[FunctionTool]:
-    ft = _function_tool()
+@contextlib.contextmanager
+def _order_profile(name: str, note: FunctionTool, **scope: Any) -> Iterator[None]:
+    """An order profile registered for the test: the function tool ``note``, an HTTP
+    refund once per order (``scope``: its ``effect_scope``), and a finish."""
     refund = ToolSpec("refund", "Refund an order.", OrderArgs, side_effect=True,
                       effect_key=("order_id",), task_args=("order_id",),
-                      runner=HttpRunner(url="http://refunds.test/refund"))
-    profile = Profile(name="effect-identity-test", system_prompt="s", task_model=OrderTask,
+                      runner=HttpRunner(url="http://refunds.test/refund"), **scope)
+    profile = Profile(name=name, system_prompt="s", task_model=OrderTask,
                       task_id_field="order_id",
-                      tools=(ft.spec, refund, ToolSpec("done", "d", OrderArgs,
-                                                       finishes_job=True)))
+                      tools=(note.spec, refund, ToolSpec("done", "d", OrderArgs,
+                                                         finishes_job=True)))
     REGISTRY.add(profile, source="test")
     CALLS.clear()
     SEEN.clear()
-    yield ft
-    REGISTRY.remove(profile.name)
+    try:
+        yield
+    finally:
+        REGISTRY.remove(profile.name)
+
+
+@pytest.fixture
+def function_profile() -> Iterator[FunctionTool]:
+    ft = _function_tool()
+    with _order_profile("effect-identity-test", ft):
+        yield ft
 
 
 @pytest.fixture
@@ -305,20 +316,25 @@ def test_an_identity_names_arguments_of_a_side_effect_tool() -> None:
         "O1", {"order_id": "O2"}) is None  # the default: (job, step)
 
 
-def test_a_profile_document_declares_an_identity() -> None:
-    doc: dict[str, Any] = {
-        "name": "doc-identity", "system_prompt": "s", "task_id_field": "order_id",
-        "task_schema": {"type": "object", "properties": {"order_id": {
-            "type": "string", "pattern": "^O[0-9]{4}$"}}, "required": ["order_id"]},
+def _order_document(name: str, **refund: Any) -> dict[str, Any]:
+    """A profile document of orders: an HTTP refund declared with ``refund``, a finish."""
+    order_id = {"type": "string", "pattern": "^O[0-9]{4}$"}
+    return {
+        "name": name, "system_prompt": "s", "task_id_field": "order_id",
+        "task_schema": {"type": "object", "properties": {"order_id": order_id},
+                        "required": ["order_id"]},
         "tools": [
-            {"name": "refund", "description": "Refund.", "side_effect": True,
-             "effect_key": ["order_id"], "task_args": ["order_id"],
+            {"name": "refund", "description": "Refund.", "side_effect": True, **refund,
              "http": {"url": "http://refunds.test/refund"},
-             "arguments": {"type": "object", "properties": {"order_id": {
-                 "type": "string", "pattern": "^O[0-9]{4}$"}}, "required": ["order_id"]}},
+             "arguments": {"type": "object", "properties": {"order_id": order_id},
+                           "required": ["order_id"]}},
             {"name": "done", "description": "Done.", "finishes_job": True,
              "arguments": {"type": "object", "properties": {}}},
         ]}
+
+
+def test_a_profile_document_declares_an_identity() -> None:
+    doc = _order_document("doc-identity", effect_key=["order_id"], task_args=["order_id"])
     spec = profile_from_document(doc).tool("refund")
     assert spec.effect_key == ("order_id",) and spec.task_args == ("order_id",)
     doc["tools"][0]["effect_key"] = ["amount"]
@@ -329,32 +345,26 @@ def test_a_profile_document_declares_an_identity() -> None:
 # ---- once across the tenant's jobs (effect_scope="tenant"), over a real redis-server -----
 
 
+def _tenant_note() -> FunctionTool:
+    ft: FunctionTool = tool(side_effect=True, effect_key=("order_id",),
+                            task_args=("order_id",), effect_scope="tenant",
+                            name="tenant_note")(_order_note)
+    return ft
+
+
 @pytest.fixture
 def tenant_profile() -> Iterator[None]:
     """An order profile whose function and HTTP tools change each order once, whichever
     of the tenant's jobs asks."""
-    note = tool(side_effect=True, effect_key=("order_id",), task_args=("order_id",),
-                effect_scope="tenant", name="tenant_note")(_order_note)
-    refund = ToolSpec("refund", "Refund an order.", OrderArgs, side_effect=True,
-                      effect_key=("order_id",), task_args=("order_id",), effect_scope="tenant",
-                      runner=HttpRunner(url="http://refunds.test/refund"))
-    profile = Profile(name="effect-tenant-test", system_prompt="s", task_model=OrderTask,
-                      task_id_field="order_id",
-                      tools=(note.spec, refund, ToolSpec("done", "d", OrderArgs,
-                                                         finishes_job=True)))
-    REGISTRY.add(profile, source="test")
-    CALLS.clear()
-    SEEN.clear()
-    yield
-    REGISTRY.remove(profile.name)
+    with _order_profile("effect-tenant-test", _tenant_note(), effect_scope="tenant"):
+        yield
 
 
 @pytest.fixture
 def shared_acts(client: Any) -> ToolActivities:
     """The tool activities over a real redis-server (conftest's ``client``)."""
     def resolve(path: str) -> FunctionTool:
-        return tool(side_effect=True, effect_key=("order_id",), task_args=("order_id",),
-                    effect_scope="tenant", name="tenant_note")(_order_note)
+        return _tenant_note()
 
     http = httpx.AsyncClient(transport=httpx.MockTransport(_service))
     return ToolActivities([], EffectLedger(client), s3=None, bucket="b", http=http,
@@ -417,19 +427,7 @@ def test_a_tenant_scope_needs_an_identity() -> None:
     assert spec.effect_owner("j1") == "default/*"
     assert ToolSpec("pay", "Pay.", OrderArgs, side_effect=True,
                     effect_key=()).effect_owner("acme/j1") == "acme/j1"
-    doc: dict[str, Any] = {
-        "name": "doc-tenant", "system_prompt": "s", "task_id_field": "order_id",
-        "task_schema": {"type": "object", "properties": {"order_id": {
-            "type": "string", "pattern": "^O[0-9]{4}$"}}, "required": ["order_id"]},
-        "tools": [
-            {"name": "refund", "description": "Refund.", "side_effect": True,
-             "effect_key": ["order_id"], "effect_scope": "tenant",
-             "http": {"url": "http://refunds.test/refund"},
-             "arguments": {"type": "object", "properties": {"order_id": {
-                 "type": "string", "pattern": "^O[0-9]{4}$"}}, "required": ["order_id"]}},
-            {"name": "done", "description": "Done.", "finishes_job": True,
-             "arguments": {"type": "object", "properties": {}}},
-        ]}
+    doc = _order_document("doc-tenant", effect_key=["order_id"], effect_scope="tenant")
     assert profile_from_document(doc).tool("refund").effect_scope == "tenant"
     doc["tools"][0]["effect_scope"] = "world"
     with pytest.raises(ProfileDocumentError, match="effect_scope"):

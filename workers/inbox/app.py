@@ -317,19 +317,19 @@ class _Inbox:
         return self.page(request, "signin.html", session, error=None,
                          next=_safe_next(request.query_params.get("next", "/")))
 
-    def page_signin(self, request: Request, session: Session, *, status: int, error: str,
-                    next_url: str = "/") -> HTMLResponse:
-        return self.page(request, "signin.html", session, status=status, error=error,
-                         next=next_url)
-
-    async def signin_oidc(self, request: Request) -> Response:
-        """Off to the identity provider, with this sign-in's state in its own cookie."""
+    def _oidc(self) -> OidcLogin:
+        """The sign-in at the identity provider, or a 404 where none is configured."""
         if self.oidc is None:
             raise _Refusal(404, "Not here", "Sign-in at an identity provider is not "
                            "configured (WARMLOOP_OIDC_CLIENT_ID).")
+        return self.oidc
+
+    async def signin_oidc(self, request: Request) -> Response:
+        """Off to the identity provider, with this sign-in's state in its own cookie."""
+        oidc = self._oidc()
         login = LoginState.new(_safe_next(request.query_params.get("next", "/")))
         try:
-            url = await self.oidc.start(login, str(request.base_url))
+            url = await oidc.start(login, str(request.base_url))
         except ProviderUnavailableError as e:
             raise _Refusal(503, "Identity provider unavailable", str(e)) from None
         response = RedirectResponse(url, status_code=303)
@@ -346,13 +346,11 @@ class _Inbox:
         Only a sign-in that succeeds sets the session cookie: this page is reached from
         another site, where the browser sends none, and answering a forged link with an
         empty session would sign the person out."""
-        if self.oidc is None:
-            raise _Refusal(404, "Not here", "Sign-in at an identity provider is not "
-                           "configured (WARMLOOP_OIDC_CLIENT_ID).")
+        oidc = self._oidc()
         login = self.sealer.open_login(request.cookies.get(LOGIN_COOKIE_NAME))
         try:
-            id_token, who = await self.oidc.finish(login, request.query_params,
-                                                   str(request.base_url))
+            id_token, who = await oidc.finish(login, request.query_params,
+                                              str(request.base_url))
             if len(id_token) > MAX_TOKEN_CHARS:
                 raise AuthError(f"the identity provider's ID token is longer than "
                                 f"{MAX_TOKEN_CHARS} characters; the session cannot hold it")

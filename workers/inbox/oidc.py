@@ -189,25 +189,23 @@ class OidcLogin:
         if not isinstance(id_token, str) or not id_token:
             raise AuthError("the identity provider sent no ID token (is 'openid' among "
                             "the client's scopes?)")
-        claims = await self._claims(id_token)
+        verifier = await self._id_tokens()
+        claims = await asyncio.to_thread(verifier.claims, id_token)
         if not hmac.compare_digest(str(claims.get("nonce", "")), login.nonce):
             raise AuthError("the ID token was not issued for this sign-in (nonce mismatch)")
         if (not_ours := azp_problem(claims, self.client_id)) is not None:
             raise AuthError(not_ours)
-        return id_token, await self._identity(claims)
+        return id_token, verifier.identity(claims)
 
     async def verify(self, id_token: str) -> Identity:
         """A session's ID token, verified again (on every request): the person, or
-        AuthError once it has expired or its key is gone."""
-        return await self._identity(await self._claims(id_token))
+        AuthError once it has expired or its key is gone. In a thread: the issuer's
+        keys may be fetched."""
+        return await asyncio.to_thread((await self._id_tokens()).verify, id_token)
 
-    async def _claims(self, id_token: str) -> dict[str, Any]:
-        """Claims of an ID token issued to this client (signature, iss, aud, exp); the
-        verification in a thread: the issuer's keys may be fetched."""
+    async def _id_tokens(self) -> JwtVerifier:
+        """The verifier of ID tokens issued to this client (signature, iss, aud, exp),
+        made with the endpoints."""
         await self.endpoints()
         assert self._verifier is not None  # set with the endpoints
-        return await asyncio.to_thread(self._verifier.claims, id_token)
-
-    async def _identity(self, claims: dict[str, Any]) -> Identity:
-        assert self._verifier is not None
-        return self._verifier.identity(claims)
+        return self._verifier
