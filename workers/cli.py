@@ -18,12 +18,18 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 from temporalio.client import WorkflowExecutionStatus
-from temporalio.common import WorkflowIDReusePolicy
+from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from warmloop.workers.clients import StackNotRunningError, connect, redis_options
-from warmloop.workers.jobs import QuotaExceededError, submit_job
+from warmloop.workers.jobs import (
+    InvalidJobError,
+    QuotaExceededError,
+    fit_batch_to_quota,
+    submit_batch,
+    submit_job,
+)
 from warmloop.workers.settings import Settings
 from warmloop.workflows.budgets import JobLimits
 from warmloop.workflows.contracts import (
@@ -34,7 +40,7 @@ from warmloop.workflows.contracts import (
     id_problem,
 )
 from warmloop.workflows.profiles import UnknownProfileError, get_profile
-from warmloop.workflows.tenants import job_workflow_id, tenant_problem
+from warmloop.workflows.tenants import DEFAULT_TENANT, job_workflow_id, tenant_problem
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Durable LLM agent jobs on warm vLLM prefix caches.")
@@ -498,10 +504,12 @@ def report(
 
 def _batch_input(source: str, profile: str, window: int | None, page_size: int,
                  max_steps: int | None, deadline: str | None = None,
-                 max_window: int = 64) -> Any:
+                 max_window: int = 64, tenant: str = DEFAULT_TENANT) -> Any:
     from warmloop.workflows.batch_run import BatchInput
 
-    _settings()
+    settings = _settings()
+    if (bad := tenant_problem(tenant)) is not None:
+        fail(bad)
     try:
         get_profile(profile)
     except UnknownProfileError as e:
@@ -523,11 +531,22 @@ def _batch_input(source: str, profile: str, window: int | None, page_size: int,
             if due.tzinfo is None:
                 due = due.replace(tzinfo=UTC)
     try:
-        return BatchInput(profile=profile, source=source, window=window, page_size=page_size,
-                          max_steps=max_steps, deadline=due,
-                          max_window=max(window or 1, max_window))
+        inp = BatchInput(profile=profile, source=source, window=window, page_size=page_size,
+                         max_steps=max_steps, deadline=due,
+                         max_window=max(window or 1, max_window), tenant=tenant)
     except ValidationError as e:
         fail(f"invalid batch: {e.errors()[0]['msg']}")
+    try:  # the tenant's jobs in flight bound the batch's window
+        return fit_batch_to_quota(inp, settings.tenants.get(tenant))
+    except InvalidJobError as e:
+        fail(str(e))
+
+
+_BATCH_TENANT_HELP = ("Whose batch it is: its jobs are the tenant's (their engine requests "
+                      "carry its cache_salt, their transcripts and the result pages are "
+                      "under tenants/<tenant>/, its quota (WARMLOOP_TENANTS) applies: at "
+                      "most max_jobs_in_flight jobs at once). Its id is then "
+                      "<tenant>/<batch id>.")
 
 
 def _fleet_must_serve(model: str | None, limits: JobLimits) -> None:
@@ -556,29 +575,34 @@ def batch_run(
         None, "--deadline", help="Finish within (30m, 2h) or by (ISO time): the window "
         "widens up to --max-window when the batch falls behind."),
     max_window: int = typer.Option(64, "--max-window", min=1, max=4096),
+    tenant: str = typer.Option(DEFAULT_TENANT, "--tenant", help=_BATCH_TENANT_HELP),
 ) -> None:
     """Run every record of SOURCE as a batch-lane job; results go to S3 as JSONL. The
     fleet is checked first, as submit's: an engine must serve the profile's model and,
     for a cost cap, declare a price."""
     if batch_id is not None and (bad := id_problem("batch", batch_id)):
         fail(bad)
-    inp = _batch_input(source, profile, window, page_size, max_steps, deadline, max_window)
+    inp = _batch_input(source, profile, window, page_size, max_steps, deadline, max_window,
+                       tenant)
     # as submit's: a batch no engine can serve would end every record at its first step
     prof = get_profile(profile)
     _fleet_must_serve(prof.model, prof.limits)
     bid = batch_id or f"batch-{profile}-{uuid.uuid4().hex[:8]}"
+    wid = job_workflow_id(tenant, bid)
+    settings = _settings()
+    if _saved_token(settings) is not None:  # as submit's: the jobs record who started them
+        inp = inp.model_copy(update={
+            "submitted_by": _api(settings, "GET", "/api/whoami")["subject"]})
 
     async def go() -> None:
-        from warmloop.workflows.batch_run import BatchRun
-
-        client = await connect(_settings())
+        client = await connect(settings)
         try:
-            handle = await client.start_workflow(
-                BatchRun.run, inp, id=bid, task_queue=AGENT_TASK_QUEUE,
-                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE)
+            handle = await submit_batch(client, inp, bid, settings)
+        except QuotaExceededError as e:
+            fail(str(e))
         except WorkflowAlreadyStartedError:
-            fail(f"batch {bid} already exists")
-        console.print(f"started batch {bid}")
+            fail(f"batch {wid} already exists")
+        console.print(f"started batch {wid}")
         if follow:
             await _follow_batch(handle)
 
@@ -667,6 +691,7 @@ def schedule_create(
     window: int | None = typer.Option(
         None, "--window", min=1, max=1024, help="Jobs in progress at once. Default: asked "
         "of the fleet at each page."),
+    tenant: str = typer.Option(DEFAULT_TENANT, "--tenant", help=_BATCH_TENANT_HELP),
 ) -> None:
     """Run a batch on a cron schedule; a run still going when the next is due is skipped."""
     from temporalio.client import (
@@ -678,16 +703,22 @@ def schedule_create(
         ScheduleSpec,
     )
 
-    inp = _batch_input(input_source, profile, window, 100, None)
+    if (bad := id_problem("schedule", name)) is not None:
+        fail(bad)  # its runs' ids start with it
+    inp = _batch_input(input_source, profile, window, 100, None, tenant=tenant)
 
     async def go() -> None:
+        from warmloop.workflows.agent_job import SA_TENANT
         from warmloop.workflows.batch_run import BatchRun
 
         client = await connect(_settings())
         try:
+            # Temporal appends each run's time to the id: <tenant>/sched-<name>-<time>
             await client.create_schedule(name, Schedule(
-                action=ScheduleActionStartWorkflow(BatchRun.run, inp, id=f"sched-{name}",
-                                                   task_queue=AGENT_TASK_QUEUE),
+                action=ScheduleActionStartWorkflow(
+                    BatchRun.run, inp, id=job_workflow_id(tenant, f"sched-{name}"),
+                    task_queue=AGENT_TASK_QUEUE, typed_search_attributes=TypedSearchAttributes(
+                        [SearchAttributePair(SA_TENANT, tenant)])),
                 spec=ScheduleSpec(cron_expressions=[cron]),
                 policy=SchedulePolicy(overlap=ScheduleOverlapPolicy.SKIP),
             ))

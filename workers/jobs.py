@@ -30,6 +30,7 @@ from warmloop.workers.clients import build_redis, connect
 from warmloop.workers.fleet import check_fleet_serves
 from warmloop.workers.plugins import load_plugins
 from warmloop.workers.settings import Settings
+from warmloop.workflows.batch_run import BatchInput, BatchProgress, BatchResult, BatchRun
 from warmloop.workflows.budgets import JobLimits
 from warmloop.workflows.contracts import (
     AGENT_TASK_QUEUE,
@@ -148,6 +149,22 @@ async def _claim_job_slot(client: Client, tenant: str, quota: TenantQuota, workf
     return not claim.recorded_before
 
 
+async def _check_tokens(tenant: str, quota: TenantQuota, usage: TenantUsage | None) -> None:
+    """Raise QuotaExceededError when ``tenant`` has spent its tokens this hour (read
+    through ``usage``; none, or Redis away: not refused, logged)."""
+    if quota.tokens_per_hour is None or usage is None:
+        return
+    now = time.time()
+    try:
+        used = await usage.used(tenant, now)
+    except REDIS_ERRORS as e:
+        log.warning("tenant_usage_unknown", tenant=tenant, error=str(e) or type(e).__name__)
+        return
+    refused = over_tokens(tenant, quota, used, now)
+    if refused is not None:
+        raise QuotaExceededError(refused[0])
+
+
 async def check_tenant_quota(client: Client, tenant: str, quota: TenantQuota | None, *,
                              usage: TenantUsage | None = None,
                              workflow_id: str | None = None) -> bool:
@@ -160,16 +177,7 @@ async def check_tenant_quota(client: Client, tenant: str, quota: TenantQuota | N
     visibility's alone, which lags the starts a little."""
     if quota is None:
         return False
-    if quota.tokens_per_hour is not None and usage is not None:
-        now = time.time()
-        try:
-            used = await usage.used(tenant, now)
-        except REDIS_ERRORS as e:
-            log.warning("tenant_usage_unknown", tenant=tenant, error=str(e) or type(e).__name__)
-        else:
-            refused = over_tokens(tenant, quota, used, now)
-            if refused is not None:
-                raise QuotaExceededError(refused[0])
+    await _check_tokens(tenant, quota, usage)
     if quota.max_jobs_in_flight is None:
         return False
     return await _claim_job_slot(client, tenant, quota, workflow_id or "",
@@ -214,6 +222,60 @@ async def submit_job(client: Client, job: JobInput, job_id: str,
     redis = build_redis(settings)
     try:
         return await start_job(client, job, job_id, quota=quota, usage=TenantUsage(redis))
+    finally:
+        await redis.aclose()
+
+
+def fit_batch_to_quota(batch: BatchInput, quota: TenantQuota | None) -> BatchInput:
+    """``batch`` with its windows within its tenant's ``max_jobs_in_flight``: a batch
+    runs at most that many jobs at once (its ``max_window`` is cut to it). Raises
+    InvalidJobError when the batch's own ``window`` asks for more.
+
+    Hazard: the limit holds for the batch alone. Its jobs count among the tenant's
+    jobs in flight when others are submitted, but a batch starts its jobs without
+    asking, so two batches at once (or one beside running jobs) may go past it."""
+    limit = quota.max_jobs_in_flight if quota is not None else None
+    if limit is None:
+        return batch
+    if batch.window is not None and batch.window > limit:
+        raise InvalidJobError(
+            f"window {batch.window} is over tenant {batch.tenant}'s max_jobs_in_flight "
+            f"{limit}: give a window of {limit} or less")
+    if batch.max_window <= limit:
+        return batch
+    return batch.model_copy(update={"max_window": limit})
+
+
+async def start_batch(client: Client, batch: BatchInput, batch_id: str, *,
+                      quota: TenantQuota | None = None, usage: TenantUsage | None = None,
+                      ) -> WorkflowHandle[Any, BatchResult]:
+    """Start ``batch`` as ``batch_id`` of its tenant (workflow ``<tenant>/<batch id>``;
+    the bare id for the default tenant), tagged with its tenant, after its tenant's
+    token check (the hour's tokens spent: QuotaExceededError) and with its windows
+    within the tenant's jobs in flight (``fit_batch_to_quota``). A batch id names one
+    batch for good (Temporal's WorkflowAlreadyStartedError)."""
+    from warmloop.workflows.agent_job import SA_TENANT
+
+    batch = fit_batch_to_quota(batch, quota)
+    if quota is not None:
+        await _check_tokens(batch.tenant, quota, usage)
+    return await client.start_workflow(
+        BatchRun.run, batch, id=job_workflow_id(batch.tenant, batch_id),
+        task_queue=AGENT_TASK_QUEUE, id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+        search_attributes=TypedSearchAttributes([SearchAttributePair(SA_TENANT, batch.tenant)]))
+
+
+async def submit_batch(client: Client, batch: BatchInput, batch_id: str,
+                       settings: Settings) -> WorkflowHandle[Any, BatchResult]:
+    """``start_batch`` with the tenant's quota from ``settings`` (the CLI's ``batch
+    run``): a Redis client only when the tenant has a token quota."""
+    quota = settings.tenants.get(batch.tenant)
+    if quota is None or quota.tokens_per_hour is None:
+        return await start_batch(client, batch, batch_id, quota=quota)
+    redis = build_redis(settings)
+    try:
+        return await start_batch(client, batch, batch_id, quota=quota,
+                                 usage=TenantUsage(redis))
     finally:
         await redis.aclose()
 
@@ -319,3 +381,50 @@ class JobClient:
     async def cancel(self, job_id: str) -> None:
         """Ask the job to stop: it ends CANCELLED with its transcript kept."""
         await self.handle(job_id).cancel()
+
+    async def start_batch(self, profile: str, source: str, *, batch_id: str | None = None,
+                          tenant: str = DEFAULT_TENANT, **options: Any) -> str:
+        """Start a batch: every record of ``source`` (``s3://bucket/key.jsonl``, or a
+        JSONL path the agent workers can read) as a batch-lane job of ``profile``.
+        Returns its id (``batch-<profile>-<random>`` unless given; for a tenant other
+        than the default, ``<tenant>/<that>``: the id ``batch_result`` and
+        ``batch_progress`` take). ``options`` are further ``BatchInput`` fields
+        (``window``, ``max_window``, ``deadline``, ``page_size``, ``max_steps``,
+        ``tools``, ``submitted_by``).
+
+        Raises ``InvalidJobError`` for an unknown profile, a bad id, tenant or option,
+        or a window over the tenant's ``max_jobs_in_flight``; ``UnservableJobError``
+        when no engine serves the profile's model (with ``fleet`` settings);
+        ``QuotaExceededError`` when the tenant has spent its tokens this hour; and
+        Temporal's ``WorkflowAlreadyStartedError`` when ``batch_id`` was ever used."""
+        if batch_id is not None and (bad := id_problem("batch", batch_id)):
+            raise InvalidJobError(bad)
+        if (bad := tenant_problem(tenant)) is not None:
+            raise InvalidJobError(bad)
+        if options.get("carry") is not None:
+            raise InvalidJobError("carry is set by continue-as-new only; start without it")
+        try:
+            prof = get_profile(profile)
+            batch = BatchInput(profile=profile, source=source, tenant=tenant, **options)
+        except (UnknownProfileError, ValidationError, ValueError) as e:
+            raise InvalidJobError(f"invalid batch for {profile}: {e}") from None
+        if self._fleet is not None:
+            try:
+                await check_fleet_serves(prof.model, prof.limits, self._fleet)
+            except ValueError as e:
+                raise UnservableJobError(f"cannot serve {profile}: {e}") from None
+        bid = batch_id or f"batch-{profile}-{uuid.uuid4().hex[:8]}"
+        await start_batch(self.temporal, batch, bid, quota=self.tenants.get(tenant),
+                          usage=self._usage)
+        return job_workflow_id(tenant, bid)
+
+    async def batch_result(self, batch_id: str) -> BatchResult:
+        """How the batch ended (waits while it runs): every ending is a named
+        ``BatchState``, the outcomes of its finished pages kept in S3."""
+        return await self.temporal.get_workflow_handle(batch_id,
+                                                       result_type=BatchResult).result()
+
+    async def batch_progress(self, batch_id: str) -> BatchProgress:
+        """Where a running batch is (the ``progress`` query)."""
+        return await self.temporal.get_workflow_handle(batch_id).query(
+            "progress", result_type=BatchProgress)

@@ -26,7 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 from temporalio import workflow
-from temporalio.common import RetryPolicy
+from temporalio.common import RetryPolicy, SearchAttributePair, TypedSearchAttributes
 from temporalio.exceptions import (
     ActivityError,
     ApplicationError,
@@ -37,6 +37,7 @@ from temporalio.exceptions import (
 )
 from temporalio.workflow import ParentClosePolicy
 
+from warmloop.workflows.agent_job import SA_TENANT
 from warmloop.workflows.budgets import Usage
 from warmloop.workflows.contracts import AGENT_TASK_QUEUE, JobInput, Lane
 from warmloop.workflows.lanes import (
@@ -48,6 +49,7 @@ from warmloop.workflows.lanes import (
     estimate_finish_s,
 )
 from warmloop.workflows.profiles import UnknownProfileError, get_profile
+from warmloop.workflows.tenants import DEFAULT_TENANT, TenantName, tenant_id_problem
 
 READ_TIMEOUT = timedelta(minutes=2)
 IO_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), backoff_coefficient=2.0,
@@ -68,6 +70,9 @@ HISTORY_BYTES_PER_RUN = 8 * 1024 * 1024
 """Past this (or when Temporal suggests it) a run starts no more children: the
 children's results are what grows a run's history (Temporal ends one at 50 MB)."""
 HISTORY_BUDGET_PATCH = "batch-history-budget"
+TENANT_PATCH = "batch-tenants"
+"""A batch whose id is not its tenant's ends INVALID_INPUT at once (before, each child
+job ended INVALID_INPUT); the branch is taken only by such a batch."""
 WINDOW_TIMEOUT = timedelta(seconds=5)
 
 
@@ -83,6 +88,9 @@ class BatchState(StrEnum):
     """No such file or S3 object."""
     SOURCE_UNAVAILABLE = "SOURCE_UNAVAILABLE"
     """The source could not be read for ``IO_RETRY_FOR``."""
+    INVALID_INPUT = "INVALID_INPUT"
+    """The batch's id is not in its tenant's namespace (``<tenant>/<batch id>``, a bare
+    id for the default tenant): nothing was read or run."""
 
 
 _SOURCE_ERRORS = {"SourceRefused": BatchState.SOURCE_REFUSED,
@@ -124,6 +132,18 @@ class BatchInput(BaseModel):
     history_bytes_per_run: int | None = Field(
         default=None, ge=1, description="Start no more children in a run once its history "
         f"is this large (default {HISTORY_BYTES_PER_RUN}); tests force the boundary with it.")
+    tenant: TenantName = Field(
+        default=DEFAULT_TENANT, exclude_if=lambda t: t == DEFAULT_TENANT,
+        description="Whose batch it is: every job is the tenant's (its engine requests "
+        "carry the tenant's cache_salt, its transcripts and the batch's result pages are "
+        "under tenants/<tenant>/, its token quota applies before each step, visibility "
+        "counts it among the tenant's jobs). A batch of another tenant than the default "
+        "one runs as workflow <tenant>/<batch id>, its jobs as <tenant>/<batch id>-L<line>.")
+    submitted_by: str | None = Field(
+        default=None, max_length=200,
+        description="The verified subject who started the batch (the CLI sets it from the "
+        "user's token): each job records it, and approval rules refuse this person "
+        "deciding the jobs' approvals.")
     carry: BatchCarry | None = None
     """Internal: counters carried across continue-as-new."""
 
@@ -322,6 +342,10 @@ class BatchRun:
         # The id of the first run names the batch across continue-as-new.
         self._batch_id = info.workflow_id
         self._carry = inp.carry or BatchCarry(started_at=workflow.now())
+        bad_id = tenant_id_problem(inp.tenant, self._batch_id, what="batch")
+        if bad_id is not None and workflow.patched(TENANT_PATCH):
+            workflow.logger.warning("batch refused: %s", bad_id)
+            return self._result(inp, BatchState.INVALID_INPUT, one_line(f"invalid batch: {bad_id}"))
         c = self._carry
         self._deadline = inp.deadline
         self._base = min(inp.window or DEFAULT_BATCH_WINDOW, inp.max_window)
@@ -446,11 +470,16 @@ class BatchRun:
     async def _child(self, inp: BatchInput, rec: TaskRecord) -> RecordOutcome:
         job_id = f"{self._batch_id}-L{rec.line}"
         job = JobInput(profile=inp.profile, task=rec.task, max_steps=inp.max_steps,
-                       lane=Lane.BATCH, tools=inp.tools)
+                       lane=Lane.BATCH, tools=inp.tools, tenant=inp.tenant,
+                       submitted_by=inp.submitted_by)
         try:
+            # tagged as start_job tags a submitted job: visibility counts it among its
+            # tenant's jobs (the quota at submit, the inbox's lists)
             res: BatchChildResult = await workflow.execute_child_workflow(
                 AGENT_JOB, job, id=job_id, task_queue=AGENT_TASK_QUEUE,
                 parent_close_policy=ParentClosePolicy.TERMINATE, result_type=BatchChildResult,
+                search_attributes=TypedSearchAttributes(
+                    [SearchAttributePair(SA_TENANT, inp.tenant)]),
             )
         except WorkflowAlreadyStartedError:
             self._carry.failed += 1

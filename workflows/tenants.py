@@ -168,17 +168,17 @@ def over_jobs(tenant: str, quota: TenantQuota | None, running: int) -> str | Non
             f"{quota.max_jobs_in_flight}; submit when one has ended")
 
 
-def tenant_id_problem(tenant: str, workflow_id: str) -> str | None:
-    """Why a job of ``tenant`` cannot run as workflow ``workflow_id`` (not a tenant, or
-    not its namespace: ``<tenant>/<job id>``, a bare id for the default tenant); None
-    when it can. The id itself is checked first (``id_problem``,
-    ``namespaced_id_problem``)."""
+def tenant_id_problem(tenant: str, workflow_id: str, *, what: str = "job") -> str | None:
+    """Why a job (or ``what``: a batch) of ``tenant`` cannot run as workflow
+    ``workflow_id`` (not a tenant, or not its namespace: ``<tenant>/<id>``, a bare id
+    for the default tenant); None when it can. The id itself is checked first
+    (``id_problem``, ``namespaced_id_problem``)."""
     problem = tenant_problem(tenant)
     if problem is not None:
         return problem
     if tenant_of(workflow_id) != tenant:
-        return (f"job {workflow_id[:80]!r} is not in tenant {tenant}'s namespace: its id "
-                f"must be {job_workflow_id(tenant, '<job id>')}")
+        return (f"{what} {workflow_id[:80]!r} is not in tenant {tenant}'s namespace: its id "
+                f"must be {job_workflow_id(tenant, f'<{what} id>')}")
     return None
 
 

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -16,13 +17,15 @@ from temporalio.service import RPCError
 
 from tests.integration.cli import warmloop
 from tests.polling import eventually
-from warmloop.activities.registry import EngineRegistry
+from warmloop.activities.registry import TENANT_TOKENS, EngineRegistry, TenantUsage
 from warmloop.infra.stack import Stack
 from warmloop.workers.approvals import ApprovalRefused, dev_approver, list_pending
+from warmloop.workers.clients import build_s3
 from warmloop.workers.demo import bundled_tickets
 from warmloop.workers.settings import Settings
-from warmloop.workflows.batch_run import BatchResult, BatchRun
+from warmloop.workflows.batch_run import BatchResult, BatchRun, RecordOutcome
 from warmloop.workflows.profiles import get_profile
+from warmloop.workflows.tenants import hour_window
 
 pytestmark = pytest.mark.integration
 
@@ -115,14 +118,86 @@ async def test_a_batch_without_a_window_runs_with_the_jobs_the_engines_hold(
     assert set(measured) - set(last.by_k), (last.by_k, measured)
 
 
+async def test_a_tenants_batch_runs_as_the_tenants_jobs(
+    client: Client, stack: Stack, tmp_path: Path, settings: Settings,
+) -> None:
+    """``batch run --tenant``: the batch is ``<tenant>/<batch id>``, its jobs the
+    tenant's (visibility counts them as its jobs; their transcripts and the result
+    page are under the tenant's S3 prefix)."""
+    tag = uuid.uuid4().hex[:6]
+    tenant, bid = f"bt-{tag}", f"batch-t-{tag}"
+    lines = [json.dumps(t) for t in bundled_tickets()[:2]]
+    out = await batch_run_cli(client, settings, tmp_path, lines, bid, "--window", "2",
+                              "--tenant", tenant)
+    wid = f"{tenant}/{bid}"
+    assert f"started batch {wid}" in out.stdout
+    res = await client.get_workflow_handle(wid, result_type=BatchResult).result()
+    assert (res.state, res.done) == ("COMPLETED", 2), res.reason
+    assert res.result_keys == [f"tenants/{tenant}/batch-results/{bid}/page-00001.jsonl"]
+    s3 = build_s3(settings)
+    page = await asyncio.to_thread(s3.get_object, Bucket=settings.s3_bucket,
+                                   Key=res.result_keys[0])
+    outcomes = [RecordOutcome.model_validate_json(line)
+                for line in page["Body"].read().decode().splitlines()]
+    assert {o.job_id for o in outcomes} == {f"{wid}-L1", f"{wid}-L2"}
+    assert all((o.transcript_key or "").startswith(f"tenants/{tenant}/transcripts/")
+               for o in outcomes), outcomes
+    query = f"WorkflowType = 'AgentJob' AND WarmloopTenant = '{tenant}'"
+
+    async def both_counted() -> bool:
+        return (await client.count_workflows(query)).count == 2
+
+    await eventually(both_counted, attempts=200, interval_s=0.1)
+
+
+async def test_a_tenants_quota_bounds_its_batch(
+    client: Client, stack: Stack, tmp_path: Path, redis: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tenant's ``max_jobs_in_flight`` bounds its batch's window (asked for more:
+    refused; asked of the fleet: cut to it), and a tenant whose hour's tokens are spent
+    starts no batch."""
+    tag = uuid.uuid4().hex[:6]
+    one, spent = f"b1-{tag}", f"bs-{tag}"
+    monkeypatch.setenv("WARMLOOP_TENANTS", json.dumps({
+        one: {"max_jobs_in_flight": 1}, spent: {"tokens_per_hour": 1000}}))
+    src = tmp_path / "tickets.jsonl"
+    src.write_text("\n".join(json.dumps(t) for t in bundled_tickets()[:2]) + "\n")
+    args = ("batch", "run", str(src), "--profile", "ticket-triage", "--max-steps", "1")
+    wide = await asyncio.to_thread(warmloop, *args, "--window", "2", "--tenant", one)
+    assert wide.returncode != 0
+    assert f"window 2 is over tenant {one}'s max_jobs_in_flight 1" in wide.stderr + wide.stdout
+    bid = f"batch-q-{tag}"
+    ran = await asyncio.to_thread(warmloop, *args, "--tenant", one, "--batch-id", bid,
+                                  "--follow")
+    assert ran.returncode == 0, ran.stderr
+    handle = client.get_workflow_handle(f"{one}/{bid}", result_type=BatchResult)
+    assert (await handle.result()).done == 2
+    assert (await handle.query(BatchRun.progress)).window == 1  # the fleet's answer, cut
+    # the hour's tokens spent (as the inference workers count them): refused at start
+    await TenantUsage(redis).add(spent, 1000)
+    try:
+        refused = await asyncio.to_thread(warmloop, *args, "--tenant", spent,
+                                          "--batch-id", f"batch-s-{tag}")
+        assert refused.returncode != 0
+        assert "tokens_per_hour" in refused.stderr + refused.stdout
+        with pytest.raises(RPCError):  # nothing was started
+            await client.get_workflow_handle(f"{spent}/batch-s-{tag}").describe()
+    finally:
+        await redis.delete(TENANT_TOKENS.format(spent, hour_window(time.time())))
+
+
+@pytest.mark.parametrize("tenant", [None, "nightly-t"])
 async def test_a_schedule_triggers_a_batch(client: Client, stack: Stack, tmp_path: Path,
-                                           settings: Settings) -> None:
+                                           settings: Settings, tenant: str | None) -> None:
     src = tmp_path / "tickets.jsonl"
     src.write_text(json.dumps(bundled_tickets()[5]) + "\n")
     name = f"nightly-{uuid.uuid4().hex[:6]}"
-    created = await asyncio.to_thread(warmloop, "schedule", "create", name, "--cron", "0 2 * * *",
-                                      "--profile", "ticket-triage", "--input", str(src))
+    created = await asyncio.to_thread(
+        warmloop, "schedule", "create", name, "--cron", "0 2 * * *", "--profile",
+        "ticket-triage", "--input", str(src), *(("--tenant", tenant) if tenant else ()))
     assert created.returncode == 0, created.stderr
+    prefix = f"{tenant}/sched-{name}" if tenant else f"sched-{name}"
     try:
         listed = await asyncio.to_thread(warmloop, "schedule", "list")
         assert name in listed.stdout
@@ -132,12 +207,14 @@ async def test_a_schedule_triggers_a_batch(client: Client, stack: Stack, tmp_pat
 
             async def started_batch() -> str | None:
                 async for wf in client.list_workflows(
-                        f"WorkflowType = 'BatchRun' AND WorkflowId STARTS_WITH 'sched-{name}'"):
+                        f"WorkflowType = 'BatchRun' AND WorkflowId STARTS_WITH '{prefix}'"):
                     return wf.id
                 return None
 
             wid = await eventually(started_batch, attempts=200, interval_s=0.1)
             res = await client.get_workflow_handle(wid, result_type=BatchResult).result()
         assert res.records == 1 and res.done == 1
+        if tenant:  # its job is the tenant's
+            assert res.result_keys[0].startswith(f"tenants/{tenant}/batch-results/")
     finally:
         await asyncio.to_thread(warmloop, "schedule", "delete", name)

@@ -360,3 +360,68 @@ async def test_a_run_whose_history_is_full_goes_on_from_its_first_unstarted_reco
     if os.environ.get("WARMLOOP_RECORD_HISTORIES"):
         (Path(__file__).parent / "histories" / "batch_run_history_budget.json").write_text(
             history.to_json())
+
+
+async def test_a_tenants_batch_runs_each_record_as_the_tenants_job(
+    time_skipping_env: WorkflowEnvironment, tmp_path: Path,
+) -> None:
+    """A tenant's batch: its jobs are ``<tenant>/<batch id>-L<line>``, carry the tenant
+    (its cache salt, its quota) and whoever started the batch, are tagged as the
+    tenant's for visibility, and the result pages are under the tenant's S3 prefix."""
+    from warmloop.workflows.agent_job import SA_TENANT
+
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 2, {3: "oops"})
+    bare = f"batch-{uuid.uuid4().hex[:6]}"
+    bid = f"acme/{bare}"
+    res, s3, fakes = await run_batch(time_skipping_env, BatchInput(
+        profile="ticket-triage", source=str(src), window=2, tenant="acme",
+        submitted_by="alice@acme"), batch_id=bid)
+    assert (res.state, res.done, res.bad) == ("COMPLETED", 2, 1), res.reason
+    assert res.batch_id == bid
+    assert {r.job_id for r in fakes.generate_requests} == {f"{bid}-L1", f"{bid}-L2"}
+    assert {r.tenant for r in fakes.generate_requests} == {"acme"}
+    assert {r.tenant for r in fakes.routes} == {"acme"}
+    assert res.result_keys == [f"tenants/acme/batch-results/{bare}/page-00001.jsonl"]
+    assert list(s3.objects) == res.result_keys
+    assert {o.job_id for o in outcomes(s3) if o.job_id} == {f"{bid}-L1", f"{bid}-L2"}
+    child = time_skipping_env.client.get_workflow_handle(f"{bid}-L1")
+    desc = await child.describe()
+    assert desc.typed_search_attributes.get(SA_TENANT) == "acme"
+    started = (await child.fetch_history()).events[0].workflow_execution_started_event_attributes
+    job = json.loads(started.input.payloads[0].data)
+    assert (job["tenant"], job["submitted_by"]) == ("acme", "alice@acme")  # alice may not approve
+
+
+async def test_a_default_batchs_jobs_are_tagged_as_the_default_tenants(
+    time_skipping_env: WorkflowEnvironment, tmp_path: Path,
+) -> None:
+    from warmloop.workflows.agent_job import SA_TENANT
+
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 1, {})
+    bid = f"batch-{uuid.uuid4().hex[:6]}"
+    res, s3, _ = await run_batch(time_skipping_env, BatchInput(
+        profile="ticket-triage", source=str(src), window=1), batch_id=bid)
+    assert res.done == 1 and res.result_keys == [f"batch-results/{bid}/page-00001.jsonl"]
+    desc = await time_skipping_env.client.get_workflow_handle(f"{bid}-L1").describe()
+    assert desc.typed_search_attributes.get(SA_TENANT) == "default"
+
+
+@pytest.mark.parametrize(("tenant", "batch_id"), [("acme", "batch-{tag}"),
+                                                  ("acme", "globex/batch-{tag}"),
+                                                  ("default", "acme/batch-{tag}")])
+async def test_a_batch_outside_its_tenants_namespace_ends_invalid_and_runs_nothing(
+    time_skipping_env: WorkflowEnvironment, tmp_path: Path, tenant: str, batch_id: str,
+) -> None:
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 2, {})
+    bid = batch_id.format(tag=uuid.uuid4().hex[:6])
+    s3 = MemoryS3()
+    res, _, fakes = await run_batch(time_skipping_env, BatchInput(
+        profile="ticket-triage", source=str(src), window=2, tenant=tenant),
+        batch_id=bid, s3=s3)
+    assert res.state == "INVALID_INPUT"
+    assert f"not in tenant {tenant}'s namespace" in res.reason and bid in res.reason
+    assert (res.records, res.result_keys, s3.objects) == (0, [], {})
+    assert fakes.generate_requests == []

@@ -42,7 +42,9 @@ from warmloop.workflows.timer_probe import TimerProbe
 HISTORIES = Path(__file__).parent / "histories"
 RECORDED_IDS = {"batch_run_with_bad_line": "replay-batch",
                 "batch_run_fleet_window": "replay-batch-window",
-                "agent_job_tenant_quota_wait": "acme/quota-replay"}
+                "agent_job_tenant_quota_wait": "acme/quota-replay",
+                "batch_run_tenant": "acme/replay-batch-tenant",
+                "batch_run_outside_tenant": "acme/replay-batch-outside"}
 """Workflow ids of recorded histories whose commands depend on the id (child job ids)."""
 
 
@@ -170,6 +172,25 @@ async def test_a_fresh_batch_history_that_asked_the_fleet_replays(
     assert res.records == 4 and len(fakes.window_asks) == 1
     await _replayer().replay_workflow(kept[0])
     _record("batch_run_fleet_window.json", kept[0])
+
+
+@pytest.mark.parametrize(("name", "tenant", "state"), [
+    ("batch_run_tenant", "acme", "COMPLETED"),
+    ("batch_run_outside_tenant", "globex", "INVALID_INPUT")])
+async def test_a_fresh_tenant_batch_history_replays(
+        time_skipping_env: WorkflowEnvironment, tmp_path: Path, name: str, tenant: str,
+        state: str) -> None:
+    """A tenant's batch (its jobs the tenant's, tagged), and one whose id is another
+    tenant's (ended before it reads anything: the ``batch-tenants`` patch)."""
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 2, {})
+    kept: list[WorkflowHistory] = []
+    res, _, _ = await run_batch(time_skipping_env, BatchInput(
+        profile="ticket-triage", source=str(src), window=2, page_size=10, tenant=tenant),
+        keep_history=kept, batch_id=RECORDED_IDS[name])
+    assert res.state == state
+    await _replayer().replay_workflow(kept[0])
+    _record(f"{name}.json", kept[0])
 
 
 async def test_a_fresh_replayed_trace_history_replays(
