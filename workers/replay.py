@@ -30,7 +30,7 @@ import redis.asyncio as aioredis
 from rich.console import Console
 from rich.table import Table
 from temporalio.client import Client
-from temporalio.common import WorkflowIDReusePolicy
+from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
 
 from warmloop.activities.holds import pause_kind
 from warmloop.activities.pauses import tool_kind
@@ -45,11 +45,12 @@ from warmloop.workers.engine_metrics import (
 )
 from warmloop.workers.report import percentile
 from warmloop.workers.settings import Settings
-from warmloop.workflows.agent_job import AgentJob
+from warmloop.workflows.agent_job import SA_TENANT, AgentJob
 from warmloop.workflows.budgets import JobLimits
 from warmloop.workflows.contracts import AGENT_TASK_QUEUE, JobInput, JobResult
 from warmloop.workflows.profiles import UnknownProfileError, get_profile
 from warmloop.workflows.routing import RoutingPolicy
+from warmloop.workflows.tenants import job_workflow_id
 from warmloop.workflows.trace import (
     InlinePrompt,
     TraceError,
@@ -129,7 +130,7 @@ def prepare(lines: list[tuple[int, TraceJob]], source: str) -> PreparedTrace:
             # the step cap only: a token, cost or wall-time cap would put run-dependent
             # figures in the prompt's budget line, and the prompts must not differ by run
             limits=JobLimits(max_steps=len(line.steps)), lane=line.lane,
-            replay=replay_script(line, kinds))))
+            tenant=line.tenant, replay=replay_script(line, kinds))))
     distinct = list({p.name: p for p in prompts.values()}.values())
     times = [line.arrival_s for _, line in lines]
     arrivals = None
@@ -256,8 +257,11 @@ async def run_config(fleet: Fleet, trace: PreparedTrace, routing: RoutingPolicy,
         async with slots:
             handle = await fleet.client.start_workflow(
                 AgentJob.run, job.model_copy(update={"routing": routing}),
-                id=f"replay-{tag}-{routing}-{i:04d}", task_queue=AGENT_TASK_QUEUE,
-                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE)
+                id=job_workflow_id(job.tenant, f"replay-{tag}-{routing}-{i:04d}"),
+                task_queue=AGENT_TASK_QUEUE,
+                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+                search_attributes=TypedSearchAttributes(
+                    [SearchAttributePair(SA_TENANT, job.tenant)]))
             if due is not None:
                 lags.append(time.monotonic() - started - due[i])
             try:

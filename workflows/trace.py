@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from warmloop.workflows.contracts import FunctionCall, Lane, ReplayScript, ReplayStep, ToolCall
 from warmloop.workflows.profiles import Profile, ToolSpec
 from warmloop.workflows.prompt import canonical_json
+from warmloop.workflows.tenants import DEFAULT_TENANT, TenantName
 
 TRACE_PROFILE_PREFIX = "trace:"
 """Profile names of inline prompts: ``trace:<16 hex of the prompt's sha256>``."""
@@ -123,6 +124,10 @@ class TraceJob(BaseModel):
     running. Bounded so that epoch milliseconds are refused, not replayed 1,000x slow."""
     lane: Lane = Lane.INTERACTIVE
     """The lane the job ran in (a batch job goes through the engines' batch admission)."""
+    tenant: TenantName = DEFAULT_TENANT
+    """Whose job it was: the replay runs it as the tenant's (``<tenant>/<id>``, its
+    requests salted with the tenant's ``cache_salt``), so tenants' prompts share no
+    cache in the replay, as they shared none in production."""
 
     @field_validator("task")
     @classmethod

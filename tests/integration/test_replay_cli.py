@@ -68,6 +68,7 @@ async def test_a_trace_replayed_at_its_arrivals_starts_no_job_before_it_arrived(
     for i, x in enumerate(lines):
         x["arrival_s"] = 1_700_000_000.0 + 4.0 * i  # epoch seconds, as a log has them
     lines[2]["lane"] = "batch"
+    lines[1]["tenant"] = "replay-t"  # runs as the tenant's job, its requests salted
     trace = tmp_path / "arrivals.jsonl"
     trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
     since = datetime.now(UTC) - timedelta(seconds=1)
@@ -81,15 +82,19 @@ async def test_a_trace_replayed_at_its_arrivals_starts_no_job_before_it_arrived(
     assert "latest start after its arrival" in out.stdout
     query = f"WorkflowType = 'AgentJob' AND StartTime >= '{since.isoformat()}'"
     runs = sorted([wf async for wf in client.list_workflows(query)
-                   if wf.id.startswith("replay-")], key=lambda wf: wf.id)
+                   if wf.id.removeprefix("replay-t/").startswith("replay-")],
+                  key=lambda wf: wf.id[-4:])  # the ids end with the job's number
     assert len(runs) == len(lines)
     starts = [wf.start_time for wf in runs]
     for i, t in enumerate(starts):  # the ids number the jobs in trace order
         assert (t - starts[0]).total_seconds() >= i * 4.0 / 4 - 0.05, starts
-    lanes = []
+    lanes, tenants = [], []
     for wf in runs:  # each job's input, as its workflow history has it
         history = await client.get_workflow_handle(wf.id).fetch_history()
         started = history.events[0].workflow_execution_started_event_attributes
         [job] = await client.data_converter.decode(started.input.payloads, [JobInput])
         lanes.append(job.lane)
+        tenants.append(job.tenant)
     assert lanes == ["interactive", "interactive", "batch"]
+    assert tenants == ["default", "replay-t", "default"]
+    assert [wf.id.startswith("replay-t/") for wf in runs] == [False, True, False]

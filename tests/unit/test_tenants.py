@@ -592,3 +592,38 @@ async def test_a_prewarm_is_skipped_while_the_engine_reports_a_queue() -> None:
     warmed = await asyncio.wait_for(ActivityEnvironment().run(inf.prewarm, req), 10)
     assert warmed.finish_reason != PREWARM_SKIPPED
     assert [r for r in sent if r.url.path == "/v1/chat/completions"]
+
+
+async def test_start_batch_namespaces_the_batch_and_bounds_it_by_its_tenants_quota() -> None:
+    """A tenant's batch is ``<tenant>/<batch id>``, tagged with its tenant; its
+    ``max_jobs_in_flight`` bounds the batch's windows (an explicit window over it is
+    refused); a spent hour refuses the batch; its jobs in flight are not counted (a
+    batch starts its jobs itself, within its window)."""
+    temporal = FakeTemporal(running=5)
+    quota = {"acme": TenantQuota(max_jobs_in_flight=4),
+             "spent": TenantQuota(tokens_per_hour=1000)}
+    jobs = JobClient(temporal, tenants=quota, usage=StubUsage(1000))  # type: ignore[arg-type]
+    bid = await jobs.start_batch(TRIAGE, "s3://b/k.jsonl", batch_id="nightly", tenant="acme")
+    assert bid == "acme/nightly"
+    [started] = temporal.started
+    assert started["id"] == "acme/nightly" and _attrs(started) == {"WarmloopTenant": "acme"}
+    assert (started["input"].tenant, started["input"].max_window) == ("acme", 4)
+    assert temporal.queries == []
+    assert await jobs.start_batch(TRIAGE, "s3://b/k.jsonl", batch_id="w", tenant="acme",
+                                  window=4) == "acme/w"
+    with pytest.raises(InvalidJobError,
+                       match="window 5 is over tenant acme's max_jobs_in_flight 4"):
+        await jobs.start_batch(TRIAGE, "s3://b/k.jsonl", tenant="acme", window=5)
+    with pytest.raises(QuotaExceededError, match="tokens_per_hour"):
+        await jobs.start_batch(TRIAGE, "s3://b/k.jsonl", tenant="spent")
+    # no quota: as asked, under the bare id
+    assert await jobs.start_batch(TRIAGE, "s3://b/k.jsonl", batch_id="d", max_window=128) == "d"
+    assert (temporal.started[-1]["input"].max_window, _attrs(temporal.started[-1])) == (
+        128, {"WarmloopTenant": "default"})
+    for bad in ({"tenant": "Not/A/Tenant"}, {"batch_id": "a/b"}, {"page_size": 0},
+                {"carry": {"pages": 1}}):
+        with pytest.raises(InvalidJobError):
+            await jobs.start_batch(TRIAGE, "s3://b/k.jsonl", **bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidJobError, match="unknown"):
+        await jobs.start_batch("no-such-profile", "s3://b/k.jsonl")
+    assert len(temporal.started) == 3

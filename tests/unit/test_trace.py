@@ -195,6 +195,15 @@ def test_recorded_arrivals_and_lanes_carry_into_the_replay() -> None:
         {**PROFILE_LINE, "lane": "express"})
 
 
+def test_a_lines_tenant_carries_into_its_replayed_job() -> None:
+    """Tenants' prompts share no cache in production (each tenant's requests carry its
+    salt): a replay that ran them all as the default tenant would share them."""
+    trace = prepare(parse_trace(lines({**PROFILE_LINE, "tenant": "acme"}, PROFILE_LINE)), "t")
+    assert [j.tenant for _, j in trace.jobs] == ["acme", "default"]
+    assert "line 1: tenant: String should match pattern" in error_of(
+        {**PROFILE_LINE, "tenant": "Acme/Corp"})
+
+
 def test_the_cli_refuses_arrivals_a_trace_lacks_before_it_connects(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
