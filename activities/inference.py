@@ -33,6 +33,7 @@ from warmloop.activities.transcripts import TranscriptStore
 from warmloop.workflows import tool_loading
 from warmloop.workflows.contracts import (
     ENGINE_ERROR,
+    AttemptSpend,
     ChatMessage,
     FunctionCall,
     GenerateRequest,
@@ -207,20 +208,32 @@ class InferenceActivities:
         # for this write: one landing after it would leave the step counted)
         counted = (asyncio.create_task(self._step_started(in_flight))
                    if req.mark_in_flight and in_flight is not None else None)
+        # this step's earlier attempts' spend: every beat repeats it, so the next attempt
+        # reads it even after this one dies without a word
+        details = activity.info().heartbeat_details
+        earlier = AttemptSpend.from_details(details[0] if details else None)
+        beat = _beat(earlier)
         try:
             slot = time.perf_counter()
-            async with self._batch_slot(req), _heartbeating():
+            async with self._batch_slot(req, beat), _heartbeating(beat):
                 admission_ms = (time.perf_counter() - slot) * 1000
                 if self._admission is not None and req.lane == Lane.BATCH:
                     # the batch lane's wait for one of the engine's K slots (dashboards)
                     activity.metric_meter().create_histogram_float(
                         "warmloop_batch_admission_wait", "batch step's wait for a slot", "ms"
                     ).record(admission_ms, {"profile": req.profile})
-                result, last_token = await self._generate(req, entered=entered,
-                                                          admission_ms=admission_ms,
-                                                          in_flight=in_flight,
-                                                          counted=counted)
+                try:
+                    result, last_token = await self._generate(req, entered=entered,
+                                                              admission_ms=admission_ms,
+                                                              in_flight=in_flight,
+                                                              counted=counted)
+                except ApplicationError as e:
+                    if e.type != ENGINE_ERROR:
+                        raise
+                    raise self._failed_attempt(req, e, earlier) from None
                 in_flight = None  # taken off the in-flight set beside the records
+                if earlier.attempts:
+                    result.failed_attempts = earlier
             if self._admission is not None and req.lane == Lane.INTERACTIVE:
                 await self._admission.observe_interactive(result.ttft_ms)
             elif self._admission is not None:
@@ -292,13 +305,35 @@ class InferenceActivities:
                                           timeout_s=STEP_DONE_TIMEOUT_S):
             self._undone = [*keys, *self._undone][-MAX_UNDONE:]
 
+    def _failed_attempt(self, req: GenerateRequest, e: ApplicationError,
+                        earlier: AttemptSpend) -> ApplicationError:
+        """The engine failed this attempt: ``e`` again, its first detail now every
+        attempt's spend so far (this one's usage as the engine reported it, at its
+        price), also beaten as the activity's heartbeat details: Temporal (1.16 and
+        later) sends them with the failure and hands them to the next attempt. This
+        attempt's tokens go onto the tenant's hour: the engine computed them."""
+        reported = AttemptSpend.from_details(e.details[0] if e.details else None)
+        cost = self._step_cost(prompt_tokens=reported.prompt_tokens,
+                               cached_tokens=reported.cached_tokens,
+                               completion_tokens=reported.completion_tokens)
+        this = reported.model_copy(update={
+            "attempts": 1, "cost_usd": cost or 0.0, "unpriced_attempts": int(cost is None)})
+        spent = earlier.plus(this)
+        activity.heartbeat(spent.model_dump())
+        if this.tokens:
+            self._after_return(self._count_tokens(req.tenant, this.tokens))
+        return ApplicationError(e.message, spent.model_dump(), type=ENGINE_ERROR,
+                                non_retryable=e.non_retryable)
+
     @contextlib.asynccontextmanager
-    async def _batch_slot(self, req: GenerateRequest) -> AsyncIterator[None]:
-        """Batch steps wait for one of the engine's K batch slots; others go straight on."""
+    async def _batch_slot(self, req: GenerateRequest,
+                          beat: Callable[[], None]) -> AsyncIterator[None]:
+        """Batch steps wait for one of the engine's K batch slots; others go straight on.
+        ``beat``: the step's heartbeat while it waits."""
         if self._admission is None or req.lane != Lane.BATCH:
             yield
             return
-        await self._admission.acquire(req.job_id, on_wait=activity.heartbeat)
+        await self._admission.acquire(req.job_id, on_wait=beat)
         try:
             yield
         finally:
@@ -836,11 +871,22 @@ def _error_text(chunk: Any) -> str:
     return json.dumps(chunk)[:500]
 
 
+def _beat(earlier: AttemptSpend) -> Callable[[], None]:
+    """A step's heartbeat: with its earlier attempts' spend as the details, when any
+    (a beat's details replace the last ones: a bare beat would lose them)."""
+    if not earlier.attempts:
+        return lambda: activity.heartbeat()
+    details = earlier.model_dump()
+    return lambda: activity.heartbeat(details)
+
+
 @contextlib.asynccontextmanager
-async def _heartbeating(interval_s: float = 2.0) -> AsyncIterator[None]:
+async def _heartbeating(beat_once: Callable[[], None] | None = None,
+                        interval_s: float = 2.0) -> AsyncIterator[None]:
     """Heartbeat while a step runs, even while the engine queues it and streams nothing:
     the heartbeat says the worker is alive (so a dead one is noticed in seconds); a
-    stalled engine is caught by the HTTP read timeout instead.
+    stalled engine is caught by the HTTP read timeout instead. ``beat_once``: one beat
+    (default: a bare ``activity.heartbeat()``).
 
     The first beat waits ``interval_s``: a step that ends sooner sends none. Each beat
     the SDK sends is a write to the workflow's history shard (and an action Temporal
@@ -851,7 +897,7 @@ async def _heartbeating(interval_s: float = 2.0) -> AsyncIterator[None]:
     async def beat() -> None:
         while True:
             await asyncio.sleep(interval_s)
-            activity.heartbeat()
+            (beat_once or activity.heartbeat)()
 
     task = asyncio.ensure_future(beat())
     try:

@@ -51,6 +51,7 @@ from warmloop.workflows.contracts import (
     TRANSCRIPT_CHUNK_BYTES,
     ApprovalRecord,
     ApprovalViewed,
+    AttemptSpend,
     ChatMessage,
     Decision,
     EngineAliveRequest,
@@ -269,6 +270,8 @@ class AgentJob:
         self._state = JobState.RUNNING
         self._engine: EngineChoice | None = None
         self._usage = Usage()
+        self._step_failed = AttemptSpend()
+        """What the step being run has spent on failed attempts so far."""
         self._transcript: list[ChatMessage] = []
         self._stored_len = 0
         self._steps: list[StepRecord] = []
@@ -731,6 +734,7 @@ class AgentJob:
                 job, profile, step + 1, None, [], mark_in_flight=False)})
         self._step_max_tokens = request.max_tokens
         step_start = workflow.now().timestamp()
+        self._step_failed = AttemptSpend()
         gen, route_reason, failovers, routed = await self._generate(
             request, job, pickup_timeout=timedelta(seconds=job.step_pickup_timeout_s)
         )
@@ -751,6 +755,8 @@ class AgentJob:
         u.prompt_tokens += gen.prompt_tokens
         u.cached_tokens += gen.cached_tokens
         u.completion_tokens += gen.completion_tokens
+        if gen.failed_attempts is not None:  # retried on its engine before this answer
+            self._spend_failed(gen.failed_attempts)
         record = StepRecord(
             step=step, kind=kind.value, engine_id=gen.engine_id, route_reason=route_reason,
             tool=None, valid=False, prompt_tokens=gen.prompt_tokens,
@@ -760,6 +766,7 @@ class AgentJob:
             predicted_cached_tokens=routed.expected_cached_tokens if routed else None,
             route_ms=routed.took_ms if routed else 0.0, timing=timing,
             model=model,
+            failed_attempts=self._step_failed if self._step_failed.attempts else None,
         )
         if model is not None:
             self._rung_engines[model] = gen.engine_id
@@ -777,9 +784,14 @@ class AgentJob:
                              ).add(r.cached_tokens)
         meter.create_counter("warmloop_completion_tokens", "completion tokens"
                              ).add(r.completion_tokens)
-        if r.cost_usd is not None:
+        spent = (r.cost_usd or 0.0) + (r.failed_attempts.cost_usd if r.failed_attempts else 0.0)
+        if r.cost_usd is not None or spent:
             meter.create_counter("warmloop_cost_microusd", "cost in millionths of a dollar"
-                                 ).add(round(r.cost_usd * 1e6))
+                                 ).add(round(spent * 1e6))
+        if r.failed_attempts is not None and r.failed_attempts.tokens:
+            meter.create_counter("warmloop_failed_attempt_tokens", "prompt and completion "
+                                 "tokens of step attempts the engine failed"
+                                 ).add(r.failed_attempts.tokens)
         meter.create_histogram_timedelta("warmloop_step_ttft", "time to first token"
                                          ).record(timedelta(milliseconds=r.ttft_ms))
 
@@ -1099,20 +1111,21 @@ class AgentJob:
 
     def _count_failed_attempt(self, e: ActivityError) -> None:
         """A step the engine failed part-way still used the tokens it reported (in the
-        error's details): they count against the job's token caps."""
+        error's details, summed over the attempts Temporal retried): they count against
+        the job's token caps, and their dollars against its cost."""
         cause = e.cause
         if not isinstance(cause, ApplicationError) or cause.type != ENGINE_ERROR:
             return
-        reported = cause.details[0] if cause.details else None
-        if not isinstance(reported, dict):
-            return
-        counts = {k: reported.get(k) for k in ("prompt_tokens", "cached_tokens",
-                                               "completion_tokens")}
-        if not all(isinstance(v, int) and v >= 0 for v in counts.values()):
-            return
-        self._usage.prompt_tokens += counts["prompt_tokens"] or 0
-        self._usage.cached_tokens += counts["cached_tokens"] or 0
-        self._usage.completion_tokens += counts["completion_tokens"] or 0
+        self._spend_failed(AttemptSpend.from_details(cause.details[0] if cause.details
+                                                     else None))
+
+    def _spend_failed(self, spent: AttemptSpend) -> None:
+        u = self._usage
+        u.prompt_tokens += spent.prompt_tokens
+        u.cached_tokens += spent.cached_tokens
+        u.completion_tokens += spent.completion_tokens
+        u.cost_usd += spent.cost_usd
+        self._step_failed = self._step_failed.plus(spent)
 
     async def _after_step_error(self, e: ActivityError, request: GenerateRequest
                                 ) -> GenerateRequest | None:

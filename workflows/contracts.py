@@ -362,6 +362,53 @@ STEP_STAGES = tuple(StepTiming.model_fields)
 """The stages in path order (for reports)."""
 
 
+class AttemptSpend(BaseModel):
+    """What a step's failed attempts made an engine compute (a stream cut after the
+    prompt was prefilled, an error event after tokens were decoded). Exists because
+    those tokens were spent: the job's token caps, its cost and its tenant's hour count
+    them, though only the step's last answer reaches the workflow. ``generate`` keeps
+    it across Temporal's retries of one step in its heartbeat details, sends it as an
+    ``ENGINE_ERROR``'s first detail, and returns it with the attempt that succeeds."""
+
+    attempts: int = Field(default=0, ge=0)
+    """Failed attempts counted (those that reported nothing count too)."""
+    prompt_tokens: int = Field(default=0, ge=0)
+    cached_tokens: int = Field(default=0, ge=0)
+    completion_tokens: int = Field(default=0, ge=0)
+    cost_usd: float = Field(default=0.0, ge=0)
+    """At each engine's price; attempts on unpriced engines add nothing here."""
+    unpriced_attempts: int = Field(default=0, ge=0)
+    """Attempts whose engine declares no price: ``cost_usd`` is then a lower bound."""
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def plus(self, other: AttemptSpend) -> AttemptSpend:
+        return AttemptSpend(
+            attempts=self.attempts + other.attempts,
+            prompt_tokens=self.prompt_tokens + other.prompt_tokens,
+            cached_tokens=self.cached_tokens + other.cached_tokens,
+            completion_tokens=self.completion_tokens + other.completion_tokens,
+            cost_usd=self.cost_usd + other.cost_usd,
+            unpriced_attempts=self.unpriced_attempts + other.unpriced_attempts)
+
+    @classmethod
+    def from_details(cls, details: object) -> AttemptSpend:
+        """Read from an error's or a heartbeat's first detail; nothing (zero) when it is
+        absent or not one (a detail written by an older worker has no ``attempts``: its
+        counts are one attempt's)."""
+        if not isinstance(details, dict):
+            return cls()
+        try:
+            spend = cls.model_validate(details)
+        except ValueError:
+            return cls()
+        if "attempts" not in details:
+            spend.attempts = 1
+        return spend
+
+
 class GenerateResult(BaseModel):
     """What the engine returned for one step, with its own usage figures."""
 
@@ -403,6 +450,9 @@ class GenerateResult(BaseModel):
     """Mean log-probability of the output tokens (``GenerateRequest.logprobs``)."""
     logprob_min: float | None = None
     logprob_tokens: int = 0
+    failed_attempts: AttemptSpend | None = None
+    """What this step's earlier attempts (Temporal's retries on this engine) spent
+    before they failed; None on its first attempt."""
 
 
 class ToolRequest(BaseModel):
@@ -460,6 +510,9 @@ class StepRecord(BaseModel):
     escalated: str | None = None
     """This step's call was asked again of the next model up, and why
     (``warmloop.workflows.ladder.EscalationReason``: invalid, low_confidence, ...)."""
+    failed_attempts: AttemptSpend | None = None
+    """What the step's failed attempts spent (retries and failovers): in the job's
+    usage and cost, not in this record's token figures, which are its answer's."""
 
 
 ENGINE_ERROR = "EngineError"
@@ -467,8 +520,9 @@ ENGINE_ERROR = "EngineError"
 cut before ``[DONE]`` or without its usage, data that is not the chunks it should be,
 a connection lost. Retryable: Temporal retries the step, then the workflow fails it
 over to another engine. Never the model's fault, so never an invalid tool call. Its
-first detail is the usage the engine reported before it failed (zeros if none):
-``{"prompt_tokens", "cached_tokens", "completion_tokens"}``."""
+first detail is what the step's attempts on that engine spent before they failed (an
+``AttemptSpend``: the usage each engine reported, zeros if none, summed over the
+retries)."""
 
 INLINE_TRANSCRIPT_BYTES = 256 * 1024
 """A transcript up to this size (its messages' JSON) travels inline: in ``JobResult``,

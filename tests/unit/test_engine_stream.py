@@ -24,6 +24,7 @@ from tests.unit.engine_fakes import (
     inference,
     role_chunk,
     sse,
+    step_request,
     usage_chunk,
 )
 
@@ -39,11 +40,12 @@ async def engine_error(stream: bytes | Any) -> ApplicationError:
 
 
 def reported(err: ApplicationError) -> dict[str, Any]:
-    """The usage the engine reported before it failed (the error's first detail)."""
+    """The usage the engine reported before it failed (the error's first detail: the
+    step's attempts' spend, here one attempt's)."""
     assert err.details, "the error carries the step's usage"
     detail = err.details[0]
-    assert isinstance(detail, dict)
-    return detail
+    assert isinstance(detail, dict) and detail["attempts"] == 1
+    return {k: detail[k] for k in ("prompt_tokens", "cached_tokens", "completion_tokens")}
 
 
 async def test_a_whole_stream_is_a_step() -> None:
@@ -154,3 +156,66 @@ async def test_a_non_200_answer_is_still_sorted_by_status() -> None:
     with pytest.raises(ApplicationError) as err:
         await generate(inference(answer(503, "busy")))
     assert err.value.type == ENGINE_ERROR and not err.value.non_retryable
+
+
+class CountingUsage:
+    """A tenant's hour, as the inference worker adds to it."""
+
+    def __init__(self) -> None:
+        self.added: list[tuple[str, int]] = []
+
+    async def add(self, tenant: str, tokens: int) -> None:
+        self.added.append((tenant, tokens))
+
+
+async def test_a_steps_retries_sum_what_each_failed_attempt_spent() -> None:
+    """Temporal retries a step its engine failed: each attempt reads the earlier ones'
+    spend from its heartbeat details, so the attempt that fails last reports them all
+    (the workflow sees only that error) and the one that succeeds returns them; each
+    failed attempt's tokens go onto the tenant's hour, at the engine's price."""
+    import dataclasses
+
+    from temporalio.testing import ActivityEnvironment
+
+    from warmloop.workflows.contracts import AttemptSpend
+    from warmloop.workflows.pricing import EnginePrice
+
+    price = EnginePrice(input_usd_per_mtok=1.0, cached_input_usd_per_mtok=0.1,
+                        output_usd_per_mtok=2.0)
+    one_cost = price.cost(prompt_tokens=300, cached_tokens=256, completion_tokens=12)
+    broken = sse(role_chunk(), *call_chunks(), usage_chunk(),
+                 {"error": {"message": "detokenizer failed"}}, "[DONE]")
+    usage = CountingUsage()
+
+    async def attempt(stream: bytes, n: int, details: list[Any]) -> tuple[Any, list[Any]]:
+        beats: list[Any] = []
+        env = ActivityEnvironment()
+        env.info = dataclasses.replace(env.info, attempt=n, heartbeat_details=details)
+        env.on_heartbeat = lambda *d: beats.append(d)
+        inf = inference(engine(stream), price=price, usage=usage)  # type: ignore[arg-type]
+        try:
+            out: Any = await asyncio.wait_for(env.run(inf.generate, step_request()), 10)
+        except ApplicationError as e:
+            assert e.type == ENGINE_ERROR and not e.non_retryable
+            out = e
+        assert await inf.drain(10) == 0
+        return out, beats
+
+    first, beats = await attempt(broken, 1, [])
+    spent = AttemptSpend.model_validate(first.details[0])
+    assert (spent.attempts, spent.prompt_tokens, spent.cached_tokens,
+            spent.completion_tokens) == (1, 300, 256, 12)
+    assert spent.cost_usd == pytest.approx(one_cost) and spent.unpriced_attempts == 0
+    assert beats[-1] == (first.details[0],)  # beaten: Temporal hands it to the next attempt
+    second, _ = await attempt(broken, 2, [first.details[0]])
+    both = AttemptSpend.model_validate(second.details[0])
+    assert (both.attempts, both.prompt_tokens, both.completion_tokens) == (2, 600, 24)
+    assert both.cost_usd == pytest.approx(2 * one_cost)
+    result, beats = await attempt(GOOD_STREAM, 3, [second.details[0]])
+    assert result.failed_attempts == both
+    assert (result.prompt_tokens, result.completion_tokens) == (300, 12)  # its own answer's
+    # each attempt's own tokens onto the tenant's hour: two failed, one answered
+    assert usage.added == [("default", 312)] * 3
+    # a cut with no usage still counts as an attempt; a garbled detail counts as none
+    cut, _ = await attempt(b"", 4, [{"attempts": "many"}])
+    assert AttemptSpend.model_validate(cut.details[0]).attempts == 1

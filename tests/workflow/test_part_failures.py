@@ -8,6 +8,7 @@ import asyncio
 import uuid
 from datetime import UTC, datetime
 
+import pytest
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
@@ -15,10 +16,12 @@ from temporalio.worker import Worker
 
 from tests.workflow.fakes import FakeActivities, reply
 from tests.workflow.test_agent_job import TICKET, always, run_job, workers
+from warmloop.workers.temporal_plugin import sandbox_runner
 from warmloop.workflows.agent_job import AgentJob
 from warmloop.workflows.budgets import Usage
 from warmloop.workflows.contracts import (
     AGENT_TASK_QUEUE,
+    AttemptSpend,
     GenerateRequest,
     GenerateResult,
     JobCarry,
@@ -82,6 +85,51 @@ async def test_tokens_an_engine_reported_before_failing_count(
     assert fakes.served_by == ["fake1"] and res.steps[0].retries >= 1
     # the failed attempt's 700 + 3 tokens, then the step on fake1 (1000 + 20)
     assert res.usage.prompt_tokens == 1700 and res.usage.completion_tokens == 23
+
+
+class RetriedAndFailedOver(FakeActivities):
+    """As the real worker sums a step's attempts: every attempt on fake0 fails after
+    700 prompt tokens (its last error reports all three attempts); on fake1 the first
+    attempt fails after 500 and the retry answers, returning that attempt's spend."""
+
+    @activity.defn(name="generate")
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        n = activity.info().attempt
+        if activity.info().task_queue == "engine.fake0":
+            raise ApplicationError("engine fake0: stream cut before [DONE]", AttemptSpend(
+                attempts=n, prompt_tokens=700 * n, completion_tokens=3 * n,
+                cost_usd=0.001 * n).model_dump(), type="EngineError")
+        if n == 1:
+            raise ApplicationError("engine fake1: error event", AttemptSpend(
+                attempts=1, prompt_tokens=500, cached_tokens=400, completion_tokens=5,
+                cost_usd=0.0005).model_dump(), type="EngineError")
+        result = await super().generate(req)
+        return result.model_copy(update={"failed_attempts": AttemptSpend(
+            attempts=1, prompt_tokens=500, cached_tokens=400, completion_tokens=5,
+            cost_usd=0.0005)})
+
+
+async def test_every_failed_attempt_of_a_step_counts_in_the_jobs_usage_and_cost(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    """Three attempts failed on fake0 (the workflow sees their sum in the last error),
+    one on fake1 before its retry answered (the answer carries it): the job's tokens
+    and dollars count all four, the step record names them apart from its answer."""
+    fakes = RetriedAndFailedOver(always(SEARCH), engines=["fake0", "fake1"])
+    fakes.forced_routes = ["fake0"]
+    async with workers(time_skipping_env, fakes) as client:
+        res = await run_job(client, max_steps=1)
+    assert res.state == JobState.LOOP_CAP, res.reason
+    [step] = res.steps
+    assert fakes.served_by == ["fake1"]
+    assert (step.prompt_tokens, step.completion_tokens) == (1000, 20)  # the answer's own
+    assert step.failed_attempts is not None
+    assert (step.failed_attempts.attempts, step.failed_attempts.prompt_tokens,
+            step.failed_attempts.completion_tokens) == (4, 2600, 14)
+    assert res.usage.prompt_tokens == 2100 + 500 + 1000
+    assert res.usage.completion_tokens == 9 + 5 + 20
+    assert res.usage.cached_tokens == 400 + step.cached_tokens
+    assert res.usage.cost_usd == pytest.approx(0.003 + 0.0005 + (step.cost_usd or 0.0))
 
 
 async def test_a_payment_for_another_invoice_is_refused_before_any_approval(
@@ -154,3 +202,54 @@ async def test_a_busy_engine_keeps_its_step_and_a_gone_one_fails_it_over(
         res = await run_job(client, max_steps=1, step_pickup_timeout_s=2)
     assert res.state == JobState.LOOP_CAP and unknown.served_by == ["fake1"]
     assert unknown.alive_asked == ["fake0", "fake0"]  # both attempts failed
+
+
+async def test_a_real_servers_retry_hands_the_failed_attempts_spend_to_the_next(
+    dev_server_env: WorkflowEnvironment,
+) -> None:
+    """On a real Temporal server (the one the stack runs): the real ``generate`` fails
+    its first attempt after the engine reported its usage (an error event inside the
+    stream); Temporal retries it, handing the next attempt the failed one's heartbeat
+    details, and the answer brings that spend to the job's usage."""
+    import httpx
+
+    from tests.unit.engine_fakes import (
+        GOOD_STREAM,
+        call_chunks,
+        engine,
+        inference,
+        role_chunk,
+        sse,
+        usage_chunk,
+    )
+
+    broken = engine(sse(role_chunk(), *call_chunks(), usage_chunk(),
+                        {"error": {"message": "detokenizer failed"}}, "[DONE]"))
+    good = engine(GOOD_STREAM)
+    asked: list[int] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/chat/completions":
+            asked.append(1)
+            return (broken if len(asked) == 1 else good).handler(request)  # type: ignore[no-any-return]
+        return good.handler(request)  # type: ignore[no-any-return]
+
+    real = inference(httpx.MockTransport(handle))
+    fakes = FakeActivities(always(SEARCH), engines=["e0"])
+    client = dev_server_env.client
+    async with (
+        Worker(client, task_queue=AGENT_TASK_QUEUE, workflow_runner=sandbox_runner(),
+               workflows=[AgentJob],
+               activities=[fakes.route_step, fakes.pick_engine, fakes.record_pause,
+                           fakes.engine_alive, fakes.run_tool, fakes.store_transcript,
+                           fakes.load_transcript]),
+        Worker(client, task_queue=engine_task_queue("e0"), activities=[real.generate]),
+    ):
+        res = await run_job(client, max_steps=1)
+    assert res.state == JobState.LOOP_CAP, res.reason
+    assert len(asked) == 2  # one failed attempt, one retry that answered
+    [step] = res.steps
+    assert step.retries == 1 and step.failed_attempts is not None
+    assert (step.failed_attempts.attempts, step.failed_attempts.prompt_tokens,
+            step.failed_attempts.completion_tokens) == (1, 300, 12)
+    assert (res.usage.prompt_tokens, res.usage.completion_tokens) == (600, 24)
