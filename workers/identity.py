@@ -109,6 +109,41 @@ class TokenFileVerifier(TokenVerifier):
         raise AuthError("unknown token")
 
 
+@dataclass(frozen=True)
+class ClaimNames:
+    """How a verified JWT names the person's roles and tenants (identity providers use
+    claims of their own: ``groups``, ``https://acme.example/tenants``)."""
+
+    roles_claim: str = "roles"
+    """The claim that lists the approver's roles."""
+    tenants_claim: str = "tenants"
+    """The claim that lists the tenants whose approvals the person may see and decide."""
+    all_tenants_role: str | None = None
+    """None: a token without ``tenants_claim`` sees every tenant (a single-tenant
+    deployment's tokens name none). Set (e.g. ``operator``): only a token with this
+    role sees every tenant; one without it and without the claim sees none. Hazard:
+    unset in a multi-tenant deployment, a token your provider issues without the claim
+    decides every tenant's approvals its roles allow."""
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ClaimNames:
+        return cls(roles_claim=settings.oidc_roles_claim,
+                   tenants_claim=settings.oidc_tenants_claim,
+                   all_tenants_role=settings.oidc_all_tenants_role)
+
+    def identity(self, claims: dict[str, Any]) -> Identity:
+        """The person verified claims name: subject, roles and tenants."""
+        roles = _names(claims.get(self.roles_claim, []), self.roles_claim)
+        named = claims.get(self.tenants_claim)
+        tenants = None if named is None else _names(named, self.tenants_claim)
+        if self.all_tenants_role is not None:
+            if self.all_tenants_role in roles:
+                tenants = None
+            elif tenants is None:
+                tenants = frozenset()
+        return Identity(subject=str(claims["sub"]), roles=roles, tenants=tenants)
+
+
 class JwtVerifier(TokenVerifier):
     """OIDC bearer tokens: signature against the issuer's JWKS (cached, refetched for
     an unknown key id), ``iss``, ``aud`` and ``exp``; asymmetric algorithms only, so
@@ -117,11 +152,12 @@ class JwtVerifier(TokenVerifier):
     ALGORITHMS = ["RS256", "RS384", "RS512", "ES256", "ES384", "PS256", "EdDSA"]
 
     def __init__(self, *, issuer: str, audience: str, jwks_url: str | None = None,
-                 roles_claim: str = "roles", keys_timeout_s: float = 5.0,
+                 claim_names: ClaimNames | None = None, keys_timeout_s: float = 5.0,
                  keys_lifespan_s: float = 300.0) -> None:
         import jwt
 
-        self._issuer, self._audience, self._roles_claim = issuer, audience, roles_claim
+        self._issuer, self._audience = issuer, audience
+        self._names = claim_names or ClaimNames()
         url = jwks_url or issuer.rstrip("/") + "/.well-known/jwks.json"
         # The JWKS is cached (``keys_lifespan_s``) but single keys are not: a key the
         # issuer removed stops verifying when the cache expires, not at the next restart.
@@ -184,10 +220,7 @@ class JwtVerifier(TokenVerifier):
 
     def identity(self, claims: dict[str, Any]) -> Identity:
         """The person verified claims name: subject, roles and tenants."""
-        roles = _names(claims.get(self._roles_claim, []), self._roles_claim)
-        tenants = claims.get("tenants")
-        return Identity(subject=str(claims["sub"]), roles=roles,
-                        tenants=None if tenants is None else _names(tenants, "tenants"))
+        return self._names.identity(claims)
 
 
 def _pick(keys: list[Any], kid: str | None) -> Any:
@@ -222,7 +255,7 @@ def verifier_from_settings(settings: Settings) -> TokenVerifier:
                              "set the audience your tokens are issued for")
         return JwtVerifier(issuer=settings.oidc_issuer, audience=settings.oidc_audience,
                            jwks_url=settings.oidc_jwks_url,
-                           roles_claim=settings.oidc_roles_claim)
+                           claim_names=ClaimNames.from_settings(settings))
     path = settings.auth_token_file or settings.state_dir / "auth" / "tokens.json"
     if not path.exists():
         raise ValueError(f"no approver tokens: {path} does not exist; run `warmloop dev up` "

@@ -301,6 +301,13 @@ class Settings(BaseSettings):
     """Where the issuer's signing keys are; default <issuer>/.well-known/jwks.json."""
     oidc_roles_claim: str = "roles"
     """The JWT claim that lists the approver's roles."""
+    oidc_tenants_claim: str = "tenants"
+    """The JWT claim that lists the tenants whose approvals the approver may see and
+    decide."""
+    oidc_all_tenants_role: str | None = None
+    """Only tokens with this role see every tenant; a token without the tenants claim
+    and without this role sees none. None (the default): a token without the claim sees
+    every tenant, as a single-tenant deployment wants. Set it in a multi-tenant one."""
     oidc_client_id: str | None = None
     """The inbox's client id at ``oidc_issuer``: with it the sign-in page offers a sign-in
     at the identity provider (OpenID Connect's authorization code flow with PKCE)

@@ -36,6 +36,7 @@ from warmloop.workers.identity import (
     DEV_USERS,
     AssertionSigner,
     AuthError,
+    ClaimNames,
     Identity,
     JwtVerifier,
     KeysUnavailableError,
@@ -170,6 +171,28 @@ def test_a_tenants_claim_becomes_the_identitys_tenants(rsa_key: rsa.RSAPrivateKe
         {"acme", "globex"})
 
 
+def test_an_all_tenants_role_makes_a_token_without_tenants_see_none(
+        rsa_key: rsa.RSAPrivateKey, jwks: Jwks) -> None:
+    """``WARMLOOP_OIDC_ALL_TENANTS_ROLE``: only that role sees every tenant; a token
+    naming no tenants sees none (not every one, as without the setting); the claim's
+    name is the provider's."""
+    names = ClaimNames(tenants_claim="https://acme.example/tenants", all_tenants_role="operator")
+    v = JwtVerifier(issuer=ISSUER, audience=AUDIENCE, jwks_url=jwks.url, claim_names=names)
+    assert v.verify(_token(rsa_key)).tenants == frozenset()
+    assert v.verify(_token(rsa_key, roles=["operator"])).tenants is None
+    named: dict[str, Any] = {"https://acme.example/tenants": ["acme"]}
+    assert v.verify(_token(rsa_key, roles=["operator"], **named)).tenants is None
+    assert v.verify(_token(rsa_key, **named)).tenants == frozenset({"acme"})
+    assert v.verify(_token(rsa_key, tenants=["acme"])).tenants == frozenset()  # not its claim
+
+
+def test_the_tenant_settings_reach_the_verifier(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WARMLOOP_OIDC_TENANTS_CLAIM", "orgs")
+    monkeypatch.setenv("WARMLOOP_OIDC_ALL_TENANTS_ROLE", "operator")
+    names = ClaimNames.from_settings(Settings())
+    assert (names.tenants_claim, names.all_tenants_role) == ("orgs", "operator")
+
+
 def test_roles_as_a_space_separated_string(rsa_key: rsa.RSAPrivateKey,
                                            verifier: JwtVerifier) -> None:
     who = verifier.verify(_token(rsa_key, roles="cfo  finance-lead"))
@@ -185,7 +208,8 @@ def test_no_roles_claim_means_no_roles(rsa_key: rsa.RSAPrivateKey,
 
 
 def test_the_roles_claim_is_configurable(rsa_key: rsa.RSAPrivateKey, jwks: Jwks) -> None:
-    v = JwtVerifier(issuer=ISSUER, audience=AUDIENCE, jwks_url=jwks.url, roles_claim="groups")
+    v = JwtVerifier(issuer=ISSUER, audience=AUDIENCE, jwks_url=jwks.url,
+                    claim_names=ClaimNames(roles_claim="groups"))
     who = v.verify(_token(rsa_key, groups=["reviewer"]))
     assert who.roles == frozenset({"reviewer"})
 

@@ -19,6 +19,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from tests.unit.test_inbox import FakeVerifier, make_backend
+from warmloop.workers.identity import ClaimNames
 from warmloop.workers.inbox import create_app
 from warmloop.workers.inbox.oidc import OidcLogin, azp_problem, pkce_challenge
 from warmloop.workers.inbox.session import COOKIE_NAME, LOGIN_COOKIE_NAME, Session, SessionSealer
@@ -38,9 +39,11 @@ def idp() -> Iterator[str]:
         yield url
 
 
-def inbox(issuer: str, client_id: str = CLIENT) -> TestClient:
+def inbox(issuer: str, client_id: str = CLIENT, *,
+          claim_names: ClaimNames | None = None) -> TestClient:
     """The inbox as a confidential client (the provider takes any secret)."""
-    oidc = OidcLogin(issuer=issuer, client_id=client_id, client_secret="inbox-secret")
+    oidc = OidcLogin(issuer=issuer, client_id=client_id, client_secret="inbox-secret",
+                     claim_names=claim_names)
     app = create_app(Settings(), backend=make_backend(), verifier=FakeVerifier(),
                      session_key=KEY, oidc=oidc)
     return TestClient(app, follow_redirects=False)
@@ -105,6 +108,24 @@ def test_a_person_signs_in_at_the_provider_with_its_roles(idp: str) -> None:
         with inbox(idp) as web2:
             assert come_back(web2, authorize(start(web2, "/"), "mallory")).status_code == 200
             assert "no roles" in web2.get("/").text
+
+
+def test_with_an_all_tenants_role_an_id_token_naming_no_tenants_sees_none(idp: str) -> None:
+    """bob's ID token names no tenants: without the setting he sees every tenant's
+    approvals his roles allow (the payment); with ``all_tenants_role`` he sees none,
+    and an operator sees them all."""
+    httpx.put(f"{idp}/users/olga", json={"roles": ["finance-lead", "operator"]}
+              ).raise_for_status()
+
+    def rows(names: ClaimNames | None, sub: str) -> int:
+        with inbox(idp, claim_names=names) as web:
+            assert come_back(web, authorize(start(web, "/"), sub)).status_code == 200
+            return web.get("/").text.count('data-testid="approval-row"')
+
+    assert rows(None, "bob") == 1
+    strict = ClaimNames(all_tenants_role="operator")
+    assert rows(strict, "bob") == 0
+    assert rows(strict, "olga") == 1
 
 
 def test_an_answer_this_browser_did_not_ask_for_is_refused(idp: str) -> None:

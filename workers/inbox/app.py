@@ -39,6 +39,7 @@ from warmloop.workers.approvals import ApprovalRefused, may_decide
 from warmloop.workers.identity import (
     AssertionSigner,
     AuthError,
+    ClaimNames,
     Identity,
     KeysUnavailableError,
     TokenVerifier,
@@ -591,7 +592,8 @@ def create_app(settings: Settings, *, backend: InboxBackend | None = None,
         secret = settings.oidc_client_secret
         oidc = OidcLogin(issuer=settings.oidc_issuer, client_id=settings.oidc_client_id,
                          client_secret=secret.get_secret_value() if secret else None,
-                         roles_claim=settings.oidc_roles_claim, inbox_url=settings.inbox_url)
+                         claim_names=ClaimNames.from_settings(settings),
+                         inbox_url=settings.inbox_url)
     if session_key is None and settings.inbox_session_key is not None:
         session_key = decode_payload_key("inbox_session_key",
                                          settings.inbox_session_key.get_secret_value())

@@ -27,7 +27,7 @@ from urllib.parse import urlencode
 
 import httpx
 
-from warmloop.workers.identity import AuthError, Identity, JwtVerifier
+from warmloop.workers.identity import AuthError, ClaimNames, Identity, JwtVerifier
 from warmloop.workers.inbox.session import LoginState
 
 CALLBACK_PATH = "/signin/callback"
@@ -73,7 +73,7 @@ class OidcLogin:
     the sign-in (or, if it allowed any, the code could be sent elsewhere)."""
 
     def __init__(self, *, issuer: str, client_id: str, client_secret: str | None = None,
-                 roles_claim: str = "roles", inbox_url: str | None = None,
+                 claim_names: ClaimNames | None = None, inbox_url: str | None = None,
                  scope: str = "openid profile email",
                  http: httpx.AsyncClient | None = None) -> None:
         if not issuer or not client_id:
@@ -81,7 +81,7 @@ class OidcLogin:
                              "WARMLOOP_OIDC_CLIENT_ID")
         self.issuer = issuer.rstrip("/")
         self.client_id, self._secret = client_id, client_secret
-        self._roles_claim, self._scope = roles_claim, scope
+        self._claim_names, self._scope = claim_names, scope
         self._inbox_url = inbox_url.rstrip("/") if inbox_url else None
         self._http = http or httpx.AsyncClient(timeout=DISCOVERY_TIMEOUT_S)
         self._endpoints: ProviderEndpoints | None = None
@@ -129,7 +129,7 @@ class OidcLogin:
                 self._endpoints = found
                 self._verifier = JwtVerifier(issuer=found.issuer, audience=self.client_id,
                                              jwks_url=found.jwks_uri,
-                                             roles_claim=self._roles_claim)
+                                             claim_names=self._claim_names)
             return self._endpoints
 
     async def start(self, login: LoginState, base_url: str) -> str:
