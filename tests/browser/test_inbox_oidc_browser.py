@@ -2,7 +2,8 @@
 real OpenID provider (``oidc-provider-mock``, on another site: localhost against the
 inbox's 127.0.0.1, so the cookies' SameSite rules apply as in production), signs in
 as a finance lead the provider knows, comes back signed in and approves a payment on
-the real stack; the job records the provider's subject as the approver."""
+the real stack (the job records the provider's subject as the approver), then signs
+out of the inbox and, through the provider's end-session page, of the provider."""
 
 from __future__ import annotations
 
@@ -68,6 +69,17 @@ async def test_a_person_signs_in_at_the_identity_provider_and_approves(
                 await screenshots.take(page, "oidc-signed-in")
                 await decide(page, inbox.url, pay, "Approve", "signed in at the provider")
                 res = await asyncio.wait_for(pay.handle.result(), timeout=300)
+                # signing out ends the session at the provider too (RP-initiated
+                # logout), and the provider sends the browser back to the sign-in page
+                await page.goto(f"{inbox.url}/signout")
+                await page.get_by_role("button", name="Sign out").click()
+                await page.wait_for_url(f"{idp}/oauth2/end_session?**")
+                assert "id_token_hint=" in page.url
+                await screenshots.take(page, "oidc-provider-end-session")
+                await page.get_by_role("button", name="End session").click()
+                await page.wait_for_url(f"{inbox.url}/signin")
+                await page.goto(f"{inbox.url}/")
+                await page.wait_for_url(f"{inbox.url}/signin?next=/")  # signed out here
             finally:
                 for h in started:
                     with contextlib.suppress(RPCError):  # already ended

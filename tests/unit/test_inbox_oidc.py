@@ -8,6 +8,7 @@ browser: tests/browser/test_inbox_oidc_browser.py."""
 
 from __future__ import annotations
 
+import html
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +19,7 @@ import oidc_provider_mock
 import pytest
 from starlette.testclient import TestClient
 
-from tests.unit.test_inbox import FakeVerifier, make_backend
+from tests.unit.test_inbox import FakeVerifier, csrf_of, make_backend
 from warmloop.workers.identity import ClaimNames
 from warmloop.workers.inbox import create_app
 from warmloop.workers.inbox.oidc import OidcLogin, azp_problem, pkce_challenge
@@ -237,3 +238,53 @@ def test_an_id_token_for_several_audiences_must_name_this_client_its_azp() -> No
     assert azp_problem({"aud": [CLIENT, "other"], "azp": CLIENT}, CLIENT) is None
     assert "azp" in (azp_problem({"aud": [CLIENT, "other"], "azp": "other"}, CLIENT) or "")
     assert "azp" in (azp_problem({"aud": [CLIENT, "other"]}, CLIENT) or "")
+
+
+def test_signing_out_signs_out_at_the_provider_too(idp: str) -> None:
+    """RP-initiated logout: the inbox's session ends and the browser goes to the
+    provider's end-session endpoint with the ID token as the hint and the sign-in page
+    to come back to; the provider's confirmation sends it there."""
+    with inbox(idp) as web:
+        come_back(web, authorize(start(web)))
+        session = SessionSealer(KEY).open(web.cookies.get(COOKIE_NAME))
+        assert session is not None and session.token
+        r = web.post("/signout", data={"csrf": csrf_of(web.get("/signout").text)})
+        # a page that goes on to the provider (a 303 would break the CSP's form-action)
+        assert r.status_code == 200
+        found = re.search(r'<meta http-equiv="refresh" content="0; url=([^"]+)">', r.text)
+        assert found is not None, r.text
+        to_provider = html.unescape(found.group(1))
+        assert to_provider.startswith(f"{idp}/oauth2/end_session?")
+        assert f'href="{found.group(1)}"' in r.text  # and a link, should refresh be off
+        query = parse_qs(urlsplit(to_provider).query)
+        assert query["id_token_hint"] == [session.token] and query["client_id"] == [CLIENT]
+        assert query["post_logout_redirect_uri"] == ["http://testserver/signin"]
+        ended = SessionSealer(KEY).open(r.cookies.get(COOKIE_NAME))
+        assert ended is not None and ended.token is None  # signed out here at once
+        assert web.get("/").status_code == 303
+        form = httpx.get(to_provider)  # the provider asks the person to confirm
+        assert form.status_code == 200
+        back = httpx.post(f"{idp}/oauth2/end_session/confirm",
+                          data={"redirect_uri": query["post_logout_redirect_uri"][0]})
+        assert back.status_code == 302
+        assert back.headers["location"] == "http://testserver/signin"
+
+
+def test_a_pasted_token_or_a_provider_down_signs_out_here_alone(idp: str) -> None:
+    """Only a session opened at the provider ends there; with the provider unreachable
+    the inbox still signs the person out (an outage must not keep anyone signed in)."""
+    with inbox(idp) as web:
+        web.cookies.set(COOKIE_NAME, SessionSealer(KEY).seal(Session.signed_in("alice")))
+        r = web.post("/signout", data={"csrf": csrf_of(web.get("/signout").text)})
+        assert (r.status_code, r.headers["location"]) == (303, "/signin")
+    with inbox(idp) as web:
+        come_back(web, authorize(start(web)))
+        cookie = web.cookies.get(COOKIE_NAME) or ""
+    with inbox("http://127.0.0.1:1") as down:
+        down.cookies.set(COOKIE_NAME, cookie)
+        session = SessionSealer(KEY).open(cookie)
+        assert session is not None
+        r = down.post("/signout", data={"csrf": session.csrf})
+        assert (r.status_code, r.headers["location"]) == (303, "/signin")
+        ended = SessionSealer(KEY).open(r.cookies.get(COOKIE_NAME))
+        assert ended is not None and ended.token is None

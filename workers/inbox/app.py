@@ -403,8 +403,20 @@ class _Inbox:
         form = await request.form()
         if not session.csrf_ok(_form_text(form, "csrf")):
             raise _Refusal(403, "Form expired", "Reload the page and sign out again.")
-        response = RedirectResponse("/signin", status_code=303)
-        self._set_cookie(request, response, Session.anonymous().with_flash("Signed out."))
+        # signed in at the identity provider: signed out there too, where it can be
+        at_provider = (await self.oidc.end_session_url(session.token, str(request.base_url))
+                       if self.oidc is not None and session.source == "oidc"
+                       and session.token else None)
+        signed_out = Session.anonymous()
+        response: Response
+        if at_provider is None:
+            response = RedirectResponse("/signin", status_code=303)
+        else:
+            # a page that goes on, not a 303: browsers hold a form's redirects to the
+            # page's CSP form-action ('self'), and the provider is another origin
+            response = HTMLResponse(self._render("signed_out.html", signed_out, who=None,
+                                                 provider_url=at_provider))
+        self._set_cookie(request, response, signed_out.with_flash("Signed out."))
         return response
 
     async def inbox(self, request: Request) -> Response:

@@ -9,6 +9,10 @@ confidential client), and verifies the ID token: the issuer's signature (its JWK
 ``iss``, ``aud`` (this client), ``exp`` and the ``nonce``. The ID token is the session's
 token from then on, verified again on every request like a pasted one.
 
+Signing out of the inbox signs the person out at the provider too, where it publishes an
+``end_session_endpoint`` (OpenID Connect RP-initiated logout): the browser goes there
+with the ID token as ``id_token_hint`` and comes back to ``/signin``.
+
 Endpoints come from the issuer's discovery document
 (``<issuer>/.well-known/openid-configuration``), read once and kept.
 """
@@ -26,11 +30,16 @@ from typing import Any
 from urllib.parse import urlencode
 
 import httpx
+import structlog
 
 from warmloop.workers.identity import AuthError, ClaimNames, Identity, JwtVerifier
 from warmloop.workers.inbox.session import LoginState
 
 CALLBACK_PATH = "/signin/callback"
+SIGNED_OUT_PATH = "/signin"
+"""Where the provider sends a person it signed out (the post-logout redirect URI)."""
+
+log = structlog.get_logger(__name__)
 DISCOVERY_TIMEOUT_S = 5.0
 RETRY_DISCOVERY_S = 10.0
 
@@ -48,6 +57,8 @@ class ProviderEndpoints:
     authorization_endpoint: str
     token_endpoint: str
     jwks_uri: str
+    end_session_endpoint: str | None = None
+    """OpenID Connect RP-initiated logout's endpoint, if the provider has one."""
 
 
 def pkce_challenge(code_verifier: str) -> str:
@@ -116,7 +127,9 @@ class OidcLogin:
                         issuer=str(doc["issuer"]).rstrip("/"),
                         authorization_endpoint=str(doc["authorization_endpoint"]),
                         token_endpoint=str(doc["token_endpoint"]),
-                        jwks_uri=str(doc["jwks_uri"]))
+                        jwks_uri=str(doc["jwks_uri"]),
+                        end_session_endpoint=(str(doc["end_session_endpoint"])
+                                              if doc.get("end_session_endpoint") else None))
                 except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
                     why = (f"the identity provider's discovery document ({url}) could not "
                            f"be read ({type(e).__name__})")
@@ -131,6 +144,28 @@ class OidcLogin:
                                              jwks_url=found.jwks_uri,
                                              claim_names=self._claim_names)
             return self._endpoints
+
+    def signed_out_uri(self, base_url: str) -> str:
+        """Where the provider sends the person after signing them out there (register
+        it as the client's post-logout redirect URI)."""
+        return (self._inbox_url or base_url.rstrip("/")) + SIGNED_OUT_PATH
+
+    async def end_session_url(self, id_token: str, base_url: str) -> str | None:
+        """Where to send a person signing out of the inbox so that the provider signs
+        them out too (RP-initiated logout: the ID token as the hint, back to the sign-in
+        page); None when the provider has no such endpoint or cannot be reached (the
+        inbox then signs them out alone: a provider outage must not keep anyone in)."""
+        try:
+            ep = await self.endpoints()
+        except ProviderUnavailableError as e:
+            log.warning("oidc_end_session_skipped", error=str(e)[:200])
+            return None
+        if ep.end_session_endpoint is None:
+            return None
+        query = urlencode({"id_token_hint": id_token, "client_id": self.client_id,
+                           "post_logout_redirect_uri": self.signed_out_uri(base_url)})
+        sep = "&" if "?" in ep.end_session_endpoint else "?"
+        return f"{ep.end_session_endpoint}{sep}{query}"
 
     async def start(self, login: LoginState, base_url: str) -> str:
         """The authorization request's URL for ``login`` (whose state, nonce and code
