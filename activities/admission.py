@@ -21,6 +21,7 @@ import itertools
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from typing import Protocol
 
 import structlog
 
@@ -38,15 +39,22 @@ log = structlog.get_logger(__name__)
 _MAX_TRACKED_JOBS = 10_000
 
 
+class KvPool(Protocol):
+    """An engine's KV pool as its heartbeat describes it (``EngineHeartbeat``)."""
+
+    @property
+    def kv_capacity_tokens(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+
 class BatchAdmission:
     def __init__(self, config: AdmissionConfig | None = None, *,
                  clock: Callable[[], float] = time.monotonic,
-                 kv_capacity_tokens: Callable[[], int] | None = None,
-                 block_size: Callable[[], int] | None = None) -> None:
-        """``kv_capacity_tokens`` and ``block_size``: the engine's KV pool and its block
-        (the latest heartbeat's; 0 tokens: unknown, no KV fit). Without ``block_size``
-        the fit counts tokens, which undercounts a job whose own part ends in a partly
-        filled block."""
+                 kv_pool: Callable[[], KvPool | None] | None = None) -> None:
+        """``kv_pool``: the engine's KV pool and its block size, read at each decision
+        (its latest heartbeat; None or 0 tokens: unknown, no KV fit)."""
         self.config = config or AdmissionConfig()
         self.limit = min(self.config.k_max, max(self.config.k_min, self.config.k_start))
         """K as adapted to interactive TTFT (before the KV fit)."""
@@ -57,8 +65,7 @@ class BatchAdmission:
         self._last_interactive: float | None = None
         self._last_adjust = clock()
         self._clock = clock
-        self._kv_capacity = kv_capacity_tokens or (lambda: 0)
-        self._block_size = block_size or (lambda: 1)
+        self._kv_pool = kv_pool or (lambda: None)
         # (order, arrival, future): a min-heap of waiters, continuing jobs first
         self._waiters: list[tuple[tuple[int, float], int, asyncio.Future[None]]] = []
         self._arrivals = itertools.count()
@@ -89,8 +96,11 @@ class BatchAdmission:
     def kv_fit(self) -> int | None:
         """Batch jobs whose own blocks fit in ``kv_share`` of the pool at the batch
         steps seen lately (``kv_fit_limit``); None before any (or the pool unknown)."""
-        return kv_fit_limit(self._kv_capacity(), list(self._prompt_tokens), self.config,
-                            block_tokens=max(1, self._block_size())) or None
+        pool = self._kv_pool()
+        if pool is None:
+            return None
+        return kv_fit_limit(pool.kv_capacity_tokens, list(self._prompt_tokens), self.config,
+                            block_tokens=max(1, pool.block_size)) or None
 
     @property
     def effective_limit(self) -> int:

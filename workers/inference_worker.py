@@ -299,8 +299,7 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
             file=calibration_file(settings.state_dir, engine.id))
         admission = BatchAdmission(
             settings.admission,
-            kv_capacity_tokens=lambda: view.last.kv_capacity_tokens if view.last else 0,
-            block_size=lambda: view.last.block_size if view.last else 1)
+            kv_pool=lambda: view.last)
         # The engine's evictions (its KV events), for the hold model's rent.
         regret = EvictionRegret() if engine.kv_events else None
         holds = HoldManager(engine_id=engine.id, base_url=engine.url, model=engine.model,

@@ -217,7 +217,7 @@ async def submit_job(client: Client, job: JobInput, job_id: str,
     """``start_job`` with the tenant's quota from ``settings`` (the CLI's submit): a
     Redis client only when the tenant has a quota (its tokens, its recent starts)."""
     quota = settings.tenants.get(job.tenant)
-    if quota is None or (quota.tokens_per_hour is None and quota.max_jobs_in_flight is None):
+    if quota is None or not quota.counts_in_redis:
         return await start_job(client, job, job_id, quota=quota)
     redis = build_redis(settings)
     try:
@@ -310,8 +310,7 @@ class JobClient:
         load_plugins(plugins=settings.plugins, profile_paths=settings.profile_paths,
                      toolsets=False)
         jobs = cls(await connect(settings), tenants=settings.tenants, fleet=settings)
-        if any(q.tokens_per_hour is not None or q.max_jobs_in_flight is not None
-               for q in settings.tenants.values()):
+        if any(q.counts_in_redis for q in settings.tenants.values()):
             jobs._redis = build_redis(settings)
             jobs._usage = TenantUsage(jobs._redis)
         return jobs

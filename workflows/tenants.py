@@ -138,6 +138,11 @@ class TenantQuota(BaseModel):
     spent hour is refused; a running job's next step waits for the next hour (a
     durable timer), or the job ends QUOTA_EXHAUSTED when that is past its wall cap."""
 
+    @property
+    def counts_in_redis(self) -> bool:
+        """Whether a submit checks it against Redis (tokens this hour, recent starts)."""
+        return self.tokens_per_hour is not None or self.max_jobs_in_flight is not None
+
 
 def hour_window(now: float) -> int:
     """The quota window (hours since the epoch) that ``now`` (epoch seconds) falls in."""

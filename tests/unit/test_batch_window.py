@@ -78,13 +78,17 @@ def test_the_window_stays_within_one_and_max_window() -> None:
 
 
 def test_an_engine_publishes_its_kv_fit_once_it_has_served_batch_steps() -> None:
-    adm = BatchAdmission(AdmissionConfig(kv_share=0.5), kv_capacity_tokens=lambda: 12_288)
+    pool = beat("e0")
+    pool.kv_capacity_tokens, pool.block_size = 12_288, 1
+    adm = BatchAdmission(AdmissionConfig(kv_share=0.5), kv_pool=lambda: pool)
     assert adm.kv_fit is None  # no batch step seen: no job size to divide by
     for prompt in (1_700, 1_800, 1_900):
         adm.observe_batch(prompt, shared_tokens=1_400)
     # (0.5 * 12,288 - 1,400) // mean(300, 400, 500) = 4,744 // 400
     assert adm.kv_fit == 11
-    assert BatchAdmission(kv_capacity_tokens=lambda: 0).kv_fit is None
+    assert BatchAdmission(kv_pool=lambda: None).kv_fit is None  # no heartbeat yet
+    pool.kv_capacity_tokens = 0
+    assert adm.kv_fit is None  # the pool unknown
 
 
 # ---- the activity, over a real redis-server -----------------------------------------------

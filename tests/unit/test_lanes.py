@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given
@@ -140,7 +141,8 @@ def test_k_is_held_to_the_jobs_that_fit_in_the_kv_pool() -> None:
     assert kv_fit_limit(10_000, [], cfg, block_tokens=16) == 0
     assert kv_fit_limit(1_000, [(9_000, 0)], cfg, block_tokens=16) == 1  # never below one
     adm = BatchAdmission(CFG.model_copy(update={"k_start": 16}), clock=Clock(),
-                         kv_capacity_tokens=lambda: 10_000)
+                         kv_pool=lambda: SimpleNamespace(kv_capacity_tokens=10_000,
+                                                         block_size=1))
     assert adm.effective_limit == 16
     adm.observe_batch(2_000, 1_000)
     assert adm.effective_limit == 7
@@ -162,8 +164,8 @@ def test_the_kv_fit_counts_whole_blocks() -> None:
     # aligned to blocks, the two counts agree
     assert kv_fit_limit(pool, [(1_024 + 256, 1_024)], cfg, block_tokens=128) == \
         kv_fit_limit(pool, [(1_024 + 256, 1_024)], cfg, block_tokens=1) == 246
-    adm = BatchAdmission(cfg, clock=Clock(), kv_capacity_tokens=lambda: pool,
-                         block_size=lambda: 128)
+    adm = BatchAdmission(cfg, clock=Clock(), kv_pool=lambda: SimpleNamespace(
+        kv_capacity_tokens=pool, block_size=128))
     adm.observe_batch(1_060, 1_000)
     assert adm.kv_fit == blocks
 

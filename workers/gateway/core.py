@@ -366,16 +366,8 @@ class Gateway:
     def _admission(self, engine_id: str) -> BatchAdmission:
         a = self._admissions.get(engine_id)
         if a is None:
-            def capacity() -> int:
-                hb = self.fleet.engine(engine_id)
-                return hb.kv_capacity_tokens if hb is not None else 0
-
-            def block_size() -> int:
-                hb = self.fleet.engine(engine_id)
-                return hb.block_size if hb is not None else 1
-
             a = self._admissions[engine_id] = BatchAdmission(
-                self.settings.admission, kv_capacity_tokens=capacity, block_size=block_size)
+                self.settings.admission, kv_pool=lambda: self.fleet.engine(engine_id))
         return a
 
     async def _post(self, engine: EngineHeartbeat, path: str, body: bytes
