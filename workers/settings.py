@@ -572,8 +572,12 @@ class Settings(BaseSettings):
         return self.inference_metrics_base_port + ids.index(engine_id)
 
     def engine_calibration_base(self, engine: EngineEndpoint) -> EngineCalibration:
-        """The preset ``engine`` is described by until it is measured."""
-        return preset(engine.calibration or self.engine_calibration)
+        """What describes ``engine`` until it is measured: its preset, with the
+        throughput and GPU hour of the self-hosted price it declares, if it does (the
+        default preset is a tiny model on a CPU: a GPU engine declaring its price must
+        not be priced, routed and held by that)."""
+        base = preset(engine.calibration or self.engine_calibration)
+        return base if engine.price is None else base.as_declared(engine.price)
 
     def engine(self, engine_id: str) -> EngineEndpoint:
         for e in self.engine_endpoints:

@@ -221,6 +221,30 @@ class EngineCalibration(BaseModel):
         extra = self.decode_step_seconds(batch + 1) - self.decode_step_seconds(batch)
         return max(0.0, extra) * output_tokens
 
+    def as_declared(self, price: EnginePrice) -> EngineCalibration:
+        """This calibration with an engine's declared self-hosted price in it: prefill
+        scaled to the declared throughput at ``reference_prompt_tokens`` (its bend with
+        length kept), decode steps to the declared throughput at ``reference_batch``,
+        and the declared GPU hour, so the hold model, the routing score and batch
+        admission read the numbers its steps are billed at. A per-token price says
+        nothing of the engine's speed: the calibration as it is."""
+        if price.kind != "self_hosted":
+            return self
+        assert price.prefill_tokens_per_s and price.decode_tokens_per_s  # validated
+        assert price.gpu_usd_per_hour is not None
+        prefill = price.prefill_tokens_per_s / self.nominal_prefill_tokens_per_s
+        decode = self.decode_tokens_per_s() / price.decode_tokens_per_s
+        return self.model_copy(update={
+            "source": (self.source + "; prefill, decode and GPU hour as the engine "
+                       "declares them (its price)")[:2_000],
+            "prefill": tuple(p.model_copy(update={"tokens_per_s": p.tokens_per_s * prefill})
+                             for p in self.prefill),
+            "decode": tuple(d.model_copy(update={"step_s": d.step_s * decode})
+                            for d in self.decode),
+            "gpu_hour_usd": price.gpu_usd_per_hour,
+            "cached_fraction": (self.cached_fraction if price.cached_fraction is None
+                                else price.cached_fraction)})
+
     # --- what the policies read -----------------------------------------------------
 
     def engine_price(self) -> EnginePrice:

@@ -55,6 +55,45 @@ def test_embedded_engines_declare_no_price_and_are_priced_by_their_preset() -> N
     assert SLOW.engine_price().pricing.input_per_m > TINY.engine_price().pricing.input_per_m
 
 
+def test_an_engine_declaring_a_self_hosted_price_is_described_by_it() -> None:
+    """A GPU engine that declares its price but names no preset must not be held,
+    routed and admitted by the default preset's tiny CPU model: its base calibration
+    takes the declared prefill and decode throughput and GPU hour (the preset's bend
+    with prompt length kept), so what the policies read is what its steps are billed
+    at. A measured calibration replaces it, as it replaces any preset."""
+    from warmloop.workflows.pricing import EnginePrice
+
+    price = EnginePrice(gpu_usd_per_hour=3.5, prefill_tokens_per_s=60_000,
+                        decode_tokens_per_s=2_500, cached_fraction=0.05)
+    gpu = EngineEndpoint(id="g0", url="http://g0:8000", price=price)
+    base = Settings().engine_calibration_base(gpu)
+    assert base.nominal_prefill_tokens_per_s == pytest.approx(60_000)
+    assert base.decode_tokens_per_s() == pytest.approx(2_500)
+    assert base.gpu_hour_usd == 3.5 and base.cached_fraction == 0.05
+    assert "declares" in base.source
+    declared = base.engine_price()  # the price it would bill at without its own
+    assert (declared.gpu_usd_per_hour, declared.cached_fraction) == (3.5, 0.05)
+    assert declared.prefill_tokens_per_s == pytest.approx(60_000)
+    assert declared.decode_tokens_per_s == pytest.approx(2_500)
+    # the bend with length is the preset's
+    ratio = TINY.prefill_tokens_per_s(256) / TINY.prefill_tokens_per_s(8_192)
+    assert base.prefill_tokens_per_s(256) / base.prefill_tokens_per_s(8_192) == \
+        pytest.approx(ratio)
+    # the hold model prices a re-prefill at the declared rate, the GPU at its hour
+    costs = hold_manager(heartbeat(base.model_dump())).costs(2_048, interactive=True)
+    assert isinstance(costs, HoldCosts)
+    assert costs.prefill_s_per_token == pytest.approx(1 / 60_000)
+    assert costs.gpu_usd_per_s == pytest.approx(3.5 / 3600)
+    # a named preset takes the declared numbers too; a per-token price says no speed
+    named = EngineEndpoint(id="g1", url="http://g1:8000", price=price,
+                           calibration="h100-llama-3.1-8b-bf16")
+    assert Settings().engine_calibration_base(named).nominal_prefill_tokens_per_s == \
+        pytest.approx(60_000)
+    api = EngineEndpoint(id="a0", url="http://a0:8000", price=EnginePrice(
+        input_usd_per_mtok=0.2, cached_input_usd_per_mtok=0.02, output_usd_per_mtok=0.6))
+    assert Settings().engine_calibration_base(api) == TINY
+
+
 def test_an_unknown_preset_is_refused_with_the_known_ones() -> None:
     with pytest.raises(ValueError, match="known: .*cpu-tiny"):
         Settings(engine_calibration="h200-imaginary")
