@@ -40,10 +40,10 @@ from warmloop.workflows.batch_run import (
     TaskRecord,
     WritePageRequest,
     one_line,
+    page_key,
 )
 from warmloop.workflows.profiles import UnknownProfileError, get_profile
 from warmloop.workflows.profiles.base import Profile, first_error
-from warmloop.workflows.tenants import s3_prefix, split_job_id
 
 READ_CHUNK = 64 * 1024
 """Bytes read at a time: with one line in hand, all a reader holds of the source."""
@@ -393,9 +393,7 @@ class BatchActivities:
 
     @activity.defn(name="write_batch_results")
     async def write_batch_results(self, req: WritePageRequest) -> str:
-        # a tenant's batch (``<tenant>/<batch id>``) writes under the tenant's prefix
-        tenant, bare = split_job_id(req.batch_id)
-        key = f"{s3_prefix(tenant)}batch-results/{bare}/page-{req.page:05d}.jsonl"
+        key = page_key(req.batch_id, req.page)  # a tenant's under the tenant's prefix
         body = "".join(o.model_dump_json() + "\n" for o in req.outcomes)
         await asyncio.to_thread(self._s3.put_object, Bucket=self._bucket, Key=key,
                                 Body=body.encode(), ContentType="application/x-ndjson")

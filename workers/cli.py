@@ -639,6 +639,13 @@ def _batch_cost(usd: float, unknown_steps: int) -> str:
     return f"at least ${usd:.6f} ({unknown_steps} steps on unpriced engines)"
 
 
+def _result_pages(res: Any) -> str:
+    """The result pages' keys; past a few, where they all are."""
+    if res.pages > 5 and res.results_prefix:
+        return f"{res.pages} pages under {res.results_prefix} (page-00001.jsonl, ...)"
+    return ", ".join(res.result_keys)
+
+
 def _print_batch(res: Any) -> None:
     table = Table(title=f"batch {res.batch_id} ({res.profile})")
     table.add_column("figure")
@@ -653,7 +660,7 @@ def _print_batch(res: Any) -> None:
                         ("cost per record", _batch_cost(res.cost_usd / max(1, res.done),
                                                         res.cost_unknown_steps)),
                         ("makespan", f"{res.makespan_s:.1f}s"),
-                        ("results", ", ".join(res.result_keys))]:
+                        ("results", _result_pages(res))]:
         table.add_row(name, str(value))
     console.print(table)
 

@@ -95,7 +95,12 @@ WARMLOOP_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("warmloop_completion_tokens", "counter", "Completion tokens.", _AGENT,
                ("profile", "engine")),
     MetricSpec("warmloop_cost_microusd", "counter",
-               "Cost of priced steps in millionths of a dollar.", _AGENT, ("profile", "engine")),
+               "Cost of priced steps (their failed attempts too) in millionths of a dollar.",
+               _AGENT, ("profile", "engine")),
+    MetricSpec("warmloop_failed_attempt_tokens", "counter",
+               "Prompt and completion tokens of step attempts the engine failed (counted "
+               "in the jobs' usage, not in warmloop_prompt_tokens).", _AGENT,
+               ("profile", "engine")),
     MetricSpec("warmloop_step_ttft", "histogram", "Time to first token per step (ms).", _AGENT,
                ("profile", "engine")),
     MetricSpec("warmloop_jobs_ended", "counter", "Jobs by terminal state.", _AGENT,

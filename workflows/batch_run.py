@@ -49,7 +49,13 @@ from warmloop.workflows.lanes import (
     estimate_finish_s,
 )
 from warmloop.workflows.profiles import UnknownProfileError, get_profile
-from warmloop.workflows.tenants import DEFAULT_TENANT, TenantName, tenant_id_problem
+from warmloop.workflows.tenants import (
+    DEFAULT_TENANT,
+    TenantName,
+    s3_prefix,
+    split_job_id,
+    tenant_id_problem,
+)
 
 READ_TIMEOUT = timedelta(minutes=2)
 IO_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), backoff_coefficient=2.0,
@@ -69,6 +75,11 @@ a fifth of Temporal's 51,200-event limit, with the page's bytes bounded by the r
 HISTORY_BYTES_PER_RUN = 8 * 1024 * 1024
 """Past this (or when Temporal suggests it) a run starts no more children: the
 children's results are what grows a run's history (Temporal ends one at 50 MB)."""
+RESULT_KEYS_KEPT = 1_000
+"""Page keys a batch lists in its carry and result (``BatchResult.result_keys``); every
+page, listed or not, is ``page_key(batch_id, n)`` under ``results_prefix``. A key a
+page in a carry that continue-as-new sends again every page would pass Temporal's
+2 MB payload limit at ~30,000 pages and end the batch there."""
 HISTORY_BUDGET_PATCH = "batch-history-budget"
 TENANT_PATCH = "batch-tenants"
 """A batch whose id is not its tenant's ends INVALID_INPUT at once (before, each child
@@ -96,6 +107,18 @@ class BatchState(StrEnum):
 _SOURCE_ERRORS = {"SourceRefused": BatchState.SOURCE_REFUSED,
                   "SourceMissing": BatchState.SOURCE_MISSING}
 REASON_CHARS = 300
+
+
+def results_prefix(batch_id: str) -> str:
+    """Where a batch's result pages are: ``batch-results/<batch id>/``, under
+    ``tenants/<tenant>/`` for a tenant's batch (its id ``<tenant>/<batch id>``)."""
+    tenant, bare = split_job_id(batch_id)
+    return f"{s3_prefix(tenant)}batch-results/{bare}/"
+
+
+def page_key(batch_id: str, page: int) -> str:
+    """The S3 key of a batch's ``page``-th result page (1-based)."""
+    return f"{results_prefix(batch_id)}page-{page:05d}.jsonl"
 
 
 def one_line(text: str, limit: int = REASON_CHARS) -> str:
@@ -193,6 +216,7 @@ class BatchCarry(BaseModel):
     cost_unknown_steps: int = 0
     started_at: datetime | None = None
     result_keys: list[str] = Field(default_factory=list)
+    """The first ``RESULT_KEYS_KEPT`` pages' keys (``page_key`` names every page)."""
     window: int | None = None
     """The window as last adapted to the deadline."""
     by_state: dict[str, int] = Field(default_factory=dict)
@@ -277,6 +301,11 @@ class BatchResult(BaseModel):
     cost_usd: float
     """Dollars of the steps whose engine declares a price (see ``cost_unknown_steps``)."""
     result_keys: list[str]
+    """S3 keys of the result pages, the first ``RESULT_KEYS_KEPT`` of them; every page is
+    ``page-00001.jsonl``, ``page-00002.jsonl``, ... under ``results_prefix``."""
+    results_prefix: str = ""
+    """Where every result page is (``pages`` of them)."""
+    pages: int = 0
     makespan_s: float
     by_state: dict[str, int] = Field(default_factory=dict)
     """Records by outcome: each JobState, BAD_RECORD, FAILED and JOB_ID_IN_USE."""
@@ -381,7 +410,8 @@ class BatchRun:
             start_to_close_timeout=READ_TIMEOUT, schedule_to_close_timeout=RESULTS_RETRY_FOR,
             task_queue=AGENT_TASK_QUEUE, retry_policy=IO_RETRY, result_type=str,
         )
-        c.result_keys.append(key)
+        if len(c.result_keys) < RESULT_KEYS_KEPT:
+            c.result_keys.append(key)
         c.bad += len(bad)
         if stop is not None:
             c.next_line, c.next_offset = stop.line, stop.offset
@@ -398,7 +428,8 @@ class BatchRun:
             batch_id=self._batch_id, profile=inp.profile, state=state, reason=reason,
             records=c.done + c.failed + c.bad, done=c.done, failed=c.failed, bad=c.bad,
             cost_usd=c.cost_usd, cost_unknown_steps=c.cost_unknown_steps,
-            result_keys=c.result_keys, makespan_s=(workflow.now() - started).total_seconds(),
+            result_keys=c.result_keys, results_prefix=results_prefix(self._batch_id),
+            pages=c.pages, makespan_s=(workflow.now() - started).total_seconds(),
             by_state=dict(sorted(c.by_state.items())),
             cache_hit_share=c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
         )

@@ -383,6 +383,7 @@ async def test_a_tenants_batch_runs_each_record_as_the_tenants_job(
     assert {r.tenant for r in fakes.generate_requests} == {"acme"}
     assert {r.tenant for r in fakes.routes} == {"acme"}
     assert res.result_keys == [f"tenants/acme/batch-results/{bare}/page-00001.jsonl"]
+    assert (res.results_prefix, res.pages) == (f"tenants/acme/batch-results/{bare}/", 1)
     assert list(s3.objects) == res.result_keys
     assert {o.job_id for o in outcomes(s3) if o.job_id} == {f"{bid}-L1", f"{bid}-L2"}
     child = time_skipping_env.client.get_workflow_handle(f"{bid}-L1")
@@ -425,3 +426,23 @@ async def test_a_batch_outside_its_tenants_namespace_ends_invalid_and_runs_nothi
     assert f"not in tenant {tenant}'s namespace" in res.reason and bid in res.reason
     assert (res.records, res.result_keys, s3.objects) == (0, [], {})
     assert fakes.generate_requests == []
+
+
+async def test_a_batch_of_more_pages_than_it_lists_keeps_its_carry_small(
+    time_skipping_env: WorkflowEnvironment, tmp_path: Path,
+) -> None:
+    """A key a page in the carry would pass Temporal's 2 MB payload limit at ~30,000
+    pages: past ``RESULT_KEYS_KEPT`` the result lists no more keys, and every page is
+    still where ``page_key`` says, under ``results_prefix``."""
+    n = batch_run.RESULT_KEYS_KEPT + 3
+    src = tmp_path / "tickets.jsonl"
+    src.write_text("oops\n" * n)  # bad lines only: a page each, no child jobs
+    bid = f"batch-{uuid.uuid4().hex[:6]}"
+    res, s3, _ = await run_batch(time_skipping_env, BatchInput(
+        profile="ticket-triage", source=str(src), page_size=1), batch_id=bid)
+    assert (res.records, res.bad, res.pages) == (n, n, n)
+    assert len(res.result_keys) == batch_run.RESULT_KEYS_KEPT
+    assert res.results_prefix == f"batch-results/{bid}/"
+    assert res.result_keys[-1] == batch_run.page_key(bid, batch_run.RESULT_KEYS_KEPT)
+    assert sorted(s3.objects) == sorted(batch_run.page_key(bid, p) for p in range(1, n + 1))
+    assert all(k.startswith(res.results_prefix) for k in s3.objects)
