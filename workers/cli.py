@@ -291,6 +291,12 @@ def _print_result(res: JobResult) -> None:
                       str(s.cached_tokens), str(s.completion_tokens), f"{s.ttft_ms:.0f}",
                       f"{s.latency_ms:.0f}")
     console.print(table)
+    failed = [s.failed_attempts for s in res.steps if s.failed_attempts is not None]
+    if failed:  # counted in the job's tokens and cost, not in the steps' rows
+        console.print(f"failed attempts: {sum(f.attempts for f in failed)} "
+                      f"({sum(f.prompt_tokens for f in failed)} prompt, "
+                      f"{sum(f.completion_tokens for f in failed)} completion tokens, "
+                      f"${sum(f.cost_usd for f in failed):.6f}), in the figures below")
     u = res.usage
     console.print(f"cost: ${u.cost_usd:.6f}" if not u.cost_unknown_steps else
                   f"cost: unknown ({u.cost_unknown_steps} of {u.steps} steps ran on engines "

@@ -61,3 +61,32 @@ def test_missing_input_file(tmp_path: Path) -> None:
     result = runner.invoke(app, ["submit", "ticket-triage", "--input",
                                  str(tmp_path / "absent.json")])
     assert result.exit_code == 1 and "cannot read" in result.output
+
+
+def test_a_result_names_its_failed_attempts_beside_the_steps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's failed attempts are in the job's tokens and cost but not in the step's
+    row (its answer's figures): the result says how many and what they spent."""
+    from rich.console import Console
+
+    from warmloop.workers import cli
+    from warmloop.workflows.budgets import Usage
+    from warmloop.workflows.contracts import AttemptSpend, JobResult, JobState, StepRecord
+
+    out = Console(record=True, width=200)
+    monkeypatch.setattr(cli, "console", out)
+    step = StepRecord(step=1, engine_id="e0", route_reason="prefix", tool="search_kb",
+                      valid=True, prompt_tokens=300, cached_tokens=256, completion_tokens=12,
+                      ttft_ms=40.0, latency_ms=90.0, failed_attempts=AttemptSpend(
+                          attempts=2, prompt_tokens=600, completion_tokens=20,
+                          cost_usd=0.0012))
+    res = JobResult(job_id="j1", profile="ticket-triage", state=JobState.LOOP_CAP,
+                    reason="step cap", steps=[step], transcript=[],
+                    usage=Usage(steps=1, prompt_tokens=900, completion_tokens=32,
+                                cost_usd=0.002))
+    cli._print_result(res)
+    text = out.export_text()
+    assert "failed attempts: 2 (600 prompt, 20 completion tokens, $0.001200)" in text
+    cli._print_result(res.model_copy(update={"steps": [step.model_copy(
+        update={"failed_attempts": None})]}))
+    assert out.export_text().count("failed attempts") == 0  # export_text clears
