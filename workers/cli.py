@@ -671,6 +671,24 @@ def _print_batch(res: Any) -> None:
     console.print(table)
 
 
+@batch_app.command("cancel")
+def batch_cancel(batch_id: str) -> None:
+    """Cancel a running batch: its running jobs are cancelled too (each ends CANCELLED,
+    its transcript kept), their outcomes written with the page's; later records do not
+    run. Waits for it to end and prints its result."""
+
+    async def go() -> None:
+        from warmloop.workflows.batch_run import BatchResult
+
+        handle, desc = await _handle(batch_id, result_type=BatchResult, what="batch")
+        if desc.status != WorkflowExecutionStatus.RUNNING:
+            fail(f"batch {batch_id} is not running")
+        await handle.cancel()
+        _print_batch(await handle.result())
+
+    run(go())
+
+
 @batch_app.command("status")
 def batch_status(batch_id: str) -> None:
     """Progress of a running batch, or its result."""

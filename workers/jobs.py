@@ -423,6 +423,12 @@ class JobClient:
         return await self.temporal.get_workflow_handle(batch_id,
                                                        result_type=BatchResult).result()
 
+    async def cancel_batch(self, batch_id: str) -> None:
+        """Ask the batch to stop: its running jobs are cancelled (each ends CANCELLED,
+        its transcript kept) and their outcomes written; it ends CANCELLED
+        (``batch_result`` then says from which line the source did not run)."""
+        await self.temporal.get_workflow_handle(batch_id).cancel()
+
     async def batch_progress(self, batch_id: str) -> BatchProgress:
         """Where a running batch is (the ``progress`` query)."""
         return await self.temporal.get_workflow_handle(batch_id).query(

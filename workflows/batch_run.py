@@ -7,7 +7,8 @@ then continue-as-new for the next page, carrying only counters and the offset, s
 100,000-record batch keeps a small history. A failing record never fails the batch: it
 is listed with its reason (a bad line, a failed job, a job id already in use). A source
 that cannot be read ends the batch in a named state (``BatchState``), with what was done
-before it kept; a source that is only down for a while is retried, not given up on.
+before it kept; a source that is only down for a while is retried, not given up on. A
+cancelled batch cancels its running jobs, writes their outcomes and ends CANCELLED.
 
 What a run's history holds is bounded: a page of at most ``MAX_PAGE_SIZE`` records and
 ``PAGE_BYTES`` (the reader's), the outcomes of its children, never their transcripts
@@ -81,6 +82,10 @@ page, listed or not, is ``page_key(batch_id, n)`` under ``results_prefix``. A ke
 page in a carry that continue-as-new sends again every page would pass Temporal's
 2 MB payload limit at ~30,000 pages and end the batch there."""
 HISTORY_BUDGET_PATCH = "batch-history-budget"
+CANCEL_PATCH = "batch-cancel"
+"""A cancelled batch cancels its running jobs, writes their outcomes and ends CANCELLED
+(before, it ended as a cancelled workflow at once, its jobs terminated): each cancel
+branch asks it first, so a run recorded before it replays as it ran."""
 TENANT_PATCH = "batch-tenants"
 """A batch whose id is not its tenant's ends INVALID_INPUT at once (before, each child
 job ended INVALID_INPUT); the branch is taken only by such a batch."""
@@ -99,6 +104,10 @@ class BatchState(StrEnum):
     """No such file or S3 object."""
     SOURCE_UNAVAILABLE = "SOURCE_UNAVAILABLE"
     """The source could not be read for ``IO_RETRY_FOR``."""
+    CANCELLED = "CANCELLED"
+    """Cancelled (``warmloop batch cancel``): its running jobs were cancelled too (each
+    ended CANCELLED with its transcript kept) and their outcomes written with the
+    page's; the records after them did not run (the reason names the first)."""
     INVALID_INPUT = "INVALID_INPUT"
     """The batch's id is not in its tenant's namespace (``<tenant>/<batch id>``, a bare
     id for the default tenant): nothing was read or run."""
@@ -180,7 +189,9 @@ class RecordOutcome(BaseModel):
     state: str
     """A JobState value, BAD_RECORD (not a task: invalid UTF-8 or JSON, too long, too
     deep, fails the profile's schema, unknown profile), FAILED (the child failed as a
-    workflow) or JOB_ID_IN_USE (a running workflow already has the record's job id)."""
+    workflow) or JOB_ID_IN_USE (a running workflow already has the record's job id).
+    CANCELLED is a JobState's too (the batch was cancelled while its job ran), or, with
+    no transcript key, the batch was cancelled while its job was being started."""
     reason: str
     cost_usd: float = 0.0
     cost_unknown_steps: int = 0
@@ -329,6 +340,8 @@ class BatchRun:
         self._fleet_window: BatchWindow | None = None
         self._remaining = 0
         self._deadline: datetime | None = None
+        self._cancelled = False
+        """The batch was cancelled: it ends CANCELLED once this page is written."""
 
     @workflow.query
     def progress(self) -> BatchProgress:
@@ -388,28 +401,37 @@ class BatchRun:
                 start_to_close_timeout=READ_TIMEOUT, schedule_to_close_timeout=IO_RETRY_FOR,
                 task_queue=AGENT_TASK_QUEUE, retry_policy=IO_RETRY, result_type=ReadPageResult,
             )
-        except ActivityError as e:
+        except (asyncio.CancelledError, ActivityError) as e:
+            if _is_cancel(e) and workflow.patched(CANCEL_PATCH):  # none of this page ran
+                return self._cancelled_result(inp, False)
+            if not isinstance(e, ActivityError):
+                raise
             state, reason = _source_error(e, inp.source)
             workflow.logger.warning("batch ended %s: %s", state.value, reason)
             return self._result(inp, state, reason)
         self._remaining = len(page.records) + page.remaining_lines
         if inp.window is None and page.records:
-            answer = self._fleet_window = await self._ask_fleet(inp, len(page.records))
+            try:
+                answer = self._fleet_window = await self._ask_fleet(inp, len(page.records))
+            except (asyncio.CancelledError, CancelledError):
+                if not workflow.patched(CANCEL_PATCH):
+                    raise
+                return self._cancelled_result(inp, False)
             self._base, self._window_why = answer.window, answer.why
         self._window = c.window or self._base
-        ran, stop = await self._run_window(inp, page.records)
+        ran: list[RecordOutcome] = []
+        try:
+            stop = await self._run_window(inp, page.records, outcomes=ran)
+        except _BatchCancelled as e:
+            self._cancelled, stop = True, e.unstarted
         # Bad lines after a record this run did not start are the next run's to report.
         bad = [b for b in page.bad if stop is None or b.line < stop.line]
         outcomes = sorted(bad + ran, key=lambda o: o.line)
         for o in outcomes:
             c.by_state[o.state] = c.by_state.get(o.state, 0) + 1
         c.pages += 1
-        key = await workflow.execute_activity(
-            "write_batch_results",
-            WritePageRequest(batch_id=self._batch_id, page=c.pages, outcomes=outcomes),
-            start_to_close_timeout=READ_TIMEOUT, schedule_to_close_timeout=RESULTS_RETRY_FOR,
-            task_queue=AGENT_TASK_QUEUE, retry_policy=IO_RETRY, result_type=str,
-        )
+        key = await self._write_page(WritePageRequest(batch_id=self._batch_id, page=c.pages,
+                                                      outcomes=outcomes))
         if len(c.result_keys) < RESULT_KEYS_KEPT:
             c.result_keys.append(key)
         c.bad += len(bad)
@@ -417,9 +439,36 @@ class BatchRun:
             c.next_line, c.next_offset = stop.line, stop.offset
         else:
             c.next_line, c.next_offset = page.next_line, page.next_offset
+        if self._cancelled:
+            return self._cancelled_result(inp, page.exhausted and stop is None)
         if stop is not None or not page.exhausted:
             workflow.continue_as_new(inp.model_copy(update={"carry": c}))
         return self._result(inp, BatchState.COMPLETED, "")
+
+    async def _write_page(self, req: WritePageRequest) -> str:
+        """Write a page's outcomes. They exist nowhere else: a cancel that lands during
+        the write is noted (the batch ends CANCELLED after it) and the write made
+        again."""
+        for _ in range(2):
+            try:
+                key: str = await workflow.execute_activity(
+                    "write_batch_results", req, start_to_close_timeout=READ_TIMEOUT,
+                    schedule_to_close_timeout=RESULTS_RETRY_FOR, task_queue=AGENT_TASK_QUEUE,
+                    retry_policy=IO_RETRY, result_type=str)
+                return key
+            except (asyncio.CancelledError, ActivityError) as e:
+                if not _is_cancel(e) or self._cancelled or not workflow.patched(CANCEL_PATCH):
+                    raise
+                self._cancelled = True
+        raise AssertionError("unreachable: a second cancel re-raises")
+
+    def _cancelled_result(self, inp: BatchInput, all_ran: bool) -> BatchResult:
+        c = self._carry
+        reason = ("cancelled after every line had run" if all_ran else
+                  f"cancelled: lines from {c.next_line} on did not run (a new batch from "
+                  f"that line finishes the source)")
+        workflow.logger.info("batch %s", reason)
+        return self._result(inp, BatchState.CANCELLED, reason)
 
     def _result(self, inp: BatchInput, state: BatchState, reason: str) -> BatchResult:
         c = self._carry
@@ -468,26 +517,39 @@ class BatchRun:
         budget = inp.history_bytes_per_run or HISTORY_BYTES_PER_RUN
         return info.is_continue_as_new_suggested() or info.get_current_history_size() > budget
 
-    async def _run_window(self, inp: BatchInput, records: list[TaskRecord]
-                          ) -> tuple[list[RecordOutcome], TaskRecord | None]:
-        """Run ``records`` as child jobs, at most ``self._window`` at a time (in order);
-        the outcomes, and the first record not started when the history filled up (at
-        least one is started per run, so every run makes progress)."""
-        outcomes: list[RecordOutcome] = []
+    async def _run_window(self, inp: BatchInput, records: list[TaskRecord], *,
+                          outcomes: list[RecordOutcome]) -> TaskRecord | None:
+        """Run ``records`` as child jobs, at most ``self._window`` at a time (in order),
+        their outcomes into ``outcomes``; the first record not started when the history
+        filled up (at least one is started per run, so every run makes progress).
+
+        Cancelled (the batch is): the running jobs are cancelled and waited for (each
+        ends CANCELLED with its transcript kept, its outcome in ``outcomes``), then
+        ``_BatchCancelled`` names the first record not started."""
         tasks: list[asyncio.Future[None]] = []
         stop: TaskRecord | None = None
-        for rec in records:
-            await workflow.wait_condition(lambda: self._running < self._window)
-            # patched: a run recorded before this check started every record it read
-            if tasks and self._history_full(inp) and workflow.patched(HISTORY_BUDGET_PATCH):
-                stop = rec
-                workflow.logger.info("batch run's history is full: going on from line %d "
-                                     "in a new run", rec.line)
-                break
-            self._running += 1
-            tasks.append(asyncio.ensure_future(self._one(inp, rec, outcomes)))
-        await asyncio.gather(*tasks)
-        return outcomes, stop
+        try:
+            for rec in records:
+                await workflow.wait_condition(lambda: self._running < self._window)
+                # patched: a run recorded before this check started every record it read
+                if (tasks and self._history_full(inp)
+                        and workflow.patched(HISTORY_BUDGET_PATCH)):
+                    stop = rec
+                    workflow.logger.info("batch run's history is full: going on from "
+                                         "line %d in a new run", rec.line)
+                    break
+                self._running += 1
+                tasks.append(asyncio.ensure_future(self._one(inp, rec, outcomes)))
+            await asyncio.gather(*tasks)
+        except asyncio.CancelledError:
+            if not workflow.patched(CANCEL_PATCH):
+                raise
+            for t in tasks:  # a child's await sends its job the cancel, then waits for it
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            unstarted = records[len(tasks)] if len(tasks) < len(records) else None
+            raise _BatchCancelled(unstarted) from None
+        return stop
 
     async def _one(self, inp: BatchInput, rec: TaskRecord,
                    outcomes: list[RecordOutcome]) -> None:
@@ -508,10 +570,18 @@ class BatchRun:
             # tenant's jobs (the quota at submit, the inbox's lists)
             res: BatchChildResult = await workflow.execute_child_workflow(
                 AGENT_JOB, job, id=job_id, task_queue=AGENT_TASK_QUEUE,
-                parent_close_policy=ParentClosePolicy.TERMINATE, result_type=BatchChildResult,
+                # a batch terminated, not cancelled: its jobs still end CANCELLED, their
+                # transcripts kept (terminated, they would keep nothing)
+                parent_close_policy=ParentClosePolicy.REQUEST_CANCEL,
+                result_type=BatchChildResult,
                 search_attributes=TypedSearchAttributes(
                     [SearchAttributePair(SA_TENANT, inp.tenant)]),
             )
+        except asyncio.CancelledError:
+            # the batch was cancelled while this job's start was under way: it never ran
+            self._carry.failed += 1
+            return RecordOutcome(line=rec.line, job_id=job_id, state="CANCELLED",
+                                 reason="the batch was cancelled before this job started")
         except WorkflowAlreadyStartedError:
             self._carry.failed += 1
             return RecordOutcome(line=rec.line, job_id=job_id, state="JOB_ID_IN_USE",
@@ -533,6 +603,23 @@ class BatchRun:
                              transcript_key=res.transcript_key, steps=u.steps,
                              prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens,
                              completion_tokens=u.completion_tokens)
+
+
+class _BatchCancelled(Exception):
+    """The batch was cancelled while its window ran: the running jobs ended (cancelled
+    too), and ``unstarted`` is the first record that never started (None: all did)."""
+
+    def __init__(self, unstarted: TaskRecord | None) -> None:
+        super().__init__("batch cancelled")
+        self.unstarted = unstarted
+
+
+def _is_cancel(e: BaseException) -> bool:
+    """Whether ``e`` is the workflow's cancellation (raised at an await, or an activity
+    cancelled by it)."""
+    if isinstance(e, asyncio.CancelledError | CancelledError):
+        return True
+    return isinstance(e, ActivityError) and isinstance(e.cause, CancelledError)
 
 
 def _source_error(e: ActivityError, source: str) -> tuple[BatchState, str]:

@@ -218,3 +218,43 @@ async def test_a_schedule_triggers_a_batch(client: Client, stack: Stack, tmp_pat
             assert res.result_keys[0].startswith(f"tenants/{tenant}/batch-results/")
     finally:
         await asyncio.to_thread(warmloop, "schedule", "delete", name)
+
+
+async def test_a_cancelled_batch_ends_its_running_jobs_cancelled_and_says_where_it_stopped(
+    client: Client, stack: Stack, tmp_path: Path, settings: Settings,
+) -> None:
+    """``warmloop batch cancel`` on the real stack: two review jobs waiting for a human
+    (window 2, offered only ``escalate``), four records left; each waiting job ends
+    CANCELLED with its transcript in S3, the page's outcomes are written, and the batch
+    ends CANCELLED naming the first line that did not run."""
+    from warmloop.workers.jobs import JobClient
+
+    src = tmp_path / "cases.jsonl"
+    src.write_text("".join(json.dumps({"case_id": f"S{n:04d}", "text": "a case to review"})
+                           + "\n" for n in range(6)))
+    jobs = JobClient(client)
+    bid = await jobs.start_batch("synthetic-review", str(src), window=2, max_steps=4,
+                                 batch_id=f"batch-c-{uuid.uuid4().hex[:6]}",
+                                 tools=["escalate"])
+
+    async def both_waiting() -> bool:  # both jobs wait for a reviewer
+        waiting = {p.job_id for p in await list_pending(client)}
+        return {f"{bid}-L1", f"{bid}-L2"} <= waiting
+
+    await eventually(both_waiting, attempts=600, interval_s=0.1)
+    out = await asyncio.to_thread(warmloop, "batch", "cancel", bid)
+    assert out.returncode == 0, out.stderr
+    assert "CANCELLED" in out.stdout
+    res = await jobs.batch_result(bid)
+    assert res.state == "CANCELLED" and "lines from 3 on did not run" in res.reason
+    s3 = build_s3(settings)
+    page = await asyncio.to_thread(s3.get_object, Bucket=settings.s3_bucket,
+                                   Key=res.result_keys[0])
+    outcomes = [RecordOutcome.model_validate_json(line)
+                for line in page["Body"].read().decode().splitlines()]
+    assert [(o.line, o.state) for o in outcomes] == [(1, "CANCELLED"), (2, "CANCELLED")]
+    for o in outcomes:  # each job's transcript kept
+        assert o.transcript_key is not None
+        await asyncio.to_thread(s3.head_object, Bucket=settings.s3_bucket, Key=o.transcript_key)
+    again = await asyncio.to_thread(warmloop, "batch", "cancel", bid)
+    assert again.returncode != 0 and "is not running" in again.stderr + again.stdout

@@ -3,14 +3,18 @@ activities over a local JSONL file and an in-memory S3 stand-in."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import io
 import json
 import os
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from temporalio import activity
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer, Worker
@@ -21,7 +25,12 @@ from warmloop.workers.temporal_plugin import sandbox_runner
 from warmloop.workflows import batch_run
 from warmloop.workflows.agent_job import AgentJob
 from warmloop.workflows.batch_run import BatchInput, BatchRun, RecordOutcome
-from warmloop.workflows.contracts import AGENT_TASK_QUEUE, engine_task_queue
+from warmloop.workflows.contracts import (
+    AGENT_TASK_QUEUE,
+    GenerateRequest,
+    GenerateResult,
+    engine_task_queue,
+)
 from warmloop.workflows.lanes import DEFAULT_BATCH_WINDOW, BatchWindow
 
 GOOD = {"ticket_id": "T1001", "customer_id": "C100", "subject": "s", "body": "b"}
@@ -93,6 +102,26 @@ def write_records(path: Path, n_good: int, bad_at: dict[int, str]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+@contextlib.asynccontextmanager
+async def batch_workers(env: WorkflowEnvironment, fakes: FakeActivities,
+                        s3: MemoryS3) -> AsyncIterator[Any]:
+    """An agent worker (AgentJob, BatchRun, the batch I/O activities over ``s3``) and
+    the engine fake0's worker; yields the client."""
+    batch = BatchActivities(s3, "b")
+    client = env.client
+    async with (
+        Worker(client, task_queue=AGENT_TASK_QUEUE, workflow_runner=sandbox_runner(),
+               workflows=[AgentJob, BatchRun],
+               activities=[fakes.route_step, fakes.pick_engine, fakes.record_pause,
+                           fakes.engine_alive, fakes.batch_window,
+                           fakes.run_tool, fakes.store_transcript, batch.read_records,
+                           batch.write_batch_results]),
+        Worker(client, task_queue=engine_task_queue("fake0"),
+               activities=[fakes.generate, fakes.prewarm]),
+    ):
+        yield client
+
+
 async def run_batch(env: WorkflowEnvironment, inp: BatchInput,
                     *, keep_history: list[Any] | None = None, batch_id: str | None = None,
                     s3: MemoryS3 | None = None, prices: dict[str, Any] | None = None,
@@ -104,18 +133,7 @@ async def run_batch(env: WorkflowEnvironment, inp: BatchInput,
                                                        '"priority": "low"}'), prices=prices)
     fakes.windows = windows or []
     s3 = s3 or MemoryS3()
-    batch = BatchActivities(s3, "b")
-    client = env.client
-    async with (
-        Worker(client, task_queue=AGENT_TASK_QUEUE, workflow_runner=sandbox_runner(),
-                   workflows=[AgentJob, BatchRun],
-               activities=[fakes.route_step, fakes.pick_engine, fakes.record_pause,
-                           fakes.engine_alive, fakes.batch_window,
-                           fakes.run_tool, fakes.store_transcript, batch.read_records,
-                           batch.write_batch_results]),
-        Worker(client, task_queue=engine_task_queue("fake0"),
-               activities=[fakes.generate, fakes.prewarm]),
-    ):
+    async with batch_workers(env, fakes, s3) as client:
         bid = batch_id or f"batch-{uuid.uuid4().hex[:6]}"
         res = await client.execute_workflow(BatchRun.run, inp, id=bid,
                                             task_queue=AGENT_TASK_QUEUE)
@@ -446,3 +464,106 @@ async def test_a_batch_of_more_pages_than_it_lists_keeps_its_carry_small(
     assert res.result_keys[-1] == batch_run.page_key(bid, batch_run.RESULT_KEYS_KEPT)
     assert sorted(s3.objects) == sorted(batch_run.page_key(bid, p) for p in range(1, n + 1))
     assert all(k.startswith(res.results_prefix) for k in s3.objects)
+
+
+class HangsFirstJobs(FakeActivities):
+    """The model never answers the second step of the jobs of lines 1 and 2 (until they
+    are cancelled); their first steps call a tool, so they have transcripts to keep."""
+
+    started: asyncio.Event
+    hung: int = 0
+
+    @activity.defn(name="generate")
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        if req.job_id.endswith(("-L1", "-L2")) and req.step == 2:
+            self.generate_requests.append(req)
+            self.hung += 1
+            if self.hung == 2:
+                self.started.set()
+            await asyncio.Event().wait()  # until the worker cancels it
+        return await super().generate(req)
+
+
+async def test_a_cancelled_batch_cancels_its_running_jobs_and_keeps_their_outcomes(
+    time_skipping_env: WorkflowEnvironment, tmp_path: Path,
+) -> None:
+    """Cancelled with two jobs running (window 2) and three records to go: both jobs
+    end CANCELLED with their transcripts kept, their outcomes are written as the page's,
+    the batch ends CANCELLED naming the first line that did not run, and nothing
+    after it starts."""
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 5, {})
+    fakes = HangsFirstJobs(lambda req: reply("search_kb", '{"topic": "crash"}') if req.step == 1
+                           else reply("finish", '{"resolution": "resolved", "priority": "low"}'))
+    fakes.started = asyncio.Event()
+    s3 = MemoryS3()
+    bid = f"batch-{uuid.uuid4().hex[:6]}"
+    async with batch_workers(time_skipping_env, fakes, s3) as client:
+        handle = await client.start_workflow(
+            BatchRun.run, BatchInput(profile="ticket-triage", source=str(src), window=2),
+            id=bid, task_queue=AGENT_TASK_QUEUE)
+        await asyncio.wait_for(fakes.started.wait(), 60)
+        await handle.cancel()
+        res = await handle.result()
+    assert res.state == "CANCELLED", res.reason
+    assert "lines from 3 on did not run" in res.reason
+    assert (res.done, res.failed, res.pages) == (2, 0, 1)
+    by_line = {o.line: o for o in outcomes(s3)}
+    assert sorted(by_line) == [1, 2]
+    for line in (1, 2):
+        o = by_line[line]
+        assert (o.state, o.job_id) == ("CANCELLED", f"{bid}-L{line}")
+        assert o.transcript_key == f"transcripts/{bid}-L{line}.json"  # kept
+    assert {r.job_id for r in fakes.generate_requests} == {f"{bid}-L1", f"{bid}-L2"}
+    stored = {s.job_id: s.transcript for s in fakes.stored}
+    assert all(len(stored[f"{bid}-L{line}"]) == 2 for line in (1, 2))  # call and result
+
+
+async def test_a_terminated_batchs_running_jobs_end_cancelled_with_their_transcripts(
+    dev_server_env: WorkflowEnvironment, tmp_path: Path,
+) -> None:
+    """Terminated (no chance to clean up itself), the batch's parent-close policy asks
+    its running jobs to cancel: each ends CANCELLED with its transcript kept, where
+    terminated jobs would have kept nothing. On a real Temporal server, which applies
+    the policy."""
+    from warmloop.workflows.contracts import JobResult, JobState
+
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 3, {})
+    fakes = HangsFirstJobs(lambda req: reply("search_kb", '{"topic": "crash"}') if req.step == 1
+                           else reply("finish", '{"resolution": "resolved", "priority": "low"}'))
+    fakes.started = asyncio.Event()
+    bid = f"batch-{uuid.uuid4().hex[:6]}"
+    async with batch_workers(dev_server_env, fakes, MemoryS3()) as client:
+        handle = await client.start_workflow(
+            BatchRun.run, BatchInput(profile="ticket-triage", source=str(src), window=2),
+            id=bid, task_queue=AGENT_TASK_QUEUE)
+        await asyncio.wait_for(fakes.started.wait(), 60)
+        await handle.terminate("operator stopped it")
+        for line in (1, 2):
+            job = client.get_workflow_handle(f"{bid}-L{line}", result_type=JobResult)
+            res = await asyncio.wait_for(job.result(), 60)
+            assert res.state == JobState.CANCELLED
+            assert res.transcript_key == f"transcripts/{bid}-L{line}.json"
+
+
+async def test_a_batch_cancelled_while_its_source_is_down_ends_cancelled(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    """Cancelled while S3 is down and the page's read is being retried: CANCELLED with
+    nothing run (not SOURCE_UNAVAILABLE: the source was never given up on)."""
+    s3 = MemoryS3({"b/tickets.jsonl": json.dumps(GOOD).encode() + b"\n"}, down_for=10_000)
+    fakes = FakeActivities(lambda req: reply("finish", "{}"))
+    async with batch_workers(time_skipping_env, fakes, s3) as client:
+        handle = await client.start_workflow(
+            BatchRun.run, BatchInput(profile="ticket-triage", source="s3://b/tickets.jsonl",
+                                     window=1),
+            id=f"batch-{uuid.uuid4().hex[:6]}", task_queue=AGENT_TASK_QUEUE)
+        for _ in range(200):  # until the read has failed at least once
+            if s3.reads:
+                break
+            await asyncio.sleep(0.05)
+        await handle.cancel()
+        res = await handle.result()
+    assert res.state == "CANCELLED" and "lines from 1 on did not run" in res.reason
+    assert (res.records, res.pages, fakes.generate_requests) == (0, 0, [])

@@ -25,7 +25,13 @@ from tests.approvers import Approvers
 from tests.polling import eventually
 from tests.workflow.fakes import FakeActivities, reply
 from tests.workflow.test_agent_job import TICKET, run_job, workers
-from tests.workflow.test_batch_run import run_batch, write_records
+from tests.workflow.test_batch_run import (
+    HangsFirstJobs,
+    MemoryS3,
+    batch_workers,
+    run_batch,
+    write_records,
+)
 from warmloop.workers.identity import install_verify_keys
 from warmloop.workers.temporal_plugin import sandbox_runner
 from warmloop.workflows.agent_job import AgentJob
@@ -44,7 +50,8 @@ RECORDED_IDS = {"batch_run_with_bad_line": "replay-batch",
                 "batch_run_fleet_window": "replay-batch-window",
                 "agent_job_tenant_quota_wait": "acme/quota-replay",
                 "batch_run_tenant": "acme/replay-batch-tenant",
-                "batch_run_outside_tenant": "acme/replay-batch-outside"}
+                "batch_run_outside_tenant": "acme/replay-batch-outside",
+                "batch_run_cancelled": "replay-batch-cancelled"}
 """Workflow ids of recorded histories whose commands depend on the id (child job ids)."""
 
 
@@ -191,6 +198,28 @@ async def test_a_fresh_tenant_batch_history_replays(
     assert res.state == state
     await _replayer().replay_workflow(kept[0])
     _record(f"{name}.json", kept[0])
+
+
+async def test_a_fresh_cancelled_batch_history_replays(
+        time_skipping_env: WorkflowEnvironment, tmp_path: Path) -> None:
+    """Cancelled with two jobs running: they are cancelled and waited for, the page's
+    outcomes written, the batch ends CANCELLED (the ``batch-cancel`` patch)."""
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 4, {})
+    fakes = HangsFirstJobs(lambda req: reply("search_kb", '{"topic": "crash"}') if req.step == 1
+                           else reply("finish", '{"resolution": "resolved", "priority": "low"}'))
+    fakes.started = asyncio.Event()
+    bid = RECORDED_IDS["batch_run_cancelled"]
+    async with batch_workers(time_skipping_env, fakes, MemoryS3()) as client:
+        handle = await client.start_workflow(
+            BatchRun.run, BatchInput(profile="ticket-triage", source=str(src), window=2),
+            id=bid, task_queue=AGENT_TASK_QUEUE)
+        await asyncio.wait_for(fakes.started.wait(), 60)
+        await handle.cancel()
+        assert (await handle.result()).state == "CANCELLED"
+        history = await handle.fetch_history()
+    await _replayer().replay_workflow(history)
+    _record("batch_run_cancelled.json", history)
 
 
 async def test_a_fresh_replayed_trace_history_replays(
