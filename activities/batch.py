@@ -372,8 +372,16 @@ class BatchActivities:
 
     def _read(self, req: ReadPageRequest) -> ReadPageResult:
         s3 = req.source.startswith("s3://")
-        stream, size = (self._open_s3 if s3 else self._open_file)(req.source, req.offset)
+        # from the byte before the offset: it must end a line (a resumed batch's offset
+        # from another batch's result, or a source changed since, would not)
+        before = 1 if req.offset else 0
+        stream, size = (self._open_s3 if s3 else self._open_file)(req.source,
+                                                                  req.offset - before)
         try:
+            if before and req.offset < size and stream.read(1) != b"\n":
+                raise _refused(req.source, f"byte offset {req.offset} does not start line "
+                               f"{req.first_line} (resume from the next_line and next_offset "
+                               "of the batch's result, over the same source)")
             return read_page(stream, profile=req.profile, offset=req.offset,
                              first_line=req.first_line, max_lines=req.limit, size=size)
         except (BotoCoreError, OSError, HTTPError) as e:

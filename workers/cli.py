@@ -671,6 +671,48 @@ def _print_batch(res: Any) -> None:
     console.print(table)
 
 
+@batch_app.command("resume")
+def batch_resume(
+    batch_id: str = typer.Argument(..., help="A batch that was cancelled, or whose "
+                                   "source could not be read."),
+    new_batch_id: str | None = typer.Option(
+        None, "--batch-id", help="The new batch's id (default <batch id>-from-L<line>)."),
+    follow: bool = typer.Option(False, "--follow", help="Show progress until it ends."),
+) -> None:
+    """Go on where BATCH_ID stopped: a new batch over the same source, profile, tenant
+    and options, from the first line without an outcome."""
+    from warmloop.workers.jobs import resumed_batch
+    from warmloop.workflows.tenants import split_job_id
+
+    if new_batch_id is not None and (bad := id_problem("batch", new_batch_id)):
+        fail(bad)
+    settings = _settings()
+
+    async def go() -> None:
+        client = await connect(settings)
+        try:
+            inp, res = await resumed_batch(client, batch_id)
+        except InvalidJobError as e:
+            fail(str(e))
+        tenant, bare = split_job_id(batch_id)
+        new = new_batch_id or f"{bare}-from-L{res.next_line}"
+        if (bad := id_problem("batch", new)) is not None:
+            fail(bad)
+        try:
+            handle = await submit_batch(client, inp, new, settings)
+        except (QuotaExceededError, InvalidJobError) as e:
+            fail(str(e))
+        except WorkflowAlreadyStartedError:
+            fail(f"batch {job_workflow_id(tenant, new)} already exists; give --batch-id")
+        console.print(f"started batch {job_workflow_id(tenant, new)} from line "
+                      f"{res.next_line} of {inp.source} ({batch_id} ended {res.state}: "
+                      f"{res.reason})")
+        if follow:
+            await _follow_batch(handle)
+
+    run(go())
+
+
 @batch_app.command("cancel")
 def batch_cancel(batch_id: str) -> None:
     """Cancel a running batch: its running jobs are cancelled too (each ends CANCELLED,

@@ -20,7 +20,12 @@ from typing import Any
 
 import structlog
 from pydantic import ValidationError
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowFailureError,
+    WorkflowHandle,
+)
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
@@ -47,6 +52,7 @@ from warmloop.workflows.tenants import (
     job_workflow_id,
     over_jobs,
     over_tokens,
+    split_job_id,
     tenant_problem,
 )
 
@@ -265,6 +271,36 @@ async def start_batch(client: Client, batch: BatchInput, batch_id: str, *,
         search_attributes=TypedSearchAttributes([SearchAttributePair(SA_TENANT, batch.tenant)]))
 
 
+async def resumed_batch(client: Client, batch_id: str) -> tuple[BatchInput, BatchResult]:
+    """The input of a batch that goes on where ``batch_id`` stopped (the same source,
+    profile, tenant and options, from its result's ``next_line``), and that result.
+    Raises InvalidJobError for a batch that is unknown, still running, ended without a
+    result (terminated), or completed (every line has an outcome)."""
+    handle = client.get_workflow_handle(batch_id, result_type=BatchResult)
+    try:
+        desc = await handle.describe()
+    except RPCError as e:
+        if e.status == RPCStatusCode.NOT_FOUND:
+            raise InvalidJobError(f"unknown batch {batch_id}") from None
+        raise
+    if desc.status == WorkflowExecutionStatus.RUNNING:
+        raise InvalidJobError(f"batch {batch_id} is still running: cancel it first "
+                              "(warmloop batch cancel) or let it end")
+    try:
+        res = await handle.result()
+    except WorkflowFailureError as e:
+        raise InvalidJobError(f"batch {batch_id} ended without a result ({e.cause or e}); "
+                              "its pages' outcomes are in S3, but where it stopped is not "
+                              "known") from None
+    if res.state == "COMPLETED":
+        raise InvalidJobError(f"batch {batch_id} completed: every line of its source has "
+                              "an outcome")
+    started = (await handle.fetch_history()).events[0].workflow_execution_started_event_attributes
+    [inp] = await client.data_converter.decode(started.input.payloads, [BatchInput])
+    return inp.model_copy(update={"carry": None, "start_line": res.next_line,
+                                  "start_offset": res.next_offset}), res
+
+
 async def submit_batch(client: Client, batch: BatchInput, batch_id: str,
                        settings: Settings) -> WorkflowHandle[Any, BatchResult]:
     """``start_batch`` with the tenant's quota from ``settings`` (the CLI's ``batch
@@ -422,6 +458,21 @@ class JobClient:
         ``BatchState``, the outcomes of its finished pages kept in S3."""
         return await self.temporal.get_workflow_handle(batch_id,
                                                        result_type=BatchResult).result()
+
+    async def resume_batch(self, batch_id: str, *, new_batch_id: str | None = None) -> str:
+        """Start a batch that goes on where ``batch_id`` stopped (cancelled, or its
+        source unreadable for a while): the same source, profile, tenant and options,
+        from the first line without an outcome. Returns its id (``<old id>-from-L<line>``
+        unless given). Raises InvalidJobError when there is nothing to resume (see
+        ``resumed_batch``), and as ``start_batch`` does."""
+        inp, res = await resumed_batch(self.temporal, batch_id)
+        tenant, bare = split_job_id(batch_id)
+        new = new_batch_id or f"{bare}-from-L{res.next_line}"
+        if (bad := id_problem("batch", new)) is not None:
+            raise InvalidJobError(bad)
+        await start_batch(self.temporal, inp, new, quota=self.tenants.get(tenant),
+                          usage=self._usage)
+        return job_workflow_id(tenant, new)
 
     async def cancel_batch(self, batch_id: str) -> None:
         """Ask the batch to stop: its running jobs are cancelled (each ends CANCELLED,

@@ -25,7 +25,7 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributePair, TypedSearchAttributes
 from temporalio.exceptions import (
@@ -164,6 +164,12 @@ class BatchInput(BaseModel):
     history_bytes_per_run: int | None = Field(
         default=None, ge=1, description="Start no more children in a run once its history "
         f"is this large (default {HISTORY_BYTES_PER_RUN}); tests force the boundary with it.")
+    start_line: int = Field(default=1, ge=1, description="Begin at this line of the source "
+                            "(1-based): another batch's BatchResult.next_line, to go on "
+                            "where it stopped (warmloop batch resume).")
+    start_offset: int = Field(default=0, ge=0, description="The byte offset of start_line "
+                              "(that result's next_offset); the reader refuses one that does "
+                              "not begin a line.")
     tenant: TenantName = Field(
         default=DEFAULT_TENANT, exclude_if=lambda t: t == DEFAULT_TENANT,
         description="Whose batch it is: every job is the tenant's (its engine requests "
@@ -178,6 +184,13 @@ class BatchInput(BaseModel):
         "deciding the jobs' approvals.")
     carry: BatchCarry | None = None
     """Internal: counters carried across continue-as-new."""
+
+    @model_validator(mode="after")
+    def _start_together(self) -> BatchInput:
+        if (self.start_line > 1) != (self.start_offset > 0):
+            raise ValueError("start_line and start_offset go together: give both (a batch "
+                             "result's next_line and next_offset) or neither")
+        return self
 
 
 class RecordOutcome(BaseModel):
@@ -317,6 +330,12 @@ class BatchResult(BaseModel):
     results_prefix: str = ""
     """Where every result page is (``pages`` of them)."""
     pages: int = 0
+    next_line: int = 1
+    """The first line of the source without an outcome (past the last when COMPLETED):
+    a batch started with ``start_line`` and ``start_offset`` set to these goes on from
+    there (``warmloop batch resume``)."""
+    next_offset: int = 0
+    """The byte offset of ``next_line``."""
     makespan_s: float
     by_state: dict[str, int] = Field(default_factory=dict)
     """Records by outcome: each JobState, BAD_RECORD, FAILED and JOB_ID_IN_USE."""
@@ -383,7 +402,9 @@ class BatchRun:
         info = workflow.info()
         # The id of the first run names the batch across continue-as-new.
         self._batch_id = info.workflow_id
-        self._carry = inp.carry or BatchCarry(started_at=workflow.now())
+        self._carry = inp.carry or BatchCarry(started_at=workflow.now(),
+                                              next_line=inp.start_line,
+                                              next_offset=inp.start_offset)
         bad_id = tenant_id_problem(inp.tenant, self._batch_id, what="batch")
         if bad_id is not None and workflow.patched(TENANT_PATCH):
             workflow.logger.warning("batch refused: %s", bad_id)
@@ -478,7 +499,8 @@ class BatchRun:
             records=c.done + c.failed + c.bad, done=c.done, failed=c.failed, bad=c.bad,
             cost_usd=c.cost_usd, cost_unknown_steps=c.cost_unknown_steps,
             result_keys=c.result_keys, results_prefix=results_prefix(self._batch_id),
-            pages=c.pages, makespan_s=(workflow.now() - started).total_seconds(),
+            pages=c.pages, next_line=c.next_line, next_offset=c.next_offset,
+            makespan_s=(workflow.now() - started).total_seconds(),
             by_state=dict(sorted(c.by_state.items())),
             cache_hit_share=c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
         )

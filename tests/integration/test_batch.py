@@ -258,3 +258,17 @@ async def test_a_cancelled_batch_ends_its_running_jobs_cancelled_and_says_where_
         await asyncio.to_thread(s3.head_object, Bucket=settings.s3_bucket, Key=o.transcript_key)
     again = await asyncio.to_thread(warmloop, "batch", "cancel", bid)
     assert again.returncode != 0 and "is not running" in again.stderr + again.stdout
+    # going on where it stopped: lines 3 and 4 start (window 2) and wait for a reviewer
+    resumed = await asyncio.to_thread(warmloop, "batch", "resume", bid)
+    assert resumed.returncode == 0, resumed.stderr
+    new = f"{bid}-from-L3"
+    assert f"started batch {new} from line 3" in resumed.stdout
+
+    async def resumed_waiting() -> bool:
+        waiting = {p.job_id for p in await list_pending(client)}
+        return {f"{new}-L3", f"{new}-L4"} <= waiting
+
+    await eventually(resumed_waiting, attempts=600, interval_s=0.1)
+    await jobs.cancel_batch(new)
+    second = await jobs.batch_result(new)
+    assert second.state == "CANCELLED" and "lines from 5 on did not run" in second.reason

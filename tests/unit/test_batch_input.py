@@ -262,3 +262,39 @@ def test_any_bytes_give_one_outcome_per_line_by_number(lines: list[bytes],
     nonblank = [n for n, line in enumerate(lines, 1)
                 if line.removeprefix(b"\xef\xbb\xbf" if n == 1 else b"").strip(b" \t\r")]
     assert sorted(seen) == nonblank
+
+
+async def test_a_resumed_read_must_start_at_a_line(tmp_path: Path) -> None:
+    """A batch resumed from another's result reads from its next_offset: the byte
+    before it must end a line (an offset into a line, or a source changed since, is
+    refused, not read as garbled records); the source's end is an empty page."""
+    from temporalio.exceptions import ApplicationError
+
+    src = write(tmp_path, good(0), good(1), good(2))
+    first = len(good(0)) + 1
+    acts = activities(tmp_path)
+    page = await read(acts, src, offset=first, first_line=2)
+    assert [r.line for r in page.records] == [2, 3] and not page.bad
+    assert page.records[0].task["ticket_id"] == "T1001"
+    with pytest.raises(ApplicationError) as err:
+        await read(acts, src, offset=first + 3, first_line=2)
+    assert err.value.type == "SourceRefused" and "does not start line 2" in err.value.message
+    end = await read(acts, src, offset=src.stat().st_size, first_line=4)
+    assert (end.records, end.exhausted) == ([], True)
+    s3 = MemoryS3({"b/in.jsonl": src.read_bytes()})
+    over_s3 = activities(tmp_path, s3)
+    assert [r.line for r in (await read(over_s3, "s3://b/in.jsonl", offset=first,
+                                        first_line=2)).records] == [2, 3]
+    with pytest.raises(ApplicationError, match="does not start line 2"):
+        await read(over_s3, "s3://b/in.jsonl", offset=first - 1, first_line=2)
+
+
+def test_a_batch_starts_at_a_line_and_its_offset_together() -> None:
+    from pydantic import ValidationError
+
+    from warmloop.workflows.batch_run import BatchInput
+
+    BatchInput(profile="ticket-triage", source="s3://b/k", start_line=3, start_offset=40)
+    for bad in ({"start_line": 3}, {"start_offset": 40}):
+        with pytest.raises(ValidationError, match="go together"):
+            BatchInput(profile="ticket-triage", source="s3://b/k", **bad)  # type: ignore[arg-type]

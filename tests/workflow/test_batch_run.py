@@ -567,3 +567,47 @@ async def test_a_batch_cancelled_while_its_source_is_down_ends_cancelled(
         res = await handle.result()
     assert res.state == "CANCELLED" and "lines from 1 on did not run" in res.reason
     assert (res.records, res.pages, fakes.generate_requests) == (0, 0, [])
+
+
+async def test_a_cancelled_batch_resumes_from_its_first_line_without_an_outcome(
+    time_skipping_env: WorkflowEnvironment, tmp_path: Path,
+) -> None:
+    """``resume_batch``: a new batch over the same source, profile, tenant and options
+    runs lines 3-5 only (1 and 2 have their CANCELLED outcomes), from the byte offset
+    the first batch's result names; a completed batch, a running one and an unknown
+    one have nothing to resume."""
+    from warmloop.workers.jobs import InvalidJobError, JobClient
+
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 5, {})
+    fakes = HangsFirstJobs(lambda req: reply("search_kb", '{"topic": "crash"}') if req.step == 1
+                           else reply("finish", '{"resolution": "resolved", "priority": "low"}'))
+    fakes.started = asyncio.Event()
+    s3 = MemoryS3()
+    bid = f"acme/batch-{uuid.uuid4().hex[:6]}"
+    async with batch_workers(time_skipping_env, fakes, s3) as client:
+        jobs = JobClient(client)
+        handle = await client.start_workflow(
+            BatchRun.run, BatchInput(profile="ticket-triage", source=str(src), window=2,
+                                     tenant="acme", max_steps=3),
+            id=bid, task_queue=AGENT_TASK_QUEUE)
+        await asyncio.wait_for(fakes.started.wait(), 60)
+        with pytest.raises(InvalidJobError, match="still running"):
+            await jobs.resume_batch(bid)
+        await handle.cancel()
+        first = await handle.result()
+        assert (first.state, first.next_line) == ("CANCELLED", 3)
+        new = await jobs.resume_batch(bid)
+        assert new == f"{bid}-from-L3"
+        res = await jobs.batch_result(new)
+        with pytest.raises(InvalidJobError, match="completed"):
+            await jobs.resume_batch(new)
+        with pytest.raises(InvalidJobError, match="unknown batch"):
+            await jobs.resume_batch("acme/no-such-batch")
+    assert (res.state, res.done, res.next_line) == ("COMPLETED", 3, 6)
+    assert res.result_keys == [f"tenants/acme/batch-results/{new.split('/')[1]}/page-00001.jsonl"]
+    resumed = [RecordOutcome.model_validate_json(line)
+               for line in s3.objects[res.result_keys[0]].decode().splitlines()]
+    assert [(o.line, o.job_id) for o in resumed] == [(n, f"{new}-L{n}") for n in (3, 4, 5)]
+    ran = {r.job_id for r in fakes.generate_requests}
+    assert ran == {f"{bid}-L1", f"{bid}-L2", *(f"{new}-L{n}" for n in (3, 4, 5))}
