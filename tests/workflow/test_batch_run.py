@@ -468,7 +468,10 @@ async def test_a_batch_of_more_pages_than_it_lists_keeps_its_carry_small(
 
 class HangsFirstJobs(FakeActivities):
     """The model never answers the second step of the jobs of lines 1 and 2 (until they
-    are cancelled); their first steps call a tool, so they have transcripts to keep."""
+    are cancelled); their first steps call a tool, so they have transcripts to keep.
+
+    Only on a real dev server: the time-skipping one stops skipping time for the rest of
+    the session once it loses track of a cancelled activity (test_cancel_during_step)."""
 
     started: asyncio.Event
     hung: int = 0
@@ -485,7 +488,7 @@ class HangsFirstJobs(FakeActivities):
 
 
 async def test_a_cancelled_batch_cancels_its_running_jobs_and_keeps_their_outcomes(
-    time_skipping_env: WorkflowEnvironment, tmp_path: Path,
+    dev_server_env: WorkflowEnvironment, tmp_path: Path,
 ) -> None:
     """Cancelled with two jobs running (window 2) and three records to go: both jobs
     end CANCELLED with their transcripts kept, their outcomes are written as the page's,
@@ -498,7 +501,7 @@ async def test_a_cancelled_batch_cancels_its_running_jobs_and_keeps_their_outcom
     fakes.started = asyncio.Event()
     s3 = MemoryS3()
     bid = f"batch-{uuid.uuid4().hex[:6]}"
-    async with batch_workers(time_skipping_env, fakes, s3) as client:
+    async with batch_workers(dev_server_env, fakes, s3) as client:
         handle = await client.start_workflow(
             BatchRun.run, BatchInput(profile="ticket-triage", source=str(src), window=2),
             id=bid, task_queue=AGENT_TASK_QUEUE)
@@ -548,13 +551,13 @@ async def test_a_terminated_batchs_running_jobs_end_cancelled_with_their_transcr
 
 
 async def test_a_batch_cancelled_while_its_source_is_down_ends_cancelled(
-    time_skipping_env: WorkflowEnvironment,
+    dev_server_env: WorkflowEnvironment,
 ) -> None:
     """Cancelled while S3 is down and the page's read is being retried: CANCELLED with
     nothing run (not SOURCE_UNAVAILABLE: the source was never given up on)."""
     s3 = MemoryS3({"b/tickets.jsonl": json.dumps(GOOD).encode() + b"\n"}, down_for=10_000)
     fakes = FakeActivities(lambda req: reply("finish", "{}"))
-    async with batch_workers(time_skipping_env, fakes, s3) as client:
+    async with batch_workers(dev_server_env, fakes, s3) as client:
         handle = await client.start_workflow(
             BatchRun.run, BatchInput(profile="ticket-triage", source="s3://b/tickets.jsonl",
                                      window=1),
@@ -570,7 +573,7 @@ async def test_a_batch_cancelled_while_its_source_is_down_ends_cancelled(
 
 
 async def test_a_cancelled_batch_resumes_from_its_first_line_without_an_outcome(
-    time_skipping_env: WorkflowEnvironment, tmp_path: Path,
+    dev_server_env: WorkflowEnvironment, tmp_path: Path,
 ) -> None:
     """``resume_batch``: a new batch over the same source, profile, tenant and options
     runs lines 3-5 only (1 and 2 have their CANCELLED outcomes), from the byte offset
@@ -585,7 +588,7 @@ async def test_a_cancelled_batch_resumes_from_its_first_line_without_an_outcome(
     fakes.started = asyncio.Event()
     s3 = MemoryS3()
     bid = f"acme/batch-{uuid.uuid4().hex[:6]}"
-    async with batch_workers(time_skipping_env, fakes, s3) as client:
+    async with batch_workers(dev_server_env, fakes, s3) as client:
         jobs = JobClient(client)
         handle = await client.start_workflow(
             BatchRun.run, BatchInput(profile="ticket-triage", source=str(src), window=2,

@@ -201,7 +201,7 @@ async def test_a_fresh_tenant_batch_history_replays(
 
 
 async def test_a_fresh_cancelled_batch_history_replays(
-        time_skipping_env: WorkflowEnvironment, tmp_path: Path) -> None:
+        dev_server_env: WorkflowEnvironment, tmp_path: Path) -> None:
     """Cancelled with two jobs running: they are cancelled and waited for, the page's
     outcomes written, the batch ends CANCELLED (the ``batch-cancel`` patch)."""
     src = tmp_path / "tickets.jsonl"
@@ -210,7 +210,7 @@ async def test_a_fresh_cancelled_batch_history_replays(
                            else reply("finish", '{"resolution": "resolved", "priority": "low"}'))
     fakes.started = asyncio.Event()
     bid = RECORDED_IDS["batch_run_cancelled"]
-    async with batch_workers(time_skipping_env, fakes, MemoryS3()) as client:
+    async with batch_workers(dev_server_env, fakes, MemoryS3()) as client:
         handle = await client.start_workflow(
             BatchRun.run, BatchInput(profile="ticket-triage", source=str(src), window=2),
             id=bid, task_queue=AGENT_TASK_QUEUE)
