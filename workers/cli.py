@@ -469,22 +469,29 @@ def parse_since(text: str) -> timedelta:
 def report(
     since: str = typer.Option("24h", "--since", help="Jobs closed within this window."),
     profile: str | None = typer.Option(None, "--profile"),
+    tenant: str | None = typer.Option(None, "--tenant", help="Only this tenant's jobs."),
 ) -> None:
     """Per profile: jobs by terminal state, cost per task, cache hit share, tool-call
     success, TTFT per step and per task, from the jobs' recorded engine usage; then
-    where the steps' time went, stage by stage."""
+    where the steps' time went, stage by stage; with jobs of several tenants, per
+    tenant: jobs, tokens and cost."""
 
     if profile and (bad := id_problem("profile", profile)):  # it goes into a query's text
         fail(bad)
+    if tenant is not None and (bad := tenant_problem(tenant)) is not None:
+        fail(bad)  # it goes into a query's text too
 
     async def go() -> None:
-        from warmloop.workers.report import breakdown_table, report_table
+        from warmloop.workers.report import breakdown_table, report_table, tenant_table
+        from warmloop.workflows.tenants import tenant_of
 
         client = await connect(_settings())
         after = (datetime.now(UTC) - parse_since(since)).strftime("%Y-%m-%dT%H:%M:%SZ")
         q = f"WorkflowType = 'AgentJob' AND ExecutionStatus = 'Completed' AND CloseTime > '{after}'"
         if profile:
             q += f" AND WarmloopProfile = '{profile}'"
+        if tenant is not None:
+            q += f" AND WarmloopTenant = '{tenant}'"
         ids = [wf.id async for wf in client.list_workflows(q)]
         sem = asyncio.Semaphore(16)
 
@@ -498,6 +505,8 @@ def report(
             return
         console.print(report_table(results, title=f"warmloop report: jobs closed in the last "
                                                   f"{since}"))
+        if len({tenant_of(r.job_id) for r in results}) > 1:
+            console.print(tenant_table(results, title="per tenant"))
         steps = [s for r in results for s in r.steps]
         if any(s.timing is not None for s in steps):
             console.print(breakdown_table(steps, title="where each step's time went"))

@@ -196,6 +196,28 @@ def report_table(results: list[JobResult], *, title: str,
     return table
 
 
+def tenant_table(results: list[JobResult], *, title: str) -> Table:
+    """One row per tenant (of the jobs' ids): what a bill needs, jobs, tokens and
+    dollars (a lower bound where some steps ran on engines that declare no price)."""
+    from warmloop.workflows.tenants import tenant_of
+
+    by_tenant: dict[str, list[JobResult]] = defaultdict(list)
+    for r in results:
+        by_tenant[tenant_of(r.job_id)].append(r)
+    table = Table("tenant", "jobs", "model steps", "prompt tokens", "from cache",
+                  "completion tokens", "cost", title=title)
+    for tenant, rs in sorted(by_tenant.items()):
+        prompt = sum(r.usage.prompt_tokens for r in rs)
+        cached = sum(r.usage.cached_tokens for r in rs)
+        unknown = sum(r.usage.cost_unknown_steps for r in rs)
+        cost = _usd(sum(r.usage.cost_usd for r in rs))
+        table.add_row(tenant, str(len(rs)), str(sum(r.usage.steps for r in rs)), str(prompt),
+                      f"{cached / prompt:.1%}" if prompt else "-",
+                      str(sum(r.usage.completion_tokens for r in rs)),
+                      f"at least {cost} ({unknown} unpriced steps)" if unknown else cost)
+    return table
+
+
 def _share(good: int, graded: int) -> str:
     return f"{good}/{graded} ({good / graded:.0%})" if graded else "-"
 

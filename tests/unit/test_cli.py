@@ -90,3 +90,29 @@ def test_a_result_names_its_failed_attempts_beside_the_steps(
     cli._print_result(res.model_copy(update={"steps": [step.model_copy(
         update={"failed_attempts": None})]}))
     assert out.export_text().count("failed attempts") == 0  # export_text clears
+
+
+def test_the_report_bills_each_tenant_its_jobs() -> None:
+    """Per tenant (of the jobs' ids): jobs, steps, tokens, cache share and dollars, a
+    lower bound where a step ran on an unpriced engine."""
+    from rich.console import Console
+
+    from warmloop.workers.report import tenant_table
+    from warmloop.workflows.budgets import Usage
+    from warmloop.workflows.contracts import JobResult, JobState
+
+    def job(jid: str, cost: float, unknown: int = 0) -> JobResult:
+        return JobResult(job_id=jid, profile="ticket-triage", state=JobState.FINISHED,
+                         reason="", steps=[], transcript=[],
+                         usage=Usage(steps=2, prompt_tokens=1_000, cached_tokens=800,
+                                     completion_tokens=40, cost_usd=cost,
+                                     cost_unknown_steps=unknown))
+
+    out = Console(record=True, width=200)
+    out.print(tenant_table([job("a1", 0.001), job("acme/b1", 0.002),
+                            job("acme/b2-L3", 0.003), job("globex/c", 0.0, 2)], title="t"))
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+            for line in out.export_text().splitlines() if line.count("│") == 8}
+    assert rows["default"] == ["1", "2", "1000", "80.0%", "40", "$0.001000"]
+    assert rows["acme"] == ["2", "4", "2000", "80.0%", "80", "$0.005000"]
+    assert rows["globex"][-1] == "at least $0.000000 (2 unpriced steps)"
