@@ -689,7 +689,7 @@ def batch_resume(
     follow: bool = typer.Option(False, "--follow", help="Show progress until it ends."),
 ) -> None:
     """Go on where BATCH_ID stopped: a new batch over the same source, profile, tenant
-    and options, from the first line without an outcome."""
+    and options (not its deadline), from the first line without an outcome."""
     from warmloop.workers.jobs import resumed_batch
     from warmloop.workflows.tenants import split_job_id
 
@@ -703,10 +703,13 @@ def batch_resume(
             inp, res = await resumed_batch(client, batch_id)
         except InvalidJobError as e:
             fail(str(e))
-        tenant, bare = split_job_id(batch_id)
-        new = new_batch_id or f"{bare}-from-L{res.next_line}"
+        tenant = inp.tenant
+        new = new_batch_id or f"{split_job_id(batch_id)[1]}-from-L{res.next_line}"
         if (bad := id_problem("batch", new)) is not None:
             fail(bad)
+        if _saved_token(settings) is not None:  # as batch run's: whoever resumes starts it
+            inp = inp.model_copy(update={
+                "submitted_by": _api(settings, "GET", "/api/whoami")["subject"]})
         try:
             handle = await submit_batch(client, inp, new, settings)
         except (QuotaExceededError, InvalidJobError) as e:

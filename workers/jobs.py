@@ -292,13 +292,22 @@ async def resumed_batch(client: Client, batch_id: str) -> tuple[BatchInput, Batc
         raise InvalidJobError(f"batch {batch_id} ended without a result ({e.cause or e}); "
                               "its pages' outcomes are in S3, but where it stopped is not "
                               "known") from None
-    if res.state == "COMPLETED":
-        raise InvalidJobError(f"batch {batch_id} completed: every line of its source has "
-                              "an outcome")
+    if res.source_done:
+        raise InvalidJobError(f"batch {batch_id} ended {res.state}: every line of its "
+                              "source has an outcome")
+    if res.state == "INVALID_INPUT":
+        raise InvalidJobError(f"batch {batch_id} ran nothing ({res.reason}); start a batch "
+                              "with a valid id instead")
+    if res.next_line is None or res.next_offset is None:
+        raise InvalidJobError(f"batch {batch_id} ended before batches said where they "
+                              "stopped; its pages' outcomes in S3 tell, or run it again")
     started = (await handle.fetch_history()).events[0].workflow_execution_started_event_attributes
     [inp] = await client.data_converter.decode(started.input.payloads, [BatchInput])
+    # a deadline was the old batch's (past it, the new one would widen to max_window at
+    # once); whoever resumes starts it (approval rules read submitted_by)
     return inp.model_copy(update={"carry": None, "start_line": res.next_line,
-                                  "start_offset": res.next_offset}), res
+                                  "start_offset": res.next_offset, "deadline": None,
+                                  "submitted_by": None}), res
 
 
 async def submit_batch(client: Client, batch: BatchInput, batch_id: str,
@@ -459,20 +468,21 @@ class JobClient:
         return await self.temporal.get_workflow_handle(batch_id,
                                                        result_type=BatchResult).result()
 
-    async def resume_batch(self, batch_id: str, *, new_batch_id: str | None = None) -> str:
+    async def resume_batch(self, batch_id: str, *, new_batch_id: str | None = None,
+                           submitted_by: str | None = None) -> str:
         """Start a batch that goes on where ``batch_id`` stopped (cancelled, or its
-        source unreadable for a while): the same source, profile, tenant and options,
-        from the first line without an outcome. Returns its id (``<old id>-from-L<line>``
-        unless given). Raises InvalidJobError when there is nothing to resume (see
-        ``resumed_batch``), and as ``start_batch`` does."""
+        source unreadable for a while): the same source, profile, tenant and options
+        (not its deadline), from the first line without an outcome. Returns its id
+        (``<old id>-from-L<line>`` unless given). Raises InvalidJobError when there is
+        nothing to resume (see ``resumed_batch``), and as ``start_batch`` does."""
         inp, res = await resumed_batch(self.temporal, batch_id)
-        tenant, bare = split_job_id(batch_id)
-        new = new_batch_id or f"{bare}-from-L{res.next_line}"
+        new = new_batch_id or f"{split_job_id(batch_id)[1]}-from-L{res.next_line}"
         if (bad := id_problem("batch", new)) is not None:
             raise InvalidJobError(bad)
-        await start_batch(self.temporal, inp, new, quota=self.tenants.get(tenant),
+        inp = inp.model_copy(update={"submitted_by": submitted_by})
+        await start_batch(self.temporal, inp, new, quota=self.tenants.get(inp.tenant),
                           usage=self._usage)
-        return job_workflow_id(tenant, new)
+        return job_workflow_id(inp.tenant, new)
 
     async def cancel_batch(self, batch_id: str) -> None:
         """Ask the batch to stop: its running jobs are cancelled (each ends CANCELLED,

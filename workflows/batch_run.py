@@ -164,10 +164,14 @@ class BatchInput(BaseModel):
     history_bytes_per_run: int | None = Field(
         default=None, ge=1, description="Start no more children in a run once its history "
         f"is this large (default {HISTORY_BYTES_PER_RUN}); tests force the boundary with it.")
-    start_line: int = Field(default=1, ge=1, description="Begin at this line of the source "
+    # the three below leave the payload when at their defaults, as ``tenant`` does: a
+    # worker from before them (BatchInput forbids extra fields) still reads the input
+    start_line: int = Field(default=1, ge=1, exclude_if=lambda v: v == 1,
+                            description="Begin at this line of the source "
                             "(1-based): another batch's BatchResult.next_line, to go on "
                             "where it stopped (warmloop batch resume).")
-    start_offset: int = Field(default=0, ge=0, description="The byte offset of start_line "
+    start_offset: int = Field(default=0, ge=0, exclude_if=lambda v: v == 0,
+                              description="The byte offset of start_line "
                               "(that result's next_offset); the reader refuses one that does "
                               "not begin a line.")
     tenant: TenantName = Field(
@@ -178,7 +182,7 @@ class BatchInput(BaseModel):
         "counts it among the tenant's jobs). A batch of another tenant than the default "
         "one runs as workflow <tenant>/<batch id>, its jobs as <tenant>/<batch id>-L<line>.")
     submitted_by: str | None = Field(
-        default=None, max_length=200,
+        default=None, max_length=200, exclude_if=lambda v: v is None,
         description="The verified subject who started the batch (the CLI sets it from the "
         "user's token): each job records it, and approval rules refuse this person "
         "deciding the jobs' approvals.")
@@ -330,12 +334,16 @@ class BatchResult(BaseModel):
     results_prefix: str = ""
     """Where every result page is (``pages`` of them)."""
     pages: int = 0
-    next_line: int = 1
-    """The first line of the source without an outcome (past the last when COMPLETED):
-    a batch started with ``start_line`` and ``start_offset`` set to these goes on from
-    there (``warmloop batch resume``)."""
-    next_offset: int = 0
+    next_line: int | None = None
+    """The first line of the source without an outcome (past the last when every line
+    has one): a batch started with ``start_line`` and ``start_offset`` set to these goes
+    on from there (``warmloop batch resume``). None: a result from before batches said
+    where they stopped."""
+    next_offset: int | None = None
     """The byte offset of ``next_line``."""
+    source_done: bool = False
+    """Every line of the source has an outcome (COMPLETED, or cancelled after its last
+    job had started): nothing is left to resume."""
     makespan_s: float
     by_state: dict[str, int] = Field(default_factory=dict)
     """Records by outcome: each JobState, BAD_RECORD, FAILED and JOB_ID_IN_USE."""
@@ -489,9 +497,10 @@ class BatchRun:
                   f"cancelled: lines from {c.next_line} on did not run (a new batch from "
                   f"that line finishes the source)")
         workflow.logger.info("batch %s", reason)
-        return self._result(inp, BatchState.CANCELLED, reason)
+        return self._result(inp, BatchState.CANCELLED, reason, source_done=all_ran)
 
-    def _result(self, inp: BatchInput, state: BatchState, reason: str) -> BatchResult:
+    def _result(self, inp: BatchInput, state: BatchState, reason: str, *,
+                source_done: bool = False) -> BatchResult:
         c = self._carry
         started = c.started_at or workflow.now()
         return BatchResult(
@@ -500,6 +509,7 @@ class BatchRun:
             cost_usd=c.cost_usd, cost_unknown_steps=c.cost_unknown_steps,
             result_keys=c.result_keys, results_prefix=results_prefix(self._batch_id),
             pages=c.pages, next_line=c.next_line, next_offset=c.next_offset,
+            source_done=source_done or state == BatchState.COMPLETED,
             makespan_s=(workflow.now() - started).total_seconds(),
             by_state=dict(sorted(c.by_state.items())),
             cache_hit_share=c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
@@ -520,6 +530,11 @@ class BatchRun:
                 start_to_close_timeout=WINDOW_TIMEOUT, result_type=BatchWindow,
                 retry_policy=RetryPolicy(maximum_attempts=3))
         except FailureError as e:
+            # the batch cancelled while it asked: a local activity's cancel comes back as
+            # an ActivityError (before the patch, read as "the fleet did not answer", and
+            # the cancel was lost: the batch ran on to COMPLETED)
+            if _is_cancel(e) and workflow.patched(CANCEL_PATCH):
+                raise asyncio.CancelledError() from None
             # a local activity's last failure can come back unwrapped (its own error)
             if isinstance(e, CancelledError):
                 raise
@@ -588,27 +603,14 @@ class BatchRun:
                        lane=Lane.BATCH, tools=inp.tools, tenant=inp.tenant,
                        submitted_by=inp.submitted_by)
         try:
-            # tagged as start_job tags a submitted job: visibility counts it among its
-            # tenant's jobs (the quota at submit, the inbox's lists)
-            res: BatchChildResult = await workflow.execute_child_workflow(
-                AGENT_JOB, job, id=job_id, task_queue=AGENT_TASK_QUEUE,
-                # a batch terminated, not cancelled: its jobs still end CANCELLED, their
-                # transcripts kept (terminated, they would keep nothing)
-                parent_close_policy=ParentClosePolicy.REQUEST_CANCEL,
-                result_type=BatchChildResult,
-                search_attributes=TypedSearchAttributes(
-                    [SearchAttributePair(SA_TENANT, inp.tenant)]),
-            )
-        except asyncio.CancelledError:
-            # the batch was cancelled while this job's start was under way: it never ran
-            self._carry.failed += 1
-            return RecordOutcome(line=rec.line, job_id=job_id, state="CANCELLED",
-                                 reason="the batch was cancelled before this job started")
+            handle = await self._start_child(job, job_id, inp.tenant)
         except WorkflowAlreadyStartedError:
             self._carry.failed += 1
             return RecordOutcome(line=rec.line, job_id=job_id, state="JOB_ID_IN_USE",
                                  reason=f"job id {job_id} is in use by a running workflow; "
                                  "the record did not run")
+        try:
+            res: BatchChildResult = await handle
         except ChildWorkflowError as e:
             self._carry.failed += 1
             return RecordOutcome(line=rec.line, job_id=job_id, state="FAILED",
@@ -625,6 +627,35 @@ class BatchRun:
                              transcript_key=res.transcript_key, steps=u.steps,
                              prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens,
                              completion_tokens=u.completion_tokens)
+
+
+    async def _start_child(self, job: JobInput, job_id: str, tenant: str
+                           ) -> workflow.ChildWorkflowHandle[Any, BatchChildResult]:
+        """Start the record's job; its handle, whose await is its result.
+
+        The batch cancelled while the start is under way: the start goes on (the job
+        may be started already, and cancelling the start would leave its outcome
+        unknown), then the job is cancelled, so its outcome is its own (CANCELLED, its
+        transcript kept) like every running job's."""
+        start = workflow.start_child_workflow(
+            AGENT_JOB, job, id=job_id, task_queue=AGENT_TASK_QUEUE,
+            # a batch terminated, not cancelled: its jobs still end CANCELLED, their
+            # transcripts kept (terminated, they would keep nothing)
+            parent_close_policy=ParentClosePolicy.REQUEST_CANCEL,
+            result_type=BatchChildResult,
+            # tagged as start_job tags a submitted job: visibility counts it among its
+            # tenant's jobs (the quota at submit, the inbox's lists)
+            search_attributes=TypedSearchAttributes([SearchAttributePair(SA_TENANT, tenant)]),
+        )
+        if not workflow.patched(CANCEL_PATCH):
+            return await start
+        started = asyncio.ensure_future(start)
+        try:
+            return await asyncio.shield(started)
+        except asyncio.CancelledError:
+            handle = await started
+            handle.cancel()
+            return handle
 
 
 class _BatchCancelled(Exception):

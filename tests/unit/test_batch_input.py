@@ -298,3 +298,18 @@ def test_a_batch_starts_at_a_line_and_its_offset_together() -> None:
     for bad in ({"start_line": 3}, {"start_offset": 40}):
         with pytest.raises(ValidationError, match="go together"):
             BatchInput(profile="ticket-triage", source="s3://b/k", **bad)  # type: ignore[arg-type]
+
+
+def test_a_batch_inputs_new_fields_leave_the_payload_at_their_defaults() -> None:
+    """BatchInput forbids extra fields: a worker from before start_line, start_offset,
+    submitted_by and tenant must still read a batch that sets none of them (a rolling
+    deploy)."""
+    from warmloop.workflows.batch_run import BatchInput
+
+    plain = json.loads(BatchInput(profile="ticket-triage", source="s3://b/k").model_dump_json())
+    assert not {"start_line", "start_offset", "submitted_by", "tenant"} & set(plain)
+    given = json.loads(BatchInput(profile="ticket-triage", source="s3://b/k", start_line=3,
+                                  start_offset=9, tenant="acme", submitted_by="ann"
+                                  ).model_dump_json())
+    assert (given["start_line"], given["start_offset"], given["tenant"],
+            given["submitted_by"]) == (3, 9, "acme", "ann")

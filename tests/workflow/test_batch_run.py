@@ -31,7 +31,7 @@ from warmloop.workflows.contracts import (
     GenerateResult,
     engine_task_queue,
 )
-from warmloop.workflows.lanes import DEFAULT_BATCH_WINDOW, BatchWindow
+from warmloop.workflows.lanes import DEFAULT_BATCH_WINDOW, BatchWindow, BatchWindowRequest
 
 GOOD = {"ticket_id": "T1001", "customer_id": "C100", "subject": "s", "body": "b"}
 
@@ -603,7 +603,7 @@ async def test_a_cancelled_batch_resumes_from_its_first_line_without_an_outcome(
         new = await jobs.resume_batch(bid)
         assert new == f"{bid}-from-L3"
         res = await jobs.batch_result(new)
-        with pytest.raises(InvalidJobError, match="completed"):
+        with pytest.raises(InvalidJobError, match="every line of its source has an outcome"):
             await jobs.resume_batch(new)
         with pytest.raises(InvalidJobError, match="unknown batch"):
             await jobs.resume_batch("acme/no-such-batch")
@@ -614,3 +614,79 @@ async def test_a_cancelled_batch_resumes_from_its_first_line_without_an_outcome(
     assert [(o.line, o.job_id) for o in resumed] == [(n, f"{new}-L{n}") for n in (3, 4, 5)]
     ran = {r.job_id for r in fakes.generate_requests}
     assert ran == {f"{bid}-L1", f"{bid}-L2", *(f"{new}-L{n}" for n in (3, 4, 5))}
+
+
+class SlowWindow(FakeActivities):
+    """The fleet's answer to the batch's first ask waits for ``answer`` (until the
+    batch is cancelled, if never set)."""
+
+    asked: asyncio.Event
+    answer: asyncio.Event
+
+    @activity.defn(name="batch_window")
+    async def batch_window(self, req: BatchWindowRequest) -> BatchWindow:
+        self.window_asks.append(req)
+        self.asked.set()
+        await self.answer.wait()
+        return BatchWindow(window=2, fit=2, why="the fake fleet")
+
+
+def slow_window_fakes() -> SlowWindow:
+    fakes = SlowWindow(lambda req: reply("finish", '{"resolution": "resolved", '
+                                                   '"priority": "low"}'))
+    fakes.asked, fakes.answer = asyncio.Event(), asyncio.Event()
+    return fakes
+
+
+async def test_a_batch_cancelled_while_it_asks_the_fleet_runs_nothing(
+    dev_server_env: WorkflowEnvironment, tmp_path: Path,
+) -> None:
+    """The ask is a local activity: its cancel comes back as an ActivityError, which
+    read as "the fleet did not answer" lost the cancel and ran the batch to COMPLETED."""
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 4, {})
+    fakes = slow_window_fakes()
+    s3 = MemoryS3()
+    async with batch_workers(dev_server_env, fakes, s3) as client:
+        handle = await client.start_workflow(
+            BatchRun.run, BatchInput(profile="ticket-triage", source=str(src)),
+            id=f"batch-{uuid.uuid4().hex[:6]}", task_queue=AGENT_TASK_QUEUE)
+        await asyncio.wait_for(fakes.asked.wait(), 30)
+        await handle.cancel()
+        res = await asyncio.wait_for(handle.result(), 60)
+    assert res.state == "CANCELLED", res.reason
+    assert "lines from 1 on did not run" in res.reason
+    assert (fakes.generate_requests, s3.objects) == ([], {})
+
+
+async def test_jobs_whose_start_a_cancel_meets_end_with_their_own_outcomes(
+    dev_server_env: WorkflowEnvironment, tmp_path: Path,
+) -> None:
+    """The cancel lands as the batch starts its jobs (the fleet answers after it was
+    sent): a start under way goes on, then its job is cancelled, so each started job's
+    outcome is its own result (counted as done, not "never ran" and failed)."""
+    from warmloop.workflows.contracts import JobResult
+
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 4, {})
+    fakes = slow_window_fakes()
+    s3 = MemoryS3()
+    async with batch_workers(dev_server_env, fakes, s3) as client:
+        bid = f"batch-{uuid.uuid4().hex[:6]}"
+        handle = await client.start_workflow(
+            BatchRun.run, BatchInput(profile="ticket-triage", source=str(src)),
+            id=bid, task_queue=AGENT_TASK_QUEUE)
+        await asyncio.wait_for(fakes.asked.wait(), 30)
+        await handle.cancel()
+        fakes.answer.set()
+        res = await asyncio.wait_for(handle.result(), 60)
+        got = outcomes(s3)
+        for o in got:  # each outcome is what its job ended with
+            job = await client.get_workflow_handle(o.job_id or "",
+                                                   result_type=JobResult).result()
+            assert (o.state, o.transcript_key) == (job.state, job.transcript_key)
+    assert res.state == "CANCELLED", res.reason
+    assert res.failed == 0 and res.done == len(got)
+    assert all("before this job started" not in o.reason for o in got)
+    assert [o.line for o in got] == list(range(1, len(got) + 1))
+    assert f"lines from {len(got) + 1} on did not run" in res.reason

@@ -51,7 +51,8 @@ RECORDED_IDS = {"batch_run_with_bad_line": "replay-batch",
                 "agent_job_tenant_quota_wait": "acme/quota-replay",
                 "batch_run_tenant": "acme/replay-batch-tenant",
                 "batch_run_outside_tenant": "acme/replay-batch-outside",
-                "batch_run_cancelled": "replay-batch-cancelled"}
+                "batch_run_cancelled": "replay-batch-cancelled",
+                "batch_run_cancelled_before_patch": "replay-batch-cancelled-old"}
 """Workflow ids of recorded histories whose commands depend on the id (child job ids)."""
 
 
