@@ -44,6 +44,7 @@ from warmloop.workflows.batch_run import (
 )
 from warmloop.workflows.profiles import UnknownProfileError, get_profile
 from warmloop.workflows.profiles.base import Profile, first_error
+from warmloop.workflows.tenants import DEFAULT_TENANT, s3_prefix
 
 READ_CHUNK = 64 * 1024
 """Bytes read at a time: with one line in hand, all a reader holds of the source."""
@@ -292,6 +293,19 @@ class InputLocations:
         return ", ".join([*map(str, self.dirs), *(f"s3://{b}/{p}" for b, p in self.s3)])
 
 
+def _not_the_tenants(key: str, tenant: str) -> str | None:
+    """Why a batch of ``tenant`` may not read ``key`` of warmloop's own bucket, where
+    every tenant's transcripts and results are; None when it may. A tenant reads only
+    its own area, the default tenant anything but the tenants' areas."""
+    own = s3_prefix(tenant)
+    if tenant != DEFAULT_TENANT and not key.startswith(own):
+        return (f"a batch of tenant {tenant} reads warmloop's bucket only under {own} "
+                "(other tenants' objects are there)")
+    if tenant == DEFAULT_TENANT and key.startswith("tenants/"):
+        return "tenants' objects (tenants/) are not the default tenant's to read"
+    return None
+
+
 def _refused(source: str, why: str) -> ApplicationError:
     return ApplicationError(one_line(f"{source}: {why}"), type=_REFUSED, non_retryable=True)
 
@@ -342,7 +356,8 @@ class BatchActivities:
         stream.seek(offset)
         return stream, st.st_size
 
-    def _open_s3(self, source: str, offset: int) -> tuple[BinaryIO, int]:
+    def _open_s3(self, source: str, offset: int, tenant: str = DEFAULT_TENANT
+                 ) -> tuple[BinaryIO, int]:
         try:
             bucket, key = parse_s3_url(source)
         except ValueError:
@@ -350,6 +365,8 @@ class BatchActivities:
         if not self._inputs.allows_s3(bucket, key):
             raise _refused(source, "not in an allowed input location "
                            f"({self._inputs.describe()}; WARMLOOP_BATCH_INPUT_DIRS)")
+        if bucket == self._bucket and (why := _not_the_tenants(key, tenant)) is not None:
+            raise _refused(source, why)
         args = {"Bucket": bucket, "Key": key}
         if offset:
             args["Range"] = f"bytes={offset}-"
@@ -371,12 +388,13 @@ class BatchActivities:
         return resp["Body"], size
 
     def _read(self, req: ReadPageRequest) -> ReadPageResult:
-        s3 = req.source.startswith("s3://")
         # from the byte before the offset: it must end a line (a resumed batch's offset
         # from another batch's result, or a source changed since, would not)
         before = 1 if req.offset else 0
-        stream, size = (self._open_s3 if s3 else self._open_file)(req.source,
-                                                                  req.offset - before)
+        if req.source.startswith("s3://"):
+            stream, size = self._open_s3(req.source, req.offset - before, req.tenant)
+        else:
+            stream, size = self._open_file(req.source, req.offset - before)
         try:
             if before and req.offset < size and stream.read(1) != b"\n":
                 raise _refused(req.source, f"byte offset {req.offset} does not start line "

@@ -255,6 +255,9 @@ class BatchCarry(BaseModel):
 class ReadPageRequest(BaseModel):
     source: str
     profile: str
+    tenant: str = Field(default=DEFAULT_TENANT, exclude_if=lambda t: t == DEFAULT_TENANT)
+    """Whose batch reads: in warmloop's own bucket a tenant reads only under
+    ``tenants/<tenant>/`` (the default tenant: anything but ``tenants/``)."""
     first_line: int = Field(ge=1)
     """Line number of the line at ``offset``."""
     limit: int = Field(ge=1)
@@ -426,7 +429,7 @@ class BatchRun:
             page = await workflow.execute_activity(
                 "read_records",
                 ReadPageRequest(source=inp.source, profile=inp.profile, first_line=c.next_line,
-                                limit=inp.page_size, offset=c.next_offset),
+                                limit=inp.page_size, offset=c.next_offset, tenant=inp.tenant),
                 start_to_close_timeout=READ_TIMEOUT, schedule_to_close_timeout=IO_RETRY_FOR,
                 task_queue=AGENT_TASK_QUEUE, retry_policy=IO_RETRY, result_type=ReadPageResult,
             )

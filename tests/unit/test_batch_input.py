@@ -313,3 +313,32 @@ def test_a_batch_inputs_new_fields_leave_the_payload_at_their_defaults() -> None
                                   ).model_dump_json())
     assert (given["start_line"], given["start_offset"], given["tenant"],
             given["submitted_by"]) == (3, 9, "acme", "ann")
+
+
+async def test_a_tenants_batch_reads_only_its_own_area_of_warmloops_bucket(
+        tmp_path: Path) -> None:
+    """warmloop's bucket holds every tenant's transcripts and results: a batch of
+    tenant acme reads there only under tenants/acme/, a default-tenant batch nothing
+    under tenants/; other allowed buckets are the operator's to share."""
+    from temporalio.exceptions import ApplicationError
+
+    data = good(0) + b"\n"
+    s3 = MemoryS3({"b/tenants/acme/in.jsonl": data, "b/tenants/globex/t.json": data,
+                   "b/in.jsonl": data, "shared/in.jsonl": data})
+    acts = BatchActivities(s3, "b", inputs=[str(tmp_path), "s3://b", "s3://shared"])
+
+    async def lines(source: str, tenant: str) -> list[int]:
+        req = ReadPageRequest(source=source, profile="ticket-triage", first_line=1,
+                              limit=10, tenant=tenant)
+        page = await ActivityEnvironment().run(acts.read_records, req)
+        return [r.line for r in page.records]
+
+    assert await lines("s3://b/tenants/acme/in.jsonl", "acme") == [1]
+    assert await lines("s3://b/in.jsonl", "default") == [1]
+    assert await lines("s3://shared/in.jsonl", "acme") == [1]
+    for source, tenant in (("s3://b/tenants/globex/t.json", "acme"),
+                           ("s3://b/in.jsonl", "acme"),
+                           ("s3://b/tenants/acme/in.jsonl", "default")):
+        with pytest.raises(ApplicationError) as err:
+            await lines(source, tenant)
+        assert err.value.type == "SourceRefused" and err.value.non_retryable, source
