@@ -228,9 +228,14 @@ class InferenceActivities:
                                                               in_flight=in_flight,
                                                               counted=counted)
                 except ApplicationError as e:
-                    if e.type != ENGINE_ERROR:
-                        raise
-                    raise self._failed_attempt(req, e, earlier) from None
+                    if e.type == ENGINE_ERROR:
+                        raise self._failed_attempt(req, e, earlier) from None
+                    if earlier.attempts and not e.details:
+                        # not the engine's failure, but earlier attempts were: their
+                        # spend goes with this last failure to the workflow
+                        raise ApplicationError(e.message, earlier.model_dump(), type=e.type,
+                                               non_retryable=e.non_retryable) from None
+                    raise
                 in_flight = None  # taken off the in-flight set beside the records
                 if earlier.attempts:
                     result.failed_attempts = earlier

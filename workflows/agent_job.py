@@ -176,6 +176,10 @@ PATCH_ROUTE_NEXT_IN_WORKER = "route-next-in-worker"
 # tool's would be: a trace teaches the hold model its own pauses (histories of replays
 # recorded before it did not).
 PATCH_REPLAY_PAUSES = "replay-records-pauses"
+PATCH_FAILED_ATTEMPTS = "count-failed-attempts"
+"""Every failed attempt of a step counts (their tokens and dollars, from the answer, a
+failure of any kind or a timeout's last heartbeat); before, the last engine error's
+tokens alone. Usage feeds the caps, so a history recorded before counts as it did."""
 # A step cut at its output budget raises the next ask's budget and says so in the repair
 # message: a longer transcript than histories recorded before it, which may move a
 # compaction or a carry's store.
@@ -755,8 +759,8 @@ class AgentJob:
         u.prompt_tokens += gen.prompt_tokens
         u.cached_tokens += gen.cached_tokens
         u.completion_tokens += gen.completion_tokens
-        if gen.failed_attempts is not None:  # retried on its engine before this answer
-            self._spend_failed(gen.failed_attempts)
+        if gen.failed_attempts is not None and workflow.patched(PATCH_FAILED_ATTEMPTS):
+            self._spend_failed(gen.failed_attempts)  # retried on its engine before this
         record = StepRecord(
             step=step, kind=kind.value, engine_id=gen.engine_id, route_reason=route_reason,
             tool=None, valid=False, prompt_tokens=gen.prompt_tokens,
@@ -1110,14 +1114,30 @@ class AgentJob:
         return alive is True
 
     def _count_failed_attempt(self, e: ActivityError) -> None:
-        """A step the engine failed part-way still used the tokens it reported (in the
-        error's details, summed over the attempts Temporal retried): they count against
-        the job's token caps, and their dollars against its cost."""
+        """A step the engine failed part-way still used the tokens it reported: they
+        count against the job's token caps, and their dollars against its cost. The
+        worker sums its attempts (``AttemptSpend``) into the last failure's first detail,
+        whatever its type, or, when the last attempt died without a word (a timeout),
+        into the heartbeat details it last sent."""
         cause = e.cause
-        if not isinstance(cause, ApplicationError) or cause.type != ENGINE_ERROR:
+        if not workflow.patched(PATCH_FAILED_ATTEMPTS):
+            # recorded before: the last engine error's tokens alone
+            if isinstance(cause, ApplicationError) and cause.type == ENGINE_ERROR:
+                spent = AttemptSpend.from_details(cause.details[0] if cause.details
+                                                  else None)
+                self._usage.prompt_tokens += spent.prompt_tokens
+                self._usage.cached_tokens += spent.cached_tokens
+                self._usage.completion_tokens += spent.completion_tokens
             return
-        self._spend_failed(AttemptSpend.from_details(cause.details[0] if cause.details
-                                                     else None))
+        details: object = None
+        if isinstance(cause, ApplicationError) and cause.details:
+            details = cause.details[0]
+            if cause.type != ENGINE_ERROR and not (isinstance(details, dict)
+                                                   and "attempts" in details):
+                return  # another failure's details, not a spend
+        elif isinstance(cause, ActivityTimeoutError) and cause.last_heartbeat_details:
+            details = cause.last_heartbeat_details[0]
+        self._spend_failed(AttemptSpend.from_details(details))
 
     def _spend_failed(self, spent: AttemptSpend) -> None:
         u = self._usage
@@ -1125,6 +1145,8 @@ class AgentJob:
         u.cached_tokens += spent.cached_tokens
         u.completion_tokens += spent.completion_tokens
         u.cost_usd += spent.cost_usd
+        # their cost is unknown: the job's dollars are a lower bound (see Usage)
+        u.cost_unknown_steps += spent.unpriced_attempts
         self._step_failed = self._step_failed.plus(spent)
 
     async def _after_step_error(self, e: ActivityError, request: GenerateRequest

@@ -65,8 +65,8 @@ class Usage(BaseModel):
     cost_usd: float = 0.0
     """Dollars of the steps whose engine declares a price (see cost_unknown_steps)."""
     cost_unknown_steps: int = 0
-    """Steps served by an engine that declares no price: their cost is unknown, so
-    cost_usd is a lower bound whenever this is above 0."""
+    """Steps (and failed attempts of steps) served by an engine that declares no price:
+    their cost is unknown, so cost_usd is a lower bound whenever this is above 0."""
     tool_calls: dict[str, int] = Field(default_factory=dict)
 
     @property

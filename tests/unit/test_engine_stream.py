@@ -219,3 +219,27 @@ async def test_a_steps_retries_sum_what_each_failed_attempt_spent() -> None:
     # a cut with no usage still counts as an attempt; a garbled detail counts as none
     cut, _ = await attempt(b"", 4, [{"attempts": "many"}])
     assert AttemptSpend.model_validate(cut.details[0]).attempts == 1
+
+
+async def test_an_attempt_failing_otherwise_still_reports_the_earlier_attempts() -> None:
+    """The engine refuses the retry (a 4xx: EngineRejected, not retried): the earlier
+    attempts' spend goes with that last failure, the only error the workflow sees."""
+    import dataclasses
+
+    from temporalio.testing import ActivityEnvironment
+
+    from warmloop.workflows.contracts import AttemptSpend
+
+    earlier = AttemptSpend(attempts=1, prompt_tokens=300, cached_tokens=256,
+                           completion_tokens=12)
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(422, text="bad request")
+
+    env = ActivityEnvironment()
+    env.info = dataclasses.replace(env.info, attempt=2, heartbeat_details=[earlier.model_dump()])
+    inf = inference(httpx.MockTransport(refuse))
+    with pytest.raises(ApplicationError) as err:
+        await asyncio.wait_for(env.run(inf.generate, step_request()), 10)
+    assert err.value.type == "EngineRejected" and err.value.non_retryable
+    assert AttemptSpend.model_validate(err.value.details[0]) == earlier

@@ -115,10 +115,15 @@ async def test_every_failed_attempt_of_a_step_counts_in_the_jobs_usage_and_cost(
     """Three attempts failed on fake0 (the workflow sees their sum in the last error),
     one on fake1 before its retry answered (the answer carries it): the job's tokens
     and dollars count all four, the step record names them apart from its answer."""
+    from tests.workflow.test_replay import _record, _replayer
+
     fakes = RetriedAndFailedOver(always(SEARCH), engines=["fake0", "fake1"])
     fakes.forced_routes = ["fake0"]
     async with workers(time_skipping_env, fakes) as client:
         res = await run_job(client, max_steps=1)
+        history = await client.get_workflow_handle(res.job_id).fetch_history()
+    await _replayer().replay_workflow(history)  # the count-failed-attempts patch's path
+    _record("agent_job_failed_attempts.json", history)
     assert res.state == JobState.LOOP_CAP, res.reason
     [step] = res.steps
     assert fakes.served_by == ["fake1"]
@@ -253,3 +258,39 @@ async def test_a_real_servers_retry_hands_the_failed_attempts_spend_to_the_next(
     assert (step.failed_attempts.attempts, step.failed_attempts.prompt_tokens,
             step.failed_attempts.completion_tokens) == (1, 300, 12)
     assert (res.usage.prompt_tokens, res.usage.completion_tokens) == (600, 24)
+
+
+class DiesAfterTwoFailures(FakeActivities):
+    """On fake0 two attempts fail after 700 prompt tokens each (the second reporting
+    both), and the third beats their sum, as the real worker's beats carry it, then
+    goes silent like a killed worker: its heartbeat times out."""
+
+    @activity.defn(name="generate")
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        n = activity.info().attempt
+        if activity.info().task_queue != "engine.fake0":
+            return await super().generate(req)
+        if n < 3:
+            raise ApplicationError("engine fake0: stream cut", AttemptSpend(
+                attempts=n, prompt_tokens=700 * n, completion_tokens=3 * n).model_dump(),
+                type="EngineError")
+        activity.heartbeat(AttemptSpend(attempts=2, prompt_tokens=1400,
+                                        completion_tokens=6).model_dump())
+        await asyncio.Event().wait()  # dead: no more beats
+        raise AssertionError("unreachable")
+
+
+async def test_a_last_attempt_that_dies_still_counts_the_attempts_before_it(
+    dev_server_env: WorkflowEnvironment,
+) -> None:
+    """The last attempt's heartbeat times out (its worker died): the workflow reads the
+    earlier attempts' spend from the timeout's last heartbeat details, then the step
+    fails over and answers on fake1. On a real server (10 s heartbeat timeout)."""
+    fakes = DiesAfterTwoFailures(always(SEARCH), engines=["fake0", "fake1"])
+    fakes.forced_routes = ["fake0"]
+    async with workers(dev_server_env, fakes) as client:
+        res = await run_job(client, max_steps=1)
+    assert res.state == JobState.LOOP_CAP, res.reason
+    [step] = res.steps
+    assert step.failed_attempts is not None and step.failed_attempts.attempts == 2
+    assert (res.usage.prompt_tokens, res.usage.completion_tokens) == (1400 + 1000, 6 + 20)
