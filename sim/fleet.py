@@ -24,7 +24,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Final, cast
 
 from warmloop.activities.registry import EngineHeartbeat
 from warmloop.sim.core import Clock
@@ -261,6 +261,10 @@ stride is odd, so the few families' blocks do not share slots either; a family m
 share up to this many blocks."""
 
 
+_BYTE_BITS: Final = [tuple([k for k in range(8) if b >> k & 1]) for b in range(256)]
+"""The bits set in each byte value, ascending (``Fleet._members``)."""
+
+
 @dataclass
 class FleetConfig:
     pre_step_s: float = 0.02
@@ -370,6 +374,10 @@ class Fleet:
         for e in self.engines:
             e.changed = self._changed
         self.batch_seen = {e.engine_id: _RecentJobs() for e in self.engines}
+        self._seen = [self.batch_seen[e.engine_id] for e in self.engines]
+        """``batch_seen`` by engine number."""
+        self._all_engines = (1 << len(self.engines)) - 1
+        """The bit mask of every engine."""
         self.admission = {}
         for e in self.engines:
             adm_cfg = e.cal.admission_config(self.cfg.admission)
@@ -461,13 +469,7 @@ class Fleet:
         """Engine numbers in ``mask``, ascending."""
         got = self._bits_memo.get(mask)
         if got is None:
-            out = []
-            m = mask
-            while m:
-                low = m & -m
-                out.append(low.bit_length() - 1)
-                m ^= low
-            got = tuple(out)
+            got = tuple(self._members(mask))
             if len(self._bits_memo) > 4096:
                 self._bits_memo.clear()
             self._bits_memo[mask] = got
@@ -530,12 +532,19 @@ class Fleet:
     @staticmethod
     def _members(mask: int) -> list[int]:
         """Engine numbers in ``mask``, ascending (``_bits`` without the memo: for masks
-        that change at every step)."""
-        out = []
-        while mask:
-            low = mask & -mask
-            out.append(low.bit_length() - 1)
-            mask ^= low
+        that change at every step). A byte of the mask at a time (``_BYTE_BITS``): a
+        128-engine fleet's masks are boxed ints, where taking off a bit at a time cost
+        three of them an engine (a mask of 70 engines 6.7 against 0.9 us compiled)."""
+        out: list[int] = []
+        if not mask:
+            return out
+        raw = mask.to_bytes((mask.bit_length() + 7) >> 3, "little")
+        for j in range(len(raw)):
+            byte = raw[j]
+            if byte:
+                base = j << 3
+                for k in _BYTE_BITS[byte]:
+                    out.append(base + k)
         return out
 
     def _coldest(self, warm: int) -> list[int]:
@@ -546,15 +555,34 @@ class Fleet:
         out: list[int] = []
         if need <= 0:
             return out
-        cold = ((1 << len(self.engines)) - 1) & ~warm
+        cold = self._all_engines & ~warm
         caches = self._caches
         for mask in self._level:
+            if not mask:
+                continue
             m = mask & cold
             if not m:
                 continue
-            members = self._members(m)
-            ranked = sorted(zip([caches[i].usage for i in members], members, strict=True))
-            out += [i for _, i in ranked[:need - len(out)]]
+            # the level's ``need - len(out)`` first by (KV usage, engine number), as a
+            # sort of them all would give, kept in order as the members go by (in
+            # ascending number: one of equal usage goes after those kept before it)
+            take = need - len(out)
+            used: list[float] = []
+            kept: list[int] = []
+            for i in self._members(m):
+                u = caches[i].usage
+                n = len(used)
+                if n == take:
+                    if u >= used[n - 1]:
+                        continue
+                    used.pop()
+                    kept.pop()
+                    n -= 1
+                while n and used[n - 1] > u:
+                    n -= 1
+                used.insert(n, u)
+                kept.insert(n, i)
+            out += kept
             if len(out) >= need:
                 break
         return out
@@ -570,7 +598,7 @@ class Fleet:
         engines = self.engines
         in_flight = self.in_flight
         recent = self.cfg.batch_recent_s
-        seen = self.batch_seen
+        seen = self._seen
         last = self.by_id[last_engine].owner if last_engine is not None else -1
         if prune:
             groups = self._warm_groups(chain)
@@ -584,11 +612,11 @@ class Fleet:
             for i in warm:
                 warm_mask |= 1 << i
             offered = list(warm.items())
-            batch_jobs = {i: seen[engines[i].engine_id].count(now, recent)
+            batch_jobs = {i: seen[i].count(now, recent)
                           for i in warm} if batch_first else {}
         cold = self._coldest(warm_mask)
         if batch_first:
-            batch_jobs.update((i, seen[engines[i].engine_id].count(now, recent)) for i in cold)
+            batch_jobs.update((i, seen[i].count(now, recent)) for i in cold)
         elif prune and len(cold) > 1:
             cold = self._tied_coldest(cold, last)
         out: list[EngineCandidate] = []
@@ -638,29 +666,49 @@ class Fleet:
         step's placement load is its load, so the rivals are the group's least loaded
         engines of least KV usage, found a load level at a time; a new batch job's counts
         the engine's batch jobs too."""
-        engines, caches = self.engines, self._caches
+        caches = self._caches
         loads = self._load
         keep: list[tuple[int, int]] = []
         batch_jobs: dict[int, int] = {}
-        now, recent, seen = self.clock.now, self.cfg.batch_recent_s, self.batch_seen
+        now, recent, seen = self.clock.now, self.cfg.batch_recent_s, self._seen
         last_kept = False
         for blocks, mask in groups:
             if batch_first:
-                members = self._members(mask)
-                for i in members:
-                    batch_jobs[i] = seen[engines[i].engine_id].count(now, recent)
-                ranked = sorted((max(loads[i], batch_jobs[i]), loads[i],
-                                 min(1.0, caches[i].usage), i) for i in members)
-                best: tuple[int, float] | None = None
-                for _, load, usage, i in ranked:
-                    if best is None or (load, usage) <= best:
-                        keep.append((i, blocks))
-                        last_kept = last_kept or i == last
-                        best = (load, usage)
+                # Ranked by (placement load, load, KV usage, number), an engine is kept
+                # when its (load, KV usage) is no higher than the last kept one's: of
+                # each placement load, the engines of its least (load, KV usage) if no
+                # higher than those kept at a lower placement load (the same, without
+                # the sort: a burst's first steps find the family's prefix on most of
+                # the fleet).
+                low_load: dict[int, int] = {}
+                low_usage: dict[int, float] = {}
+                who: dict[int, list[int]] = {}
+                for i in self._members(mask):
+                    jobs = seen[i].count(now, recent)
+                    batch_jobs[i] = jobs
+                    load = loads[i]
+                    usage = min(1.0, caches[i].usage)
+                    placed = load if load >= jobs else jobs
+                    cur = low_load.get(placed, -1)
+                    if cur < 0 or load < cur or (load == cur and usage < low_usage[placed]):
+                        low_load[placed] = load
+                        low_usage[placed] = usage
+                        who[placed] = [i]
+                    elif load == cur and usage == low_usage[placed]:
+                        who[placed].append(i)
+                best_load, best_usage = -1, 0.0
+                for placed in sorted(who):
+                    load, usage = low_load[placed], low_usage[placed]
+                    if best_load < 0 or load < best_load or (load == best_load
+                                                            and usage <= best_usage):
+                        for i in who[placed]:
+                            keep.append((i, blocks))
+                            last_kept = last_kept or i == last
+                        best_load, best_usage = load, usage
                 continue
             if mask & (mask - 1):  # more than one: the least loaded, then least used
                 for level in self._level:
-                    if level & mask:
+                    if level and level & mask:  # (most levels are empty: no boxed int)
                         mask &= level
                         break
                 if mask & (mask - 1):
