@@ -822,11 +822,15 @@ class Fleet:
                 cfg.idle_grow_s:
             adm.k = lanes.next_batch_limit(adm.k, None, cfg)
             adm.last_grow_s = now
-        while adm.queue and adm.running < self._limit(engine, adm):
+        # The limit is never above K (``_limit``), so at K or over nothing starts, and
+        # it is 0 exactly when K is: its KV fit (``lanes.kv_fit_limit``, interpreted, over
+        # the last 50 samples, which change at every batch step) is worked out only
+        # where it decides (a burst's lanes sit at K for most of the steps).
+        while adm.queue and adm.running < adm.k and adm.running < self._limit(engine, adm):
             _, _, _, job, req = heapq.heappop(adm.queue)
             adm.running += 1
             engine.submit(req)
-        if adm.queue and adm.running == 0 and self._limit(engine, adm) == 0:
+        if adm.queue and adm.running == 0 and adm.k == 0:
             self.clock.after(cfg.idle_grow_s, self._drain, engine, adm)
 
     def _interactive_ttft(self, engine: Engine, ttft_s: float) -> None:
