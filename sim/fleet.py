@@ -238,6 +238,15 @@ class _Candidate(EngineCandidate):
     __eq__ = object.__eq__
 
 
+class _EngineName:
+    """An engine's id alone: a round-robin candidate (``Fleet._rr_candidates``)."""
+
+    __slots__ = ("engine_id",)
+
+    def __init__(self, engine_id: str) -> None:
+        self.engine_id = engine_id
+
+
 DISPLACED_REFRESH_S = 5.0
 """How long a hold decision reuses an engine's rent measure (``EvictionRegret``): the
 workers read theirs at every decision, a sum over up to minutes of recomputes, which a
@@ -348,7 +357,11 @@ class Fleet:
         self.block = self.engines[0].block
         self.routing_cfg = self.cfg.routing or cal.routing_config()
         self.prices = {e.engine_id: e.cal.engine_price().pricing for e in self.engines}
-        self._rr_candidates = [EngineCandidate(engine_id=e.engine_id) for e in self.engines]
+        self._rr_candidates = cast("list[EngineCandidate]",
+                                   [_EngineName(e.engine_id) for e in self.engines])
+        """Round-robin's candidates: its ``pick_engine`` orders them by engine id and reads
+        nothing else, 128 attribute reads a step, each through pydantic's ``__getattr__``
+        hook on an ``EngineCandidate`` (a 128-GPU decision 8.1 against 4.6 us)."""
         self._cands = [_Candidate.model_construct(engine_id=e.engine_id) for e in self.engines]
         self._bits_memo: dict[int, tuple[int, ...]] = {}
         self._families: dict[str, int] = {}
