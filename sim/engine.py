@@ -727,7 +727,7 @@ class Engine:
     def pin(self, chain: list[BlockKey]) -> list[BlockKey]:
         """Keep the cached leading blocks of ``chain`` from eviction; returns them."""
         hit = self.cache.hit_blocks(chain)
-        keys = list(chain[:hit])
+        keys = chain[:hit]  # a new list (a slice of a list is one)
         self.cache.acquire(keys, hit)
         return keys
 
@@ -807,7 +807,7 @@ class Engine:
                     continue
                 break
             heapq.heappop(self.waiting)
-            shared = list(chain[:min(len(chain), total)])
+            shared = chain[:min(len(chain), total)]  # a new list: the chain grows later
             cache.acquire(shared, min(cached, len(shared)))  # a prefix's hit: the chain's
             req._held = shared
             req._private = max(0, total - len(shared))

@@ -24,7 +24,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Final, cast
 
 from warmloop.activities.registry import EngineHeartbeat
 from warmloop.sim.core import Clock
@@ -238,6 +238,15 @@ class _Candidate(EngineCandidate):
     __eq__ = object.__eq__
 
 
+class _EngineName:
+    """An engine's id alone: a round-robin candidate (``Fleet._rr_candidates``)."""
+
+    __slots__ = ("engine_id",)
+
+    def __init__(self, engine_id: str) -> None:
+        self.engine_id = engine_id
+
+
 DISPLACED_REFRESH_S = 5.0
 """How long a hold decision reuses an engine's rent measure (``EvictionRegret``): the
 workers read theirs at every decision, a sum over up to minutes of recomputes, which a
@@ -259,6 +268,10 @@ keys ``job << 32 | i`` (before 2026-12-05) all started their probes at slot ``i`
 shared their first probes (a lookup 382 against 214 ns over 3.2 million keys). The
 stride is odd, so the few families' blocks do not share slots either; a family may
 share up to this many blocks."""
+
+
+_BYTE_BITS: Final = [tuple([k for k in range(8) if b >> k & 1]) for b in range(256)]
+"""The bits set in each byte value, ascending (``Fleet._members``)."""
 
 
 @dataclass
@@ -344,7 +357,11 @@ class Fleet:
         self.block = self.engines[0].block
         self.routing_cfg = self.cfg.routing or cal.routing_config()
         self.prices = {e.engine_id: e.cal.engine_price().pricing for e in self.engines}
-        self._rr_candidates = [EngineCandidate(engine_id=e.engine_id) for e in self.engines]
+        self._rr_candidates = cast("list[EngineCandidate]",
+                                   [_EngineName(e.engine_id) for e in self.engines])
+        """Round-robin's candidates: its ``pick_engine`` orders them by engine id and reads
+        nothing else, 128 attribute reads a step, each through pydantic's ``__getattr__``
+        hook on an ``EngineCandidate`` (a 128-GPU decision 8.1 against 4.6 us)."""
         self._cands = [_Candidate.model_construct(engine_id=e.engine_id) for e in self.engines]
         self._bits_memo: dict[int, tuple[int, ...]] = {}
         self._families: dict[str, int] = {}
@@ -370,6 +387,10 @@ class Fleet:
         for e in self.engines:
             e.changed = self._changed
         self.batch_seen = {e.engine_id: _RecentJobs() for e in self.engines}
+        self._seen = [self.batch_seen[e.engine_id] for e in self.engines]
+        """``batch_seen`` by engine number."""
+        self._all_engines = (1 << len(self.engines)) - 1
+        """The bit mask of every engine."""
         self.admission = {}
         for e in self.engines:
             adm_cfg = e.cal.admission_config(self.cfg.admission)
@@ -461,13 +482,7 @@ class Fleet:
         """Engine numbers in ``mask``, ascending."""
         got = self._bits_memo.get(mask)
         if got is None:
-            out = []
-            m = mask
-            while m:
-                low = m & -m
-                out.append(low.bit_length() - 1)
-                m ^= low
-            got = tuple(out)
+            got = tuple(self._members(mask))
             if len(self._bits_memo) > 4096:
                 self._bits_memo.clear()
             self._bits_memo[mask] = got
@@ -530,12 +545,19 @@ class Fleet:
     @staticmethod
     def _members(mask: int) -> list[int]:
         """Engine numbers in ``mask``, ascending (``_bits`` without the memo: for masks
-        that change at every step)."""
-        out = []
-        while mask:
-            low = mask & -mask
-            out.append(low.bit_length() - 1)
-            mask ^= low
+        that change at every step). A byte of the mask at a time (``_BYTE_BITS``): a
+        128-engine fleet's masks are boxed ints, where taking off a bit at a time cost
+        three of them an engine (a mask of 70 engines 6.7 against 0.9 us compiled)."""
+        out: list[int] = []
+        if not mask:
+            return out
+        raw = mask.to_bytes((mask.bit_length() + 7) >> 3, "little")
+        for j in range(len(raw)):
+            byte = raw[j]
+            if byte:
+                base = j << 3
+                for k in _BYTE_BITS[byte]:
+                    out.append(base + k)
         return out
 
     def _coldest(self, warm: int) -> list[int]:
@@ -546,15 +568,34 @@ class Fleet:
         out: list[int] = []
         if need <= 0:
             return out
-        cold = ((1 << len(self.engines)) - 1) & ~warm
+        cold = self._all_engines & ~warm
         caches = self._caches
         for mask in self._level:
+            if not mask:
+                continue
             m = mask & cold
             if not m:
                 continue
-            members = self._members(m)
-            ranked = sorted(zip([caches[i].usage for i in members], members, strict=True))
-            out += [i for _, i in ranked[:need - len(out)]]
+            # the level's ``need - len(out)`` first by (KV usage, engine number), as a
+            # sort of them all would give, kept in order as the members go by (in
+            # ascending number: one of equal usage goes after those kept before it)
+            take = need - len(out)
+            used: list[float] = []
+            kept: list[int] = []
+            for i in self._members(m):
+                u = caches[i].usage
+                n = len(used)
+                if n == take:
+                    if u >= used[n - 1]:
+                        continue
+                    used.pop()
+                    kept.pop()
+                    n -= 1
+                while n and used[n - 1] > u:
+                    n -= 1
+                used.insert(n, u)
+                kept.insert(n, i)
+            out += kept
             if len(out) >= need:
                 break
         return out
@@ -570,7 +611,7 @@ class Fleet:
         engines = self.engines
         in_flight = self.in_flight
         recent = self.cfg.batch_recent_s
-        seen = self.batch_seen
+        seen = self._seen
         last = self.by_id[last_engine].owner if last_engine is not None else -1
         if prune:
             groups = self._warm_groups(chain)
@@ -584,11 +625,11 @@ class Fleet:
             for i in warm:
                 warm_mask |= 1 << i
             offered = list(warm.items())
-            batch_jobs = {i: seen[engines[i].engine_id].count(now, recent)
+            batch_jobs = {i: seen[i].count(now, recent)
                           for i in warm} if batch_first else {}
         cold = self._coldest(warm_mask)
         if batch_first:
-            batch_jobs.update((i, seen[engines[i].engine_id].count(now, recent)) for i in cold)
+            batch_jobs.update((i, seen[i].count(now, recent)) for i in cold)
         elif prune and len(cold) > 1:
             cold = self._tied_coldest(cold, last)
         out: list[EngineCandidate] = []
@@ -638,29 +679,49 @@ class Fleet:
         step's placement load is its load, so the rivals are the group's least loaded
         engines of least KV usage, found a load level at a time; a new batch job's counts
         the engine's batch jobs too."""
-        engines, caches = self.engines, self._caches
+        caches = self._caches
         loads = self._load
         keep: list[tuple[int, int]] = []
         batch_jobs: dict[int, int] = {}
-        now, recent, seen = self.clock.now, self.cfg.batch_recent_s, self.batch_seen
+        now, recent, seen = self.clock.now, self.cfg.batch_recent_s, self._seen
         last_kept = False
         for blocks, mask in groups:
             if batch_first:
-                members = self._members(mask)
-                for i in members:
-                    batch_jobs[i] = seen[engines[i].engine_id].count(now, recent)
-                ranked = sorted((max(loads[i], batch_jobs[i]), loads[i],
-                                 min(1.0, caches[i].usage), i) for i in members)
-                best: tuple[int, float] | None = None
-                for _, load, usage, i in ranked:
-                    if best is None or (load, usage) <= best:
-                        keep.append((i, blocks))
-                        last_kept = last_kept or i == last
-                        best = (load, usage)
+                # Ranked by (placement load, load, KV usage, number), an engine is kept
+                # when its (load, KV usage) is no higher than the last kept one's: of
+                # each placement load, the engines of its least (load, KV usage) if no
+                # higher than those kept at a lower placement load (the same, without
+                # the sort: a burst's first steps find the family's prefix on most of
+                # the fleet).
+                low_load: dict[int, int] = {}
+                low_usage: dict[int, float] = {}
+                who: dict[int, list[int]] = {}
+                for i in self._members(mask):
+                    jobs = seen[i].count(now, recent)
+                    batch_jobs[i] = jobs
+                    load = loads[i]
+                    usage = min(1.0, caches[i].usage)
+                    placed = load if load >= jobs else jobs
+                    cur = low_load.get(placed, -1)
+                    if cur < 0 or load < cur or (load == cur and usage < low_usage[placed]):
+                        low_load[placed] = load
+                        low_usage[placed] = usage
+                        who[placed] = [i]
+                    elif load == cur and usage == low_usage[placed]:
+                        who[placed].append(i)
+                best_load, best_usage = -1, 0.0
+                for placed in sorted(who):
+                    load, usage = low_load[placed], low_usage[placed]
+                    if best_load < 0 or load < best_load or (load == best_load
+                                                            and usage <= best_usage):
+                        for i in who[placed]:
+                            keep.append((i, blocks))
+                            last_kept = last_kept or i == last
+                        best_load, best_usage = load, usage
                 continue
             if mask & (mask - 1):  # more than one: the least loaded, then least used
                 for level in self._level:
-                    if level & mask:
+                    if level and level & mask:  # (most levels are empty: no boxed int)
                         mask &= level
                         break
                 if mask & (mask - 1):
@@ -774,11 +835,15 @@ class Fleet:
                 cfg.idle_grow_s:
             adm.k = lanes.next_batch_limit(adm.k, None, cfg)
             adm.last_grow_s = now
-        while adm.queue and adm.running < self._limit(engine, adm):
+        # The limit is never above K (``_limit``), so at K or over nothing starts, and
+        # it is 0 exactly when K is: its KV fit (``lanes.kv_fit_limit``, interpreted, over
+        # the last 50 samples, which change at every batch step) is worked out only
+        # where it decides (a burst's lanes sit at K for most of the steps).
+        while adm.queue and adm.running < adm.k and adm.running < self._limit(engine, adm):
             _, _, _, job, req = heapq.heappop(adm.queue)
             adm.running += 1
             engine.submit(req)
-        if adm.queue and adm.running == 0 and self._limit(engine, adm) == 0:
+        if adm.queue and adm.running == 0 and adm.k == 0:
             self.clock.after(cfg.idle_grow_s, self._drain, engine, adm)
 
     def _interactive_ttft(self, engine: Engine, ttft_s: float) -> None:
