@@ -348,6 +348,13 @@ class Settings(BaseSettings):
     (``printf %s "$KEY" | sha256sum``): set, every /v1 call must carry one of those keys
     as ``Authorization: Bearer``, else 401; unset, the gateway takes any caller (the
     embedded stack's, on loopback). Digests, so the settings hold no key."""
+    gateway_key_tenants: dict[str, TenantName] = Field(default_factory=dict)
+    """Gateway API keys that are a tenant's, by SHA-256 hex digest, e.g.
+    WARMLOOP_GATEWAY_KEY_TENANTS='{"<digest>": "acme"}': their calls carry the tenant's
+    ``cache_salt`` (they share its jobs' cache, no other tenant's), its ``tokens_per_hour``
+    is checked before each call (429 once spent) and the tokens a call's answer reports
+    go onto its hour (a stream reports them only when the client asks for usage). A key
+    not named here keeps a salt of its own and no tenant's quota."""
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     """The gateway's own knobs, e.g. WARMLOOP_GATEWAY='{"hold_policy": "always_hold"}'
     (its routing, holding and admission weights are ``routing``, ``holding``,
@@ -417,6 +424,15 @@ class Settings(BaseSettings):
             raise ValueError("gateway_key_digests: give SHA-256 hex digests (64 hex digits "
                              "each, comma-separated) of the accepted keys, not the keys")
         return ",".join(digests)
+
+    @field_validator("gateway_key_tenants")
+    @classmethod
+    def _key_tenants(cls, v: dict[str, str]) -> dict[str, str]:
+        bad = [k for k in v if not re.fullmatch(r"[0-9a-fA-F]{64}", k)]
+        if bad:
+            raise ValueError("gateway_key_tenants: name each key by its SHA-256 hex digest "
+                             "(64 hex digits: printf %s \"$KEY\" | sha256sum), not the key")
+        return {k.lower(): t for k, t in v.items()}
 
     @field_validator("engine_calibration")
     @classmethod

@@ -833,3 +833,66 @@ def test_key_digests_must_be_digests_not_keys() -> None:
         Settings(gateway_key_digests="sk-my-plain-key")
     d = hashlib.sha256(b"k").hexdigest()
     assert Settings(gateway_key_digests=f" {d.upper()} ,").gateway_key_digests == d
+
+
+# ---- a tenant's keys -----------------------------------------------------------------------
+
+
+async def test_a_tenants_key_shares_its_jobs_cache_and_spends_its_hour(
+        make: Make, redis: aioredis.Redis) -> None:
+    """WARMLOOP_GATEWAY_KEY_TENANTS: a key that is acme's sends acme's jobs' own
+    cache_salt (their cache, no other tenant's), and the tokens its answers report go
+    onto acme's hour: a whole answer's, a stream's when the client asks for usage. Once
+    the hour is spent its calls are refused with 429 and Retry-After, the engine never
+    asked; another key is neither salted as acme nor held to its quota."""
+    import hashlib
+
+    from warmloop.activities.registry import TenantUsage
+    from warmloop.workflows.tenants import TenantQuota
+
+    digest = hashlib.sha256(b"acme-key").hexdigest()
+    rig = await make("e0", gateway_key_tenants={digest: "acme"},
+                     tenants={"acme": TenantQuota(tokens_per_hour=5_000)})
+    acme = {"authorization": "Bearer acme-key"}
+    usage = TenantUsage(redis)
+    r = await rig.chat(conversation(), headers=acme)
+    assert r.status_code == 200
+    sent = rig.fleet["e0"].seen[-1]
+    assert sent["cache_salt"] == cache_salt("acme")
+    whole = r.json()["usage"]
+    assert await usage.used("acme") == whole["prompt_tokens"] + whole["completion_tokens"]
+    # a stream reports usage only when asked for it; counted then, not otherwise
+    before = await usage.used("acme")
+    await rig.chat(conversation("Again."), headers=acme, stream=True)
+    assert await usage.used("acme") == before
+    await rig.chat(conversation("Once more."), headers=acme, stream=True,
+                   stream_options={"include_usage": True})
+    assert await usage.used("acme") > before
+    # its own salt in the body: the gateway's namespace for this key, not acme's cache
+    await rig.chat(conversation(), headers=acme, cache_salt="mine")
+    assert rig.fleet["e0"].seen[-1]["cache_salt"] == gateway_salt(
+        api_key_scope("Bearer acme-key"), "mine")
+    # the hour spent: refused before any engine is asked
+    await usage.add("acme", 5_000)
+    calls = len(rig.fleet["e0"].seen)
+    refused = await rig.chat(conversation(), headers=acme)
+    assert refused.status_code == 429
+    assert int(refused.headers["retry-after"]) >= 1
+    err = refused.json()["error"]
+    assert err["type"] == "rate_limit_error" and "tokens_per_hour" in err["message"]
+    assert len(rig.fleet["e0"].seen) == calls
+    # another key: its own salt, no quota
+    other = await rig.chat(conversation(), headers={"authorization": "Bearer other"})
+    assert other.status_code == 200
+    assert rig.fleet["e0"].seen[-1]["cache_salt"] not in (None, cache_salt("acme"))
+
+
+def test_key_tenants_are_named_by_digest() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="SHA-256 hex digest"):
+        Settings(gateway_key_tenants={"acme-key": "acme"})
+    with pytest.raises(ValidationError):
+        Settings(gateway_key_tenants={"a" * 64: "Not A Tenant"})
+    assert Settings(gateway_key_tenants={"A" * 64: "acme"}).gateway_key_tenants == {
+        "a" * 64: "acme"}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from starlette.types import Receive, Scope, Send
 
 from warmloop.workers.gateway.calls import BadCall, Endpoint, parse_call
 from warmloop.workers.gateway.config import GatewayConfig
-from warmloop.workers.gateway.core import Flight, Gateway
+from warmloop.workers.gateway.core import Flight, Gateway, QuotaRefused
 from warmloop.workers.gateway.relay import EventRelay, error_event, error_object, read_body
 from warmloop.workers.gateway.routing import NoEngineError
 from warmloop.workers.settings import Settings
@@ -146,7 +147,8 @@ async def _completion(gateway: Gateway, endpoint: Endpoint, request: Request) ->
     try:
         if raw is None:
             raise BadCall("request body too large", status=413)
-        call = parse_call(endpoint, request.headers, raw)
+        call = parse_call(endpoint, request.headers, raw,
+                          key_tenants=gateway.settings.gateway_key_tenants)
     except BadCall as e:
         gateway.metrics.inc("warmloop_gateway_requests_total", endpoint=endpoint,
                             status=str(e.status))
@@ -163,6 +165,13 @@ async def _completion(gateway: Gateway, endpoint: Endpoint, request: Request) ->
         gateway.close_unsent(session)
         gateway.metrics.inc("warmloop_gateway_requests_total", endpoint=endpoint, status="503")
         return error_response(503, f"{e}; retry later", kind="service_unavailable", code=503)
+    except QuotaRefused as e:
+        gateway.close_unsent(session)
+        gateway.metrics.inc("warmloop_gateway_requests_total", endpoint=endpoint, status="429")
+        refused = error_response(429, str(e), kind="rate_limit_error",
+                                 code="tenant_quota_exceeded")
+        refused.headers["retry-after"] = str(math.ceil(e.retry_after_s))
+        return refused
     except BaseException:
         gateway.close_unsent(session)
         raise

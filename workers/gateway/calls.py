@@ -32,6 +32,7 @@ from typing import Any, Literal
 from warmloop.workflows.contracts import Lane
 from warmloop.workflows.lanes import VLLM_PRIORITY
 from warmloop.workflows.prompt import canonical_json
+from warmloop.workflows.tenants import cache_salt
 
 Endpoint = Literal["chat", "completions"]
 
@@ -76,6 +77,9 @@ class Call:
     prefix_keys: list[str] = field(default_factory=list, compare=False)
     """Keys of the call's prompt prefixes, shortest first (``chat_prefix_keys``,
     ``text_prefix_keys``): the gateway's index of learned chains is keyed by them."""
+    tenant: str | None = None
+    """The tenant whose key made the call (``Settings.gateway_key_tenants``); None: a
+    key that is no tenant's, or none."""
 
     @property
     def path(self) -> str:
@@ -124,8 +128,10 @@ class Call:
         return payload
 
 
-def parse_call(endpoint: Endpoint, headers: Mapping[str, str], raw: bytes) -> Call:
-    """The call, or ``BadCall`` (400) for a body the gateway cannot route."""
+def parse_call(endpoint: Endpoint, headers: Mapping[str, str], raw: bytes, *,
+               key_tenants: Mapping[str, str] | None = None) -> Call:
+    """The call, or ``BadCall`` (400) for a body the gateway cannot route.
+    ``key_tenants``: API key digests that are tenants' (their calls are the tenant's)."""
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError):
@@ -141,22 +147,33 @@ def parse_call(endpoint: Endpoint, headers: Mapping[str, str], raw: bytes) -> Ca
     h = {k.lower(): v for k, v in headers.items()}
     scope = api_key_scope(h.get("authorization"))
     lane, lane_given = _lane(h.get(LANE_HEADER))
-    salt = gateway_salt(scope, body.get("cache_salt"))
+    tenant = (key_tenants or {}).get(api_key_digest(h.get("authorization")) or "")
+    if tenant is not None and body.get("cache_salt") is None:
+        salt = cache_salt(tenant)  # the tenant's jobs' own: their cache, no one else's
+    else:
+        salt = gateway_salt(scope, body.get("cache_salt"))
     keys = _prefix_keys(endpoint, body, salt)
     return Call(endpoint=endpoint, body=body, raw=raw, model=model, stream=stream,
                 session=_session(h, scope), kind=_kind(h.get(KIND_HEADER), scope),
                 lane=lane, lane_given=lane_given,
                 final=any(h.get(n, "").strip().lower() in TRUE_VALUES for n in FINAL_HEADERS),
-                salt=salt, prefix_keys=keys)
+                salt=salt, prefix_keys=keys, tenant=tenant)
+
+
+def api_key_digest(authorization: str | None) -> str | None:
+    """The SHA-256 hex digest of the caller's bearer key (None without one): how the
+    settings name keys."""
+    scheme, _, key = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        return None
+    return hashlib.sha256(key.strip().encode()).hexdigest()
 
 
 def api_key_scope(authorization: str | None) -> str | None:
     """A short digest of the caller's bearer key (None without one): what scopes its
     sessions, kinds and cache. The key itself is never kept."""
-    scheme, _, key = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not key.strip():
-        return None
-    return hashlib.sha256(key.strip().encode()).hexdigest()[:12]
+    digest = api_key_digest(authorization)
+    return None if digest is None else digest[:12]
 
 
 def gateway_salt(scope: str | None, client_salt: Any) -> str | None:

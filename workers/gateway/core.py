@@ -49,7 +49,7 @@ from warmloop.activities.directory import (
     prompt_chain,
 )
 from warmloop.activities.inference import HOLD_ERRORS
-from warmloop.activities.registry import EngineHeartbeat, EngineRegistry, RedisOutage
+from warmloop.activities.registry import EngineHeartbeat, EngineRegistry, RedisOutage, TenantUsage
 from warmloop.workers.clients import build_redis
 from warmloop.workers.gateway.calls import TEXT_CHUNK_CHARS, Call
 from warmloop.workers.gateway.config import GatewayConfig
@@ -75,6 +75,7 @@ from warmloop.workers.settings import Settings
 from warmloop.workflows.contracts import Lane
 from warmloop.workflows.holding import TtlCacheEndpoint
 from warmloop.workflows.routing import RouteDecision, block_hashes
+from warmloop.workflows.tenants import over_tokens
 
 log = structlog.get_logger(__name__)
 
@@ -134,6 +135,8 @@ class Gateway:
                                     config=settings.routing, outage=self.outage,
                                     fresh_s=c.refresh_s)
         self.pauses = RecentPauseStats(self.redis, outage=self.outage)
+        self.tenant_usage = TenantUsage(self.redis)
+        """Tenants' tokens per hour: checked before a tenant key's call, added after."""
         self.holds = HoldPool(http=self.http, redis=self.redis, pauses=self.pauses,
                               config=settings.holding, directory=self.directory,
                               outage=self.outage, engine_info=self.fleet.engine,
@@ -214,7 +217,9 @@ class Gateway:
 
     async def send(self, call: Call, session: Session | None, arrived: float) -> Flight:
         """Steps 2 and 3: route and send, trying the next engine when one refuses.
-        Raises ``BadCall`` (404: no engine serves the model) or ``NoEngineError``."""
+        Raises ``BadCall`` (404: no engine serves the model), ``NoEngineError`` or
+        ``QuotaRefused`` (a tenant key's tenant has spent its tokens this hour)."""
+        await self._check_quota(call)
         self._routing += 1
         self._path_clear.clear()
         try:
@@ -265,6 +270,25 @@ class Gateway:
             exclude.add(engine.engine_id)
             failover, last, on_last = True, None, 0
 
+    async def _check_quota(self, call: Call) -> None:
+        """A tenant key's call waits for nothing: refused (``QuotaRefused``) once its
+        tenant has spent this hour's tokens. Redis away: let through (as the workers'
+        router does), the outage logged once."""
+        quota = self.settings.tenants.get(call.tenant) if call.tenant else None
+        if call.tenant is None or quota is None or quota.tokens_per_hour is None:
+            return
+        now = time.time()
+        used = await self.outage.attempt("tenant usage",
+                                         lambda: self.tenant_usage.used(call.tenant or "", now),
+                                         None, timeout_s=1.0)
+        if used is not None and (refused := over_tokens(call.tenant, quota, used, now)):
+            raise QuotaRefused(*refused)
+
+    async def _count_tenant_tokens(self, tenant: str, tokens: int) -> None:
+        await self.outage.attempt("tenant usage",
+                                  lambda: self.tenant_usage.add(tenant, tokens), None,
+                                  timeout_s=1.0)
+
     def _unlearned_on_last(self, session: Session | None, last: str | None) -> int:
         """Tokens the session's last engine holds of this call's prompt at least, when
         its last call's chain is not learned yet (a quick next call supersedes the
@@ -300,6 +324,12 @@ class Gateway:
             status = 499  # the client left mid-stream
         self.metrics.inc("warmloop_gateway_requests_total", endpoint=flight.call.endpoint,
                          status=str(status))
+        if (flight.call.tenant is not None and outcome is not None
+                and outcome.prompt_tokens is not None):
+            # onto the tenant's hour: what the answer reports (a stream: only when the
+            # client asked for usage)
+            self._background(self._count_tenant_tokens(
+                flight.call.tenant, outcome.prompt_tokens + (outcome.completion_tokens or 0)))
         if outcome is not None and outcome.prompt_tokens is not None:
             self.metrics.inc("warmloop_gateway_prompt_tokens_total", outcome.prompt_tokens,
                              engine=engine)
@@ -642,6 +672,14 @@ class Gateway:
         for engine_id, n in sorted(self.fleet.local.items()):
             gauges.append(("warmloop_gateway_in_flight", {"engine": engine_id}, n))
         return self.metrics.render(gauges)
+
+
+class QuotaRefused(Exception):
+    """A tenant key's tenant has spent its tokens this hour (429, ``Retry-After``)."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 def job_key(session: str) -> str:

@@ -29,6 +29,7 @@ class Outcome:
 
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    completion_tokens: int | None = None
     tool_names: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     done: bool = False
@@ -51,6 +52,9 @@ class Outcome:
         prompt = usage.get("prompt_tokens")
         if isinstance(prompt, int):
             self.prompt_tokens = prompt
+        completion = usage.get("completion_tokens")
+        if isinstance(completion, int):
+            self.completion_tokens = completion
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         self.cached_tokens = cached if isinstance(cached, int) else 0
