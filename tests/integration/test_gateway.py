@@ -205,3 +205,59 @@ async def test_an_engine_killed_mid_stream_gives_a_clean_error_and_the_session_m
         assert nxt.headers["x-warmloop-route"] == "failover"
         assert gw.metrics.counter("warmloop_gateway_stream_errors_total", engine=dead) >= 1
 
+
+
+async def test_a_tenants_keys_share_its_cache_on_the_real_engines_and_spend_its_hour(
+        stack: Stack, settings: Settings, redis: aioredis.Redis) -> None:
+    """Two API keys that are one tenant's (WARMLOOP_GATEWAY_KEY_TENANTS) send the
+    tenant's cache_salt: the second key's first call finds the first key's prompt
+    cached on the real engine (two keys that are no tenant's would each have a salt of
+    their own, as the third key shows). Their answers' tokens go onto the tenant's hour;
+    once it is spent the next call is refused 429."""
+    import hashlib
+
+    from warmloop.activities.registry import TENANT_TOKENS, TenantUsage
+    from warmloop.workflows.tenants import TenantQuota, hour_window
+
+    tenant = f"gw-{uuid.uuid4().hex[:6]}"
+    keys = {f"{tenant}-k1": tenant, f"{tenant}-k2": tenant}
+    tenanted = settings.model_copy(update={
+        "gateway_key_tenants": {hashlib.sha256(k.encode()).hexdigest(): t
+                                for k, t in keys.items()},
+        "tenants": {**settings.tenants, tenant: TenantQuota(tokens_per_hour=1_000_000)}})
+    app = create_gateway_app(tenanted)
+    gw: Gateway = app.state.gateway
+    await gw.start()
+    messages = chat(f"My order {uuid.uuid4().hex[:8]} arrived broken. What now?")
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://gateway", timeout=120) as client:
+            async def call(key: str) -> httpx.Response:
+                r = await client.post("/v1/chat/completions",
+                                      headers={"authorization": f"Bearer {key}"},
+                                      json={"messages": messages, "max_tokens": 8})
+                await gw.idle()
+                return r
+
+            first = await call(f"{tenant}-k1")
+            assert first.status_code == 200, first.text
+            second = await call(f"{tenant}-k2")
+            assert second.status_code == 200, second.text
+            cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached >= 64, second.json()["usage"]  # k1's prompt, under the tenant's salt
+            stranger = await call(f"{tenant}-k3")  # no tenant's: a salt of its own
+            assert stranger.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            usage = TenantUsage(redis)
+
+            async def counted() -> bool:
+                return await usage.used(tenant) == sum(
+                    r.json()["usage"]["prompt_tokens"] + r.json()["usage"]["completion_tokens"]
+                    for r in (first, second))
+
+            await eventually(counted, attempts=100, interval_s=0.05)
+            await usage.add(tenant, 1_000_000)
+            refused = await call(f"{tenant}-k1")
+            assert refused.status_code == 429 and "retry-after" in refused.headers
+    finally:
+        await redis.delete(TENANT_TOKENS.format(tenant, hour_window(time.time())))
+        await gw.stop()
