@@ -41,10 +41,8 @@ def _before(a: _Event, b: _Event) -> bool:
     return t < o or (t == o and a.seq < b.seq)
 
 
-def _push(heap: list[_Event], e: _Event) -> None:
-    """``heapq.heappush`` for events, comparing them by ``_before``."""
-    heap.append(e)
-    pos = len(heap) - 1
+def _sift_up(heap: list[_Event], e: _Event, pos: int) -> None:
+    """Put ``e`` at ``pos`` or above it, moving the later events it passes down."""
     while pos:
         parent = (pos - 1) >> 1
         p = heap[parent]
@@ -53,6 +51,12 @@ def _push(heap: list[_Event], e: _Event) -> None:
         heap[pos] = p
         pos = parent
     heap[pos] = e
+
+
+def _push(heap: list[_Event], e: _Event) -> None:
+    """``heapq.heappush`` for events, comparing them by ``_before``."""
+    heap.append(e)
+    _sift_up(heap, e, len(heap) - 1)
 
 
 def _pop(heap: list[_Event]) -> _Event:
@@ -72,14 +76,7 @@ def _pop(heap: list[_Event]) -> _Event:
         heap[pos] = heap[child]
         pos = child
         child = 2 * pos + 1
-    while pos:
-        parent = (pos - 1) >> 1
-        p = heap[parent]
-        if not _before(last, p):
-            break
-        heap[pos] = p
-        pos = parent
-    heap[pos] = last
+    _sift_up(heap, last, pos)
     return top
 
 

@@ -325,6 +325,17 @@ async def submit_batch(client: Client, batch: BatchInput, batch_id: str,
         await redis.aclose()
 
 
+def _refuse_before_start(kind: str, given_id: str | None, tenant: str,
+                         options: Mapping[str, Any]) -> None:
+    """InvalidJobError for a job's or a batch's id, tenant or carry that must not start."""
+    if given_id is not None and (bad := id_problem(kind, given_id)):
+        raise InvalidJobError(bad)
+    if (bad := tenant_problem(tenant)) is not None:
+        raise InvalidJobError(bad)
+    if options.get("carry") is not None:
+        raise InvalidJobError("carry is set by continue-as-new only; start without it")
+
+
 class JobClient:
     """Submits ``AgentJob`` workflows and reads them back.
 
@@ -383,12 +394,7 @@ class JobClient:
         ``WorkflowAlreadyStartedError`` when ``job_id`` was ever used: a job id names
         one job for good. ``options`` are further ``JobInput`` fields (``tools``,
         ``hold_policy``, ``routing``, ...)."""
-        if job_id is not None and (bad := id_problem("job", job_id)):
-            raise InvalidJobError(bad)
-        if (bad := tenant_problem(tenant)) is not None:
-            raise InvalidJobError(bad)
-        if options.get("carry") is not None:
-            raise InvalidJobError("carry is set by continue-as-new only; submit without it")
+        _refuse_before_start("job", job_id, tenant, options)
         try:
             prof = get_profile(profile)
             prof.validate_task(task)
@@ -441,12 +447,7 @@ class JobClient:
         when no engine serves the profile's model (with ``fleet`` settings);
         ``QuotaExceededError`` when the tenant has spent its tokens this hour; and
         Temporal's ``WorkflowAlreadyStartedError`` when ``batch_id`` was ever used."""
-        if batch_id is not None and (bad := id_problem("batch", batch_id)):
-            raise InvalidJobError(bad)
-        if (bad := tenant_problem(tenant)) is not None:
-            raise InvalidJobError(bad)
-        if options.get("carry") is not None:
-            raise InvalidJobError("carry is set by continue-as-new only; start without it")
+        _refuse_before_start("batch", batch_id, tenant, options)
         try:
             prof = get_profile(profile)
             batch = BatchInput(profile=profile, source=source, tenant=tenant, **options)

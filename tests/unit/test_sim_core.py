@@ -155,3 +155,30 @@ def test_skip_exit_collection_leaves_a_runs_cyclic_garbage_to_the_os(mode: str) 
     lines = out.stdout.split()
     assert lines[0] == "done"
     assert lines[1:] == ([] if mode == "skip" else ["collected", "collected"]), out
+
+
+def test_the_compiled_builds_own_heap_keeps_heapqs_order_and_layout() -> None:
+    """``_push`` / ``_pop`` (the compiled build's heap) against ``heapq`` on the same
+    random pushes and pops, ties in time included: the same events popped, in the same
+    order, and the same layout after every operation."""
+    import heapq
+    import random
+
+    from warmloop.sim import core
+
+    rng = random.Random(7)
+    ours: list[core._Event] = []
+    theirs: list[core._Event] = []
+    seq = 0
+    for _ in range(5_000):
+        if ours and rng.random() < 0.45:
+            a, b = core._pop(ours), heapq.heappop(theirs)
+            assert a is b
+        else:
+            seq += 1
+            e = core._Event(float(rng.randint(0, 50)), seq, print, ())
+            core._push(ours, e)
+            heapq.heappush(theirs, e)
+        assert ours == theirs  # identity per slot: the same layout
+    while ours:
+        assert core._pop(ours) is heapq.heappop(theirs)
