@@ -189,6 +189,8 @@ class Clock:
         pop = heapq.heappop
         try:
             with collecting_less():
+                # two loops, not one through a local ``pop``: compiled, ``_pop`` called by
+                # name is a native call, through a variable a generic Python one
                 if NATIVE_HEAP:
                     while heap:
                         if heap[0].t > bound:

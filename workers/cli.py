@@ -210,9 +210,8 @@ def submit(
     # Signed in: the job records who submitted it, and its approval rules refuse that
     # person deciding its approvals.
     settings = _settings()
-    if _saved_token(settings) is not None:
-        job = job.model_copy(update={
-            "submitted_by": _api(settings, "GET", "/api/whoami")["subject"]})
+    if (who := _signed_in_subject(settings)) is not None:
+        job = job.model_copy(update={"submitted_by": who})
 
     async def go() -> None:
 
@@ -323,6 +322,14 @@ def cancel(job_id: str) -> None:
 # ---- approvals: through the approvals service, as a verified person ----------------------
 
 CLI_TOKEN_FILE = "cli-token"
+
+
+def _signed_in_subject(settings: Settings) -> str | None:
+    """The verified subject of the signed-in user (None: not signed in): what a job or
+    batch records as its submitter, so approval rules refuse that person deciding it."""
+    if _saved_token(settings) is None:
+        return None
+    return str(_api(settings, "GET", "/api/whoami")["subject"])
 
 
 def _saved_token(settings: Settings) -> str | None:
@@ -605,9 +612,8 @@ def batch_run(
     bid = batch_id or f"batch-{profile}-{uuid.uuid4().hex[:8]}"
     wid = job_workflow_id(tenant, bid)
     settings = _settings()
-    if _saved_token(settings) is not None:  # as submit's: the jobs record who started them
-        inp = inp.model_copy(update={
-            "submitted_by": _api(settings, "GET", "/api/whoami")["subject"]})
+    if (who := _signed_in_subject(settings)) is not None:  # the jobs record who started them
+        inp = inp.model_copy(update={"submitted_by": who})
 
     async def go() -> None:
         client = await connect(settings)
@@ -691,7 +697,6 @@ def batch_resume(
     """Go on where BATCH_ID stopped: a new batch over the same source, profile, tenant
     and options (not its deadline), from the first line without an outcome."""
     from warmloop.workers.jobs import resumed_batch
-    from warmloop.workflows.tenants import split_job_id
 
     if new_batch_id is not None and (bad := id_problem("batch", new_batch_id)):
         fail(bad)
@@ -700,16 +705,12 @@ def batch_resume(
     async def go() -> None:
         client = await connect(settings)
         try:
-            inp, res = await resumed_batch(client, batch_id)
+            inp, res, new = await resumed_batch(client, batch_id, new_batch_id)
         except InvalidJobError as e:
             fail(str(e))
         tenant = inp.tenant
-        new = new_batch_id or f"{split_job_id(batch_id)[1]}-from-L{res.next_line}"
-        if (bad := id_problem("batch", new)) is not None:
-            fail(bad)
-        if _saved_token(settings) is not None:  # as batch run's: whoever resumes starts it
-            inp = inp.model_copy(update={
-                "submitted_by": _api(settings, "GET", "/api/whoami")["subject"]})
+        if (who := _signed_in_subject(settings)) is not None:  # whoever resumes starts it
+            inp = inp.model_copy(update={"submitted_by": who})
         try:
             handle = await submit_batch(client, inp, new, settings)
         except (QuotaExceededError, InvalidJobError) as e:

@@ -271,11 +271,13 @@ async def start_batch(client: Client, batch: BatchInput, batch_id: str, *,
         search_attributes=TypedSearchAttributes([SearchAttributePair(SA_TENANT, batch.tenant)]))
 
 
-async def resumed_batch(client: Client, batch_id: str) -> tuple[BatchInput, BatchResult]:
+async def resumed_batch(client: Client, batch_id: str, new_batch_id: str | None = None
+                        ) -> tuple[BatchInput, BatchResult, str]:
     """The input of a batch that goes on where ``batch_id`` stopped (the same source,
-    profile, tenant and options, from its result's ``next_line``), and that result.
-    Raises InvalidJobError for a batch that is unknown, still running, ended without a
-    result (terminated), or completed (every line has an outcome)."""
+    profile, tenant and options, from its result's ``next_line``), that result, and the
+    new batch's bare id (``new_batch_id``, else ``<old id>-from-L<line>``). Raises
+    InvalidJobError for a batch that is unknown, still running, ended without a result
+    (terminated), or completed (every line has an outcome), and for a bad new id."""
     handle = client.get_workflow_handle(batch_id, result_type=BatchResult)
     try:
         desc = await handle.describe()
@@ -301,13 +303,16 @@ async def resumed_batch(client: Client, batch_id: str) -> tuple[BatchInput, Batc
     if res.next_line is None or res.next_offset is None:
         raise InvalidJobError(f"batch {batch_id} ended before batches said where they "
                               "stopped; its pages' outcomes in S3 tell, or run it again")
+    new = new_batch_id or f"{split_job_id(batch_id)[1]}-from-L{res.next_line}"
+    if (bad := id_problem("batch", new)) is not None:
+        raise InvalidJobError(bad)
     started = (await handle.fetch_history()).events[0].workflow_execution_started_event_attributes
     [inp] = await client.data_converter.decode(started.input.payloads, [BatchInput])
     # a deadline was the old batch's (past it, the new one would widen to max_window at
     # once); whoever resumes starts it (approval rules read submitted_by)
     return inp.model_copy(update={"carry": None, "start_line": res.next_line,
                                   "start_offset": res.next_offset, "deadline": None,
-                                  "submitted_by": None}), res
+                                  "submitted_by": None}), res, new
 
 
 async def submit_batch(client: Client, batch: BatchInput, batch_id: str,
@@ -402,15 +407,21 @@ class JobClient:
                            lane=Lane(lane), tenant=tenant, **options)
         except (UnknownProfileError, ValidationError, ValueError) as e:
             raise InvalidJobError(f"invalid job for {profile}: {e}") from None
-        if self._fleet is not None:
-            try:
-                await check_fleet_serves(prof.model, job.limits or prof.limits, self._fleet)
-            except ValueError as e:
-                raise UnservableJobError(f"cannot serve {profile}: {e}") from None
+        await self._check_fleet(profile, prof.model, job.limits or prof.limits)
         jid = job_id or f"{profile}-{uuid.uuid4().hex[:10]}"
         await start_job(self.temporal, job, jid, quota=self.tenants.get(tenant),
                         usage=self._usage)
         return job_workflow_id(tenant, jid)
+
+    async def _check_fleet(self, profile: str, model: str | None, limits: JobLimits) -> None:
+        """UnservableJobError when no engine of the fleet serves ``model`` under
+        ``limits`` (with ``fleet`` settings; none: no check)."""
+        if self._fleet is None:
+            return
+        try:
+            await check_fleet_serves(model, limits, self._fleet)
+        except ValueError as e:
+            raise UnservableJobError(f"cannot serve {profile}: {e}") from None
 
     def handle(self, job_id: str) -> WorkflowHandle[Any, JobResult]:
         return self.temporal.get_workflow_handle(job_id, result_type=JobResult)
@@ -453,11 +464,7 @@ class JobClient:
             batch = BatchInput(profile=profile, source=source, tenant=tenant, **options)
         except (UnknownProfileError, ValidationError, ValueError) as e:
             raise InvalidJobError(f"invalid batch for {profile}: {e}") from None
-        if self._fleet is not None:
-            try:
-                await check_fleet_serves(prof.model, prof.limits, self._fleet)
-            except ValueError as e:
-                raise UnservableJobError(f"cannot serve {profile}: {e}") from None
+        await self._check_fleet(profile, prof.model, prof.limits)
         bid = batch_id or f"batch-{profile}-{uuid.uuid4().hex[:8]}"
         await start_batch(self.temporal, batch, bid, quota=self.tenants.get(tenant),
                           usage=self._usage)
@@ -476,10 +483,7 @@ class JobClient:
         (not its deadline), from the first line without an outcome. Returns its id
         (``<old id>-from-L<line>`` unless given). Raises InvalidJobError when there is
         nothing to resume (see ``resumed_batch``), and as ``start_batch`` does."""
-        inp, res = await resumed_batch(self.temporal, batch_id)
-        new = new_batch_id or f"{split_job_id(batch_id)[1]}-from-L{res.next_line}"
-        if (bad := id_problem("batch", new)) is not None:
-            raise InvalidJobError(bad)
+        inp, _, new = await resumed_batch(self.temporal, batch_id, new_batch_id)
         inp = inp.model_copy(update={"submitted_by": submitted_by})
         await start_batch(self.temporal, inp, new, quota=self.tenants.get(inp.tenant),
                           usage=self._usage)
