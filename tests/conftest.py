@@ -3,10 +3,12 @@ ask for it (the integration tests), by the same code as `warmloop dev up`."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import sys
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -25,6 +27,10 @@ from warmloop.workers.settings import Settings
 from warmloop.workflows.holding import HoldConfig
 
 BIN = Path(sys.executable).parent
+ONE_SLOT_TENANT = f"one-slot-{uuid.uuid4().hex[:6]}"
+"""A tenant whose quota the stack's workers know (``WARMLOOP_TENANTS``, set by the
+``settings`` fixture): one job in flight. New each session, so no job of an earlier
+session still holds its slot."""
 
 
 # Profiles and toolsets, loaded as every warmloop process loads them; before the test
@@ -92,6 +98,9 @@ def settings() -> Settings:
     os.environ[HEDGE_URL_ENV] = HEDGE_TOOL_URL
     # Holds are touched at least every 3 s, not 30: the holds test waits for a touch.
     os.environ["WARMLOOP_HOLDING"] = HoldConfig(max_touch_interval_s=3.0).model_dump_json()
+    # A quota the workers enforce themselves (a batch's jobs each claim a slot): the
+    # tests that set WARMLOOP_TENANTS for a CLI call reach the CLI alone.
+    os.environ["WARMLOOP_TENANTS"] = json.dumps({ONE_SLOT_TENANT: {"max_jobs_in_flight": 1}})
     load_plugins(plugins=EXAMPLE_PLUGIN)
     return Settings()
 

@@ -646,10 +646,22 @@ async def _follow_batch(handle: Any) -> None:
                        description=f"done {p.done} failed {p.failed} bad {p.bad} "
                                    f"running {p.running}/{p.window} "
                                    f"{'>=' if p.cost_unknown_steps else ''}${p.cost_usd:.4f} "
-                                   f"eta {eta}")
+                                   f"eta {eta}"
+                                   + (" (waiting for the tenant's quota)"
+                                      if p.waiting_for_quota else ""))
             await asyncio.wait([result_task], timeout=1.0)
     res = result_task.result()
     _print_batch(res)
+
+
+def _quota_wait(desc: Any) -> str:
+    """Why a batch's next job waits: the last refusal of its slot claim (Temporal keeps
+    it with the pending activity), or what it waits for in general."""
+    for act in desc.raw_description.pending_activities:
+        if act.activity_type.name == "claim_job_slot" and act.last_failure.message:
+            return str(act.last_failure.message)
+    return ("the next job waits for its tenant's quota (a slot under max_jobs_in_flight, "
+            "or the hour's tokens_per_hour)")
 
 
 def _batch_cost(usd: float, unknown_steps: int) -> str:
@@ -762,6 +774,8 @@ def batch_status(batch_id: str) -> None:
                              if p.deadline else ""))
             if p.window_why:
                 console.print(f"window: {p.window_why}")
+            if p.waiting_for_quota:
+                console.print(f"waiting: {_quota_wait(desc)}")
         else:
             _print_batch(await handle.result())
 

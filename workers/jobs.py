@@ -11,7 +11,6 @@ search attribute, and is refused at submit when the tenant is at its quota
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 import uuid
@@ -31,6 +30,7 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from warmloop.activities.registry import REDIS_ERRORS, TenantUsage
+from warmloop.activities.tenant_slots import claim_slot
 from warmloop.workers.clients import build_redis, connect
 from warmloop.workers.fleet import check_fleet_serves
 from warmloop.workers.plugins import load_plugins
@@ -72,87 +72,18 @@ class QuotaExceededError(RuntimeError):
     """The job's tenant is at its quota (the message names it); nothing was started."""
 
 
-def running_jobs_query(tenant: str) -> str:
-    """Temporal visibility query of the tenant's jobs in flight (tenants are checked
-    names: nothing to escape)."""
-    return (f"WorkflowType = 'AgentJob' AND ExecutionStatus = 'Running' "
-            f"AND WarmloopTenant = '{tenant}'")
-
-
-STARTING_GRACE_S = 60.0
-"""How long a recorded start that Temporal does not know yet counts as starting (its
-submit is between the record and the start); older, its start failed."""
-
-
-async def _visible_running(client: Client, tenant: str, enough: int) -> set[str]:
-    """Ids of the tenant's jobs that visibility shows running, at most ``enough``."""
-    ids: set[str] = set()
-    async for wf in client.list_workflows(running_jobs_query(tenant), page_size=enough):
-        ids.add(wf.id)
-        if len(ids) >= enough:
-            break
-    return ids
-
-
-DESCRIBES_AT_ONCE = 16
-"""Temporal describes a submit sends at once (near the limit, one per recorded start
-visibility does not show)."""
-
-
-async def _ended(client: Client, starts: Mapping[str, float]) -> set[str]:
-    """Of ``starts`` (workflow id: when its submit recorded it), those no longer in
-    flight: closed, or unknown to Temporal past ``STARTING_GRACE_S`` (a start that
-    failed without its record being dropped). A describe that fails otherwise counts
-    the job in flight (the quota errs on the safe side; logged)."""
-    now = time.time()
-    slots = asyncio.Semaphore(DESCRIBES_AT_ONCE)
-
-    async def ended(wid: str, at: float) -> bool:
-        async with slots:
-            try:
-                desc = await client.get_workflow_handle(wid).describe()
-            except RPCError as e:
-                if e.status == RPCStatusCode.NOT_FOUND:
-                    return now - at > STARTING_GRACE_S
-                log.warning("tenant_start_undescribed", workflow_id=wid, error=str(e)[:200])
-                return False
-        return desc.status != WorkflowExecutionStatus.RUNNING
-
-    done = await asyncio.gather(*(ended(w, at) for w, at in starts.items()))
-    return {w for w, gone in zip(starts, done, strict=True) if gone}
-
-
 async def _claim_job_slot(client: Client, tenant: str, quota: TenantQuota, workflow_id: str,
                           usage: TenantUsage | None) -> bool:
     """Raise QuotaExceededError when the tenant's jobs in flight are at its
     ``max_jobs_in_flight``, else record ``workflow_id``'s start: True when this submit
     recorded it (its to drop if the start fails), False when there is nowhere to record
-    it or the id had a recent start already (a repeated submit).
-
-    In flight: the running jobs visibility shows, and the starts the tenant's submits
-    recorded lately (``TenantUsage.claim_start``) that visibility does not show yet,
-    less those Temporal says have ended (asked only when the count reaches the limit;
-    they are dropped from the record). Visibility alone lags the starts, so two submits
-    racing for the last slot both passed; the record, counted and written in one step
-    on the server, lets one. Redis away: visibility alone (logged), as before."""
-    limit = quota.max_jobs_in_flight or 0
-    running = await _visible_running(client, tenant, limit)
-    if (why := over_jobs(tenant, quota, len(running))) is not None:
-        raise QuotaExceededError(why)
-    if usage is None:
-        return False
-    try:
-        starts = {w: at for w, at in (await usage.recent_starts(tenant)).items()
-                  if w not in running and w != workflow_id}
-        gone = await _ended(client, starts) if len(running) + len(starts) >= limit else set()
-        claim = await usage.claim_start(tenant, workflow_id, limit=limit, running=running,
-                                        ended=gone)
-    except REDIS_ERRORS as e:
-        log.warning("tenant_starts_unknown", tenant=tenant, error=str(e) or type(e).__name__)
-        return False
+    it or the id had a recent start already (a repeated submit). Counted as
+    ``tenant_slots.claim_slot`` counts (visibility and the recorded starts; Redis away:
+    visibility alone, logged)."""
+    claim = await claim_slot(client, tenant, quota.max_jobs_in_flight or 0, workflow_id, usage)
     if not claim.admitted:
         raise QuotaExceededError(over_jobs(tenant, quota, claim.in_flight) or "")
-    return not claim.recorded_before
+    return claim.recorded
 
 
 async def _check_tokens(tenant: str, quota: TenantQuota, usage: TenantUsage | None) -> None:
@@ -233,23 +164,28 @@ async def submit_job(client: Client, job: JobInput, job_id: str,
 
 
 def fit_batch_to_quota(batch: BatchInput, quota: TenantQuota | None) -> BatchInput:
-    """``batch`` with its windows within its tenant's ``max_jobs_in_flight``: a batch
-    runs at most that many jobs at once (its ``max_window`` is cut to it). Raises
-    InvalidJobError when the batch's own ``window`` asks for more.
+    """``batch`` fitted to its tenant's quota: its windows within ``max_jobs_in_flight``
+    (its ``max_window`` cut to it), and, when the tenant has a quota of either kind,
+    each job asking it before it starts (``BatchInput.ask_quota``: a slot counted with
+    the tenant's other jobs and batches, tokens left in its hour). Raises
+    InvalidJobError when the batch's own ``window`` asks for more than the slots.
 
-    Hazard: the limit holds for the batch alone. Its jobs count among the tenant's
-    jobs in flight when others are submitted, but a batch starts its jobs without
-    asking, so two batches at once (or one beside running jobs) may go past it."""
-    limit = quota.max_jobs_in_flight if quota is not None else None
-    if limit is None:
+    Hazard: the flag is set here, from the starter's settings, and the quota each job
+    then asks is the agent workers' (``WARMLOOP_TENANTS``): a tenant given a quota after
+    a batch (or a schedule) was started or created is not asked by that batch's jobs,
+    only by later ones (recreate the schedule)."""
+    if quota is None or not quota.counts_in_redis:
         return batch
-    if batch.window is not None and batch.window > limit:
-        raise InvalidJobError(
-            f"window {batch.window} is over tenant {batch.tenant}'s max_jobs_in_flight "
-            f"{limit}: give a window of {limit} or less")
-    if batch.max_window <= limit:
-        return batch
-    return batch.model_copy(update={"max_window": limit})
+    update: dict[str, Any] = {"ask_quota": True}
+    limit = quota.max_jobs_in_flight
+    if limit is not None:
+        if batch.window is not None and batch.window > limit:
+            raise InvalidJobError(
+                f"window {batch.window} is over tenant {batch.tenant}'s max_jobs_in_flight "
+                f"{limit}: give a window of {limit} or less")
+        if batch.max_window > limit:
+            update["max_window"] = limit
+    return batch.model_copy(update=update)
 
 
 async def start_batch(client: Client, batch: BatchInput, batch_id: str, *,

@@ -70,9 +70,10 @@ def build_agent_activities(settings: Settings, loaded: LoadedPlugins) -> AgentAc
     from warmloop.activities.batch import BatchActivities
     from warmloop.activities.hygiene import HygieneActivities
     from warmloop.activities.pauses import PauseActivities, PauseStats
-    from warmloop.activities.registry import EngineRegistry
+    from warmloop.activities.registry import EngineRegistry, TenantUsage
     from warmloop.activities.routing import RoutingActivities
     from warmloop.activities.storage import StorageActivities
+    from warmloop.activities.tenant_slots import TenantSlotActivities
     from warmloop.activities.tools import EffectLedger, Hedging, ToolActivities
     from warmloop.workers.clients import build_redis, build_s3
 
@@ -90,6 +91,7 @@ def build_agent_activities(settings: Settings, loaded: LoadedPlugins) -> AgentAc
     storage = StorageActivities(s3, settings.s3_bucket)
     batch = BatchActivities(s3, settings.s3_bucket, inputs=settings.batch_input_dirs)
     hygiene = HygieneActivities(s3, settings.s3_bucket)
+    slots = TenantSlotActivities(TenantUsage(redis), settings.tenants)
 
     async def close_s3() -> None:
         s3.close()
@@ -99,7 +101,8 @@ def build_agent_activities(settings: Settings, loaded: LoadedPlugins) -> AgentAc
          tools.run_tool,
          storage.store_transcript,
          storage.load_transcript_chunk,
-         batch.read_records, batch.write_batch_results, pauses.record_pause,
+         batch.read_records, batch.write_batch_results, slots.claim_job_slot,
+         pauses.record_pause,
          hygiene.archive_tool_outputs],
         [tools.aclose, redis.aclose, close_s3])
 

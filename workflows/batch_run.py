@@ -52,6 +52,8 @@ from warmloop.workflows.lanes import (
 from warmloop.workflows.profiles import UnknownProfileError, get_profile
 from warmloop.workflows.tenants import (
     DEFAULT_TENANT,
+    JobSlotGranted,
+    JobSlotRequest,
     TenantName,
     s3_prefix,
     split_job_id,
@@ -89,7 +91,18 @@ branch asks it first, so a run recorded before it replays as it ran."""
 TENANT_PATCH = "batch-tenants"
 """A batch whose id is not its tenant's ends INVALID_INPUT at once (before, each child
 job ended INVALID_INPUT); the branch is taken only by such a batch."""
+QUOTA_PATCH = "batch-job-slots"
+"""A batch that asks its tenant's quota (``BatchInput.ask_quota``) claims a job slot
+before each job starts; a run recorded before (the flag ignored) replays as it ran."""
 WINDOW_TIMEOUT = timedelta(seconds=5)
+SLOT_TIMEOUT = timedelta(seconds=30)
+"""One attempt of ``claim_job_slot`` (a visibility query, a Redis script, a few
+describes)."""
+SLOT_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), backoff_coefficient=2.0,
+                         maximum_interval=timedelta(seconds=30))
+"""A claim waits as long as its tenant is at its quota (each refusal names its own
+delay: ``next_retry_delay``); other failures (Temporal or Redis away) back off to 30 s.
+No limit: cancel the batch to stop it waiting."""
 
 
 class BatchState(StrEnum):
@@ -186,6 +199,12 @@ class BatchInput(BaseModel):
         description="The verified subject who started the batch (the CLI sets it from the "
         "user's token): each job records it, and approval rules refuse this person "
         "deciding the jobs' approvals.")
+    ask_quota: bool = Field(
+        default=False, exclude_if=lambda v: not v,
+        description="Each job waits for its tenant's quota before it starts: a job slot "
+        "under max_jobs_in_flight (counted with the tenant's other jobs and batches) and "
+        "tokens left in its hour, as the agent workers' WARMLOOP_TENANTS set them. "
+        "start_batch and the CLI set it when the tenant has a quota.")
     carry: BatchCarry | None = None
     """Internal: counters carried across continue-as-new."""
 
@@ -310,6 +329,8 @@ class BatchProgress(BaseModel):
     """The fleet's answer for this page, engine by engine (a batch without a window)."""
     remaining: int
     """Records not finished yet, this page's and the source's after it."""
+    waiting_for_quota: bool = False
+    """The next job waits for its tenant's quota (a job slot, or the hour's tokens)."""
     estimated_finish: datetime | None = None
     """At the pace so far; None before the first record finishes."""
     deadline: datetime | None = None
@@ -372,6 +393,7 @@ class BatchRun:
         self._deadline: datetime | None = None
         self._cancelled = False
         """The batch was cancelled: it ends CANCELLED once this page is written."""
+        self._waiting_for_quota = False
 
     @workflow.query
     def progress(self) -> BatchProgress:
@@ -383,6 +405,7 @@ class BatchRun:
             window_why=self._window_why, fleet_window=self._fleet_window,
             cost_unknown_steps=c.cost_unknown_steps,
             remaining=self._remaining, deadline=self._deadline,
+            waiting_for_quota=self._waiting_for_quota,
             estimated_finish=None if eta is None else workflow.now() + timedelta(seconds=eta),
         )
 
@@ -578,6 +601,8 @@ class BatchRun:
                     workflow.logger.info("batch run's history is full: going on from "
                                          "line %d in a new run", rec.line)
                     break
+                if inp.ask_quota and workflow.patched(QUOTA_PATCH):
+                    await self._claim_slot(inp, rec)
                 self._running += 1
                 tasks.append(asyncio.ensure_future(self._one(inp, rec, outcomes)))
             await asyncio.gather(*tasks)
@@ -591,6 +616,28 @@ class BatchRun:
             raise _BatchCancelled(unstarted) from None
         return stop
 
+    async def _claim_slot(self, inp: BatchInput, rec: TaskRecord) -> None:
+        """Wait until the tenant's quota lets the record's job start (``claim_job_slot``,
+        on the agent workers: a slot under ``max_jobs_in_flight``, tokens left this
+        hour). Records claim one at a time, in order, so a cancel while one waits leaves
+        it and those after it unstarted (``_run_window``: the batch resumes from it)."""
+        self._waiting_for_quota = True
+        try:
+            await workflow.execute_activity(
+                "claim_job_slot",
+                JobSlotRequest(tenant=inp.tenant, workflow_id=self._job_id(rec)),
+                start_to_close_timeout=SLOT_TIMEOUT, retry_policy=SLOT_RETRY,
+                task_queue=AGENT_TASK_QUEUE, result_type=JobSlotGranted)
+        except ActivityError as e:
+            if _is_cancel(e):
+                raise asyncio.CancelledError from None
+            raise
+        finally:
+            self._waiting_for_quota = False
+
+    def _job_id(self, rec: TaskRecord) -> str:
+        return f"{self._batch_id}-L{rec.line}"
+
     async def _one(self, inp: BatchInput, rec: TaskRecord,
                    outcomes: list[RecordOutcome]) -> None:
         try:
@@ -601,7 +648,7 @@ class BatchRun:
             self._adapt(inp)
 
     async def _child(self, inp: BatchInput, rec: TaskRecord) -> RecordOutcome:
-        job_id = f"{self._batch_id}-L{rec.line}"
+        job_id = self._job_id(rec)
         job = JobInput(profile=inp.profile, task=rec.task, max_steps=inp.max_steps,
                        lane=Lane.BATCH, tools=inp.tools, tenant=inp.tenant,
                        submitted_by=inp.submitted_by)

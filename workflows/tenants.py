@@ -15,9 +15,10 @@ Redis and S3 keys, the engines' ``cache_salt``, and the per-tenant quota checks.
 - **Keys.** Per-prefix Redis names (a profile's stable prefix, the profile of a step
   in flight) are ``scoped``; S3 objects of a tenant's jobs live under
   ``tenants/<tenant>/``.
-- **Quota** (``TenantQuota``): jobs in flight, checked at submit; tokens per hour
-  (prompt plus completion, as ``max_total_tokens`` counts them) in fixed clock-hour
-  windows, checked at submit and before each step goes to an engine.
+- **Quota** (``TenantQuota``): jobs in flight, checked at submit and before each job of
+  a tenant's batch starts; tokens per hour (prompt plus completion, as
+  ``max_total_tokens`` counts them) in fixed clock-hour windows, checked at submit,
+  before each batch job starts and before each step goes to an engine.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ TENANT_QUOTA_EXCEEDED = "TenantQuotaExceeded"
 """ApplicationError type of route_step (non-retryable): the tenant has spent its tokens
 for this hour. Its first detail is ``{"retry_after_s": <seconds to the window's end>}``:
 the workflow waits that long on a timer, or ends QUOTA_EXHAUSTED past its wall cap."""
+
+TENANT_SLOT_WAIT = "TenantSlotWait"
+"""ApplicationError type of claim_job_slot (retryable, with ``next_retry_delay``): the
+tenant's jobs in flight are at its ``max_jobs_in_flight``, or its hour's tokens are
+spent; the batch's next job waits (detail ``{"retry_after_s": ...}``)."""
 
 HOUR_S = 3600
 """Length of a token-quota window: fixed clock hours (UTC)."""
@@ -124,19 +130,37 @@ def cache_salt(tenant: str) -> str | None:
     return hashlib.sha256(_SALT_CONTEXT + tenant.encode()).hexdigest()
 
 
+class JobSlotRequest(BaseModel):
+    """Input of ``claim_job_slot``: a batch's job asks its tenant's quota to start."""
+
+    tenant: TenantName
+    workflow_id: str = Field(min_length=1)
+    """The job's workflow id: the slot is recorded as its until visibility shows it."""
+
+
+class JobSlotGranted(BaseModel):
+    """``claim_job_slot``'s answer: the job may start now."""
+
+    in_flight: int | None = None
+    """The tenant's jobs counted in flight before this one; None: the tenant has no
+    ``max_jobs_in_flight`` here (or Redis and visibility were not both asked)."""
+
+
 class TenantQuota(BaseModel):
     """One tenant's limits (``WARMLOOP_TENANTS``); None: no limit of that kind."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     max_jobs_in_flight: int | None = Field(default=None, ge=1)
-    """Running jobs at once; a submit past it is refused (counted by the WarmloopTenant
-    search attribute: visibility lags a little, so two submits racing for the last
-    slot may both pass unless the submit has Redis: ``TenantUsage.claim_start``)."""
+    """Running jobs at once; a submit past it is refused, and a tenant's batch waits to
+    start its next job (counted by the WarmloopTenant search attribute: visibility lags
+    a little, so two submits racing for the last slot may both pass unless the submit
+    has Redis: ``TenantUsage.claim_start``)."""
     tokens_per_hour: int | None = Field(default=None, ge=1)
     """Prompt plus completion tokens of the tenant's steps per clock hour. A submit in a
-    spent hour is refused; a running job's next step waits for the next hour (a
-    durable timer), or the job ends QUOTA_EXHAUSTED when that is past its wall cap."""
+    spent hour is refused, a tenant's batch starts no job until the next hour, and a
+    running job's next step waits for it (a durable timer), or the job ends
+    QUOTA_EXHAUSTED when that is past its wall cap."""
 
     @property
     def counts_in_redis(self) -> bool:

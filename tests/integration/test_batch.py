@@ -187,6 +187,37 @@ async def test_a_tenants_quota_bounds_its_batch(
         await redis.delete(TENANT_TOKENS.format(spent, hour_window(time.time())))
 
 
+async def test_two_batches_of_a_one_slot_tenant_run_one_job_at_a_time(
+    client: Client, stack: Stack, tmp_path: Path, settings: Settings,
+) -> None:
+    """Two batches of a tenant whose workers' quota is one job in flight, started
+    together: each job claims the tenant's slot as it starts, so the four jobs run one
+    after another (each starts after the one before it closed), where each batch alone
+    keeps to its window of one and the two together ran two jobs at once."""
+    tag = uuid.uuid4().hex[:6]
+    # the session's one-slot tenant (tests/conftest.py: ONE_SLOT_TENANT)
+    [tenant] = [t for t, q in settings.tenants.items() if q.max_jobs_in_flight == 1]
+    src = tmp_path / "tickets.jsonl"
+    src.write_text("\n".join(json.dumps(t) for t in bundled_tickets()[:2]) + "\n")
+    bids = [f"slots-{n}-{tag}" for n in (1, 2)]
+    async with any_approver(client, settings):
+        starts = await asyncio.gather(*(asyncio.to_thread(
+            warmloop, "batch", "run", str(src), "--profile", "ticket-triage", "--max-steps",
+            "2", "--tenant", tenant, "--batch-id", bid) for bid in bids))
+        assert all(out.returncode == 0 for out in starts), [o.stderr for o in starts]
+        results = [await asyncio.wait_for(client.get_workflow_handle(
+            f"{tenant}/{bid}", result_type=BatchResult).result(), 300) for bid in bids]
+    assert [(r.state, r.done) for r in results] == [("COMPLETED", 2)] * 2, results
+    jobs = [wf async for wf in client.list_workflows(
+        f"WorkflowType = 'AgentJob' AND WarmloopTenant = '{tenant}'") if tag in wf.id]
+    assert len(jobs) == 4, [j.id for j in jobs]
+    spans = sorted((j.start_time, j.close_time) for j in jobs)
+    assert all(end is not None for _, end in spans)
+    overlaps = [(a, b) for a, b in zip(spans, spans[1:], strict=False)
+                if b[0] < (a[1] or b[0])]
+    assert overlaps == [], spans
+
+
 @pytest.mark.parametrize("tenant", [None, "nightly-t"])
 async def test_a_schedule_triggers_a_batch(client: Client, stack: Stack, tmp_path: Path,
                                            settings: Settings, tenant: str | None) -> None:

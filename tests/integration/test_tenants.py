@@ -21,9 +21,10 @@ from temporalio.service import RPCError
 from tests.polling import eventually
 from warmloop.activities.directory import JOB_CHAIN, PROFILE_CHAIN
 from warmloop.activities.registry import TENANT_TOKENS, EngineRegistry, TenantUsage
+from warmloop.activities.tenant_slots import running_jobs_query
 from warmloop.infra.stack import Stack
 from warmloop.workers.demo import bundled_tickets
-from warmloop.workers.jobs import JobClient, QuotaExceededError, running_jobs_query
+from warmloop.workers.jobs import JobClient, QuotaExceededError
 from warmloop.workers.settings import Settings
 from warmloop.workflows.budgets import JobLimits
 from warmloop.workflows.contracts import JobResult, JobState, StepRecord

@@ -18,6 +18,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 from moto import mock_aws
+from temporalio.client import WorkflowExecutionStatus
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import ActivityEnvironment
@@ -475,7 +476,9 @@ async def test_the_inference_worker_stores_a_tenants_messages_under_its_prefix()
 
 
 class FakeTemporal:
-    """The two calls a submit makes: list the tenant's running jobs, start one."""
+    """The calls a submit makes: list the tenant's running jobs, start one; and describe
+    a recorded start that visibility does not show (``statuses``: unknown ids are
+    NOT_FOUND)."""
 
     def __init__(self, running: int = 0) -> None:
         self.running = running
@@ -483,6 +486,15 @@ class FakeTemporal:
         self.started: list[dict[str, Any]] = []
         self.fail: BaseException | None = None
         """What the next start raises (then cleared)."""
+        self.statuses: dict[str, Any] = {}
+
+    def get_workflow_handle(self, workflow_id: str) -> Any:
+        async def describe() -> Any:
+            if workflow_id not in self.statuses:
+                raise RPCError("not found", RPCStatusCode.NOT_FOUND, b"")
+            return SimpleNamespace(status=self.statuses[workflow_id])
+
+        return SimpleNamespace(describe=describe)
 
     async def _running(self) -> AsyncIterator[Any]:
         for i in range(self.running):
@@ -607,7 +619,8 @@ async def test_start_batch_namespaces_the_batch_and_bounds_it_by_its_tenants_quo
     assert bid == "acme/nightly"
     [started] = temporal.started
     assert started["id"] == "acme/nightly" and _attrs(started) == {"WarmloopTenant": "acme"}
-    assert (started["input"].tenant, started["input"].max_window) == ("acme", 4)
+    inp = started["input"]
+    assert (inp.tenant, inp.max_window, inp.ask_quota) == ("acme", 4, True)
     assert temporal.queries == []
     assert await jobs.start_batch(TRIAGE, "s3://b/k.jsonl", batch_id="w", tenant="acme",
                                   window=4) == "acme/w"
@@ -616,8 +629,11 @@ async def test_start_batch_namespaces_the_batch_and_bounds_it_by_its_tenants_quo
         await jobs.start_batch(TRIAGE, "s3://b/k.jsonl", tenant="acme", window=5)
     with pytest.raises(QuotaExceededError, match="tokens_per_hour"):
         await jobs.start_batch(TRIAGE, "s3://b/k.jsonl", tenant="spent")
-    # no quota: as asked, under the bare id
+    # no quota: as asked, under the bare id, its jobs asking nothing
     assert await jobs.start_batch(TRIAGE, "s3://b/k.jsonl", batch_id="d", max_window=128) == "d"
+    assert (temporal.started[-1]["input"].max_window,
+            temporal.started[-1]["input"].ask_quota) == (128, False)
+    assert "ask_quota" not in temporal.started[-1]["input"].model_dump_json()  # old workers
     assert (temporal.started[-1]["input"].max_window, _attrs(temporal.started[-1])) == (
         128, {"WarmloopTenant": "default"})
     for bad in ({"tenant": "Not/A/Tenant"}, {"batch_id": "a/b"}, {"page_size": 0},
@@ -627,3 +643,47 @@ async def test_start_batch_namespaces_the_batch_and_bounds_it_by_its_tenants_quo
     with pytest.raises(InvalidJobError, match="unknown"):
         await jobs.start_batch("no-such-profile", "s3://b/k.jsonl")
     assert len(temporal.started) == 3
+
+
+async def test_a_batch_job_waits_for_its_tenants_slot_and_hour(redis: aioredis.Redis) -> None:
+    """``claim_job_slot``: granted at once without a quota or with room (the start
+    recorded, so a racing claim counts it); refused while the tenant's jobs in flight
+    are at its limit (retried after the poll interval) or its hour's tokens are spent
+    (after the hour's end); with Redis away, tokens unchecked and slots visibility's."""
+    from warmloop.activities.tenant_slots import TenantSlotActivities
+    from warmloop.workflows.tenants import TENANT_SLOT_WAIT, JobSlotRequest
+
+    temporal = FakeTemporal(running=1)
+    usage = TenantUsage(redis)
+    acts = TenantSlotActivities(usage, {"acme": TenantQuota(max_jobs_in_flight=2),
+                                        "spent": TenantQuota(tokens_per_hour=1000)},
+                                poll_s=3.0)
+    env = ActivityEnvironment(client=temporal)  # type: ignore[arg-type]
+
+    def claim(tenant: str, wid: str) -> Any:
+        return env.run(acts.claim_job_slot, JobSlotRequest(tenant=tenant, workflow_id=wid))
+
+    assert (await claim("globex", "globex/b-L1")).in_flight is None  # no quota here
+    assert (await claim("acme", "acme/b-L1")).in_flight == 1
+    assert set(await usage.recent_starts("acme")) == {"acme/b-L1"}
+    temporal.statuses["acme/b-L1"] = WorkflowExecutionStatus.RUNNING
+    with pytest.raises(ApplicationError) as err:  # 1 running + 1 just started
+        await claim("acme", "acme/b-L2")
+    e = err.value
+    assert e.type == TENANT_SLOT_WAIT and not e.non_retryable
+    assert e.next_retry_delay is not None and e.next_retry_delay.total_seconds() == 3.0
+    assert "max_jobs_in_flight quota is 2" in e.message and "waits" in e.message
+    assert (await claim("acme", "acme/b-L1")).in_flight == 1  # a retried grant stands
+    temporal.statuses["acme/b-L1"] = WorkflowExecutionStatus.COMPLETED  # a slot freed
+    assert (await claim("acme", "acme/b-L2")).in_flight == 1
+    assert set(await usage.recent_starts("acme")) == {"acme/b-L2"}
+    await usage.add("spent", 1000)
+    with pytest.raises(ApplicationError) as err:
+        await claim("spent", "spent/b-L1")
+    wait = err.value.next_retry_delay
+    assert err.value.type == TENANT_SLOT_WAIT and "tokens_per_hour" in err.value.message
+    assert wait is not None and 0 < wait.total_seconds() <= HOUR_S + 2
+    away = TenantSlotActivities(StubUsage(None), {"spent": TenantQuota(tokens_per_hour=1)})  # type: ignore[arg-type]
+    assert await env.run(away.claim_job_slot, JobSlotRequest(tenant="spent", workflow_id="w"))
+    with pytest.raises(ValueError, match="poll_s"):
+        TenantSlotActivities(usage, {}, poll_s=0)

@@ -10,12 +10,14 @@ import json
 import os
 import uuid
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 from temporalio import activity
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer, Worker
 
@@ -32,6 +34,7 @@ from warmloop.workflows.contracts import (
     engine_task_queue,
 )
 from warmloop.workflows.lanes import DEFAULT_BATCH_WINDOW, BatchWindow, BatchWindowRequest
+from warmloop.workflows.tenants import TENANT_SLOT_WAIT, JobSlotGranted, JobSlotRequest
 
 GOOD = {"ticket_id": "T1001", "customer_id": "C100", "subject": "s", "body": "b"}
 
@@ -89,6 +92,30 @@ class MemoryS3:
         return out
 
 
+class SlotGate:
+    """``claim_job_slot`` as the agent workers serve it, scripted: the first ``refuse``
+    attempts are refused as a tenant at its quota is (``TENANT_SLOT_WAIT``, retried after
+    ``delay_s``), the rest granted; ``refuse=-1`` refuses every attempt. Each attempt's
+    workflow id is kept in order."""
+
+    def __init__(self, refuse: int = 0, delay_s: float = 30.0) -> None:
+        self.refuse = refuse
+        self.delay_s = delay_s
+        self.attempts: list[str] = []
+        self.waiting = asyncio.Event()
+        """Set at the first refusal."""
+
+    @activity.defn(name="claim_job_slot")
+    async def claim_job_slot(self, req: JobSlotRequest) -> JobSlotGranted:
+        self.attempts.append(req.workflow_id)
+        if self.refuse < 0 or len(self.attempts) <= self.refuse:
+            self.waiting.set()
+            raise ApplicationError(
+                f"tenant {req.tenant} has 1 jobs running, its max_jobs_in_flight quota is 1",
+                type=TENANT_SLOT_WAIT, next_retry_delay=timedelta(seconds=self.delay_s))
+        return JobSlotGranted(in_flight=0)
+
+
 def write_records(path: Path, n_good: int, bad_at: dict[int, str]) -> None:
     """n_good valid tickets; at the 1-based line numbers in bad_at, the given text."""
     lines, i = [], 0
@@ -104,10 +131,12 @@ def write_records(path: Path, n_good: int, bad_at: dict[int, str]) -> None:
 
 @contextlib.asynccontextmanager
 async def batch_workers(env: WorkflowEnvironment, fakes: FakeActivities,
-                        s3: MemoryS3) -> AsyncIterator[Any]:
-    """An agent worker (AgentJob, BatchRun, the batch I/O activities over ``s3``) and
-    the engine fake0's worker; yields the client."""
+                        s3: MemoryS3, slots: SlotGate | None = None) -> AsyncIterator[Any]:
+    """An agent worker (AgentJob, BatchRun, the batch I/O activities over ``s3``, the
+    job-slot claims of ``slots``: a gate that grants every claim if None) and the engine
+    fake0's worker; yields the client."""
     batch = BatchActivities(s3, "b")
+    slots = slots or SlotGate()
     client = env.client
     async with (
         Worker(client, task_queue=AGENT_TASK_QUEUE, workflow_runner=sandbox_runner(),
@@ -115,7 +144,7 @@ async def batch_workers(env: WorkflowEnvironment, fakes: FakeActivities,
                activities=[fakes.route_step, fakes.pick_engine, fakes.record_pause,
                            fakes.engine_alive, fakes.batch_window,
                            fakes.run_tool, fakes.store_transcript, batch.read_records,
-                           batch.write_batch_results]),
+                           batch.write_batch_results, slots.claim_job_slot]),
         Worker(client, task_queue=engine_task_queue("fake0"),
                activities=[fakes.generate, fakes.prewarm]),
     ):
@@ -126,6 +155,7 @@ async def run_batch(env: WorkflowEnvironment, inp: BatchInput,
                     *, keep_history: list[Any] | None = None, batch_id: str | None = None,
                     s3: MemoryS3 | None = None, prices: dict[str, Any] | None = None,
                     windows: list[BatchWindow | None] | None = None,
+                    slots: SlotGate | None = None,
                     ) -> tuple[Any, MemoryS3, FakeActivities]:
     """Run ``inp`` to its end; ``windows``: what the fleet answers a batch without a
     window, page by page (None: the activity fails)."""
@@ -133,7 +163,7 @@ async def run_batch(env: WorkflowEnvironment, inp: BatchInput,
                                                        '"priority": "low"}'), prices=prices)
     fakes.windows = windows or []
     s3 = s3 or MemoryS3()
-    async with batch_workers(env, fakes, s3) as client:
+    async with batch_workers(env, fakes, s3, slots) as client:
         bid = batch_id or f"batch-{uuid.uuid4().hex[:6]}"
         res = await client.execute_workflow(BatchRun.run, inp, id=bid,
                                             task_queue=AGENT_TASK_QUEUE)
@@ -690,3 +720,67 @@ async def test_jobs_whose_start_a_cancel_meets_end_with_their_own_outcomes(
     assert all("before this job started" not in o.reason for o in got)
     assert [o.line for o in got] == list(range(1, len(got) + 1))
     assert f"lines from {len(got) + 1} on did not run" in res.reason
+
+
+async def test_a_batch_that_asks_its_tenants_quota_waits_for_each_jobs_slot(
+    time_skipping_env: WorkflowEnvironment, tmp_path: Path,
+) -> None:
+    """``ask_quota``: each record's job is started only once its slot is granted, the
+    claims one at a time in line order (the first refused three times before it is
+    granted), and the waiting adds nothing to the batch's history: one scheduled claim
+    a record, however many attempts."""
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 3, {})
+    bid = f"acme/batch-{uuid.uuid4().hex[:6]}"
+    gate = SlotGate(refuse=3)
+    kept: list[Any] = []
+    res, _, fakes = await run_batch(time_skipping_env, BatchInput(
+        profile="ticket-triage", source=str(src), window=2, tenant="acme", ask_quota=True),
+        batch_id=bid, slots=gate, keep_history=kept)
+    assert (res.state, res.done) == ("COMPLETED", 3), res.reason
+    assert gate.attempts == [f"{bid}-L1"] * 4 + [f"{bid}-L2", f"{bid}-L3"]
+    assert {r.job_id for r in fakes.generate_requests} == {f"{bid}-L{n}" for n in (1, 2, 3)}
+    claims = [e for e in kept[0].events
+              if e.activity_task_scheduled_event_attributes.activity_type.name
+              == "claim_job_slot"]
+    assert len(claims) == 3
+
+
+async def test_a_batch_that_does_not_ask_its_tenants_quota_claims_nothing(
+    time_skipping_env: WorkflowEnvironment, tmp_path: Path,
+) -> None:
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 2, {})
+    gate = SlotGate(refuse=-1)  # would hold every job back
+    res, _, _ = await run_batch(time_skipping_env, BatchInput(
+        profile="ticket-triage", source=str(src), window=2, tenant="acme"),
+        batch_id=f"acme/batch-{uuid.uuid4().hex[:6]}", slots=gate)
+    assert (res.state, res.done, gate.attempts) == ("COMPLETED", 2, [])
+
+
+async def test_a_batch_cancelled_while_its_job_waits_for_a_slot_resumes_from_that_job(
+    dev_server_env: WorkflowEnvironment, tmp_path: Path,
+) -> None:
+    """Cancelled while its first job waits for its tenant's slot: nothing started, the
+    progress query said it waited, and the batch ends CANCELLED from line 1 with no
+    outcome for it (a resume runs it)."""
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 2, {})
+    gate = SlotGate(refuse=-1, delay_s=1.0)
+    fakes = FakeActivities(lambda req: reply("finish", '{"resolution": "resolved", '
+                                                       '"priority": "low"}'))
+    s3 = MemoryS3()
+    async with batch_workers(dev_server_env, fakes, s3, gate) as client:
+        handle = await client.start_workflow(
+            BatchRun.run, BatchInput(profile="ticket-triage", source=str(src), window=1,
+                                     tenant="acme", ask_quota=True),
+            id=f"acme/batch-{uuid.uuid4().hex[:6]}", task_queue=AGENT_TASK_QUEUE)
+        await asyncio.wait_for(gate.waiting.wait(), 30)
+        progress = await handle.query(BatchRun.progress)
+        assert (progress.waiting_for_quota, progress.running) == (True, 0)
+        await handle.cancel()
+        res = await asyncio.wait_for(handle.result(), 60)
+    assert res.state == "CANCELLED", res.reason
+    assert "lines from 1 on did not run" in res.reason
+    assert (res.next_line, res.done, res.failed) == (1, 0, 0)
+    assert fakes.generate_requests == [] and outcomes(s3) == []

@@ -28,6 +28,7 @@ from tests.workflow.test_agent_job import TICKET, run_job, workers
 from tests.workflow.test_batch_run import (
     HangsFirstJobs,
     MemoryS3,
+    SlotGate,
     batch_workers,
     run_batch,
     write_records,
@@ -52,7 +53,8 @@ RECORDED_IDS = {"batch_run_with_bad_line": "replay-batch",
                 "batch_run_tenant": "acme/replay-batch-tenant",
                 "batch_run_outside_tenant": "acme/replay-batch-outside",
                 "batch_run_cancelled": "replay-batch-cancelled",
-                "batch_run_cancelled_before_patch": "replay-batch-cancelled-old"}
+                "batch_run_cancelled_before_patch": "replay-batch-cancelled-old",
+                "batch_run_job_slots": "acme/replay-batch-slots"}
 """Workflow ids of recorded histories whose commands depend on the id (child job ids)."""
 
 
@@ -199,6 +201,22 @@ async def test_a_fresh_tenant_batch_history_replays(
     assert res.state == state
     await _replayer().replay_workflow(kept[0])
     _record(f"{name}.json", kept[0])
+
+
+async def test_a_fresh_batch_history_that_waited_for_job_slots_replays(
+        time_skipping_env: WorkflowEnvironment, tmp_path: Path) -> None:
+    """A batch that asks its tenant's quota: a claim before each job, the first refused
+    twice (the ``batch-job-slots`` patch)."""
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 2, {})
+    kept: list[WorkflowHistory] = []
+    res, _, _ = await run_batch(time_skipping_env, BatchInput(
+        profile="ticket-triage", source=str(src), window=2, page_size=10, tenant="acme",
+        ask_quota=True), keep_history=kept, batch_id=RECORDED_IDS["batch_run_job_slots"],
+        slots=SlotGate(refuse=2))
+    assert (res.state, res.done) == ("COMPLETED", 2)
+    await _replayer().replay_workflow(kept[0])
+    _record("batch_run_job_slots.json", kept[0])
 
 
 async def test_a_fresh_cancelled_batch_history_replays(
