@@ -212,8 +212,9 @@ async def test_a_tenants_keys_share_its_cache_on_the_real_engines_and_spend_its_
     """Two API keys that are one tenant's (WARMLOOP_GATEWAY_KEY_TENANTS) send the
     tenant's cache_salt: the second key's first call finds the first key's prompt
     cached on the real engine (two keys that are no tenant's would each have a salt of
-    their own, as the third key shows). Their answers' tokens go onto the tenant's hour;
-    once it is spent the next call is refused 429."""
+    their own, as the third key shows). Their answers' tokens go onto the tenant's hour,
+    a stream's too when its client does not ask for its usage; once the hour is spent
+    the next call is refused 429."""
     import hashlib
 
     from warmloop.activities.registry import TENANT_TOKENS, TenantUsage
@@ -247,12 +248,22 @@ async def test_a_tenants_keys_share_its_cache_on_the_real_engines_and_spend_its_
             assert cached >= 64, second.json()["usage"]  # k1's prompt, under the tenant's salt
             stranger = await call(f"{tenant}-k3")  # no tenant's: a salt of its own
             assert stranger.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            # a stream that does not ask for its usage: the client gets none, the
+            # tenant's hour gets its tokens (the gateway asked the engine for them)
+            streamed = await client.post(
+                "/v1/chat/completions", headers={"authorization": f"Bearer {tenant}-k1"},
+                json={"messages": messages, "max_tokens": 8, "ignore_eos": True,
+                      "stream": True})
+            await gw.idle()
+            assert streamed.status_code == 200, streamed.text
+            assert b'"usage"' not in streamed.content
+            assert streamed.content.endswith(b"data: [DONE]\n\n")
             usage = TenantUsage(redis)
 
             async def counted() -> bool:
                 return await usage.used(tenant) == sum(
                     r.json()["usage"]["prompt_tokens"] + r.json()["usage"]["completion_tokens"]
-                    for r in (first, second))
+                    for r in (first, second)) + first.json()["usage"]["prompt_tokens"] + 8
 
             await eventually(counted, attempts=100, interval_s=0.05)
             await usage.add(tenant, 1_000_000)

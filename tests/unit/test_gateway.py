@@ -295,6 +295,26 @@ async def test_a_streams_prefill_prices_the_engines_holds_but_a_whole_answer_doe
     assert r.status_code == 200 and len(seen) == 1  # its first bytes come after decode
 
 
+def test_a_usage_event_the_gateway_asked_for_is_read_and_left_out() -> None:
+    """``drop_usage_event``: the usage-only event (empty ``choices``) is read and not
+    passed on, even split across pieces or unterminated at the end; an event that
+    carries usage beside its choices (per-chunk usage), and every other byte, pass."""
+    text = b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n'
+    with_usage = (b'data: {"choices": [{"index": 0, "delta": {}}], "usage": '
+                  b'{"prompt_tokens": 3}}\r\n\r\n')
+    usage_only = b'data: {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}'
+    relay = EventRelay(drop_usage_event=True)
+    assert relay.take(text + with_usage + usage_only[:20]) == text + with_usage
+    assert relay.take(usage_only[20:] + b"\n\ndata: [DONE]\n\n") == b"data: [DONE]\n\n"
+    assert (relay.outcome.prompt_tokens, relay.outcome.completion_tokens) == (5, 2)
+    end = EventRelay(drop_usage_event=True)
+    assert end.take(text) == text
+    assert end.take(usage_only) == b"" and end.flush() == b""  # unterminated, still read
+    assert end.outcome.prompt_tokens == 5
+    kept = EventRelay()  # not asked for by the gateway: the client's own, passed on
+    assert kept.take(usage_only + b"\n\n") == usage_only + b"\n\n"
+
+
 async def test_a_whole_answer_is_the_engines_json_with_its_cached_tokens(make: Make) -> None:
     rig = await make("e0")
     await rig.chat(conversation())
@@ -842,7 +862,7 @@ async def test_a_tenants_key_shares_its_jobs_cache_and_spends_its_hour(
         make: Make, redis: aioredis.Redis) -> None:
     """WARMLOOP_GATEWAY_KEY_TENANTS: a key that is acme's sends acme's jobs' own
     cache_salt (their cache, no other tenant's), and the tokens its answers report go
-    onto acme's hour: a whole answer's, a stream's when the client asks for usage. Once
+    onto acme's hour: a whole answer's, a stream's whether or not it asks for usage. Once
     the hour is spent its calls are refused with 429 and Retry-After, the engine never
     asked; another key is neither salted as acme nor held to its quota."""
     import hashlib
@@ -861,13 +881,30 @@ async def test_a_tenants_key_shares_its_jobs_cache_and_spends_its_hour(
     assert sent["cache_salt"] == cache_salt("acme")
     whole = r.json()["usage"]
     assert await usage.used("acme") == whole["prompt_tokens"] + whole["completion_tokens"]
-    # a stream reports usage only when asked for it; counted then, not otherwise
+    # a stream's tokens count whether or not the client asks for its usage: not asked,
+    # the engine is asked for it and the client gets, byte for byte, the stream it
+    # asked for (the engine's without its usage event)
+    e0 = rig.fleet["e0"]
+    for options in (None, {"continuous_usage_stats": True}):
+        before = await usage.used("acme")
+        extra = {} if options is None else {"stream_options": options}
+        plain = await rig.chat(conversation("Again."), headers=acme, stream=True, **extra)
+        sent = e0.seen[-1]
+        assert sent["stream_options"] == {**(options or {}), "include_usage": True,
+                                          **({"continuous_usage_stats": False} if options
+                                             else {})}
+        assert plain.content == e0.stream_bytes(extra)
+        assert b'"usage"' not in plain.content and plain.content.endswith(b"[DONE]\n\n")
+        told = e0.usage(sent)
+        assert await usage.used("acme") - before == (told["prompt_tokens"]
+                                                     + told["completion_tokens"])
+    # asked for: the client gets the usage event, and it is counted once
     before = await usage.used("acme")
-    await rig.chat(conversation("Again."), headers=acme, stream=True)
-    assert await usage.used("acme") == before
-    await rig.chat(conversation("Once more."), headers=acme, stream=True,
-                   stream_options={"include_usage": True})
-    assert await usage.used("acme") > before
+    asked = await rig.chat(conversation("Once more."), headers=acme, stream=True,
+                           stream_options={"include_usage": True})
+    assert asked.content == e0.stream_bytes(e0.seen[-1]) and b'"usage"' in asked.content
+    told = e0.usage(e0.seen[-1])
+    assert await usage.used("acme") - before == told["prompt_tokens"] + told["completion_tokens"]
     # its own salt in the body: the gateway's namespace for this key, not acme's cache
     await rig.chat(conversation(), headers=acme, cache_salt="mine")
     assert rig.fleet["e0"].seen[-1]["cache_salt"] == gateway_salt(

@@ -224,7 +224,7 @@ async def _answer(gateway: Gateway, flight: Flight) -> Response:
 
 async def _relay(gateway: Gateway, flight: Flight) -> AsyncIterator[bytes]:
     """The engine's events as they come, whole; a clean error event if it dies."""
-    relay = EventRelay()
+    relay = EventRelay(drop_usage_event=flight.call.hidden_usage)
     completed, died = False, None
     try:
         try:

@@ -18,6 +18,10 @@ Hazard: session ids and kinds come from clients. Both are scoped by the caller's
 (a digest of it, never the key), so one client cannot end or hijack another's session;
 an id too long or a kind with odd characters is replaced by its digest (they end up in
 Redis keys). The client's ``cache_salt`` is not sent as is either (see ``gateway_salt``).
+
+A tenant's stream that does not ask for its usage (``stream_options.include_usage``) is
+sent to the engine asking for it, and the usage event is taken out of what the client
+gets (``Call.hidden_usage``): the tenant's hour counts every call's tokens.
 """
 
 from __future__ import annotations
@@ -80,6 +84,10 @@ class Call:
     tenant: str | None = None
     """The tenant whose key made the call (``Settings.gateway_key_tenants``); None: a
     key that is no tenant's, or none."""
+    hidden_usage: bool = False
+    """A tenant's stream that did not ask for its usage: the engine is asked for it
+    (its tokens go onto the tenant's hour) and the relay drops that one event, so the
+    client gets the stream it asked for (``EventRelay(drop_usage_event=True)``)."""
 
     @property
     def path(self) -> str:
@@ -93,6 +101,8 @@ class Call:
             extra["priority"] = VLLM_PRIORITY[self.lane]
         if self.salt != self.body.get("cache_salt"):
             extra["cache_salt"] = self.salt
+        if self.hidden_usage:
+            extra["stream_options"] = _asking_usage(self.body.get("stream_options"))
         if not extra:
             return self.raw
         body = {**self.body, **extra}
@@ -153,11 +163,26 @@ def parse_call(endpoint: Endpoint, headers: Mapping[str, str], raw: bytes, *,
     else:
         salt = gateway_salt(scope, body.get("cache_salt"))
     keys = _prefix_keys(endpoint, body, salt)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise BadCall("stream_options must be an object", param="stream_options")
     return Call(endpoint=endpoint, body=body, raw=raw, model=model, stream=stream,
                 session=_session(h, scope), kind=_kind(h.get(KIND_HEADER), scope),
                 lane=lane, lane_given=lane_given,
                 final=any(h.get(n, "").strip().lower() in TRUE_VALUES for n in FINAL_HEADERS),
-                salt=salt, prefix_keys=keys, tenant=tenant)
+                salt=salt, prefix_keys=keys, tenant=tenant,
+                hidden_usage=(tenant is not None and stream
+                              and (options or {}).get("include_usage") is not True))
+
+
+def _asking_usage(options: dict[str, Any] | None) -> dict[str, Any]:
+    """The client's ``stream_options`` asking for the usage event at the end: only that
+    one event (vLLM's per-chunk usage, ``continuous_usage_stats``, comes only with
+    ``include_usage``, so a client that asked for it without it got none, and gets none)."""
+    out = {**(options or {}), "include_usage": True}
+    if out.get("continuous_usage_stats"):
+        out["continuous_usage_stats"] = False
+    return out
 
 
 def api_key_digest(authorization: str | None) -> str | None:

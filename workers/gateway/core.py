@@ -9,7 +9,8 @@
 3. The engine request: the client's body (with the lane's vLLM priority and the
    gateway's cache salt when they change it). An engine that refuses the connection,
    drops it before answering or answers 503 is set aside and the next is tried.
-4. The answer, relayed unchanged (``warmloop.workers.gateway.relay``). An engine that
+4. The answer, relayed unchanged (``warmloop.workers.gateway.relay``; a tenant's
+   stream loses only the usage event the gateway asked for itself). An engine that
    dies after it began answering gives the client a clean error (an SSE error event, or
    a 502), and the session's next call goes elsewhere.
 5. After the answer, off its path: the prompt is tokenized on the engine that served

@@ -1,9 +1,10 @@
 """Relaying an engine's answer: its bytes unchanged, and a look at what it says.
 
 The client gets the engine's bytes as they are (its JSON; its server-sent events as
-they arrive). The gateway reads a copy for what it needs to know about the session:
-the usage (``cached_tokens``, for the metrics) and the tool calls asked for (what the
-session will pause on).
+they arrive), but for a usage event the gateway asked for itself (a tenant's stream
+whose client did not: ``Call.hidden_usage``). The gateway reads a copy for what it needs
+to know about the session: the usage (``cached_tokens`` for the metrics, the tokens for
+a tenant's hour) and the tool calls asked for (what the session will pause on).
 
 Hazard: when an engine dies mid-stream, the client must get a clean error, not a
 half event glued to it. So events are passed on whole: each piece of the stream is
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,10 +83,16 @@ def read_body(content: bytes) -> Outcome:
 
 
 class EventRelay:
-    """Splits a stream into whole events to pass on, reading each on the way."""
+    """Splits a stream into whole events to pass on, reading each on the way.
 
-    def __init__(self) -> None:
+    ``drop_usage_event``: the engine was asked for a usage event the client did not ask
+    for (``Call.hidden_usage``); it is read, and left out of what is passed on (the
+    event whose ``choices`` is empty and which carries ``usage``, as vLLM ends such a
+    stream). Every other byte is passed on as it came."""
+
+    def __init__(self, *, drop_usage_event: bool = False) -> None:
         self._pending = b""
+        self._drop_usage = drop_usage_event
         self.outcome = Outcome()
 
     def take(self, data: bytes) -> bytes:
@@ -94,6 +102,8 @@ class EventRelay:
         ready, self._pending = buf[:end], buf[end:]
         if ready:
             self._read(ready)
+            if self._drop_usage and b'"usage"' in ready:
+                ready = b"".join(e for e in _EVENT.findall(ready) if not _usage_only(e))
         return ready
 
     def flush(self) -> bytes:
@@ -101,6 +111,8 @@ class EventRelay:
         rest, self._pending = self._pending, b""
         if rest:
             self._read(rest)
+            if self._drop_usage and _usage_only(rest):
+                return b""
         return rest
 
     def _read(self, events: bytes) -> None:
@@ -115,6 +127,24 @@ class EventRelay:
                     self.outcome.take(json.loads(value))
                 except (ValueError, RecursionError):
                     continue
+
+
+_EVENT = re.compile(rb".*?(?:\r\n\r\n|\n\n)", re.S)
+"""One whole event with the blank line that ends it."""
+
+
+def _usage_only(event: bytes) -> bool:
+    """Whether ``event`` is a stream's usage event: ``choices`` empty, ``usage`` an
+    object (vLLM's last event before ``[DONE]`` when ``include_usage`` is asked)."""
+    for line in event.splitlines():
+        if line.startswith(b"data:") and b'"usage"' in line:
+            try:
+                chunk = json.loads(line[5:])
+            except (ValueError, RecursionError):
+                return False
+            return (isinstance(chunk, dict) and chunk.get("choices") == []
+                    and isinstance(chunk.get("usage"), dict))
+    return False
 
 
 def _last_event_end(buf: bytes) -> int:
