@@ -705,9 +705,14 @@ def batch_resume(
     new_batch_id: str | None = typer.Option(
         None, "--batch-id", help="The new batch's id (default <batch id>-from-L<line>)."),
     follow: bool = typer.Option(False, "--follow", help="Show progress until it ends."),
+    keep_cancelled: bool = typer.Option(
+        False, "--keep-cancelled", help="Do not run again the lines whose jobs the "
+        "batch's cancel stopped (their outcome stays CANCELLED)."),
 ) -> None:
     """Go on where BATCH_ID stopped: a new batch over the same source, profile, tenant
-    and options (not its deadline), from the first line without an outcome."""
+    and options (not its deadline), from the first line without an outcome, and first
+    the lines whose jobs its cancel stopped (the lines between them that finished are
+    not run again)."""
     from warmloop.workers.jobs import resumed_batch
 
     if new_batch_id is not None and (bad := id_problem("batch", new_batch_id)):
@@ -717,7 +722,8 @@ def batch_resume(
     async def go() -> None:
         client = await connect(settings)
         try:
-            inp, res, new = await resumed_batch(client, batch_id, new_batch_id)
+            inp, res, new = await resumed_batch(client, batch_id, new_batch_id,
+                                                rerun_cancelled=not keep_cancelled)
         except InvalidJobError as e:
             fail(str(e))
         tenant = inp.tenant
@@ -729,9 +735,11 @@ def batch_resume(
             fail(str(e))
         except WorkflowAlreadyStartedError:
             fail(f"batch {job_workflow_id(tenant, new)} already exists; give --batch-id")
+        skipped = (f", skipping {len(inp.skip_lines)} line(s) with outcomes"
+                   if inp.skip_lines else "")
         console.print(f"started batch {job_workflow_id(tenant, new)} from line "
-                      f"{res.next_line} of {inp.source} ({batch_id} ended {res.state}: "
-                      f"{res.reason})")
+                      f"{inp.start_line} of {inp.source}{skipped} ({batch_id} ended "
+                      f"{res.state}: {res.reason})")
         if follow:
             await _follow_batch(handle)
 

@@ -207,13 +207,19 @@ async def start_batch(client: Client, batch: BatchInput, batch_id: str, *,
         search_attributes=TypedSearchAttributes([SearchAttributePair(SA_TENANT, batch.tenant)]))
 
 
-async def resumed_batch(client: Client, batch_id: str, new_batch_id: str | None = None
-                        ) -> tuple[BatchInput, BatchResult, str]:
+async def resumed_batch(client: Client, batch_id: str, new_batch_id: str | None = None, *,
+                        rerun_cancelled: bool = True) -> tuple[BatchInput, BatchResult, str]:
     """The input of a batch that goes on where ``batch_id`` stopped (the same source,
-    profile, tenant and options, from its result's ``next_line``), that result, and the
-    new batch's bare id (``new_batch_id``, else ``<old id>-from-L<line>``). Raises
+    profile, tenant and options), that result, and the new batch's bare id
+    (``new_batch_id``, else ``<old id>-from-L<line>``, the line it starts from).
+
+    It starts from the result's ``next_line``, the first line without an outcome, or,
+    with ``rerun_cancelled`` and jobs the old batch's cancel stopped, from the first of
+    those (``rerun_lines``), skipping the lines between that have an outcome already
+    (``BatchInput.skip_lines``: a job that finished is not run twice). Raises
     InvalidJobError for a batch that is unknown, still running, ended without a result
-    (terminated), or completed (every line has an outcome), and for a bad new id."""
+    (terminated), or left nothing to run (every line has an outcome, and none is a
+    stopped job's to run again), and for a bad new id."""
     handle = client.get_workflow_handle(batch_id, result_type=BatchResult)
     try:
         desc = await handle.describe()
@@ -230,24 +236,32 @@ async def resumed_batch(client: Client, batch_id: str, new_batch_id: str | None 
         raise InvalidJobError(f"batch {batch_id} ended without a result ({e.cause or e}); "
                               "its pages' outcomes are in S3, but where it stopped is not "
                               "known") from None
-    if res.source_done:
+    rerun = res.rerun_lines if rerun_cancelled else []
+    if res.source_done and not rerun:
         raise InvalidJobError(f"batch {batch_id} ended {res.state}: every line of its "
-                              "source has an outcome")
+                              "source has an outcome"
+                              + (" (its stopped jobs' lines not rerun, as asked)"
+                                 if res.rerun_lines else ""))
     if res.state == "INVALID_INPUT":
         raise InvalidJobError(f"batch {batch_id} ran nothing ({res.reason}); start a batch "
                               "with a valid id instead")
     if res.next_line is None or res.next_offset is None:
         raise InvalidJobError(f"batch {batch_id} ended before batches said where they "
                               "stopped; its pages' outcomes in S3 tell, or run it again")
-    new = new_batch_id or f"{split_job_id(batch_id)[1]}-from-L{res.next_line}"
+    start, offset, skip = res.next_line, res.next_offset, []
+    if rerun and res.rerun_offset is not None:
+        start, offset = rerun[0], res.rerun_offset
+        again = set(rerun)
+        skip = [line for line in range(start, res.next_line) if line not in again]
+    new = new_batch_id or f"{split_job_id(batch_id)[1]}-from-L{start}"
     if (bad := id_problem("batch", new)) is not None:
         raise InvalidJobError(bad)
     started = (await handle.fetch_history()).events[0].workflow_execution_started_event_attributes
     [inp] = await client.data_converter.decode(started.input.payloads, [BatchInput])
     # a deadline was the old batch's (past it, the new one would widen to max_window at
     # once); whoever resumes starts it (approval rules read submitted_by)
-    return inp.model_copy(update={"carry": None, "start_line": res.next_line,
-                                  "start_offset": res.next_offset, "deadline": None,
+    return inp.model_copy(update={"carry": None, "start_line": start, "start_offset": offset,
+                                  "skip_lines": skip, "deadline": None,
                                   "submitted_by": None}), res, new
 
 
@@ -413,13 +427,16 @@ class JobClient:
                                                        result_type=BatchResult).result()
 
     async def resume_batch(self, batch_id: str, *, new_batch_id: str | None = None,
-                           submitted_by: str | None = None) -> str:
+                           submitted_by: str | None = None,
+                           rerun_cancelled: bool = True) -> str:
         """Start a batch that goes on where ``batch_id`` stopped (cancelled, or its
         source unreadable for a while): the same source, profile, tenant and options
-        (not its deadline), from the first line without an outcome. Returns its id
-        (``<old id>-from-L<line>`` unless given). Raises InvalidJobError when there is
+        (not its deadline), from the first line without an outcome, and first the lines
+        whose jobs its cancel stopped (``rerun_cancelled=False``: not those). Returns its
+        id (``<old id>-from-L<line>`` unless given). Raises InvalidJobError when there is
         nothing to resume (see ``resumed_batch``), and as ``start_batch`` does."""
-        inp, _, new = await resumed_batch(self.temporal, batch_id, new_batch_id)
+        inp, _, new = await resumed_batch(self.temporal, batch_id, new_batch_id,
+                                          rerun_cancelled=rerun_cancelled)
         inp = inp.model_copy(update={"submitted_by": submitted_by})
         await start_batch(self.temporal, inp, new, quota=self.tenants.get(inp.tenant),
                           usage=self._usage)

@@ -199,6 +199,11 @@ class BatchInput(BaseModel):
         description="The verified subject who started the batch (the CLI sets it from the "
         "user's token): each job records it, and approval rules refuse this person "
         "deciding the jobs' approvals.")
+    skip_lines: list[int] = Field(
+        default_factory=list, max_length=MAX_PAGE_SIZE, exclude_if=lambda v: not v,
+        description="Lines from start_line on that already have an outcome in the batch "
+        "this one resumes (between the jobs its cancel stopped): they are not run, and "
+        "get no outcome here (warmloop batch resume sets it).")
     ask_quota: bool = Field(
         default=False, exclude_if=lambda v: not v,
         description="Each job waits for its tenant's quota before it starts: a job slot "
@@ -367,7 +372,13 @@ class BatchResult(BaseModel):
     """The byte offset of ``next_line``."""
     source_done: bool = False
     """Every line of the source has an outcome (COMPLETED, or cancelled after its last
-    job had started): nothing is left to resume."""
+    job had started): nothing is left to resume but ``rerun_lines``."""
+    rerun_lines: list[int] = Field(default_factory=list)
+    """Lines whose jobs the batch's cancel stopped (each ended CANCELLED, its transcript
+    kept): ``warmloop batch resume`` runs them again, reading from ``rerun_offset`` and
+    skipping the lines between that have an outcome already."""
+    rerun_offset: int | None = None
+    """The byte offset of ``rerun_lines[0]``."""
     makespan_s: float
     by_state: dict[str, int] = Field(default_factory=dict)
     """Records by outcome: each JobState, BAD_RECORD, FAILED and JOB_ID_IN_USE."""
@@ -394,6 +405,8 @@ class BatchRun:
         self._cancelled = False
         """The batch was cancelled: it ends CANCELLED once this page is written."""
         self._waiting_for_quota = False
+        self._rerun: list[int] = []
+        self._rerun_offset: int | None = None
 
     @workflow.query
     def progress(self) -> BatchProgress:
@@ -464,6 +477,11 @@ class BatchRun:
             state, reason = _source_error(e, inp.source)
             workflow.logger.warning("batch ended %s: %s", state.value, reason)
             return self._result(inp, state, reason)
+        if inp.skip_lines:  # they have outcomes in the batch this one resumes
+            skip = set(inp.skip_lines)
+            page = page.model_copy(update={
+                "records": [r for r in page.records if r.line not in skip],
+                "bad": [b for b in page.bad if b.line not in skip]})
         self._remaining = len(page.records) + page.remaining_lines
         if inp.window is None and page.records:
             try:
@@ -479,6 +497,11 @@ class BatchRun:
             stop = await self._run_window(inp, page.records, outcomes=ran)
         except _BatchCancelled as e:
             self._cancelled, stop = True, e.unstarted
+            stopped = {o.line for o in ran if o.state == "CANCELLED"}
+            interrupted = [r for r in e.interrupted if r.line in stopped]
+            if interrupted:
+                self._rerun = [r.line for r in interrupted]
+                self._rerun_offset = interrupted[0].offset
         # Bad lines after a record this run did not start are the next run's to report.
         bad = [b for b in page.bad if stop is None or b.line < stop.line]
         outcomes = sorted(bad + ran, key=lambda o: o.line)
@@ -522,6 +545,10 @@ class BatchRun:
         reason = ("cancelled after every line had run" if all_ran else
                   f"cancelled: lines from {c.next_line} on did not run (a new batch from "
                   f"that line finishes the source)")
+        if self._rerun:
+            reason += (f"; the cancel stopped the jobs of lines "
+                       f"{', '.join(map(str, self._rerun))} (warmloop batch resume runs "
+                       "them again)")
         workflow.logger.info("batch %s", reason)
         return self._result(inp, BatchState.CANCELLED, reason, source_done=all_ran)
 
@@ -536,6 +563,7 @@ class BatchRun:
             result_keys=c.result_keys, results_prefix=results_prefix(self._batch_id),
             pages=c.pages, next_line=c.next_line, next_offset=c.next_offset,
             source_done=source_done or state == BatchState.COMPLETED,
+            rerun_lines=self._rerun, rerun_offset=self._rerun_offset,
             makespan_s=(workflow.now() - started).total_seconds(),
             by_state=dict(sorted(c.by_state.items())),
             cache_hit_share=c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
@@ -609,11 +637,12 @@ class BatchRun:
         except asyncio.CancelledError:
             if not workflow.patched(CANCEL_PATCH):
                 raise
+            interrupted = [rec for rec, t in zip(records, tasks, strict=False) if not t.done()]
             for t in tasks:  # a child's await sends its job the cancel, then waits for it
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             unstarted = records[len(tasks)] if len(tasks) < len(records) else None
-            raise _BatchCancelled(unstarted) from None
+            raise _BatchCancelled(unstarted, interrupted) from None
         return stop
 
     async def _claim_slot(self, inp: BatchInput, rec: TaskRecord) -> None:
@@ -710,11 +739,14 @@ class BatchRun:
 
 class _BatchCancelled(Exception):
     """The batch was cancelled while its window ran: the running jobs ended (cancelled
-    too), and ``unstarted`` is the first record that never started (None: all did)."""
+    too), ``unstarted`` is the first record that never started (None: all did) and
+    ``interrupted`` the records whose jobs were running then, in line order."""
 
-    def __init__(self, unstarted: TaskRecord | None) -> None:
+    def __init__(self, unstarted: TaskRecord | None,
+                 interrupted: list[TaskRecord] | None = None) -> None:
         super().__init__("batch cancelled")
         self.unstarted = unstarted
+        self.interrupted = interrupted or []
 
 
 def _is_cancel(e: BaseException) -> bool:

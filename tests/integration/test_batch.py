@@ -257,7 +257,8 @@ async def test_a_cancelled_batch_ends_its_running_jobs_cancelled_and_says_where_
     """``warmloop batch cancel`` on the real stack: two review jobs waiting for a human
     (window 2, offered only ``escalate``), four records left; each waiting job ends
     CANCELLED with its transcript in S3, the page's outcomes are written, and the batch
-    ends CANCELLED naming the first line that did not run."""
+    ends CANCELLED naming the first line that did not run and the stopped lines, which
+    ``batch resume`` runs first (``--keep-cancelled``: not)."""
     from warmloop.workers.jobs import JobClient
 
     src = tmp_path / "cases.jsonl"
@@ -289,17 +290,28 @@ async def test_a_cancelled_batch_ends_its_running_jobs_cancelled_and_says_where_
         await asyncio.to_thread(s3.head_object, Bucket=settings.s3_bucket, Key=o.transcript_key)
     again = await asyncio.to_thread(warmloop, "batch", "cancel", bid)
     assert again.returncode != 0 and "is not running" in again.stderr + again.stdout
-    # going on where it stopped: lines 3 and 4 start (window 2) and wait for a reviewer
+    assert res.rerun_lines == [1, 2]
+    # going on where it stopped: the stopped lines 1 and 2 first (window 2), each
+    # waiting for a reviewer again
     resumed = await asyncio.to_thread(warmloop, "batch", "resume", bid)
     assert resumed.returncode == 0, resumed.stderr
-    new = f"{bid}-from-L3"
-    assert f"started batch {new} from line 3" in resumed.stdout
+    new = f"{bid}-from-L1"
+    assert f"started batch {new} from line 1" in resumed.stdout
 
-    async def resumed_waiting() -> bool:
-        waiting = {p.job_id for p in await list_pending(client)}
-        return {f"{new}-L3", f"{new}-L4"} <= waiting
+    async def waiting_for(*ids: str) -> bool:
+        return set(ids) <= {p.job_id for p in await list_pending(client)}
 
-    await eventually(resumed_waiting, attempts=600, interval_s=0.1)
+    await eventually(lambda: waiting_for(f"{new}-L1", f"{new}-L2"), attempts=600,
+                     interval_s=0.1)
     await jobs.cancel_batch(new)
     second = await jobs.batch_result(new)
-    assert second.state == "CANCELLED" and "lines from 5 on did not run" in second.reason
+    assert second.state == "CANCELLED" and "lines from 3 on did not run" in second.reason
+    # without them (--keep-cancelled): from line 3, lines 3 and 4 wait
+    later = await asyncio.to_thread(warmloop, "batch", "resume", new, "--keep-cancelled")
+    assert later.returncode == 0, later.stderr
+    third = f"{new}-from-L3"
+    assert f"started batch {third} from line 3" in later.stdout
+    await eventually(lambda: waiting_for(f"{third}-L3", f"{third}-L4"), attempts=600,
+                     interval_s=0.1)
+    await jobs.cancel_batch(third)
+    assert "lines from 5 on did not run" in (await jobs.batch_result(third)).reason

@@ -302,17 +302,19 @@ def test_a_batch_starts_at_a_line_and_its_offset_together() -> None:
 
 def test_a_batch_inputs_new_fields_leave_the_payload_at_their_defaults() -> None:
     """BatchInput forbids extra fields: a worker from before start_line, start_offset,
-    submitted_by and tenant must still read a batch that sets none of them (a rolling
-    deploy)."""
+    submitted_by, tenant, skip_lines and ask_quota must still read a batch that sets
+    none of them (a rolling deploy)."""
     from warmloop.workflows.batch_run import BatchInput
 
     plain = json.loads(BatchInput(profile="ticket-triage", source="s3://b/k").model_dump_json())
-    assert not {"start_line", "start_offset", "submitted_by", "tenant"} & set(plain)
+    assert not {"start_line", "start_offset", "submitted_by", "tenant", "skip_lines",
+                "ask_quota"} & set(plain)
     given = json.loads(BatchInput(profile="ticket-triage", source="s3://b/k", start_line=3,
-                                  start_offset=9, tenant="acme", submitted_by="ann"
-                                  ).model_dump_json())
+                                  start_offset=9, tenant="acme", submitted_by="ann",
+                                  skip_lines=[4], ask_quota=True).model_dump_json())
     assert (given["start_line"], given["start_offset"], given["tenant"],
-            given["submitted_by"]) == (3, 9, "acme", "ann")
+            given["submitted_by"], given["skip_lines"], given["ask_quota"]) == (
+        3, 9, "acme", "ann", [4], True)
 
 
 async def test_a_tenants_batch_reads_only_its_own_area_of_warmloops_bucket(

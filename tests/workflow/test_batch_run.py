@@ -497,18 +497,22 @@ async def test_a_batch_of_more_pages_than_it_lists_keeps_its_carry_small(
 
 
 class HangsFirstJobs(FakeActivities):
-    """The model never answers the second step of the jobs of lines 1 and 2 (until they
-    are cancelled); their first steps call a tool, so they have transcripts to keep.
+    """The model never answers the second step of the jobs of lines 1 and 2 (``lines``;
+    of the jobs whose ids start with ``only``, when set) until they are cancelled; their
+    first steps call a tool, so they have transcripts to keep.
 
     Only on a real dev server: the time-skipping one stops skipping time for the rest of
     the session once it loses track of a cancelled activity (test_cancel_during_step)."""
 
     started: asyncio.Event
     hung: int = 0
+    lines: tuple[str, ...] = ("-L1", "-L2")
+    only: str = ""
 
     @activity.defn(name="generate")
     async def generate(self, req: GenerateRequest) -> GenerateResult:
-        if req.job_id.endswith(("-L1", "-L2")) and req.step == 2:
+        if (req.job_id.endswith(self.lines) and req.job_id.startswith(self.only)
+                and req.step == 2):
             self.generate_requests.append(req)
             self.hung += 1
             if self.hung == 2:
@@ -602,13 +606,15 @@ async def test_a_batch_cancelled_while_its_source_is_down_ends_cancelled(
     assert (res.records, res.pages, fakes.generate_requests) == (0, 0, [])
 
 
-async def test_a_cancelled_batch_resumes_from_its_first_line_without_an_outcome(
+async def test_a_cancelled_batch_resumes_its_stopped_lines_and_then_the_rest(
     dev_server_env: WorkflowEnvironment, tmp_path: Path,
 ) -> None:
-    """``resume_batch``: a new batch over the same source, profile, tenant and options
-    runs lines 3-5 only (1 and 2 have their CANCELLED outcomes), from the byte offset
-    the first batch's result names; a completed batch, a running one and an unknown
-    one have nothing to resume."""
+    """``resume_batch``: a new batch over the same source, profile, tenant and options.
+    Cancelled with the jobs of lines 1 and 3 stopped (line 2 finished, 4 and 5 never
+    started), it runs 1 and 3 again, from the byte offset the result names, skips 2
+    and goes on with 4 and 5; without the stopped lines (``rerun_cancelled=False``) it
+    starts at 4. A completed batch, a running one and an unknown one have nothing to
+    resume."""
     from warmloop.workers.jobs import InvalidJobError, JobClient
 
     src = tmp_path / "tickets.jsonl"
@@ -618,6 +624,7 @@ async def test_a_cancelled_batch_resumes_from_its_first_line_without_an_outcome(
     fakes.started = asyncio.Event()
     s3 = MemoryS3()
     bid = f"acme/batch-{uuid.uuid4().hex[:6]}"
+    fakes.lines, fakes.only = ("-L1", "-L3"), f"{bid}-L"  # the first batch's jobs only
     async with batch_workers(dev_server_env, fakes, s3) as client:
         jobs = JobClient(client)
         handle = await client.start_workflow(
@@ -629,21 +636,27 @@ async def test_a_cancelled_batch_resumes_from_its_first_line_without_an_outcome(
             await jobs.resume_batch(bid)
         await handle.cancel()
         first = await handle.result()
-        assert (first.state, first.next_line) == ("CANCELLED", 3)
+        assert (first.state, first.next_line, first.rerun_lines) == ("CANCELLED", 4, [1, 3])
+        assert first.rerun_offset == 0 and "stopped the jobs of lines 1, 3" in first.reason
         new = await jobs.resume_batch(bid)
-        assert new == f"{bid}-from-L3"
+        assert new == f"{bid}-from-L1"
         res = await jobs.batch_result(new)
         with pytest.raises(InvalidJobError, match="every line of its source has an outcome"):
             await jobs.resume_batch(new)
         with pytest.raises(InvalidJobError, match="unknown batch"):
             await jobs.resume_batch("acme/no-such-batch")
-    assert (res.state, res.done, res.next_line) == ("COMPLETED", 3, 6)
-    assert res.result_keys == [f"tenants/acme/batch-results/{new.split('/')[1]}/page-00001.jsonl"]
+        later = await jobs.resume_batch(bid, rerun_cancelled=False)
+        assert later == f"{bid}-from-L4"
+        later_res = await jobs.batch_result(later)
+    assert (res.state, res.done, res.next_line, res.rerun_lines) == ("COMPLETED", 4, 6, [])
     resumed = [RecordOutcome.model_validate_json(line)
                for line in s3.objects[res.result_keys[0]].decode().splitlines()]
-    assert [(o.line, o.job_id) for o in resumed] == [(n, f"{new}-L{n}") for n in (3, 4, 5)]
+    assert [(o.line, o.job_id, o.state) for o in resumed] == [
+        (n, f"{new}-L{n}", "FINISHED") for n in (1, 3, 4, 5)]
+    assert (later_res.done, later_res.next_line) == (2, 6)
     ran = {r.job_id for r in fakes.generate_requests}
-    assert ran == {f"{bid}-L1", f"{bid}-L2", *(f"{new}-L{n}" for n in (3, 4, 5))}
+    assert ran == {*(f"{bid}-L{n}" for n in (1, 2, 3)), *(f"{new}-L{n}" for n in (1, 3, 4, 5)),
+                   *(f"{later}-L{n}" for n in (4, 5))}
 
 
 class SlowWindow(FakeActivities):

@@ -54,7 +54,8 @@ RECORDED_IDS = {"batch_run_with_bad_line": "replay-batch",
                 "batch_run_outside_tenant": "acme/replay-batch-outside",
                 "batch_run_cancelled": "replay-batch-cancelled",
                 "batch_run_cancelled_before_patch": "replay-batch-cancelled-old",
-                "batch_run_job_slots": "acme/replay-batch-slots"}
+                "batch_run_job_slots": "acme/replay-batch-slots",
+                "batch_run_resumed_skipping": "replay-batch-resumed"}
 """Workflow ids of recorded histories whose commands depend on the id (child job ids)."""
 
 
@@ -217,6 +218,23 @@ async def test_a_fresh_batch_history_that_waited_for_job_slots_replays(
     assert (res.state, res.done) == ("COMPLETED", 2)
     await _replayer().replay_workflow(kept[0])
     _record("batch_run_job_slots.json", kept[0])
+
+
+async def test_a_fresh_resumed_batch_history_replays(
+        time_skipping_env: WorkflowEnvironment, tmp_path: Path) -> None:
+    """A resumed batch that skips lines with outcomes (``skip_lines``, as ``resume``
+    sets them between the stopped jobs' lines)."""
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 4, {})
+    kept: list[WorkflowHistory] = []
+    res, _, fakes = await run_batch(time_skipping_env, BatchInput(
+        profile="ticket-triage", source=str(src), window=2, page_size=10, skip_lines=[2, 3]),
+        keep_history=kept, batch_id=RECORDED_IDS["batch_run_resumed_skipping"])
+    assert (res.state, res.done) == ("COMPLETED", 2)
+    assert {r.job_id for r in fakes.generate_requests} == {
+        "replay-batch-resumed-L1", "replay-batch-resumed-L4"}
+    await _replayer().replay_workflow(kept[0])
+    _record("batch_run_resumed_skipping.json", kept[0])
 
 
 async def test_a_fresh_cancelled_batch_history_replays(
