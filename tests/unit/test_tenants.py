@@ -643,6 +643,10 @@ async def test_start_batch_namespaces_the_batch_and_bounds_it_by_its_tenants_quo
     with pytest.raises(InvalidJobError, match="unknown"):
         await jobs.start_batch("no-such-profile", "s3://b/k.jsonl")
     assert len(temporal.started) == 3
+    # another tenant, with no quota in these settings: its jobs still ask (the workers'
+    # quota, which an operator may give it later, decides)
+    await jobs.start_batch(TRIAGE, "s3://b/k.jsonl", batch_id="g", tenant="globex")
+    assert temporal.started[-1]["input"].ask_quota
 
 
 async def test_a_batch_job_waits_for_its_tenants_slot_and_hour(redis: aioredis.Redis) -> None:
