@@ -126,6 +126,14 @@ async def claim_slot(client: Client, tenant: str, limit: int, workflow_id: str,
                      recorded=claim.admitted and not claim.recorded_before)
 
 
+def _count_wait(tenant: str, quota: str) -> None:
+    """Count a batch job's refused claim: operators see whose batches wait, and on what."""
+    activity.metric_meter().create_counter(
+        "warmloop_tenant_slot_waits",
+        "Refused job-slot claims of tenants' batch jobs (each is retried), by quota.",
+    ).add(1, {"tenant": tenant, "quota": quota})
+
+
 class TenantSlotActivities:
     """``claim_job_slot``: a batch's job waits here for its tenant's quota.
 
@@ -165,6 +173,7 @@ class TenantSlotActivities:
                 refused = over_tokens(req.tenant, quota, used, now)
                 if refused is not None:
                     why, wait = refused
+                    _count_wait(req.tenant, "tokens_per_hour")
                     raise ApplicationError(f"{why}; the batch's next job waits for it",
                                            {"retry_after_s": wait}, type=TENANT_SLOT_WAIT,
                                            next_retry_delay=timedelta(seconds=wait))
@@ -173,6 +182,7 @@ class TenantSlotActivities:
         claim = await claim_slot(activity.client(), req.tenant, quota.max_jobs_in_flight,
                                  req.workflow_id, self._usage)
         if not claim.admitted:
+            _count_wait(req.tenant, "max_jobs_in_flight")
             why = over_jobs(req.tenant, quota, claim.in_flight) or ""
             raise ApplicationError(f"{why.partition(';')[0]}; the batch's next job waits for "
                                    "one to end", {"retry_after_s": self._poll_s},

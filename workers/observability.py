@@ -112,6 +112,9 @@ WARMLOOP_METRICS: tuple[MetricSpec, ...] = (
                "Tool outputs context hygiene archived to S3 and replaced by a summary.",
                _AGENT, ("profile",)),
     # ---- agent worker activities ------------------------------------------------------
+    MetricSpec("warmloop_tenant_slot_waits", "counter",
+               "Refused job-slot claims of tenants' batch jobs (each is retried), by quota.",
+               _AGENT, ("tenant", "quota")),
     MetricSpec("warmloop_tool_hedges", "counter",
                "Read-only tool calls that got a second (hedge) request past their p95, by "
                "which request answered first.", _AGENT, ("profile", "tool", "winner")),
