@@ -22,7 +22,7 @@ import math
 import os
 import stat
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
@@ -44,7 +44,7 @@ from warmloop.workflows.batch_run import (
 )
 from warmloop.workflows.profiles import UnknownProfileError, get_profile
 from warmloop.workflows.profiles.base import Profile, first_error
-from warmloop.workflows.tenants import DEFAULT_TENANT, s3_prefix
+from warmloop.workflows.tenants import DEFAULT_TENANT, TenantQuota, s3_prefix
 
 READ_CHUNK = 64 * 1024
 """Bytes read at a time: with one line in hand, all a reader holds of the source."""
@@ -321,13 +321,16 @@ def _unavailable(source: str, e: BaseException) -> ApplicationError:
 
 
 class BatchActivities:
-    def __init__(self, s3: Any, bucket: str, *, inputs: str | Iterable[str] | None = None
-                 ) -> None:
+    def __init__(self, s3: Any, bucket: str, *, inputs: str | Iterable[str] | None = None,
+                 quotas: Mapping[str, TenantQuota] | None = None) -> None:
         """``inputs``: the allowed source locations, folders and ``s3://bucket[/prefix]``
         (a comma-separated string, as in ``WARMLOOP_BATCH_INPUT_DIRS``); none given: the
-        worker's working folder, the temporary folder and ``s3://<bucket>``."""
+        worker's working folder, the temporary folder and ``s3://<bucket>``. ``quotas``:
+        the tenants' quotas (``WARMLOOP_TENANTS``): a page of a tenant that has one
+        says so (``ReadPageResult.ask_quota``), and its jobs each claim a slot first."""
         self._s3 = s3
         self._bucket = bucket
+        self._quotas = dict(quotas or {})
         if isinstance(inputs, str):
             inputs = [e for e in inputs.split(",") if e.strip()]
         self._inputs = (InputLocations.parse(inputs) if inputs
@@ -400,12 +403,15 @@ class BatchActivities:
                 raise _refused(req.source, f"byte offset {req.offset} does not start line "
                                f"{req.first_line} (resume from the next_line and next_offset "
                                "of the batch's result, over the same source)")
-            return read_page(stream, profile=req.profile, offset=req.offset,
+            page = read_page(stream, profile=req.profile, offset=req.offset,
                              first_line=req.first_line, max_lines=req.limit, size=size)
         except (BotoCoreError, OSError, HTTPError) as e:
             raise _unavailable(req.source, e) from None
         finally:
             stream.close()
+        quota = self._quotas.get(req.tenant)
+        page.ask_quota = quota is not None and quota.counts_in_redis
+        return page
 
     @activity.defn(name="read_records")
     async def read_records(self, req: ReadPageRequest) -> ReadPageResult:

@@ -1,8 +1,9 @@
 """A tenant's job slots (``max_jobs_in_flight``), claimed before a job starts.
 
-A submit claims one (``warmloop.workers.jobs``), and so does each job of a tenant's
-batch, through the ``claim_job_slot`` activity: the batch waits for the slot (and for
-tokens left in the tenant's hour) instead of starting a job past the quota. Both count
+A submit claims one (``warmloop.workers.jobs``), and so does each job of a batch whose
+tenant has a quota (``ReadPageResult.ask_quota``), through the ``claim_job_slot``
+activity: the batch waits for the slot (and for tokens left in the tenant's hour)
+instead of starting a job past the quota. Both count
 the same way: the running jobs Temporal's visibility shows, plus the starts recorded in
 Redis that visibility does not show yet (``TenantUsage.claim_start``), less those
 Temporal says have ended.

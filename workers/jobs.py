@@ -164,31 +164,21 @@ async def submit_job(client: Client, job: JobInput, job_id: str,
 
 
 def fit_batch_to_quota(batch: BatchInput, quota: TenantQuota | None) -> BatchInput:
-    """``batch`` fitted to its tenant's quota: its windows within ``max_jobs_in_flight``
-    (its ``max_window`` cut to it), and each job asking the quota before it starts
-    (``BatchInput.ask_quota``: a slot counted with the tenant's other jobs and batches,
-    tokens left in its hour) for every tenant but the default one, and for the default
-    one when it has a quota. Raises InvalidJobError when the batch's own ``window``
-    asks for more than the slots.
-
-    The quota each job asks is the agent workers' (``WARMLOOP_TENANTS``), so a tenant's
-    quota given or changed after its batch (or schedule) was started or created holds
-    for that batch's later jobs too; a tenant without one is granted at once (one short
-    activity a job). Hazard: the default tenant's batches ask only when the starter's
-    settings gave it a quota (a batch of the default tenant is what a deployment
-    without tenants runs, and asks nothing); its schedules created before then do not
-    ask (recreate them)."""
-    ask = batch.tenant != DEFAULT_TENANT or (quota is not None and quota.counts_in_redis)
-    update: dict[str, Any] = {"ask_quota": True} if ask else {}
+    """``batch`` with its windows within its tenant's ``max_jobs_in_flight`` (its
+    ``max_window`` cut to it). Raises InvalidJobError when the batch's own ``window``
+    asks for more. The slots themselves are claimed by each job as it starts, against
+    the agent workers' quotas (``ReadPageResult.ask_quota``), with the tenant's other
+    jobs and batches counted."""
     limit = quota.max_jobs_in_flight if quota is not None else None
-    if limit is not None:
-        if batch.window is not None and batch.window > limit:
-            raise InvalidJobError(
-                f"window {batch.window} is over tenant {batch.tenant}'s max_jobs_in_flight "
-                f"{limit}: give a window of {limit} or less")
-        if batch.max_window > limit:
-            update["max_window"] = limit
-    return batch.model_copy(update=update) if update else batch
+    if limit is None:
+        return batch
+    if batch.window is not None and batch.window > limit:
+        raise InvalidJobError(
+            f"window {batch.window} is over tenant {batch.tenant}'s max_jobs_in_flight "
+            f"{limit}: give a window of {limit} or less")
+    if batch.max_window <= limit:
+        return batch
+    return batch.model_copy(update={"max_window": limit})
 
 
 async def start_batch(client: Client, batch: BatchInput, batch_id: str, *,

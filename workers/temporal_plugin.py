@@ -89,7 +89,8 @@ def build_agent_activities(settings: Settings, loaded: LoadedPlugins) -> AgentAc
                            hedging=Hedging(PauseStats(redis), redis=redis))
     pauses = PauseActivities(PauseStats(redis))
     storage = StorageActivities(s3, settings.s3_bucket)
-    batch = BatchActivities(s3, settings.s3_bucket, inputs=settings.batch_input_dirs)
+    batch = BatchActivities(s3, settings.s3_bucket, inputs=settings.batch_input_dirs,
+                            quotas=settings.tenants)
     hygiene = HygieneActivities(s3, settings.s3_bucket)
     slots = TenantSlotActivities(TenantUsage(redis), settings.tenants)
 

@@ -92,8 +92,8 @@ TENANT_PATCH = "batch-tenants"
 """A batch whose id is not its tenant's ends INVALID_INPUT at once (before, each child
 job ended INVALID_INPUT); the branch is taken only by such a batch."""
 QUOTA_PATCH = "batch-job-slots"
-"""A batch that asks its tenant's quota (``BatchInput.ask_quota``) claims a job slot
-before each job starts; a run recorded before (the flag ignored) replays as it ran."""
+"""A page of a tenant with a quota (``ReadPageResult.ask_quota``) claims a job slot
+before each job starts; a run recorded before (the flag unread) replays as it ran."""
 WINDOW_TIMEOUT = timedelta(seconds=5)
 SLOT_TIMEOUT = timedelta(seconds=30)
 """One attempt of ``claim_job_slot`` (a visibility query, a Redis script, a few
@@ -204,12 +204,6 @@ class BatchInput(BaseModel):
         description="Lines from start_line on that already have an outcome in the batch "
         "this one resumes (between the jobs its cancel stopped): they are not run, and "
         "get no outcome here (warmloop batch resume sets it).")
-    ask_quota: bool = Field(
-        default=False, exclude_if=lambda v: not v,
-        description="Each job waits for its tenant's quota before it starts: a job slot "
-        "under max_jobs_in_flight (counted with the tenant's other jobs and batches) and "
-        "tokens left in its hour, as the agent workers' WARMLOOP_TENANTS set them. "
-        "start_batch and the CLI set it when the tenant has a quota.")
     carry: BatchCarry | None = None
     """Internal: counters carried across continue-as-new."""
 
@@ -306,6 +300,11 @@ class ReadPageResult(BaseModel):
     """Non-blank lines after this page, estimated from this page's bytes per line."""
     next_offset: int = 0
     """Byte offset of line ``next_line``."""
+    ask_quota: bool = False
+    """The batch's tenant has a quota on the agent workers (``WARMLOOP_TENANTS``, as the
+    reader's worker has it now): each of the page's jobs claims a slot (``claim_job_slot``:
+    under ``max_jobs_in_flight``, tokens left in its hour) before it starts. Read each
+    page, so a quota given or taken away while a batch runs holds from its next page."""
 
 
 class WritePageRequest(BaseModel):
@@ -494,7 +493,8 @@ class BatchRun:
         self._window = c.window or self._base
         ran: list[RecordOutcome] = []
         try:
-            stop = await self._run_window(inp, page.records, outcomes=ran)
+            stop = await self._run_window(inp, page.records, outcomes=ran,
+                                          ask_quota=page.ask_quota)
         except _BatchCancelled as e:
             self._cancelled, stop = True, e.unstarted
             stopped = {o.line for o in ran if o.state == "CANCELLED"}
@@ -609,7 +609,8 @@ class BatchRun:
         return info.is_continue_as_new_suggested() or info.get_current_history_size() > budget
 
     async def _run_window(self, inp: BatchInput, records: list[TaskRecord], *,
-                          outcomes: list[RecordOutcome]) -> TaskRecord | None:
+                          outcomes: list[RecordOutcome], ask_quota: bool = False
+                          ) -> TaskRecord | None:
         """Run ``records`` as child jobs, at most ``self._window`` at a time (in order),
         their outcomes into ``outcomes``; the first record not started when the history
         filled up (at least one is started per run, so every run makes progress).
@@ -629,7 +630,7 @@ class BatchRun:
                     workflow.logger.info("batch run's history is full: going on from "
                                          "line %d in a new run", rec.line)
                     break
-                if inp.ask_quota and workflow.patched(QUOTA_PATCH):
+                if ask_quota and workflow.patched(QUOTA_PATCH):
                     await self._claim_slot(inp, rec)
                 self._running += 1
                 tasks.append(asyncio.ensure_future(self._one(inp, rec, outcomes)))

@@ -302,19 +302,17 @@ def test_a_batch_starts_at_a_line_and_its_offset_together() -> None:
 
 def test_a_batch_inputs_new_fields_leave_the_payload_at_their_defaults() -> None:
     """BatchInput forbids extra fields: a worker from before start_line, start_offset,
-    submitted_by, tenant, skip_lines and ask_quota must still read a batch that sets
-    none of them (a rolling deploy)."""
+    submitted_by, tenant and skip_lines must still read a batch that sets none of them
+    (a rolling deploy)."""
     from warmloop.workflows.batch_run import BatchInput
 
     plain = json.loads(BatchInput(profile="ticket-triage", source="s3://b/k").model_dump_json())
-    assert not {"start_line", "start_offset", "submitted_by", "tenant", "skip_lines",
-                "ask_quota"} & set(plain)
+    assert not {"start_line", "start_offset", "submitted_by", "tenant", "skip_lines"} & set(plain)
     given = json.loads(BatchInput(profile="ticket-triage", source="s3://b/k", start_line=3,
                                   start_offset=9, tenant="acme", submitted_by="ann",
-                                  skip_lines=[4], ask_quota=True).model_dump_json())
+                                  skip_lines=[4]).model_dump_json())
     assert (given["start_line"], given["start_offset"], given["tenant"],
-            given["submitted_by"], given["skip_lines"], given["ask_quota"]) == (
-        3, 9, "acme", "ann", [4], True)
+            given["submitted_by"], given["skip_lines"]) == (3, 9, "acme", "ann", [4])
 
 
 async def test_a_tenants_batch_reads_only_its_own_area_of_warmloops_bucket(
@@ -344,3 +342,25 @@ async def test_a_tenants_batch_reads_only_its_own_area_of_warmloops_bucket(
         with pytest.raises(ApplicationError) as err:
             await lines(source, tenant)
         assert err.value.type == "SourceRefused" and err.value.non_retryable, source
+
+
+async def test_a_page_says_whether_its_tenants_jobs_claim_slots(tmp_path: Path) -> None:
+    """The reader's worker knows the tenants' quotas: a page of a tenant with one (of
+    either kind) asks its jobs to claim a slot first; a tenant without one, or the
+    default tenant without one, does not."""
+    from warmloop.workflows.tenants import TenantQuota
+
+    src = tmp_path / "tickets.jsonl"
+    src.write_bytes(good(0) + b"\n")
+    acts = BatchActivities(MemoryS3(), "b", inputs=[str(tmp_path)], quotas={
+        "acme": TenantQuota(max_jobs_in_flight=2), "spendy": TenantQuota(tokens_per_hour=9)})
+
+    async def asks(tenant: str) -> bool:
+        req = ReadPageRequest(source=str(src), profile="ticket-triage", first_line=1,
+                              limit=10, tenant=tenant)
+        page = await ActivityEnvironment().run(acts.read_records, req)
+        assert len(page.records) == 1
+        return page.ask_quota
+
+    assert [await asks(t) for t in ("acme", "spendy", "globex", "default")] == [
+        True, True, False, False]

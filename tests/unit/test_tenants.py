@@ -620,7 +620,7 @@ async def test_start_batch_namespaces_the_batch_and_bounds_it_by_its_tenants_quo
     [started] = temporal.started
     assert started["id"] == "acme/nightly" and _attrs(started) == {"WarmloopTenant": "acme"}
     inp = started["input"]
-    assert (inp.tenant, inp.max_window, inp.ask_quota) == ("acme", 4, True)
+    assert (inp.tenant, inp.max_window) == ("acme", 4)
     assert temporal.queries == []
     assert await jobs.start_batch(TRIAGE, "s3://b/k.jsonl", batch_id="w", tenant="acme",
                                   window=4) == "acme/w"
@@ -629,11 +629,8 @@ async def test_start_batch_namespaces_the_batch_and_bounds_it_by_its_tenants_quo
         await jobs.start_batch(TRIAGE, "s3://b/k.jsonl", tenant="acme", window=5)
     with pytest.raises(QuotaExceededError, match="tokens_per_hour"):
         await jobs.start_batch(TRIAGE, "s3://b/k.jsonl", tenant="spent")
-    # no quota: as asked, under the bare id, its jobs asking nothing
+    # no quota: as asked, under the bare id
     assert await jobs.start_batch(TRIAGE, "s3://b/k.jsonl", batch_id="d", max_window=128) == "d"
-    assert (temporal.started[-1]["input"].max_window,
-            temporal.started[-1]["input"].ask_quota) == (128, False)
-    assert "ask_quota" not in temporal.started[-1]["input"].model_dump_json()  # old workers
     assert (temporal.started[-1]["input"].max_window, _attrs(temporal.started[-1])) == (
         128, {"WarmloopTenant": "default"})
     for bad in ({"tenant": "Not/A/Tenant"}, {"batch_id": "a/b"}, {"page_size": 0},
@@ -643,10 +640,6 @@ async def test_start_batch_namespaces_the_batch_and_bounds_it_by_its_tenants_quo
     with pytest.raises(InvalidJobError, match="unknown"):
         await jobs.start_batch("no-such-profile", "s3://b/k.jsonl")
     assert len(temporal.started) == 3
-    # another tenant, with no quota in these settings: its jobs still ask (the workers'
-    # quota, which an operator may give it later, decides)
-    await jobs.start_batch(TRIAGE, "s3://b/k.jsonl", batch_id="g", tenant="globex")
-    assert temporal.started[-1]["input"].ask_quota
 
 
 async def test_a_batch_job_waits_for_its_tenants_slot_and_hour(redis: aioredis.Redis) -> None:

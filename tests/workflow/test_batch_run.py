@@ -34,7 +34,12 @@ from warmloop.workflows.contracts import (
     engine_task_queue,
 )
 from warmloop.workflows.lanes import DEFAULT_BATCH_WINDOW, BatchWindow, BatchWindowRequest
-from warmloop.workflows.tenants import TENANT_SLOT_WAIT, JobSlotGranted, JobSlotRequest
+from warmloop.workflows.tenants import (
+    TENANT_SLOT_WAIT,
+    JobSlotGranted,
+    JobSlotRequest,
+    TenantQuota,
+)
 
 GOOD = {"ticket_id": "T1001", "customer_id": "C100", "subject": "s", "body": "b"}
 
@@ -92,6 +97,10 @@ class MemoryS3:
         return out
 
 
+ONE_SLOT = {"acme": TenantQuota(max_jobs_in_flight=1)}
+"""The agent workers' quotas in the slot tests: acme has one job slot."""
+
+
 class SlotGate:
     """``claim_job_slot`` as the agent workers serve it, scripted: the first ``refuse``
     attempts are refused as a tenant at its quota is (``TENANT_SLOT_WAIT``, retried after
@@ -131,11 +140,12 @@ def write_records(path: Path, n_good: int, bad_at: dict[int, str]) -> None:
 
 @contextlib.asynccontextmanager
 async def batch_workers(env: WorkflowEnvironment, fakes: FakeActivities,
-                        s3: MemoryS3, slots: SlotGate | None = None) -> AsyncIterator[Any]:
-    """An agent worker (AgentJob, BatchRun, the batch I/O activities over ``s3``, the
-    job-slot claims of ``slots``: a gate that grants every claim if None) and the engine
-    fake0's worker; yields the client."""
-    batch = BatchActivities(s3, "b")
+                        s3: MemoryS3, slots: SlotGate | None = None,
+                        quotas: dict[str, TenantQuota] | None = None) -> AsyncIterator[Any]:
+    """An agent worker (AgentJob, BatchRun, the batch I/O activities over ``s3`` with
+    the tenants' ``quotas``, the job-slot claims of ``slots``: a gate that grants every
+    claim if None) and the engine fake0's worker; yields the client."""
+    batch = BatchActivities(s3, "b", quotas=quotas)
     slots = slots or SlotGate()
     client = env.client
     async with (
@@ -156,6 +166,7 @@ async def run_batch(env: WorkflowEnvironment, inp: BatchInput,
                     s3: MemoryS3 | None = None, prices: dict[str, Any] | None = None,
                     windows: list[BatchWindow | None] | None = None,
                     slots: SlotGate | None = None,
+                    quotas: dict[str, TenantQuota] | None = None,
                     ) -> tuple[Any, MemoryS3, FakeActivities]:
     """Run ``inp`` to its end; ``windows``: what the fleet answers a batch without a
     window, page by page (None: the activity fails)."""
@@ -163,7 +174,7 @@ async def run_batch(env: WorkflowEnvironment, inp: BatchInput,
                                                        '"priority": "low"}'), prices=prices)
     fakes.windows = windows or []
     s3 = s3 or MemoryS3()
-    async with batch_workers(env, fakes, s3, slots) as client:
+    async with batch_workers(env, fakes, s3, slots, quotas) as client:
         bid = batch_id or f"batch-{uuid.uuid4().hex[:6]}"
         res = await client.execute_workflow(BatchRun.run, inp, id=bid,
                                             task_queue=AGENT_TASK_QUEUE)
@@ -738,18 +749,18 @@ async def test_jobs_whose_start_a_cancel_meets_end_with_their_own_outcomes(
 async def test_a_batch_that_asks_its_tenants_quota_waits_for_each_jobs_slot(
     time_skipping_env: WorkflowEnvironment, tmp_path: Path,
 ) -> None:
-    """``ask_quota``: each record's job is started only once its slot is granted, the
-    claims one at a time in line order (the first refused three times before it is
-    granted), and the waiting adds nothing to the batch's history: one scheduled claim
-    a record, however many attempts."""
+    """A tenant with a quota on the workers: each record's job is started only once its
+    slot is granted, the claims one at a time in line order (the first refused three
+    times before it is granted), and the waiting adds nothing to the batch's history:
+    one scheduled claim a record, however many attempts."""
     src = tmp_path / "tickets.jsonl"
     write_records(src, 3, {})
     bid = f"acme/batch-{uuid.uuid4().hex[:6]}"
     gate = SlotGate(refuse=3)
     kept: list[Any] = []
     res, _, fakes = await run_batch(time_skipping_env, BatchInput(
-        profile="ticket-triage", source=str(src), window=2, tenant="acme", ask_quota=True),
-        batch_id=bid, slots=gate, keep_history=kept)
+        profile="ticket-triage", source=str(src), window=2, tenant="acme"),
+        batch_id=bid, slots=gate, keep_history=kept, quotas=ONE_SLOT)
     assert (res.state, res.done) == ("COMPLETED", 3), res.reason
     assert gate.attempts == [f"{bid}-L1"] * 4 + [f"{bid}-L2", f"{bid}-L3"]
     assert {r.job_id for r in fakes.generate_requests} == {f"{bid}-L{n}" for n in (1, 2, 3)}
@@ -759,15 +770,17 @@ async def test_a_batch_that_asks_its_tenants_quota_waits_for_each_jobs_slot(
     assert len(claims) == 3
 
 
-async def test_a_batch_that_does_not_ask_its_tenants_quota_claims_nothing(
+async def test_a_batch_whose_tenant_has_no_quota_claims_nothing(
     time_skipping_env: WorkflowEnvironment, tmp_path: Path,
 ) -> None:
+    """No quota for the tenant on the workers (another tenant has one): no claims, not
+    one activity a job."""
     src = tmp_path / "tickets.jsonl"
     write_records(src, 2, {})
     gate = SlotGate(refuse=-1)  # would hold every job back
     res, _, _ = await run_batch(time_skipping_env, BatchInput(
-        profile="ticket-triage", source=str(src), window=2, tenant="acme"),
-        batch_id=f"acme/batch-{uuid.uuid4().hex[:6]}", slots=gate)
+        profile="ticket-triage", source=str(src), window=2, tenant="globex"),
+        batch_id=f"globex/batch-{uuid.uuid4().hex[:6]}", slots=gate, quotas=ONE_SLOT)
     assert (res.state, res.done, gate.attempts) == ("COMPLETED", 2, [])
 
 
@@ -783,10 +796,10 @@ async def test_a_batch_cancelled_while_its_job_waits_for_a_slot_resumes_from_tha
     fakes = FakeActivities(lambda req: reply("finish", '{"resolution": "resolved", '
                                                        '"priority": "low"}'))
     s3 = MemoryS3()
-    async with batch_workers(dev_server_env, fakes, s3, gate) as client:
+    async with batch_workers(dev_server_env, fakes, s3, gate, ONE_SLOT) as client:
         handle = await client.start_workflow(
             BatchRun.run, BatchInput(profile="ticket-triage", source=str(src), window=1,
-                                     tenant="acme", ask_quota=True),
+                                     tenant="acme"),
             id=f"acme/batch-{uuid.uuid4().hex[:6]}", task_queue=AGENT_TASK_QUEUE)
         await asyncio.wait_for(gate.waiting.wait(), 30)
         progress = await handle.query(BatchRun.progress)

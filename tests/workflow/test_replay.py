@@ -26,6 +26,7 @@ from tests.polling import eventually
 from tests.workflow.fakes import FakeActivities, reply
 from tests.workflow.test_agent_job import TICKET, run_job, workers
 from tests.workflow.test_batch_run import (
+    ONE_SLOT,
     HangsFirstJobs,
     MemoryS3,
     SlotGate,
@@ -206,15 +207,15 @@ async def test_a_fresh_tenant_batch_history_replays(
 
 async def test_a_fresh_batch_history_that_waited_for_job_slots_replays(
         time_skipping_env: WorkflowEnvironment, tmp_path: Path) -> None:
-    """A batch that asks its tenant's quota: a claim before each job, the first refused
-    twice (the ``batch-job-slots`` patch)."""
+    """A batch whose tenant has a quota on the workers: a claim before each job, the
+    first refused twice (the ``batch-job-slots`` patch)."""
     src = tmp_path / "tickets.jsonl"
     write_records(src, 2, {})
     kept: list[WorkflowHistory] = []
     res, _, _ = await run_batch(time_skipping_env, BatchInput(
-        profile="ticket-triage", source=str(src), window=2, page_size=10, tenant="acme",
-        ask_quota=True), keep_history=kept, batch_id=RECORDED_IDS["batch_run_job_slots"],
-        slots=SlotGate(refuse=2))
+        profile="ticket-triage", source=str(src), window=2, page_size=10, tenant="acme"),
+        keep_history=kept, batch_id=RECORDED_IDS["batch_run_job_slots"],
+        slots=SlotGate(refuse=2), quotas=ONE_SLOT)
     assert (res.state, res.done) == ("COMPLETED", 2)
     await _replayer().replay_workflow(kept[0])
     _record("batch_run_job_slots.json", kept[0])
