@@ -10,7 +10,7 @@ with ``JobClient``. Everything else lives in the subpackages ``warmloop.workflow
 from typing import TYPE_CHECKING, Any
 
 from warmloop.activities.tools.base import ToolOutcome, Toolset
-from warmloop.workers.jobs import InvalidJobError, JobClient, UnservableJobError
+from warmloop.workers.jobs import InvalidJobError, JobClient, JobListing, UnservableJobError
 from warmloop.workers.plugins import LoadedPlugins, PluginError, load_plugins
 from warmloop.workers.settings import EngineEndpoint, Settings
 from warmloop.workers.temporal_plugin import WarmloopPlugin
@@ -45,10 +45,10 @@ if TYPE_CHECKING:
 __all__ = [
     "AGENT_TASK_QUEUE", "REGISTRY", "ActivityRunner", "ApprovalRule", "EngineEndpoint",
     "FunctionTool", "HardCall", "HttpRunner", "InvalidJobError", "JobClient", "JobInput",
-    "JobLimits", "JobResult", "JobState", "JobStatus", "Lane", "LoadedPlugins", "ModelLadder",
-    "OutputBudgets", "PluginError", "Profile", "PythonRunner", "Settings", "ToolContext",
-    "ToolOutcome", "ToolRequest", "ToolResult", "ToolRetry", "ToolSpec", "Toolset",
-    "UnservableJobError", "WarmloopModelProvider", "WarmloopPlugin", "get_profile",
+    "JobLimits", "JobListing", "JobResult", "JobState", "JobStatus", "Lane", "LoadedPlugins",
+    "ModelLadder", "OutputBudgets", "PluginError", "Profile", "PythonRunner", "Settings",
+    "ToolContext", "ToolOutcome", "ToolRequest", "ToolResult", "ToolRetry", "ToolSpec",
+    "Toolset", "UnservableJobError", "WarmloopModelProvider", "WarmloopPlugin", "get_profile",
     "load_plugins", "tool", "warmloop_agents_plugin",
 ]
 _AGENTS = {"WarmloopModelProvider", "warmloop_agents_plugin"}

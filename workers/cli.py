@@ -278,6 +278,44 @@ def result(job_id: str, as_json: bool = typer.Option(False, "--json")) -> None:
     run(go())
 
 
+@app.command("jobs")
+def jobs_list(
+    tenant: str | None = typer.Option(None, "--tenant", help="Only this tenant's jobs."),
+    profile: str | None = typer.Option(None, "--profile", help="Only this profile's jobs."),
+    running: bool = typer.Option(False, "--running", help="Only jobs still running."),
+    limit: int = typer.Option(50, "--limit", min=1, max=1000, help="At most this many."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per job."),
+) -> None:
+    """List jobs, newest first, as Temporal's visibility shows them (a moment behind)."""
+    from warmloop.workers.jobs import list_jobs
+
+    async def go() -> None:
+        client = await connect(_settings(plugins=False))
+        try:
+            listed = await list_jobs(client, tenant=tenant, profile=profile,
+                                     running=running, limit=limit)
+        except InvalidJobError as e:
+            fail(str(e))
+        if as_json:
+            for j in listed:
+                sys.stdout.write(j.model_dump_json() + "\n")
+            return
+        if not listed:
+            console.print("no jobs")
+            return
+        table = Table("job", "tenant", "profile", "state", "started (UTC)", "ended (UTC)")
+        for j in listed:
+            state = j.state or "-"
+            if j.status not in ("RUNNING", "COMPLETED"):  # the workflow's own ending
+                state += f" ({j.status.lower()})"
+            table.add_row(escape(j.job_id), j.tenant, j.profile or "-", state,
+                          j.started_at.strftime("%Y-%m-%d %H:%M:%S"),
+                          j.closed_at.strftime("%Y-%m-%d %H:%M:%S") if j.closed_at else "-")
+        console.print(table)
+
+    run(go())
+
+
 def _print_result(res: JobResult) -> None:
     console.print(f"[bold]{res.job_id}[/] {res.profile}: {res.state.value} ({res.reason})")
     if res.final:

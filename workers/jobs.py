@@ -12,13 +12,15 @@ search attribute, and is refused at submit when the tenant is at its quota
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 import uuid
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any
 
 import structlog
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from temporalio.client import (
     Client,
     WorkflowExecutionStatus,
@@ -284,6 +286,75 @@ def _refuse_before_start(kind: str, given_id: str | None, tenant: str,
         raise InvalidJobError("carry is set by continue-as-new only; start without it")
 
 
+class JobListing(BaseModel):
+    """One job as Temporal's visibility lists it: what a listing can say without asking
+    each job (``JobClient.status`` asks a running one where it is)."""
+
+    job_id: str
+    """Its workflow id (``<tenant>/<id>``; a bare id for the default tenant)."""
+    tenant: str
+    profile: str | None
+    """None until the job's first workflow task has run (or for a job from before the
+    search attribute)."""
+    state: str | None
+    """``RUNNING`` while it runs, then its terminal state (``FINISHED``, ``LOOP_CAP``,
+    ...); None as ``profile``."""
+    status: str
+    """Temporal's: RUNNING, COMPLETED, FAILED, CANCELED, TERMINATED, TIMED_OUT,
+    CONTINUED_AS_NEW (each run of a job that continued as new is listed)."""
+    started_at: datetime
+    closed_at: datetime | None = None
+
+
+MAX_LISTED = 1_000
+"""The most jobs one listing returns."""
+
+
+def jobs_query(*, tenant: str | None = None, profile: str | None = None,
+               running: bool = False) -> str:
+    """Temporal visibility query of the jobs: of ``tenant`` and ``profile`` when given,
+    only those running with ``running``. Raises InvalidJobError for a tenant or profile
+    name that could not be one (they go into the query: nothing to escape)."""
+    parts = ["WorkflowType = 'AgentJob'"]
+    if tenant is not None:
+        if (bad := tenant_problem(tenant)) is not None:
+            raise InvalidJobError(bad)
+        parts.append(f"WarmloopTenant = '{tenant}'")
+    if profile is not None:
+        if not _PROFILE_NAME.fullmatch(profile):
+            raise InvalidJobError(f"profile name {profile!r}: letters, digits, '.', '_', '-' "
+                                  "and ':' only")
+        parts.append(f"WarmloopProfile = '{profile}'")
+    if running:
+        parts.append("ExecutionStatus = 'Running'")
+    return " AND ".join(parts)
+
+
+_PROFILE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
+
+
+async def list_jobs(client: Client, *, tenant: str | None = None, profile: str | None = None,
+                    running: bool = False, limit: int = 50) -> list[JobListing]:
+    """The newest jobs first (as visibility orders them), at most ``limit``
+    (1..``MAX_LISTED``): see ``jobs_query``. Visibility lags the jobs by a moment."""
+    if not 1 <= limit <= MAX_LISTED:
+        raise InvalidJobError(f"limit must be 1..{MAX_LISTED}, got {limit}")
+    from warmloop.workflows.agent_job import SA_PROFILE, SA_STATE, SA_TENANT
+
+    out: list[JobListing] = []
+    query = jobs_query(tenant=tenant, profile=profile, running=running)
+    async for wf in client.list_workflows(query, page_size=min(limit, 100)):
+        attrs = wf.typed_search_attributes
+        status = wf.status.name if wf.status is not None else "UNKNOWN"
+        out.append(JobListing(
+            job_id=wf.id, tenant=attrs.get(SA_TENANT) or split_job_id(wf.id)[0],
+            profile=attrs.get(SA_PROFILE), state=attrs.get(SA_STATE), status=status,
+            started_at=wf.start_time, closed_at=wf.close_time))
+        if len(out) >= limit:
+            break
+    return out
+
+
 class JobClient:
     """Submits ``AgentJob`` workflows and reads them back.
 
@@ -385,6 +456,14 @@ class JobClient:
     async def cancel(self, job_id: str) -> None:
         """Ask the job to stop: it ends CANCELLED with its transcript kept."""
         await self.handle(job_id).cancel()
+
+    async def list_jobs(self, *, tenant: str | None = None, profile: str | None = None,
+                        running: bool = False, limit: int = 50) -> list[JobListing]:
+        """Jobs as Temporal's visibility lists them, newest first (``list_jobs``):
+        of ``tenant`` and ``profile`` when given, only running ones with ``running``.
+        Raises InvalidJobError for a bad tenant, profile or limit."""
+        return await list_jobs(self.temporal, tenant=tenant, profile=profile,
+                               running=running, limit=limit)
 
     async def start_batch(self, profile: str, source: str, *, batch_id: str | None = None,
                           tenant: str = DEFAULT_TENANT, **options: Any) -> str:

@@ -282,3 +282,48 @@ async def test_a_tenants_ended_or_failed_starts_hold_no_slot(
         await asyncio.wait_for(alone.result(wid), timeout=120)
     finally:
         await away.aclose()
+
+
+async def test_warmloop_jobs_lists_a_tenants_jobs_with_their_profile_and_state(
+    client: Client, stack: Stack,
+) -> None:
+    """``warmloop jobs --tenant``: the tenant's jobs (and no other tenant's), newest
+    first, each with its profile and its terminal state once ended; ``--running``
+    shows the one still running."""
+    import json
+
+    from tests.integration.cli import warmloop
+
+    tag = uuid.uuid4().hex[:6]
+    tenant = f"tl-{tag}"
+    jobs = JobClient(client)
+    task = bundled_tickets()[7]
+    done = await jobs.submit("ticket-triage", task, job_id="one", tenant=tenant,
+                             tools=NO_FINISH, limits=JobLimits(max_steps=1))
+    ended = await asyncio.wait_for(jobs.result(done), timeout=120)
+    await jobs.submit("ticket-triage", task, job_id="other", tenant=f"tx-{tag}",
+                      tools=NO_FINISH, limits=JobLimits(max_steps=1))
+    # a review job offered only escalate: it waits for a reviewer until cancelled
+    live = await jobs.submit("synthetic-review", {"case_id": "S0001", "text": "a case"},
+                             job_id="two", tenant=tenant, tools=["escalate"],
+                             limits=JobLimits(max_steps=4))
+    try:
+        async def listed(*args: str) -> list[dict[str, Any]] | None:
+            out = await asyncio.to_thread(warmloop, "jobs", "--tenant", tenant, "--json", *args)
+            assert out.returncode == 0, out.stderr
+            rows = [json.loads(line) for line in out.stdout.splitlines()]
+            # visibility lags: until both show, and the ended one's state is set
+            states = {r["job_id"]: r["state"] for r in rows}
+            return rows if states.get(done) == ended.state.value and live in states else None
+
+        rows = await eventually(listed, attempts=100, interval_s=0.2)
+        assert [r["job_id"] for r in rows] == [live, done]  # newest first; no other tenant's
+        assert [r["profile"] for r in rows] == ["synthetic-review", "ticket-triage"]
+        assert {r["tenant"] for r in rows} == {tenant}
+        running = await asyncio.to_thread(warmloop, "jobs", "--tenant", tenant, "--running",
+                                          "--json")
+        assert [json.loads(line)["job_id"] for line in running.stdout.splitlines()] == [live]
+        bad = await asyncio.to_thread(warmloop, "jobs", "--tenant", "No Such'")
+        assert bad.returncode != 0 and "tenant" in (bad.stderr + bad.stdout).lower()
+    finally:
+        await _cancel_all(jobs, [live])

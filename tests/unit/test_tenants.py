@@ -684,3 +684,65 @@ async def test_a_batch_job_waits_for_its_tenants_slot_and_hour(redis: aioredis.R
     assert await env.run(away.claim_job_slot, JobSlotRequest(tenant="spent", workflow_id="w"))
     with pytest.raises(ValueError, match="poll_s"):
         TenantSlotActivities(usage, {}, poll_s=0)
+
+
+# ---- listing jobs ---------------------------------------------------------------------
+
+
+def test_a_job_listing_query_filters_by_tenant_profile_and_running() -> None:
+    from warmloop.workers.jobs import jobs_query
+
+    assert jobs_query() == "WorkflowType = 'AgentJob'"
+    assert jobs_query(tenant="acme", profile="ticket-triage", running=True) == (
+        "WorkflowType = 'AgentJob' AND WarmloopTenant = 'acme' AND "
+        "WarmloopProfile = 'ticket-triage' AND ExecutionStatus = 'Running'")
+    for bad in ({"tenant": "acme' OR WorkflowType != 'x"}, {"profile": "p' OR 1=1 --"},
+                {"tenant": "Not A Tenant"}, {"profile": ""}):
+        with pytest.raises(InvalidJobError):
+            jobs_query(**bad)  # type: ignore[arg-type]
+
+
+async def test_jobs_are_listed_from_visibility_with_their_tenant_profile_and_state() -> None:
+    """What visibility says of each job, newest first, cut at the limit; a job whose
+    attributes are not set yet (its first workflow task has not run) is listed with its
+    tenant from its id."""
+    from datetime import UTC, datetime
+
+    from temporalio.common import SearchAttributePair, TypedSearchAttributes
+
+    from warmloop.workflows.agent_job import SA_PROFILE, SA_STATE, SA_TENANT
+
+    t0 = datetime(2026, 12, 6, 12, 0, tzinfo=UTC)
+    rows = [
+        SimpleNamespace(id="acme/j2", status=WorkflowExecutionStatus.RUNNING, start_time=t0,
+                        close_time=None, typed_search_attributes=TypedSearchAttributes([
+                            SearchAttributePair(SA_TENANT, "acme"),
+                            SearchAttributePair(SA_PROFILE, "ticket-triage"),
+                            SearchAttributePair(SA_STATE, "RUNNING")])),
+        SimpleNamespace(id="acme/j1", status=WorkflowExecutionStatus.TERMINATED,
+                        start_time=t0, close_time=t0,
+                        typed_search_attributes=TypedSearchAttributes([])),
+        SimpleNamespace(id="acme/j0", status=WorkflowExecutionStatus.COMPLETED,
+                        start_time=t0, close_time=t0,
+                        typed_search_attributes=TypedSearchAttributes([])),
+    ]
+
+    class Visibility:
+        query = ""
+
+        async def _rows(self) -> AsyncIterator[Any]:
+            for r in rows:
+                yield r
+
+        def list_workflows(self, query: str, **kw: Any) -> AsyncIterator[Any]:
+            self.query = query
+            return self._rows()
+
+    temporal = Visibility()
+    listed = await JobClient(temporal).list_jobs(tenant="acme", limit=2)  # type: ignore[arg-type]
+    assert "WarmloopTenant = 'acme'" in temporal.query
+    assert [(j.job_id, j.tenant, j.profile, j.state, j.status) for j in listed] == [
+        ("acme/j2", "acme", "ticket-triage", "RUNNING", "RUNNING"),
+        ("acme/j1", "acme", None, None, "TERMINATED")]
+    with pytest.raises(InvalidJobError, match="limit"):
+        await JobClient(temporal).list_jobs(limit=0)  # type: ignore[arg-type]
