@@ -10,7 +10,13 @@ with ``JobClient``. Everything else lives in the subpackages ``warmloop.workflow
 from typing import TYPE_CHECKING, Any
 
 from warmloop.activities.tools.base import ToolOutcome, Toolset
-from warmloop.workers.jobs import InvalidJobError, JobClient, JobListing, UnservableJobError
+from warmloop.workers.jobs import (
+    BatchListing,
+    InvalidJobError,
+    JobClient,
+    JobListing,
+    UnservableJobError,
+)
 from warmloop.workers.plugins import LoadedPlugins, PluginError, load_plugins
 from warmloop.workers.settings import EngineEndpoint, Settings
 from warmloop.workers.temporal_plugin import WarmloopPlugin
@@ -43,7 +49,8 @@ if TYPE_CHECKING:
     from warmloop.workers.openai_agents import WarmloopModelProvider, warmloop_agents_plugin
 
 __all__ = [
-    "AGENT_TASK_QUEUE", "REGISTRY", "ActivityRunner", "ApprovalRule", "EngineEndpoint",
+    "AGENT_TASK_QUEUE", "REGISTRY", "ActivityRunner", "ApprovalRule", "BatchListing",
+    "EngineEndpoint",
     "FunctionTool", "HardCall", "HttpRunner", "InvalidJobError", "JobClient", "JobInput",
     "JobLimits", "JobListing", "JobResult", "JobState", "JobStatus", "Lane", "LoadedPlugins",
     "ModelLadder", "OutputBudgets", "PluginError", "Profile", "PythonRunner", "Settings",

@@ -784,6 +784,40 @@ def batch_resume(
     run(go())
 
 
+@batch_app.command("list")
+def batch_list(
+    tenant: str | None = typer.Option(None, "--tenant", help="Only this tenant's batches."),
+    running: bool = typer.Option(False, "--running", help="Only batches still running."),
+    limit: int = typer.Option(50, "--limit", min=1, max=1000, help="At most this many."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per batch."),
+) -> None:
+    """List batches (scheduled runs too), newest first, as Temporal's visibility shows
+    them; `batch status` tells how far one is."""
+    from warmloop.workers.jobs import list_batches
+
+    async def go() -> None:
+        client = await connect(_settings(plugins=False))
+        try:
+            listed = await list_batches(client, tenant=tenant, running=running, limit=limit)
+        except InvalidJobError as e:
+            fail(str(e))
+        if as_json:
+            for b in listed:
+                sys.stdout.write(b.model_dump_json() + "\n")
+            return
+        if not listed:
+            console.print("no batches")
+            return
+        table = Table("batch", "tenant", "status", "started (UTC)", "ended (UTC)")
+        for b in listed:
+            table.add_row(escape(b.batch_id), b.tenant, b.status.lower(),
+                          b.started_at.strftime("%Y-%m-%d %H:%M:%S"),
+                          b.closed_at.strftime("%Y-%m-%d %H:%M:%S") if b.closed_at else "-")
+        console.print(table)
+
+    run(go())
+
+
 @batch_app.command("cancel")
 def batch_cancel(batch_id: str) -> None:
     """Cancel a running batch: its running jobs are cancelled too (each ends CANCELLED,

@@ -300,22 +300,37 @@ class JobListing(BaseModel):
     """``RUNNING`` while it runs, then its terminal state (``FINISHED``, ``LOOP_CAP``,
     ...); None as ``profile``."""
     status: str
-    """Temporal's: RUNNING, COMPLETED, FAILED, CANCELED, TERMINATED, TIMED_OUT,
-    CONTINUED_AS_NEW (each run of a job that continued as new is listed)."""
+    """Temporal's: RUNNING, COMPLETED, FAILED, CANCELED, TERMINATED, TIMED_OUT."""
     started_at: datetime
+    """When its latest run started (a job that continued as new is listed once)."""
+    closed_at: datetime | None = None
+
+
+class BatchListing(BaseModel):
+    """One batch as Temporal's visibility lists it (``batch_progress`` asks a running
+    one how far it is, ``batch_result`` an ended one how it ended)."""
+
+    batch_id: str
+    tenant: str
+    status: str
+    """Temporal's, as ``JobListing.status``."""
+    started_at: datetime
+    """When its current page's run started (a batch continues as new each page)."""
     closed_at: datetime | None = None
 
 
 MAX_LISTED = 1_000
-"""The most jobs one listing returns."""
+"""The most jobs or batches one listing returns."""
 
 
 def jobs_query(*, tenant: str | None = None, profile: str | None = None,
-               running: bool = False) -> str:
-    """Temporal visibility query of the jobs: of ``tenant`` and ``profile`` when given,
-    only those running with ``running``. Raises InvalidJobError for a tenant or profile
-    name that could not be one (they go into the query: nothing to escape)."""
-    parts = ["WorkflowType = 'AgentJob'"]
+               running: bool = False, workflow: str = "AgentJob") -> str:
+    """Temporal visibility query of the jobs (``workflow``: or the batches,
+    ``BatchRun``, without a profile): of ``tenant`` and ``profile`` when given, only
+    those running with ``running``, and one entry a workflow (not the runs it continued
+    as new from). Raises InvalidJobError for a tenant or profile name that could not be
+    one (they go into the query: nothing to escape)."""
+    parts = [f"WorkflowType = '{workflow}'", "ExecutionStatus != 'ContinuedAsNew'"]
     if tenant is not None:
         if (bad := tenant_problem(tenant)) is not None:
             raise InvalidJobError(bad)
@@ -333,26 +348,48 @@ def jobs_query(*, tenant: str | None = None, profile: str | None = None,
 _PROFILE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
 
 
+async def _listed(client: Client, query: str, limit: int) -> list[Any]:
+    """Visibility's entries for ``query``, newest first, at most ``limit``."""
+    if not 1 <= limit <= MAX_LISTED:
+        raise InvalidJobError(f"limit must be 1..{MAX_LISTED}, got {limit}")
+    out: list[Any] = []
+    async for wf in client.list_workflows(query, page_size=min(limit, 100)):
+        out.append(wf)
+        if len(out) >= limit:
+            break
+    return out
+
+
+def _status(wf: Any) -> str:
+    return wf.status.name if wf.status is not None else "UNKNOWN"
+
+
 async def list_jobs(client: Client, *, tenant: str | None = None, profile: str | None = None,
                     running: bool = False, limit: int = 50) -> list[JobListing]:
     """The newest jobs first (as visibility orders them), at most ``limit``
     (1..``MAX_LISTED``): see ``jobs_query``. Visibility lags the jobs by a moment."""
-    if not 1 <= limit <= MAX_LISTED:
-        raise InvalidJobError(f"limit must be 1..{MAX_LISTED}, got {limit}")
     from warmloop.workflows.agent_job import SA_PROFILE, SA_STATE, SA_TENANT
 
-    out: list[JobListing] = []
     query = jobs_query(tenant=tenant, profile=profile, running=running)
-    async for wf in client.list_workflows(query, page_size=min(limit, 100)):
-        attrs = wf.typed_search_attributes
-        status = wf.status.name if wf.status is not None else "UNKNOWN"
-        out.append(JobListing(
-            job_id=wf.id, tenant=attrs.get(SA_TENANT) or split_job_id(wf.id)[0],
-            profile=attrs.get(SA_PROFILE), state=attrs.get(SA_STATE), status=status,
-            started_at=wf.start_time, closed_at=wf.close_time))
-        if len(out) >= limit:
-            break
-    return out
+    return [JobListing(job_id=wf.id, tenant=wf.typed_search_attributes.get(SA_TENANT)
+                       or split_job_id(wf.id)[0],
+                       profile=wf.typed_search_attributes.get(SA_PROFILE),
+                       state=wf.typed_search_attributes.get(SA_STATE), status=_status(wf),
+                       started_at=wf.start_time, closed_at=wf.close_time)
+            for wf in await _listed(client, query, limit)]
+
+
+async def list_batches(client: Client, *, tenant: str | None = None, running: bool = False,
+                       limit: int = 50) -> list[BatchListing]:
+    """The newest batches first, at most ``limit``: of ``tenant`` when given, only the
+    running ones with ``running`` (scheduled runs among them)."""
+    from warmloop.workflows.agent_job import SA_TENANT
+
+    query = jobs_query(tenant=tenant, running=running, workflow="BatchRun")
+    return [BatchListing(batch_id=wf.id, tenant=wf.typed_search_attributes.get(SA_TENANT)
+                         or split_job_id(wf.id)[0], status=_status(wf),
+                         started_at=wf.start_time, closed_at=wf.close_time)
+            for wf in await _listed(client, query, limit)]
 
 
 class JobClient:
@@ -464,6 +501,11 @@ class JobClient:
         Raises InvalidJobError for a bad tenant, profile or limit."""
         return await list_jobs(self.temporal, tenant=tenant, profile=profile,
                                running=running, limit=limit)
+
+    async def list_batches(self, *, tenant: str | None = None, running: bool = False,
+                           limit: int = 50) -> list[BatchListing]:
+        """Batches as visibility lists them, newest first (``list_batches``)."""
+        return await list_batches(self.temporal, tenant=tenant, running=running, limit=limit)
 
     async def start_batch(self, profile: str, source: str, *, batch_id: str | None = None,
                           tenant: str = DEFAULT_TENANT, **options: Any) -> str:

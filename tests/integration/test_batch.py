@@ -193,7 +193,9 @@ async def test_two_batches_of_a_one_slot_tenant_run_one_job_at_a_time(
     """Two batches of a tenant whose workers' quota is one job in flight, started
     together: each job claims the tenant's slot as it starts, so the four jobs run one
     after another (each starts after the one before it closed), where each batch alone
-    keeps to its window of one and the two together ran two jobs at once."""
+    keeps to its window of one and the two together ran two jobs at once. A page a
+    record: the claims go on across continue-as-new, and ``batch list`` shows each
+    batch once."""
     tag = uuid.uuid4().hex[:6]
     # the session's one-slot tenant (tests/conftest.py: ONE_SLOT_TENANT)
     [tenant] = [t for t, q in settings.tenants.items() if q.max_jobs_in_flight == 1]
@@ -203,7 +205,7 @@ async def test_two_batches_of_a_one_slot_tenant_run_one_job_at_a_time(
     async with any_approver(client, settings):
         starts = await asyncio.gather(*(asyncio.to_thread(
             warmloop, "batch", "run", str(src), "--profile", "ticket-triage", "--max-steps",
-            "2", "--tenant", tenant, "--batch-id", bid) for bid in bids))
+            "2", "--tenant", tenant, "--batch-id", bid, "--page-size", "1") for bid in bids))
         assert all(out.returncode == 0 for out in starts), [o.stderr for o in starts]
         results = [await asyncio.wait_for(client.get_workflow_handle(
             f"{tenant}/{bid}", result_type=BatchResult).result(), 300) for bid in bids]
@@ -216,6 +218,14 @@ async def test_two_batches_of_a_one_slot_tenant_run_one_job_at_a_time(
     overlaps = [(a, b) for a, b in zip(spans, spans[1:], strict=False)
                 if b[0] < (a[1] or b[0])]
     assert overlaps == [], spans
+    # `batch list`: each batch once (a page a run: the runs it continued as new from are
+    # not listed), newest first, ended
+    listed = await asyncio.to_thread(warmloop, "batch", "list", "--tenant", tenant, "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = [json.loads(line) for line in listed.stdout.splitlines()]
+    mine = [r for r in rows if tag in r["batch_id"]]
+    assert sorted(r["batch_id"] for r in mine) == sorted(f"{tenant}/{bid}" for bid in bids)
+    assert {r["status"] for r in mine} == {"COMPLETED"}
 
 
 @pytest.mark.parametrize("tenant", [None, "nightly-t"])

@@ -692,10 +692,13 @@ async def test_a_batch_job_waits_for_its_tenants_slot_and_hour(redis: aioredis.R
 def test_a_job_listing_query_filters_by_tenant_profile_and_running() -> None:
     from warmloop.workers.jobs import jobs_query
 
-    assert jobs_query() == "WorkflowType = 'AgentJob'"
+    one = "ExecutionStatus != 'ContinuedAsNew'"  # a workflow once, not each of its runs
+    assert jobs_query() == f"WorkflowType = 'AgentJob' AND {one}"
     assert jobs_query(tenant="acme", profile="ticket-triage", running=True) == (
-        "WorkflowType = 'AgentJob' AND WarmloopTenant = 'acme' AND "
+        f"WorkflowType = 'AgentJob' AND {one} AND WarmloopTenant = 'acme' AND "
         "WarmloopProfile = 'ticket-triage' AND ExecutionStatus = 'Running'")
+    assert jobs_query(tenant="acme", workflow="BatchRun") == (
+        f"WorkflowType = 'BatchRun' AND {one} AND WarmloopTenant = 'acme'")
     for bad in ({"tenant": "acme' OR WorkflowType != 'x"}, {"profile": "p' OR 1=1 --"},
                 {"tenant": "Not A Tenant"}, {"profile": ""}):
         with pytest.raises(InvalidJobError):
@@ -746,3 +749,8 @@ async def test_jobs_are_listed_from_visibility_with_their_tenant_profile_and_sta
         ("acme/j1", "acme", None, None, "TERMINATED")]
     with pytest.raises(InvalidJobError, match="limit"):
         await JobClient(temporal).list_jobs(limit=0)  # type: ignore[arg-type]
+    batches = await JobClient(temporal).list_batches(tenant="acme")  # type: ignore[arg-type]
+    assert "WorkflowType = 'BatchRun'" in temporal.query
+    assert [(b.batch_id, b.tenant, b.status) for b in batches] == [
+        ("acme/j2", "acme", "RUNNING"), ("acme/j1", "acme", "TERMINATED"),
+        ("acme/j0", "acme", "COMPLETED")]
