@@ -116,3 +116,23 @@ def test_the_report_bills_each_tenant_its_jobs() -> None:
     assert rows["default"] == ["1", "2", "1000", "80.0%", "40", "$0.001000"]
     assert rows["acme"] == ["2", "4", "2000", "80.0%", "80", "$0.005000"]
     assert rows["globex"][-1] == "at least $0.000000 (2 unpriced steps)"
+
+
+def test_a_waiting_batch_says_what_its_next_job_waits_for() -> None:
+    """``batch status`` of a batch whose next job waits for its tenant's quota prints
+    the claim's last refusal (Temporal keeps it with the pending activity), else what
+    such a wait is for."""
+    from types import SimpleNamespace
+
+    from warmloop.workers.cli import _quota_wait
+
+    def desc(*pending: tuple[str, str]) -> SimpleNamespace:
+        return SimpleNamespace(raw_description=SimpleNamespace(pending_activities=[
+            SimpleNamespace(activity_type=SimpleNamespace(name=name),
+                            last_failure=SimpleNamespace(message=message))
+            for name, message in pending]))
+
+    refused = "tenant acme has 1 jobs running, its max_jobs_in_flight quota is 1; the batch..."
+    assert _quota_wait(desc(("read_records", "s3 down"), ("claim_job_slot", refused))) == refused
+    assert "max_jobs_in_flight" in _quota_wait(desc(("claim_job_slot", "")))
+    assert "tokens_per_hour" in _quota_wait(desc())
