@@ -304,16 +304,24 @@ def jobs_list(
             console.print("no jobs")
             return
         table = Table("job", "tenant", "profile", "state", "started (UTC)", "ended (UTC)")
+        for col in table.columns[:3]:
+            col.overflow = "fold"  # ids are copied from here: wrapped, never cut short
+        for col in table.columns[4:]:
+            col.no_wrap = True
         for j in listed:
             state = j.state or "-"
             if j.status not in ("RUNNING", "COMPLETED"):  # the workflow's own ending
                 state += f" ({j.status.lower()})"
             table.add_row(escape(j.job_id), j.tenant, j.profile or "-", state,
-                          j.started_at.strftime("%Y-%m-%d %H:%M:%S"),
-                          j.closed_at.strftime("%Y-%m-%d %H:%M:%S") if j.closed_at else "-")
+                          _when(j.started_at), _when(j.closed_at))
         console.print(table)
 
     run(go())
+
+
+def _when(at: datetime | None) -> str:
+    """A listing's time: UTC, to the second, on one line."""
+    return at.astimezone(UTC).strftime("%m-%d %H:%M:%S") if at is not None else "-"
 
 
 def _print_result(res: JobResult) -> None:
@@ -809,10 +817,13 @@ def batch_list(
             console.print("no batches")
             return
         table = Table("batch", "tenant", "status", "started (UTC)", "ended (UTC)")
+        for col in table.columns[:2]:
+            col.overflow = "fold"
+        for col in table.columns[3:]:
+            col.no_wrap = True
         for b in listed:
             table.add_row(escape(b.batch_id), b.tenant, b.status.lower(),
-                          b.started_at.strftime("%Y-%m-%d %H:%M:%S"),
-                          b.closed_at.strftime("%Y-%m-%d %H:%M:%S") if b.closed_at else "-")
+                          _when(b.started_at), _when(b.closed_at))
         console.print(table)
 
     run(go())
