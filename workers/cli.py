@@ -286,7 +286,8 @@ def jobs_list(
     limit: int = typer.Option(50, "--limit", min=1, max=1000, help="At most this many."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per job."),
 ) -> None:
-    """List jobs, newest first, as Temporal's visibility shows them (a moment behind)."""
+    """List jobs as Temporal's visibility shows them (a moment behind): running ones
+    first, then the most recently ended."""
     from warmloop.workers.jobs import list_jobs
 
     async def go() -> None:
@@ -799,8 +800,8 @@ def batch_list(
     limit: int = typer.Option(50, "--limit", min=1, max=1000, help="At most this many."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per batch."),
 ) -> None:
-    """List batches (scheduled runs too), newest first, as Temporal's visibility shows
-    them; `batch status` tells how far one is."""
+    """List batches (scheduled runs too) as Temporal's visibility shows them, running
+    ones first; `batch status` tells how far one is."""
     from warmloop.workers.jobs import list_batches
 
     async def go() -> None:

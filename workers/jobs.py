@@ -243,20 +243,23 @@ async def resumed_batch(client: Client, batch_id: str, new_batch_id: str | None 
     if res.next_line is None or res.next_offset is None:
         raise InvalidJobError(f"batch {batch_id} ended before batches said where they "
                               "stopped; its pages' outcomes in S3 tell, or run it again")
-    start, offset, skip = res.next_line, res.next_offset, []
+    start, offset, skip = res.next_line, res.next_offset, set[int]()
     if rerun and res.rerun_offset is not None:
         start, offset = rerun[0], res.rerun_offset
-        again = set(rerun)
-        skip = [line for line in range(start, res.next_line) if line not in again]
+        skip = set(range(start, res.next_line)) - set(rerun)
     new = new_batch_id or f"{split_job_id(batch_id)[1]}-from-L{start}"
     if (bad := id_problem("batch", new)) is not None:
         raise InvalidJobError(bad)
     started = (await handle.fetch_history()).events[0].workflow_execution_started_event_attributes
     [inp] = await client.data_converter.decode(started.input.payloads, [BatchInput])
+    # the old batch's own skipped lines (it resumed another) still have their outcomes
+    # elsewhere: a batch stopped before it reached them must not run them
+    skip |= {line for line in inp.skip_lines if line >= start}
+    skip -= set(rerun)
     # a deadline was the old batch's (past it, the new one would widen to max_window at
     # once); whoever resumes starts it (approval rules read submitted_by)
     return inp.model_copy(update={"carry": None, "start_line": start, "start_offset": offset,
-                                  "skip_lines": skip, "deadline": None,
+                                  "skip_lines": sorted(skip), "deadline": None,
                                   "submitted_by": None}), res, new
 
 
@@ -349,7 +352,7 @@ _PROFILE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
 
 
 async def _listed(client: Client, query: str, limit: int) -> list[Any]:
-    """Visibility's entries for ``query``, newest first, at most ``limit``."""
+    """Visibility's entries for ``query``, in its order, at most ``limit``."""
     if not 1 <= limit <= MAX_LISTED:
         raise InvalidJobError(f"limit must be 1..{MAX_LISTED}, got {limit}")
     out: list[Any] = []
@@ -366,8 +369,9 @@ def _status(wf: Any) -> str:
 
 async def list_jobs(client: Client, *, tenant: str | None = None, profile: str | None = None,
                     running: bool = False, limit: int = 50) -> list[JobListing]:
-    """The newest jobs first (as visibility orders them), at most ``limit``
-    (1..``MAX_LISTED``): see ``jobs_query``. Visibility lags the jobs by a moment."""
+    """The jobs in visibility's order (running ones first, newest first, then the most
+    recently ended), at most ``limit`` (1..``MAX_LISTED``): see ``jobs_query``.
+    Visibility lags the jobs by a moment."""
     from warmloop.workflows.agent_job import SA_PROFILE, SA_STATE, SA_TENANT
 
     query = jobs_query(tenant=tenant, profile=profile, running=running)
@@ -381,8 +385,9 @@ async def list_jobs(client: Client, *, tenant: str | None = None, profile: str |
 
 async def list_batches(client: Client, *, tenant: str | None = None, running: bool = False,
                        limit: int = 50) -> list[BatchListing]:
-    """The newest batches first, at most ``limit``: of ``tenant`` when given, only the
-    running ones with ``running`` (scheduled runs among them)."""
+    """The batches in visibility's order (as ``list_jobs``), at most ``limit``: of
+    ``tenant`` when given, only the running ones with ``running`` (scheduled runs among
+    them)."""
     from warmloop.workflows.agent_job import SA_TENANT
 
     query = jobs_query(tenant=tenant, running=running, workflow="BatchRun")
@@ -496,7 +501,7 @@ class JobClient:
 
     async def list_jobs(self, *, tenant: str | None = None, profile: str | None = None,
                         running: bool = False, limit: int = 50) -> list[JobListing]:
-        """Jobs as Temporal's visibility lists them, newest first (``list_jobs``):
+        """Jobs as Temporal's visibility lists them, running ones first (``list_jobs``):
         of ``tenant`` and ``profile`` when given, only running ones with ``running``.
         Raises InvalidJobError for a bad tenant, profile or limit."""
         return await list_jobs(self.temporal, tenant=tenant, profile=profile,
@@ -504,7 +509,7 @@ class JobClient:
 
     async def list_batches(self, *, tenant: str | None = None, running: bool = False,
                            limit: int = 50) -> list[BatchListing]:
-        """Batches as visibility lists them, newest first (``list_batches``)."""
+        """Batches as visibility lists them, running ones first (``list_batches``)."""
         return await list_batches(self.temporal, tenant=tenant, running=running, limit=limit)
 
     async def start_batch(self, profile: str, source: str, *, batch_id: str | None = None,

@@ -94,6 +94,10 @@ job ended INVALID_INPUT); the branch is taken only by such a batch."""
 QUOTA_PATCH = "batch-job-slots"
 """A page of a tenant with a quota (``ReadPageResult.ask_quota``) claims a job slot
 before each job starts; a run recorded before (the flag unread) replays as it ran."""
+RERUN_PATCH = "batch-rerun-stopped"
+"""A batch cancelled once every record of its page had started names the jobs its
+cancel stopped too (``BatchResult.rerun_lines``): it waits for its jobs without a
+gather that the cancel would reach first. Before it, such a cancel named none."""
 WINDOW_TIMEOUT = timedelta(seconds=5)
 SLOT_TIMEOUT = timedelta(seconds=30)
 """One attempt of ``claim_job_slot`` (a visibility query, a Redis script, a few
@@ -634,6 +638,11 @@ class BatchRun:
                     await self._claim_slot(inp, rec)
                 self._running += 1
                 tasks.append(asyncio.ensure_future(self._one(inp, rec, outcomes)))
+            if workflow.patched(RERUN_PATCH):
+                # waited for, not gathered: a cancel landing here leaves the jobs as they
+                # are, so the handler below sees which ones the cancel stops (a cancelled
+                # gather cancels them itself and returns only once they have all ended)
+                await workflow.wait_condition(lambda: all(t.done() for t in tasks))
             await asyncio.gather(*tasks)
         except asyncio.CancelledError:
             if not workflow.patched(CANCEL_PATCH):

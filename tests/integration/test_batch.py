@@ -219,7 +219,7 @@ async def test_two_batches_of_a_one_slot_tenant_run_one_job_at_a_time(
                 if b[0] < (a[1] or b[0])]
     assert overlaps == [], spans
     # `batch list`: each batch once (a page a run: the runs it continued as new from are
-    # not listed), newest first, ended
+    # not listed), both ended
     listed = await asyncio.to_thread(warmloop, "batch", "list", "--tenant", tenant, "--json")
     assert listed.returncode == 0, listed.stderr
     rows = [json.loads(line) for line in listed.stdout.splitlines()]

@@ -287,9 +287,9 @@ async def test_a_tenants_ended_or_failed_starts_hold_no_slot(
 async def test_warmloop_jobs_lists_a_tenants_jobs_with_their_profile_and_state(
     client: Client, stack: Stack,
 ) -> None:
-    """``warmloop jobs --tenant``: the tenant's jobs (and no other tenant's), newest
-    first, each with its profile and its terminal state once ended; ``--running``
-    shows the one still running."""
+    """``warmloop jobs --tenant``: the tenant's jobs (and no other tenant's), the
+    running one first, each with its profile and its terminal state once ended;
+    ``--running`` shows the one still running."""
     import json
 
     from tests.integration.cli import warmloop
@@ -317,7 +317,7 @@ async def test_warmloop_jobs_lists_a_tenants_jobs_with_their_profile_and_state(
             return rows if states.get(done) == ended.state.value and live in states else None
 
         rows = await eventually(listed, attempts=100, interval_s=0.2)
-        assert [r["job_id"] for r in rows] == [live, done]  # newest first; no other tenant's
+        assert [r["job_id"] for r in rows] == [live, done]  # running first; no other tenant's
         assert [r["profile"] for r in rows] == ["synthetic-review", "ticket-triage"]
         assert {r["tenant"] for r in rows} == {tenant}
         running = await asyncio.to_thread(warmloop, "jobs", "--tenant", tenant, "--running",

@@ -313,6 +313,8 @@ def test_a_usage_event_the_gateway_asked_for_is_read_and_left_out() -> None:
     assert end.outcome.prompt_tokens == 5
     kept = EventRelay()  # not asked for by the gateway: the client's own, passed on
     assert kept.take(usage_only + b"\n\n") == usage_only + b"\n\n"
+    extra = EventRelay(drop_usage_event=True)  # a blank line too many is still relayed
+    assert extra.take(text + usage_only + b"\n\n\n") == text + b"\n"
 
 
 async def test_a_whole_answer_is_the_engines_json_with_its_cached_tokens(make: Make) -> None:

@@ -670,6 +670,60 @@ async def test_a_cancelled_batch_resumes_its_stopped_lines_and_then_the_rest(
                    *(f"{later}-L{n}" for n in (4, 5))}
 
 
+async def test_a_batch_cancelled_once_every_job_started_names_them_to_run_again(
+    dev_server_env: WorkflowEnvironment, tmp_path: Path,
+) -> None:
+    """Cancelled when every record of its source had started (both jobs running), the
+    batch names both as stopped, and a resume runs them again (with the jobs awaited by
+    a gather, the cancel reached the gather first: it named none, and the source being
+    done, nothing could be resumed)."""
+    from warmloop.workers.jobs import JobClient
+
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 2, {})
+    fakes = HangsFirstJobs(lambda req: reply("search_kb", '{"topic": "crash"}') if req.step == 1
+                           else reply("finish", '{"resolution": "resolved", "priority": "low"}'))
+    fakes.started = asyncio.Event()
+    bid = f"batch-{uuid.uuid4().hex[:6]}"
+    fakes.only = f"{bid}-L"
+    async with batch_workers(dev_server_env, fakes, MemoryS3()) as client:
+        handle = await client.start_workflow(
+            BatchRun.run, BatchInput(profile="ticket-triage", source=str(src), window=2,
+                                     max_steps=3), id=bid, task_queue=AGENT_TASK_QUEUE)
+        await asyncio.wait_for(fakes.started.wait(), 60)
+        await handle.cancel()
+        first = await handle.result()
+        assert (first.state, first.source_done, first.rerun_lines) == ("CANCELLED", True, [1, 2])
+        jobs = JobClient(client)
+        new = await jobs.resume_batch(bid)
+        res = await jobs.batch_result(new)
+    assert (new, res.state, res.done) == (f"{bid}-from-L1", "COMPLETED", 2)
+
+
+async def test_a_resumed_batch_that_stopped_early_keeps_its_skipped_lines_when_resumed(
+    dev_server_env: WorkflowEnvironment, tmp_path: Path,
+) -> None:
+    """A resumed batch (line 2 skipped: its job finished in the batch before) cancelled
+    before it ran anything: resuming it skips line 2 still, or line 2's job would run a
+    second time."""
+    from warmloop.workers.jobs import resumed_batch
+
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 3, {})
+    fakes = slow_window_fakes()
+    async with batch_workers(dev_server_env, fakes, MemoryS3()) as client:
+        bid = f"batch-{uuid.uuid4().hex[:6]}"
+        handle = await client.start_workflow(
+            BatchRun.run, BatchInput(profile="ticket-triage", source=str(src), skip_lines=[2]),
+            id=bid, task_queue=AGENT_TASK_QUEUE)
+        await asyncio.wait_for(fakes.asked.wait(), 30)
+        await handle.cancel()
+        stopped = await asyncio.wait_for(handle.result(), 60)
+        inp, _, _ = await resumed_batch(client, bid)
+    assert (stopped.state, stopped.next_line, stopped.rerun_lines) == ("CANCELLED", 1, [])
+    assert (inp.start_line, inp.skip_lines) == (1, [2])
+
+
 class SlowWindow(FakeActivities):
     """The fleet's answer to the batch's first ask waits for ``answer`` (until the
     batch is cancelled, if never set)."""

@@ -56,7 +56,8 @@ RECORDED_IDS = {"batch_run_with_bad_line": "replay-batch",
                 "batch_run_cancelled": "replay-batch-cancelled",
                 "batch_run_cancelled_before_patch": "replay-batch-cancelled-old",
                 "batch_run_job_slots": "acme/replay-batch-slots",
-                "batch_run_resumed_skipping": "replay-batch-resumed"}
+                "batch_run_resumed_skipping": "replay-batch-resumed",
+                "batch_run_cancelled_all_started": "replay-batch-cancelled-all"}
 """Workflow ids of recorded histories whose commands depend on the id (child job ids)."""
 
 
@@ -258,6 +259,28 @@ async def test_a_fresh_cancelled_batch_history_replays(
         history = await handle.fetch_history()
     await _replayer().replay_workflow(history)
     _record("batch_run_cancelled.json", history)
+
+
+async def test_a_fresh_batch_cancelled_once_every_job_started_replays(
+        dev_server_env: WorkflowEnvironment, tmp_path: Path) -> None:
+    """Cancelled with every record started: the jobs are waited for, not gathered, so
+    the cancel names them to run again (the ``batch-rerun-stopped`` patch)."""
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 2, {})
+    fakes = HangsFirstJobs(lambda req: reply("search_kb", '{"topic": "crash"}') if req.step == 1
+                           else reply("finish", '{"resolution": "resolved", "priority": "low"}'))
+    fakes.started = asyncio.Event()
+    bid = RECORDED_IDS["batch_run_cancelled_all_started"]
+    async with batch_workers(dev_server_env, fakes, MemoryS3()) as client:
+        handle = await client.start_workflow(
+            BatchRun.run, BatchInput(profile="ticket-triage", source=str(src), window=2),
+            id=bid, task_queue=AGENT_TASK_QUEUE)
+        await asyncio.wait_for(fakes.started.wait(), 60)
+        await handle.cancel()
+        assert (await handle.result()).rerun_lines == [1, 2]
+        history = await handle.fetch_history()
+    await _replayer().replay_workflow(history)
+    _record("batch_run_cancelled_all_started.json", history)
 
 
 async def test_a_fresh_replayed_trace_history_replays(

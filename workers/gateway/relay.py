@@ -103,7 +103,9 @@ class EventRelay:
         if ready:
             self._read(ready)
             if self._drop_usage and b'"usage"' in ready:
-                ready = b"".join(e for e in _EVENT.findall(ready) if not _usage_only(e))
+                events = _EVENT.findall(ready)
+                tail = ready[sum(map(len, events)):]  # a blank line past the last event
+                ready = b"".join(e for e in events if not _usage_only(e)) + tail
         return ready
 
     def flush(self) -> bytes:
