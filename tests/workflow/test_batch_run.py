@@ -532,6 +532,14 @@ class HangsFirstJobs(FakeActivities):
         return await super().generate(req)
 
 
+def hanging_fakes() -> HangsFirstJobs:
+    """``HangsFirstJobs`` whose jobs call a tool, then (all but the hung ones) finish."""
+    fakes = HangsFirstJobs(lambda req: reply("search_kb", '{"topic": "crash"}') if req.step == 1
+                           else reply("finish", '{"resolution": "resolved", "priority": "low"}'))
+    fakes.started = asyncio.Event()
+    return fakes
+
+
 async def test_a_cancelled_batch_cancels_its_running_jobs_and_keeps_their_outcomes(
     dev_server_env: WorkflowEnvironment, tmp_path: Path,
 ) -> None:
@@ -541,9 +549,7 @@ async def test_a_cancelled_batch_cancels_its_running_jobs_and_keeps_their_outcom
     after it starts."""
     src = tmp_path / "tickets.jsonl"
     write_records(src, 5, {})
-    fakes = HangsFirstJobs(lambda req: reply("search_kb", '{"topic": "crash"}') if req.step == 1
-                           else reply("finish", '{"resolution": "resolved", "priority": "low"}'))
-    fakes.started = asyncio.Event()
+    fakes = hanging_fakes()
     s3 = MemoryS3()
     bid = f"batch-{uuid.uuid4().hex[:6]}"
     async with batch_workers(dev_server_env, fakes, s3) as client:
@@ -578,9 +584,7 @@ async def test_a_terminated_batchs_running_jobs_end_cancelled_with_their_transcr
 
     src = tmp_path / "tickets.jsonl"
     write_records(src, 3, {})
-    fakes = HangsFirstJobs(lambda req: reply("search_kb", '{"topic": "crash"}') if req.step == 1
-                           else reply("finish", '{"resolution": "resolved", "priority": "low"}'))
-    fakes.started = asyncio.Event()
+    fakes = hanging_fakes()
     bid = f"batch-{uuid.uuid4().hex[:6]}"
     async with batch_workers(dev_server_env, fakes, MemoryS3()) as client:
         handle = await client.start_workflow(
@@ -630,9 +634,7 @@ async def test_a_cancelled_batch_resumes_its_stopped_lines_and_then_the_rest(
 
     src = tmp_path / "tickets.jsonl"
     write_records(src, 5, {})
-    fakes = HangsFirstJobs(lambda req: reply("search_kb", '{"topic": "crash"}') if req.step == 1
-                           else reply("finish", '{"resolution": "resolved", "priority": "low"}'))
-    fakes.started = asyncio.Event()
+    fakes = hanging_fakes()
     s3 = MemoryS3()
     bid = f"acme/batch-{uuid.uuid4().hex[:6]}"
     fakes.lines, fakes.only = ("-L1", "-L3"), f"{bid}-L"  # the first batch's jobs only
@@ -681,9 +683,7 @@ async def test_a_batch_cancelled_once_every_job_started_names_them_to_run_again(
 
     src = tmp_path / "tickets.jsonl"
     write_records(src, 2, {})
-    fakes = HangsFirstJobs(lambda req: reply("search_kb", '{"topic": "crash"}') if req.step == 1
-                           else reply("finish", '{"resolution": "resolved", "priority": "low"}'))
-    fakes.started = asyncio.Event()
+    fakes = hanging_fakes()
     bid = f"batch-{uuid.uuid4().hex[:6]}"
     fakes.only = f"{bid}-L"
     async with batch_workers(dev_server_env, fakes, MemoryS3()) as client:

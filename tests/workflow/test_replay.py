@@ -27,10 +27,10 @@ from tests.workflow.fakes import FakeActivities, reply
 from tests.workflow.test_agent_job import TICKET, run_job, workers
 from tests.workflow.test_batch_run import (
     ONE_SLOT,
-    HangsFirstJobs,
     MemoryS3,
     SlotGate,
     batch_workers,
+    hanging_fakes,
     run_batch,
     write_records,
 )
@@ -57,7 +57,8 @@ RECORDED_IDS = {"batch_run_with_bad_line": "replay-batch",
                 "batch_run_cancelled_before_patch": "replay-batch-cancelled-old",
                 "batch_run_job_slots": "acme/replay-batch-slots",
                 "batch_run_resumed_skipping": "replay-batch-resumed",
-                "batch_run_cancelled_all_started": "replay-batch-cancelled-all"}
+                "batch_run_cancelled_all_started": "replay-batch-cancelled-all",
+                "batch_run_cancelled_rerun": "replay-batch-cancelled-rerun"}
 """Workflow ids of recorded histories whose commands depend on the id (child job ids)."""
 
 
@@ -239,48 +240,30 @@ async def test_a_fresh_resumed_batch_history_replays(
     _record("batch_run_resumed_skipping.json", kept[0])
 
 
+@pytest.mark.parametrize(("name", "records"), [("batch_run_cancelled_rerun", 4),
+                                               ("batch_run_cancelled_all_started", 2)])
 async def test_a_fresh_cancelled_batch_history_replays(
-        dev_server_env: WorkflowEnvironment, tmp_path: Path) -> None:
+        dev_server_env: WorkflowEnvironment, tmp_path: Path, name: str, records: int) -> None:
     """Cancelled with two jobs running: they are cancelled and waited for, the page's
-    outcomes written, the batch ends CANCELLED (the ``batch-cancel`` patch)."""
+    outcomes written, the batch ends CANCELLED naming them to run again (the
+    ``batch-cancel`` patch), also when every record had started (2 records: the jobs
+    awaited without a gather the cancel would reach first, ``batch-rerun-stopped``).
+    ``batch_run_cancelled.json`` is the first case recorded before that patch."""
     src = tmp_path / "tickets.jsonl"
-    write_records(src, 4, {})
-    fakes = HangsFirstJobs(lambda req: reply("search_kb", '{"topic": "crash"}') if req.step == 1
-                           else reply("finish", '{"resolution": "resolved", "priority": "low"}'))
-    fakes.started = asyncio.Event()
-    bid = RECORDED_IDS["batch_run_cancelled"]
+    write_records(src, records, {})
+    fakes = hanging_fakes()
+    bid = RECORDED_IDS[name]
     async with batch_workers(dev_server_env, fakes, MemoryS3()) as client:
         handle = await client.start_workflow(
             BatchRun.run, BatchInput(profile="ticket-triage", source=str(src), window=2),
             id=bid, task_queue=AGENT_TASK_QUEUE)
         await asyncio.wait_for(fakes.started.wait(), 60)
         await handle.cancel()
-        assert (await handle.result()).state == "CANCELLED"
+        res = await handle.result()
+        assert (res.state, res.rerun_lines) == ("CANCELLED", [1, 2])
         history = await handle.fetch_history()
     await _replayer().replay_workflow(history)
-    _record("batch_run_cancelled.json", history)
-
-
-async def test_a_fresh_batch_cancelled_once_every_job_started_replays(
-        dev_server_env: WorkflowEnvironment, tmp_path: Path) -> None:
-    """Cancelled with every record started: the jobs are waited for, not gathered, so
-    the cancel names them to run again (the ``batch-rerun-stopped`` patch)."""
-    src = tmp_path / "tickets.jsonl"
-    write_records(src, 2, {})
-    fakes = HangsFirstJobs(lambda req: reply("search_kb", '{"topic": "crash"}') if req.step == 1
-                           else reply("finish", '{"resolution": "resolved", "priority": "low"}'))
-    fakes.started = asyncio.Event()
-    bid = RECORDED_IDS["batch_run_cancelled_all_started"]
-    async with batch_workers(dev_server_env, fakes, MemoryS3()) as client:
-        handle = await client.start_workflow(
-            BatchRun.run, BatchInput(profile="ticket-triage", source=str(src), window=2),
-            id=bid, task_queue=AGENT_TASK_QUEUE)
-        await asyncio.wait_for(fakes.started.wait(), 60)
-        await handle.cancel()
-        assert (await handle.result()).rerun_lines == [1, 2]
-        history = await handle.fetch_history()
-    await _replayer().replay_workflow(history)
-    _record("batch_run_cancelled_all_started.json", history)
+    _record(f"{name}.json", history)
 
 
 async def test_a_fresh_replayed_trace_history_replays(
