@@ -7,17 +7,17 @@ import json
 import os
 import sys
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import typer
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
-from temporalio.client import WorkflowExecutionStatus
+from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
@@ -288,33 +288,52 @@ def jobs_list(
 ) -> None:
     """List jobs as Temporal's visibility shows them (a moment behind): running ones
     first, then the most recently ended."""
-    from warmloop.workers.jobs import list_jobs
+    from warmloop.workers.jobs import JobListing, list_jobs
+
+    def row(j: JobListing) -> list[str]:
+        state = j.state or "-"
+        if j.status not in ("RUNNING", "COMPLETED"):  # the workflow's own ending
+            state += f" ({j.status.lower()})"
+        return [escape(j.job_id), j.tenant, j.profile or "-", state,
+                _when(j.started_at), _when(j.closed_at)]
+
+    _print_listing(lambda client: list_jobs(client, tenant=tenant, profile=profile,
+                                            running=running, limit=limit),
+                   as_json=as_json, what="jobs", folded=3, row=row,
+                   columns=("job", "tenant", "profile", "state", "started (UTC)",
+                            "ended (UTC)"))
+
+
+ListedT = TypeVar("ListedT", bound=BaseModel)
+
+
+def _print_listing(fetch: Callable[[Client], Awaitable[list[ListedT]]], *, as_json: bool,
+                   what: str, columns: tuple[str, ...], folded: int,
+                   row: Callable[[ListedT], list[str]]) -> None:
+    """A listing command's output: one JSON object a line, or a table whose first
+    ``folded`` columns wrap (ids are copied from there: never cut short) and whose last
+    two, the times, do not. A bad filter (InvalidJobError) is one line and exit 1."""
 
     async def go() -> None:
         client = await connect(_settings(plugins=False))
         try:
-            listed = await list_jobs(client, tenant=tenant, profile=profile,
-                                     running=running, limit=limit)
+            listed = await fetch(client)
         except InvalidJobError as e:
             fail(str(e))
         if as_json:
-            for j in listed:
-                sys.stdout.write(j.model_dump_json() + "\n")
+            for item in listed:
+                sys.stdout.write(item.model_dump_json() + "\n")
             return
         if not listed:
-            console.print("no jobs")
+            console.print(f"no {what}")
             return
-        table = Table("job", "tenant", "profile", "state", "started (UTC)", "ended (UTC)")
-        for col in table.columns[:3]:
-            col.overflow = "fold"  # ids are copied from here: wrapped, never cut short
-        for col in table.columns[4:]:
+        table = Table(*columns)
+        for col in table.columns[:folded]:
+            col.overflow = "fold"
+        for col in table.columns[-2:]:
             col.no_wrap = True
-        for j in listed:
-            state = j.state or "-"
-            if j.status not in ("RUNNING", "COMPLETED"):  # the workflow's own ending
-                state += f" ({j.status.lower()})"
-            table.add_row(escape(j.job_id), j.tenant, j.profile or "-", state,
-                          _when(j.started_at), _when(j.closed_at))
+        for item in listed:
+            table.add_row(*row(item))
         console.print(table)
 
     run(go())
@@ -802,32 +821,16 @@ def batch_list(
 ) -> None:
     """List batches (scheduled runs too) as Temporal's visibility shows them, running
     ones first; `batch status` tells how far one is."""
-    from warmloop.workers.jobs import list_batches
+    from warmloop.workers.jobs import BatchListing, list_batches
 
-    async def go() -> None:
-        client = await connect(_settings(plugins=False))
-        try:
-            listed = await list_batches(client, tenant=tenant, running=running, limit=limit)
-        except InvalidJobError as e:
-            fail(str(e))
-        if as_json:
-            for b in listed:
-                sys.stdout.write(b.model_dump_json() + "\n")
-            return
-        if not listed:
-            console.print("no batches")
-            return
-        table = Table("batch", "tenant", "status", "started (UTC)", "ended (UTC)")
-        for col in table.columns[:2]:
-            col.overflow = "fold"
-        for col in table.columns[3:]:
-            col.no_wrap = True
-        for b in listed:
-            table.add_row(escape(b.batch_id), b.tenant, b.status.lower(),
-                          _when(b.started_at), _when(b.closed_at))
-        console.print(table)
+    def row(b: BatchListing) -> list[str]:
+        return [escape(b.batch_id), b.tenant, b.status.lower(), _when(b.started_at),
+                _when(b.closed_at)]
 
-    run(go())
+    _print_listing(lambda client: list_batches(client, tenant=tenant, running=running,
+                                               limit=limit),
+                   as_json=as_json, what="batches", folded=2, row=row,
+                   columns=("batch", "tenant", "status", "started (UTC)", "ended (UTC)"))
 
 
 @batch_app.command("cancel")
