@@ -367,16 +367,23 @@ def _status(wf: Any) -> str:
     return wf.status.name if wf.status is not None else "UNKNOWN"
 
 
+def _tenant_of(wf: Any) -> str:
+    """A listed workflow's tenant: its search attribute, else its id's namespace (a
+    workflow whose attributes visibility does not show yet)."""
+    from warmloop.workflows.agent_job import SA_TENANT
+
+    return wf.typed_search_attributes.get(SA_TENANT) or split_job_id(wf.id)[0]
+
+
 async def list_jobs(client: Client, *, tenant: str | None = None, profile: str | None = None,
                     running: bool = False, limit: int = 50) -> list[JobListing]:
     """The jobs in visibility's order (running ones first, newest first, then the most
     recently ended), at most ``limit`` (1..``MAX_LISTED``): see ``jobs_query``.
     Visibility lags the jobs by a moment."""
-    from warmloop.workflows.agent_job import SA_PROFILE, SA_STATE, SA_TENANT
+    from warmloop.workflows.agent_job import SA_PROFILE, SA_STATE
 
     query = jobs_query(tenant=tenant, profile=profile, running=running)
-    return [JobListing(job_id=wf.id, tenant=wf.typed_search_attributes.get(SA_TENANT)
-                       or split_job_id(wf.id)[0],
+    return [JobListing(job_id=wf.id, tenant=_tenant_of(wf),
                        profile=wf.typed_search_attributes.get(SA_PROFILE),
                        state=wf.typed_search_attributes.get(SA_STATE), status=_status(wf),
                        started_at=wf.start_time, closed_at=wf.close_time)
@@ -388,11 +395,8 @@ async def list_batches(client: Client, *, tenant: str | None = None, running: bo
     """The batches in visibility's order (as ``list_jobs``), at most ``limit``: of
     ``tenant`` when given, only the running ones with ``running`` (scheduled runs among
     them)."""
-    from warmloop.workflows.agent_job import SA_TENANT
-
     query = jobs_query(tenant=tenant, running=running, workflow="BatchRun")
-    return [BatchListing(batch_id=wf.id, tenant=wf.typed_search_attributes.get(SA_TENANT)
-                         or split_job_id(wf.id)[0], status=_status(wf),
+    return [BatchListing(batch_id=wf.id, tenant=_tenant_of(wf), status=_status(wf),
                          started_at=wf.start_time, closed_at=wf.close_time)
             for wf in await _listed(client, query, limit)]
 

@@ -41,6 +41,8 @@ _OLD_TTL_PRICE_DEFAULTS = {"input_usd_per_mtok": 3.0, "cached_input_usd_per_mtok
 
 
 _KV_EVENTS_ENDPOINT = re.compile(r"^tcp://(?P<host>[^:/\[\]]+):(?P<port>[0-9]{1,5})$")
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+"""A gateway key's digest, lowercased (how the settings name keys)."""
 
 
 def check_kv_events_endpoint(endpoint: str) -> str:
@@ -353,8 +355,9 @@ class Settings(BaseSettings):
     WARMLOOP_GATEWAY_KEY_TENANTS='{"<digest>": "acme"}': their calls carry the tenant's
     ``cache_salt`` (they share its jobs' cache, no other tenant's), its ``tokens_per_hour``
     is checked before each call (429 once spent) and the tokens a call's answer reports
-    go onto its hour (a stream reports them only when the client asks for usage). A key
-    not named here keeps a salt of its own and no tenant's quota."""
+    go onto its hour (a stream's too: the gateway asks the engine for its usage and
+    keeps that event from a client that did not ask). A key not named here keeps a salt
+    of its own and no tenant's quota."""
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     """The gateway's own knobs, e.g. WARMLOOP_GATEWAY='{"hold_policy": "always_hold"}'
     (its routing, holding and admission weights are ``routing``, ``holding``,
@@ -419,7 +422,7 @@ class Settings(BaseSettings):
         if v is None:
             return None
         digests = [d.strip().lower() for d in v.split(",") if d.strip()]
-        bad = [d for d in digests if not re.fullmatch(r"[0-9a-f]{64}", d)]
+        bad = [d for d in digests if not _SHA256_HEX.fullmatch(d)]
         if bad or not digests:
             raise ValueError("gateway_key_digests: give SHA-256 hex digests (64 hex digits "
                              "each, comma-separated) of the accepted keys, not the keys")
@@ -428,11 +431,11 @@ class Settings(BaseSettings):
     @field_validator("gateway_key_tenants")
     @classmethod
     def _key_tenants(cls, v: dict[str, str]) -> dict[str, str]:
-        bad = [k for k in v if not re.fullmatch(r"[0-9a-fA-F]{64}", k)]
-        if bad:
+        lowered = {k.lower(): t for k, t in v.items()}
+        if any(not _SHA256_HEX.fullmatch(k) for k in lowered):
             raise ValueError("gateway_key_tenants: name each key by its SHA-256 hex digest "
                              "(64 hex digits: printf %s \"$KEY\" | sha256sum), not the key")
-        return {k.lower(): t for k, t in v.items()}
+        return lowered
 
     @field_validator("engine_calibration")
     @classmethod

@@ -752,11 +752,10 @@ class _BatchCancelled(Exception):
     too), ``unstarted`` is the first record that never started (None: all did) and
     ``interrupted`` the records whose jobs were running then, in line order."""
 
-    def __init__(self, unstarted: TaskRecord | None,
-                 interrupted: list[TaskRecord] | None = None) -> None:
+    def __init__(self, unstarted: TaskRecord | None, interrupted: list[TaskRecord]) -> None:
         super().__init__("batch cancelled")
         self.unstarted = unstarted
-        self.interrupted = interrupted or []
+        self.interrupted = interrupted
 
 
 def _is_cancel(e: BaseException) -> bool:

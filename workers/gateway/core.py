@@ -327,8 +327,8 @@ class Gateway:
                          status=str(status))
         if (flight.call.tenant is not None and outcome is not None
                 and outcome.prompt_tokens is not None):
-            # onto the tenant's hour: what the answer reports (a stream: only when the
-            # client asked for usage)
+            # onto the tenant's hour: what the answer reports (a stream's usage event,
+            # asked for by the gateway when the client did not: Call.hidden_usage)
             self._background(self._count_tenant_tokens(
                 flight.call.tenant, outcome.prompt_tokens + (outcome.completion_tokens or 0)))
         if outcome is not None and outcome.prompt_tokens is not None:
