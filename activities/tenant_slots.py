@@ -127,6 +127,23 @@ async def claim_slot(client: Client, tenant: str, limit: int, workflow_id: str,
                      recorded=claim.admitted and not claim.recorded_before)
 
 
+async def spent_hour(tenant: str, quota: TenantQuota, usage: TenantUsage | None
+                     ) -> tuple[str, float] | None:
+    """Why ``tenant`` may start nothing this hour and the seconds until its window
+    resets (``over_tokens``), when its ``tokens_per_hour`` is spent; None while it is
+    not, and when it cannot be known (no ``usage``, or Redis away: let through, logged),
+    as a submit and a batch's claims both treat it."""
+    if quota.tokens_per_hour is None or usage is None:
+        return None
+    now = time.time()
+    try:
+        used = await usage.used(tenant, now)
+    except REDIS_ERRORS as e:
+        log.warning("tenant_usage_unknown", tenant=tenant, error=str(e) or type(e).__name__)
+        return None
+    return over_tokens(tenant, quota, used, now)
+
+
 def _count_wait(tenant: str, quota: str) -> None:
     """Count a batch job's refused claim: operators see whose batches wait, and on what."""
     activity.metric_meter().create_counter(
@@ -163,21 +180,12 @@ class TenantSlotActivities:
         quota = self._quotas.get(req.tenant)
         if quota is None:
             return JobSlotGranted()
-        if quota.tokens_per_hour is not None and self._usage is not None:
-            now = time.time()
-            try:
-                used = await self._usage.used(req.tenant, now)
-            except REDIS_ERRORS as e:
-                log.warning("tenant_usage_unknown", tenant=req.tenant,
-                            error=str(e) or type(e).__name__)
-            else:
-                refused = over_tokens(req.tenant, quota, used, now)
-                if refused is not None:
-                    why, wait = refused
-                    _count_wait(req.tenant, "tokens_per_hour")
-                    raise ApplicationError(f"{why}; the batch's next job waits for it",
-                                           {"retry_after_s": wait}, type=TENANT_SLOT_WAIT,
-                                           next_retry_delay=timedelta(seconds=wait))
+        if (refused := await spent_hour(req.tenant, quota, self._usage)) is not None:
+            why, wait = refused
+            _count_wait(req.tenant, "tokens_per_hour")
+            raise ApplicationError(f"{why}; the batch's next job waits for it",
+                                   {"retry_after_s": wait}, type=TENANT_SLOT_WAIT,
+                                   next_retry_delay=timedelta(seconds=wait))
         if quota.max_jobs_in_flight is None:
             return JobSlotGranted()
         claim = await claim_slot(activity.client(), req.tenant, quota.max_jobs_in_flight,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import time
 import uuid
 from collections.abc import Mapping
 from datetime import datetime
@@ -32,7 +31,7 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from warmloop.activities.registry import REDIS_ERRORS, TenantUsage
-from warmloop.activities.tenant_slots import claim_slot
+from warmloop.activities.tenant_slots import claim_slot, spent_hour
 from warmloop.workers.clients import build_redis, connect
 from warmloop.workers.fleet import check_fleet_serves
 from warmloop.workers.plugins import load_plugins
@@ -53,7 +52,6 @@ from warmloop.workflows.tenants import (
     TenantQuota,
     job_workflow_id,
     over_jobs,
-    over_tokens,
     split_job_id,
     tenant_problem,
 )
@@ -91,16 +89,7 @@ async def _claim_job_slot(client: Client, tenant: str, quota: TenantQuota, workf
 async def _check_tokens(tenant: str, quota: TenantQuota, usage: TenantUsage | None) -> None:
     """Raise QuotaExceededError when ``tenant`` has spent its tokens this hour (read
     through ``usage``; none, or Redis away: not refused, logged)."""
-    if quota.tokens_per_hour is None or usage is None:
-        return
-    now = time.time()
-    try:
-        used = await usage.used(tenant, now)
-    except REDIS_ERRORS as e:
-        log.warning("tenant_usage_unknown", tenant=tenant, error=str(e) or type(e).__name__)
-        return
-    refused = over_tokens(tenant, quota, used, now)
-    if refused is not None:
+    if (refused := await spent_hour(tenant, quota, usage)) is not None:
         raise QuotaExceededError(refused[0])
 
 
