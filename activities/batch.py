@@ -30,13 +30,17 @@ from typing import Any, BinaryIO, NamedTuple
 from botocore.exceptions import BotoCoreError, ClientError
 from pydantic import ValidationError
 from temporalio import activity
+from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
 from urllib3.exceptions import HTTPError
 
+from warmloop.activities.batch_recovery import JobsStillStopping, StoppedPage, stopped_page
 from warmloop.workflows.batch_run import (
     ReadPageRequest,
     ReadPageResult,
     RecordOutcome,
+    RecoverPageRequest,
     TaskRecord,
     WritePageRequest,
     one_line,
@@ -320,6 +324,19 @@ def _unavailable(source: str, e: BaseException) -> ApplicationError:
                             type=_UNAVAILABLE)
 
 
+async def _stopped_page(client: Client, batch_id: str) -> StoppedPage:
+    """``stopped_page``, its refusals as the activity's errors."""
+    try:
+        return await stopped_page(client, batch_id)
+    except JobsStillStopping as e:
+        raise ApplicationError(str(e), type="JobsStillStopping") from None
+    except RPCError as e:
+        if e.status != RPCStatusCode.NOT_FOUND:
+            raise
+        raise ApplicationError(f"batch {batch_id} is not known to Temporal (past its "
+                               "retention?)", type="PageMoved", non_retryable=True) from None
+
+
 class BatchActivities:
     def __init__(self, s3: Any, bucket: str, *, inputs: str | Iterable[str] | None = None,
                  quotas: Mapping[str, TenantQuota] | None = None) -> None:
@@ -430,3 +447,23 @@ class BatchActivities:
         await asyncio.to_thread(self._s3.put_object, Bucket=self._bucket, Key=key,
                                 Body=body.encode(), ContentType="application/x-ndjson")
         return key
+
+    @activity.defn(name="write_recovered_page")
+    async def write_recovered_page(self, req: RecoverPageRequest) -> str:
+        """Write the page a batch stopped on without writing it (terminated mid-page),
+        its outcomes read back from its jobs (``batch_recovery.stopped_page``, through
+        the worker's Temporal client), as that batch's page ``req.page``; its key.
+
+        Raises ApplicationError ``JobsStillStopping`` (retried) while a job the stop
+        asked to cancel has not ended, and ``PageMoved`` (not retried) when the batch's
+        last run is no longer that page's, or read none."""
+        found = await _stopped_page(activity.client(), req.batch_id)
+        if found.page != req.page or found.read is None:
+            raise ApplicationError(
+                f"batch {req.batch_id} is at page {found.page}"
+                f"{'' if found.read is not None else ' (not read)'}, not {req.page}: "
+                "resume it again", type="PageMoved", non_retryable=True)
+        if found.written:  # its run wrote it before it stopped
+            return page_key(req.batch_id, req.page)
+        return await self.write_batch_results(WritePageRequest(
+            batch_id=req.batch_id, page=req.page, outcomes=found.outcomes))

@@ -766,8 +766,8 @@ def _print_batch(res: Any) -> None:
 
 @batch_app.command("resume")
 def batch_resume(
-    batch_id: str = typer.Argument(..., help="A batch that was cancelled, or whose "
-                                   "source could not be read."),
+    batch_id: str = typer.Argument(..., help="A batch that was cancelled or terminated, "
+                                   "or whose source could not be read."),
     new_batch_id: str | None = typer.Option(
         None, "--batch-id", help="The new batch's id (default <batch id>-from-L<line>)."),
     follow: bool = typer.Option(False, "--follow", help="Show progress until it ends."),
@@ -778,7 +778,9 @@ def batch_resume(
     """Go on where BATCH_ID stopped: a new batch over the same source, profile, tenant
     and options (not its deadline), from the first line without an outcome, and first
     the lines whose jobs its cancel stopped (the lines between them that finished are
-    not run again)."""
+    not run again). A terminated batch is read back from Temporal: the new batch first
+    writes the page the old one never wrote, then runs that page's jobs that never
+    started or that the stop cut short."""
     from warmloop.workers.jobs import resumed_batch
 
     if new_batch_id is not None and (bad := id_problem("batch", new_batch_id)):
@@ -788,7 +790,7 @@ def batch_resume(
     async def go() -> None:
         client = await connect(settings)
         try:
-            inp, res, new = await resumed_batch(client, batch_id, new_batch_id,
+            inp, ended, new = await resumed_batch(client, batch_id, new_batch_id,
                                                 rerun_cancelled=not keep_cancelled)
         except InvalidJobError as e:
             fail(str(e))
@@ -804,8 +806,7 @@ def batch_resume(
         skipped = (f", skipping {len(inp.skip_lines)} line(s) with outcomes"
                    if inp.skip_lines else "")
         console.print(f"started batch {job_workflow_id(tenant, new)} from line "
-                      f"{inp.start_line} of {inp.source}{skipped} ({batch_id} ended "
-                      f"{res.state}: {res.reason})")
+                      f"{inp.start_line} of {inp.source}{skipped} ({batch_id} {ended})")
         if follow:
             await _follow_batch(handle)
 

@@ -23,7 +23,6 @@ from pydantic import BaseModel, ValidationError
 from temporalio.client import (
     Client,
     WorkflowExecutionStatus,
-    WorkflowFailureError,
     WorkflowHandle,
 )
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
@@ -36,7 +35,13 @@ from warmloop.workers.clients import build_redis, connect
 from warmloop.workers.fleet import check_fleet_serves
 from warmloop.workers.plugins import load_plugins
 from warmloop.workers.settings import Settings
-from warmloop.workflows.batch_run import BatchInput, BatchProgress, BatchResult, BatchRun
+from warmloop.workflows.batch_run import (
+    BatchInput,
+    BatchProgress,
+    BatchResult,
+    BatchRun,
+    RecoverPageRequest,
+)
 from warmloop.workflows.budgets import JobLimits
 from warmloop.workflows.contracts import (
     AGENT_TASK_QUEUE,
@@ -192,18 +197,23 @@ async def start_batch(client: Client, batch: BatchInput, batch_id: str, *,
 
 
 async def resumed_batch(client: Client, batch_id: str, new_batch_id: str | None = None, *,
-                        rerun_cancelled: bool = True) -> tuple[BatchInput, BatchResult, str]:
+                        rerun_cancelled: bool = True) -> tuple[BatchInput, str, str]:
     """The input of a batch that goes on where ``batch_id`` stopped (the same source,
-    profile, tenant and options), that result, and the new batch's bare id
-    (``new_batch_id``, else ``<old id>-from-L<line>``, the line it starts from).
+    profile, tenant and options), how the old batch ended (one line), and the new
+    batch's bare id (``new_batch_id``, else ``<old id>-from-L<line>``, the line it starts
+    from).
 
     It starts from the result's ``next_line``, the first line without an outcome, or,
     with ``rerun_cancelled`` and jobs the old batch's cancel stopped, from the first of
     those (``rerun_lines``), skipping the lines between that have an outcome already
-    (``BatchInput.skip_lines``: a job that finished is not run twice). Raises
-    InvalidJobError for a batch that is unknown, still running, ended without a result
-    (terminated), or left nothing to run (every line has an outcome, and none is a
-    stopped job's to run again), and for a bad new id."""
+    (``BatchInput.skip_lines``: a job that finished is not run twice). A batch that
+    ended without a result (terminated, failed, timed out) is read back from Temporal
+    (``batch_recovery.stopped_page``: waiting up to a minute for the jobs its stop asked
+    to cancel): the new batch first writes the page it never wrote (``recover``), then
+    runs the page's records that never started and the jobs the stop cut short. Raises
+    InvalidJobError for a batch that is unknown, still running (or its jobs still
+    stopping), or left nothing to run (every line has an outcome, and none is a stopped
+    job's to run again), and for a bad new id."""
     handle = client.get_workflow_handle(batch_id, result_type=BatchResult)
     try:
         desc = await handle.describe()
@@ -214,12 +224,10 @@ async def resumed_batch(client: Client, batch_id: str, new_batch_id: str | None 
     if desc.status == WorkflowExecutionStatus.RUNNING:
         raise InvalidJobError(f"batch {batch_id} is still running: cancel it first "
                               "(warmloop batch cancel) or let it end")
-    try:
-        res = await handle.result()
-    except WorkflowFailureError as e:
-        raise InvalidJobError(f"batch {batch_id} ended without a result ({e.cause or e}); "
-                              "its pages' outcomes are in S3, but where it stopped is not "
-                              "known") from None
+    if desc.status != WorkflowExecutionStatus.COMPLETED:
+        return await _resumed_stopped_batch(client, desc.id, desc.status, new_batch_id,
+                                            rerun_cancelled=rerun_cancelled)
+    res = await handle.result()
     rerun = res.rerun_lines if rerun_cancelled else []
     if res.source_done and not rerun:
         raise InvalidJobError(f"batch {batch_id} ended {res.state}: every line of its "
@@ -236,20 +244,63 @@ async def resumed_batch(client: Client, batch_id: str, new_batch_id: str | None 
     if rerun and res.rerun_offset is not None:
         start, offset = rerun[0], res.rerun_offset
         skip = set(range(start, res.next_line)) - set(rerun)
+    started = (await handle.fetch_history()).events[0].workflow_execution_started_event_attributes
+    [inp] = await client.data_converter.decode(started.input.payloads, [BatchInput])
+    new_inp, new = _resuming(inp, batch_id, new_batch_id, start, offset, skip, set(rerun))
+    return new_inp, f"ended {res.state}: {res.reason}".rstrip(": "), new
+
+
+async def _resumed_stopped_batch(client: Client, batch_id: str,
+                                 status: WorkflowExecutionStatus | None,
+                                 new_batch_id: str | None, *, rerun_cancelled: bool
+                                 ) -> tuple[BatchInput, str, str]:
+    """``resumed_batch`` of a batch that ended without a result."""
+    from warmloop.activities.batch_recovery import JobsStillStopping, stopped_page
+
+    how = (status.name if status is not None else "UNKNOWN").lower().replace("_", " ")
+    try:
+        found = await stopped_page(client, batch_id)
+    except JobsStillStopping as e:
+        raise InvalidJobError(f"batch {batch_id} was {how}, and {e}") from None
+    rerun = {r.line for r in found.stopped} if rerun_cancelled else set()
+    start, offset = found.start(rerun_stopped=rerun_cancelled)
+    recover = (RecoverPageRequest(batch_id=batch_id, page=found.page)
+               if found.read is not None and not found.written and found.outcomes else None)
+    if (recover is None and found.read is not None and found.read.exhausted
+            and not rerun and not found.unstarted):
+        raise InvalidJobError(f"batch {batch_id} was {how} after every line of its source "
+                              "had an outcome" + (" (its stopped jobs' lines not rerun, as "
+                                                  "asked)" if found.stopped else ""))
+    skip = {o.line for o in found.outcomes if o.line >= start}
+    inp, new = _resuming(found.inp, batch_id, new_batch_id, start, offset, skip, rerun)
+    why = f"was {how} on its page {found.page}"
+    if recover is not None:
+        inp = inp.model_copy(update={"recover": recover})
+        why += (f"; the page's {len(found.outcomes)} outcome(s), read back from its jobs, "
+                "are written first")
+    if found.stopped:
+        why += (f"; the stop cut short the jobs of lines "
+                f"{', '.join(str(r.line) for r in found.stopped)}"
+                + ("" if rerun_cancelled else " (not run again, as asked)"))
+    return inp, why, new
+
+
+def _resuming(inp: BatchInput, batch_id: str, new_batch_id: str | None, start: int,
+              offset: int, skip: set[int], rerun: set[int]) -> tuple[BatchInput, str]:
+    """The resumed batch's input (from ``start`` at byte ``offset``, skipping ``skip``,
+    running ``rerun`` again) and its bare id."""
     new = new_batch_id or f"{split_job_id(batch_id)[1]}-from-L{start}"
     if (bad := id_problem("batch", new)) is not None:
         raise InvalidJobError(bad)
-    started = (await handle.fetch_history()).events[0].workflow_execution_started_event_attributes
-    [inp] = await client.data_converter.decode(started.input.payloads, [BatchInput])
     # the old batch's own skipped lines (it resumed another) still have their outcomes
     # elsewhere: a batch stopped before it reached them must not run them
     skip |= {line for line in inp.skip_lines if line >= start}
-    skip -= set(rerun)
+    skip -= rerun
     # a deadline was the old batch's (past it, the new one would widen to max_window at
     # once); whoever resumes starts it (approval rules read submitted_by)
     return inp.model_copy(update={"carry": None, "start_line": start, "start_offset": offset,
                                   "skip_lines": sorted(skip), "deadline": None,
-                                  "submitted_by": None}), res, new
+                                  "submitted_by": None, "recover": None}), new
 
 
 async def submit_batch(client: Client, batch: BatchInput, batch_id: str,

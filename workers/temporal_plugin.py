@@ -102,7 +102,8 @@ def build_agent_activities(settings: Settings, loaded: LoadedPlugins) -> AgentAc
          tools.run_tool,
          storage.store_transcript,
          storage.load_transcript_chunk,
-         batch.read_records, batch.write_batch_results, slots.claim_job_slot,
+         batch.read_records, batch.write_batch_results, batch.write_recovered_page,
+         slots.claim_job_slot,
          pauses.record_pause,
          hygiene.archive_tool_outputs],
         [tools.aclose, redis.aclose, close_s3])

@@ -98,6 +98,16 @@ RERUN_PATCH = "batch-rerun-stopped"
 """A batch cancelled once every record of its page had started names the jobs its
 cancel stopped too (``BatchResult.rerun_lines``): it waits for its jobs without a
 gather that the cancel would reach first. Before it, such a cancel named none."""
+RECOVER_PATCH = "batch-recover-page"
+"""A resumed batch whose input names a page the old batch never wrote
+(``BatchInput.recover``) writes it before anything else; the branch is taken only by
+such a batch."""
+RECOVER_TIMEOUT = timedelta(minutes=3)
+"""One attempt of ``write_recovered_page``: a page's job results read back (waiting up
+to a minute for jobs still stopping) and one S3 write."""
+RECOVER_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), backoff_coefficient=2.0,
+                            maximum_interval=timedelta(seconds=30),
+                            non_retryable_error_types=["PageMoved"])
 WINDOW_TIMEOUT = timedelta(seconds=5)
 SLOT_TIMEOUT = timedelta(seconds=30)
 """One attempt of ``claim_job_slot`` (a visibility query, a Redis script, a few
@@ -125,6 +135,10 @@ class BatchState(StrEnum):
     """Cancelled (``warmloop batch cancel``): its running jobs were cancelled too (each
     ended CANCELLED with its transcript kept) and their outcomes written with the
     page's; the records after them did not run (the reason names the first)."""
+    RECOVERY_FAILED = "RECOVERY_FAILED"
+    """A resume of a batch that stopped without a result could not write the page that
+    batch never wrote (its jobs' outcomes, read back from Temporal, or S3 failed for
+    ``IO_RETRY_FOR``): nothing ran; resume the old batch again."""
     INVALID_INPUT = "INVALID_INPUT"
     """The batch's id is not in its tenant's namespace (``<tenant>/<batch id>``, a bare
     id for the default tenant): nothing was read or run."""
@@ -152,6 +166,15 @@ def one_line(text: str, limit: int = REASON_CHARS) -> str:
     cut to ``limit`` characters: outcomes stay small."""
     flat = " ".join(text.split())
     return flat if len(flat) <= limit else flat[:limit - 1] + "…"
+
+
+class RecoverPageRequest(BaseModel):
+    """A page of a batch that stopped without writing it: its number and the batch."""
+
+    batch_id: str = Field(min_length=1)
+    """The stopped batch's workflow id (``<tenant>/<id>`` for a tenant's)."""
+    page: int = Field(ge=1)
+    """The page's number in that batch: its pages written, plus one."""
 
 
 class BatchInput(BaseModel):
@@ -208,6 +231,11 @@ class BatchInput(BaseModel):
         description="Lines from start_line on that already have an outcome in the batch "
         "this one resumes (between the jobs its cancel stopped): they are not run, and "
         "get no outcome here (warmloop batch resume sets it).")
+    recover: RecoverPageRequest | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="A page the batch this one resumes never wrote (it was terminated "
+        "mid-page): written first, its outcomes read back from that batch's jobs "
+        "(warmloop batch resume sets it).")
     carry: BatchCarry | None = None
     """Internal: counters carried across continue-as-new."""
 
@@ -252,6 +280,30 @@ class BatchChildResult(BaseModel):
     reason: str = ""
     transcript_key: str | None = None
     usage: Usage = Field(default_factory=Usage)
+
+
+def job_outcome(line: int, job_id: str, res: BatchChildResult) -> RecordOutcome:
+    """The outcome of a record whose job ended in a named state (its ``JobResult``)."""
+    u = res.usage
+    return RecordOutcome(line=line, job_id=job_id, state=res.state,
+                         reason=one_line(res.reason), cost_usd=u.cost_usd,
+                         cost_unknown_steps=u.cost_unknown_steps,
+                         transcript_key=res.transcript_key, steps=u.steps,
+                         prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens,
+                         completion_tokens=u.completion_tokens)
+
+
+def failed_outcome(line: int, job_id: str, why: BaseException) -> RecordOutcome:
+    """The outcome of a record whose job failed as a workflow (never expected)."""
+    return RecordOutcome(line=line, job_id=job_id, state="FAILED",
+                         reason=one_line(str(getattr(why, "cause", None) or why)))
+
+
+def in_use_outcome(line: int, job_id: str) -> RecordOutcome:
+    """The outcome of a record whose job id a running workflow had already."""
+    return RecordOutcome(line=line, job_id=job_id, state="JOB_ID_IN_USE",
+                         reason=f"job id {job_id} is in use by a running workflow; "
+                         "the record did not run")
 
 
 class BatchCarry(BaseModel):
@@ -459,6 +511,22 @@ class BatchRun:
         if bad_id is not None and workflow.patched(TENANT_PATCH):
             workflow.logger.warning("batch refused: %s", bad_id)
             return self._result(inp, BatchState.INVALID_INPUT, one_line(f"invalid batch: {bad_id}"))
+        if (inp.recover is not None and inp.carry is None
+                and workflow.patched(RECOVER_PATCH)):
+            try:
+                await workflow.execute_activity(
+                    "write_recovered_page", inp.recover, start_to_close_timeout=RECOVER_TIMEOUT,
+                    schedule_to_close_timeout=IO_RETRY_FOR, task_queue=AGENT_TASK_QUEUE,
+                    retry_policy=RECOVER_RETRY, result_type=str)
+            except (asyncio.CancelledError, ActivityError) as e:
+                if _is_cancel(e):
+                    return self._cancelled_result(inp, False)
+                if not isinstance(e, ActivityError):
+                    raise
+                reason = one_line(f"page {inp.recover.page} of {inp.recover.batch_id} was not "
+                                  f"written: {e.cause or e}")
+                workflow.logger.warning("batch ended RECOVERY_FAILED: %s", reason)
+                return self._result(inp, BatchState.RECOVERY_FAILED, reason)
         c = self._carry
         self._deadline = inp.deadline
         self._base = min(inp.window or DEFAULT_BATCH_WINDOW, inp.max_window)
@@ -695,27 +763,19 @@ class BatchRun:
             handle = await self._start_child(job, job_id, inp.tenant)
         except WorkflowAlreadyStartedError:
             self._carry.failed += 1
-            return RecordOutcome(line=rec.line, job_id=job_id, state="JOB_ID_IN_USE",
-                                 reason=f"job id {job_id} is in use by a running workflow; "
-                                 "the record did not run")
+            return in_use_outcome(rec.line, job_id)
         try:
             res: BatchChildResult = await handle
         except ChildWorkflowError as e:
             self._carry.failed += 1
-            return RecordOutcome(line=rec.line, job_id=job_id, state="FAILED",
-                                 reason=one_line(str(e.cause or e)))
+            return failed_outcome(rec.line, job_id, e)
         u = res.usage
         self._carry.done += 1
         self._carry.cost_usd += u.cost_usd
         self._carry.cost_unknown_steps += u.cost_unknown_steps
         self._carry.prompt_tokens += u.prompt_tokens
         self._carry.cached_tokens += u.cached_tokens
-        return RecordOutcome(line=rec.line, job_id=job_id, state=res.state,
-                             reason=one_line(res.reason), cost_usd=u.cost_usd,
-                             cost_unknown_steps=u.cost_unknown_steps,
-                             transcript_key=res.transcript_key, steps=u.steps,
-                             prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens,
-                             completion_tokens=u.completion_tokens)
+        return job_outcome(rec.line, job_id, res)
 
 
     async def _start_child(self, job: JobInput, job_id: str, tenant: str

@@ -23,7 +23,7 @@ from warmloop.workers.approvals import ApprovalRefused, dev_approver, list_pendi
 from warmloop.workers.clients import build_s3
 from warmloop.workers.demo import bundled_tickets
 from warmloop.workers.settings import Settings
-from warmloop.workflows.batch_run import BatchResult, BatchRun, RecordOutcome
+from warmloop.workflows.batch_run import BatchResult, BatchRun, RecordOutcome, page_key
 from warmloop.workflows.profiles import get_profile
 from warmloop.workflows.tenants import hour_window
 
@@ -326,3 +326,49 @@ async def test_a_cancelled_batch_ends_its_running_jobs_cancelled_and_says_where_
                      interval_s=0.1)
     await jobs.cancel_batch(third)
     assert "lines from 5 on did not run" in (await jobs.batch_result(third)).reason
+
+
+async def test_a_terminated_batch_resumes_with_the_page_it_never_wrote(
+    client: Client, stack: Stack, tmp_path: Path, settings: Settings,
+) -> None:
+    """Terminated (not cancelled) with two review jobs waiting for a human: no result,
+    no page. ``warmloop batch resume`` reads the page back from Temporal (the jobs
+    ended CANCELLED when the batch closed), the new batch writes it as the old batch's
+    page 1 on the agent worker (both lines CANCELLED, their transcripts kept), and
+    runs lines 1 and 2 again, each waiting for a reviewer."""
+    from warmloop.workers.jobs import JobClient
+
+    src = tmp_path / "cases.jsonl"
+    src.write_text("".join(json.dumps({"case_id": f"S{n + 100:04d}",
+                                       "text": "a case to review"})
+                           + "\n" for n in range(3)))
+    jobs = JobClient(client)
+    bid = await jobs.start_batch("synthetic-review", str(src), window=2, max_steps=4,
+                                 batch_id=f"batch-t-{uuid.uuid4().hex[:6]}",
+                                 tools=["escalate"])
+
+    async def waiting_for(*ids: str) -> bool:
+        return set(ids) <= {p.job_id for p in await list_pending(client)}
+
+    await eventually(lambda: waiting_for(f"{bid}-L1", f"{bid}-L2"), attempts=600,
+                     interval_s=0.1)
+    await client.get_workflow_handle(bid).terminate("an operator stopped it")
+    resumed = await asyncio.to_thread(warmloop, "batch", "resume", bid)
+    assert resumed.returncode == 0, resumed.stderr
+    new = f"{bid}-from-L1"
+    assert f"started batch {new} from line 1" in resumed.stdout
+    assert "was terminated on its page 1" in resumed.stdout
+    await eventually(lambda: waiting_for(f"{new}-L1", f"{new}-L2"), attempts=600,
+                     interval_s=0.1)
+    s3 = build_s3(settings)
+    page = await asyncio.to_thread(s3.get_object, Bucket=settings.s3_bucket,
+                                   Key=page_key(bid, 1))
+    outcomes = [RecordOutcome.model_validate_json(line)
+                for line in page["Body"].read().decode().splitlines()]
+    assert [(o.line, o.job_id, o.state) for o in outcomes] == [
+        (1, f"{bid}-L1", "CANCELLED"), (2, f"{bid}-L2", "CANCELLED")]
+    for o in outcomes:  # each job's transcript kept
+        assert o.transcript_key is not None
+        await asyncio.to_thread(s3.head_object, Bucket=settings.s3_bucket, Key=o.transcript_key)
+    await jobs.cancel_batch(new)
+    assert "lines from 3 on did not run" in (await jobs.batch_result(new)).reason

@@ -26,7 +26,13 @@ from warmloop.activities.batch import BatchActivities
 from warmloop.workers.temporal_plugin import sandbox_runner
 from warmloop.workflows import batch_run
 from warmloop.workflows.agent_job import AgentJob
-from warmloop.workflows.batch_run import BatchInput, BatchRun, RecordOutcome
+from warmloop.workflows.batch_run import (
+    BatchInput,
+    BatchRun,
+    RecordOutcome,
+    RecoverPageRequest,
+    page_key,
+)
 from warmloop.workflows.contracts import (
     AGENT_TASK_QUEUE,
     GenerateRequest,
@@ -154,7 +160,8 @@ async def batch_workers(env: WorkflowEnvironment, fakes: FakeActivities,
                activities=[fakes.route_step, fakes.pick_engine, fakes.record_pause,
                            fakes.engine_alive, fakes.batch_window,
                            fakes.run_tool, fakes.store_transcript, batch.read_records,
-                           batch.write_batch_results, slots.claim_job_slot]),
+                           batch.write_batch_results, batch.write_recovered_page,
+                           slots.claim_job_slot]),
         Worker(client, task_queue=engine_task_queue("fake0"),
                activities=[fakes.generate, fakes.prewarm]),
     ):
@@ -597,6 +604,59 @@ async def test_a_terminated_batchs_running_jobs_end_cancelled_with_their_transcr
             res = await asyncio.wait_for(job.result(), 60)
             assert res.state == JobState.CANCELLED
             assert res.transcript_key == f"transcripts/{bid}-L{line}.json"
+
+
+async def test_a_terminated_batch_resumes_from_its_jobs_without_running_one_twice(
+    dev_server_env: WorkflowEnvironment, tmp_path: Path,
+) -> None:
+    """Terminated mid-page (no result, no page written) with line 1's job finished, the
+    jobs of lines 2 and 3 running and 4 and 5 not started: the resume reads the page
+    back from Temporal (waiting for the stopped jobs to end CANCELLED), the new batch
+    writes it as the old batch's page 1 (1 FINISHED, 2 and 3 CANCELLED, their
+    transcripts kept), then runs 2, 3, 4 and 5, never 1. Without the stopped lines it
+    starts at 4; the page is written the same again."""
+    from warmloop.workers.jobs import JobClient, resumed_batch
+
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 5, {})
+    fakes = hanging_fakes()
+    s3 = MemoryS3()
+    bid = f"acme/batch-{uuid.uuid4().hex[:6]}"
+    fakes.lines, fakes.only = ("-L2", "-L3"), f"{bid}-L"  # the first batch's jobs only
+    async with batch_workers(dev_server_env, fakes, s3) as client:
+        jobs = JobClient(client)
+        handle = await client.start_workflow(
+            BatchRun.run, BatchInput(profile="ticket-triage", source=str(src), window=2,
+                                     tenant="acme", max_steps=3),
+            id=bid, task_queue=AGENT_TASK_QUEUE)
+        await asyncio.wait_for(fakes.started.wait(), 60)  # 2 and 3 hang: 1 has finished
+        await handle.terminate("operator stopped it")
+        inp, ended, new = await resumed_batch(client, bid)
+        assert (inp.start_line, inp.skip_lines, inp.recover) == (
+            2, [], RecoverPageRequest(batch_id=bid, page=1))
+        assert "was terminated on its page 1" in ended
+        assert "cut short the jobs of lines 2, 3" in ended
+        assert new == f"{bid.removeprefix('acme/')}-from-L2"
+        new_id = await jobs.resume_batch(bid)
+        res = await jobs.batch_result(new_id)
+        old_page = [RecordOutcome.model_validate_json(line)
+                    for line in s3.objects[page_key(bid, 1)].decode().splitlines()]
+        later = await jobs.resume_batch(bid, rerun_cancelled=False)
+        later_res = await jobs.batch_result(later)
+        assert s3.objects[page_key(bid, 1)].decode().splitlines() == [
+            o.model_dump_json() for o in old_page]  # written again, the same
+    assert [(o.line, o.job_id, o.state) for o in old_page] == [
+        (1, f"{bid}-L1", "FINISHED"), (2, f"{bid}-L2", "CANCELLED"),
+        (3, f"{bid}-L3", "CANCELLED")]
+    assert all(o.transcript_key for o in old_page)
+    assert (res.state, res.done, res.next_line) == ("COMPLETED", 4, 6)
+    resumed = [RecordOutcome.model_validate_json(line)
+               for line in s3.objects[res.result_keys[0]].decode().splitlines()]
+    assert [(o.line, o.state) for o in resumed] == [(n, "FINISHED") for n in (2, 3, 4, 5)]
+    assert later == f"{bid}-from-L4" and (later_res.done, later_res.next_line) == (2, 6)
+    ran = {r.job_id for r in fakes.generate_requests}
+    assert ran == {*(f"{bid}-L{n}" for n in (1, 2, 3)), *(f"{new_id}-L{n}" for n in (2, 3, 4, 5)),
+                   *(f"{later}-L{n}" for n in (4, 5))}
 
 
 async def test_a_batch_cancelled_while_its_source_is_down_ends_cancelled(

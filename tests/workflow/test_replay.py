@@ -58,7 +58,8 @@ RECORDED_IDS = {"batch_run_with_bad_line": "replay-batch",
                 "batch_run_job_slots": "acme/replay-batch-slots",
                 "batch_run_resumed_skipping": "replay-batch-resumed",
                 "batch_run_cancelled_all_started": "replay-batch-cancelled-all",
-                "batch_run_cancelled_rerun": "replay-batch-cancelled-rerun"}
+                "batch_run_cancelled_rerun": "replay-batch-cancelled-rerun",
+                "batch_run_recovering_page": "replay-batch-terminated-from-L1"}
 """Workflow ids of recorded histories whose commands depend on the id (child job ids)."""
 
 
@@ -264,6 +265,35 @@ async def test_a_fresh_cancelled_batch_history_replays(
         history = await handle.fetch_history()
     await _replayer().replay_workflow(history)
     _record(f"{name}.json", history)
+
+
+async def test_a_fresh_batch_history_that_recovers_a_page_replays(
+        dev_server_env: WorkflowEnvironment, tmp_path: Path) -> None:
+    """A batch resuming a terminated one: it writes the page the old batch never wrote
+    (``write_recovered_page``, the ``batch-recover-page`` patch), then runs the jobs the
+    termination stopped."""
+    from warmloop.workers.jobs import resumed_batch
+
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 2, {})
+    fakes = hanging_fakes()
+    old = "replay-batch-terminated"
+    fakes.only = f"{old}-L"
+    async with batch_workers(dev_server_env, fakes, MemoryS3()) as client:
+        stopped = await client.start_workflow(
+            BatchRun.run, BatchInput(profile="ticket-triage", source=str(src), window=2),
+            id=old, task_queue=AGENT_TASK_QUEUE)
+        await asyncio.wait_for(fakes.started.wait(), 60)
+        await stopped.terminate("operator stopped it")
+        inp, _, new = await resumed_batch(client, old)
+        assert inp.recover is not None and new == RECORDED_IDS["batch_run_recovering_page"]
+        handle = await client.start_workflow(BatchRun.run, inp, id=new,
+                                             task_queue=AGENT_TASK_QUEUE)
+        res = await handle.result()
+        history = await handle.fetch_history()
+    assert (res.state, res.done) == ("COMPLETED", 2)
+    await _replayer().replay_workflow(history)
+    _record("batch_run_recovering_page.json", history)
 
 
 async def test_a_fresh_replayed_trace_history_replays(
