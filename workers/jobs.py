@@ -297,10 +297,13 @@ def _resuming(inp: BatchInput, batch_id: str, new_batch_id: str | None, start: i
     skip |= {line for line in inp.skip_lines if line >= start}
     skip -= rerun
     # a deadline was the old batch's (past it, the new one would widen to max_window at
-    # once); whoever resumes starts it (approval rules read submitted_by)
+    # once); whoever resumes starts it (approval rules read submitted_by). A page the
+    # old batch was to recover goes on to the new one while the old one stopped in its
+    # first run (before the write, perhaps: writing it again writes the same).
     return inp.model_copy(update={"carry": None, "start_line": start, "start_offset": offset,
                                   "skip_lines": sorted(skip), "deadline": None,
-                                  "submitted_by": None, "recover": None}), new
+                                  "submitted_by": None,
+                                  "recover": inp.recover if inp.carry is None else None}), new
 
 
 async def submit_batch(client: Client, batch: BatchInput, batch_id: str,

@@ -760,6 +760,32 @@ async def test_a_batch_cancelled_once_every_job_started_names_them_to_run_again(
     assert (new, res.state, res.done) == (f"{bid}-from-L1", "COMPLETED", 2)
 
 
+async def test_a_batch_that_cannot_write_its_recovered_page_runs_nothing_and_passes_it_on(
+    dev_server_env: WorkflowEnvironment, tmp_path: Path,
+) -> None:
+    """The page to recover names a batch Temporal does not know (past its retention):
+    the new batch ends RECOVERY_FAILED, nothing read or run, and resuming it passes the
+    page on (or the old batch's outcomes would never be written)."""
+    from warmloop.workers.jobs import resumed_batch
+
+    src = tmp_path / "tickets.jsonl"
+    write_records(src, 2, {})
+    recover = RecoverPageRequest(batch_id=f"gone-{uuid.uuid4().hex[:6]}", page=3)
+    fakes = FakeActivities(lambda req: reply("finish", "{}"))
+    s3 = MemoryS3()
+    async with batch_workers(dev_server_env, fakes, s3) as client:
+        bid = f"batch-{uuid.uuid4().hex[:6]}"
+        res = await client.execute_workflow(
+            BatchRun.run, BatchInput(profile="ticket-triage", source=str(src), window=1,
+                                     recover=recover), id=bid, task_queue=AGENT_TASK_QUEUE)
+        inp, _, _ = await resumed_batch(client, bid)
+    assert res.state == "RECOVERY_FAILED", res.reason
+    assert f"page 3 of {recover.batch_id} was not written" in res.reason
+    assert "not known to Temporal" in res.reason
+    assert (res.records, res.pages, fakes.generate_requests, s3.objects) == (0, 0, [], {})
+    assert (inp.start_line, inp.recover) == (1, recover)
+
+
 async def test_a_resumed_batch_that_stopped_early_keeps_its_skipped_lines_when_resumed(
     dev_server_env: WorkflowEnvironment, tmp_path: Path,
 ) -> None:
