@@ -35,7 +35,12 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 from urllib3.exceptions import HTTPError
 
-from warmloop.activities.batch_recovery import JobsStillStopping, StoppedPage, stopped_page
+from warmloop.activities.batch_recovery import (
+    JobGone,
+    JobsStillStopping,
+    StoppedPage,
+    stopped_page,
+)
 from warmloop.workflows.batch_run import (
     ReadPageRequest,
     ReadPageResult,
@@ -330,6 +335,8 @@ async def _stopped_page(client: Client, batch_id: str) -> StoppedPage:
         return await stopped_page(client, batch_id)
     except JobsStillStopping as e:
         raise ApplicationError(str(e), type="JobsStillStopping") from None
+    except JobGone as e:
+        raise ApplicationError(str(e), type="PageMoved", non_retryable=True) from None
     except RPCError as e:
         if e.status != RPCStatusCode.NOT_FOUND:
             raise

@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from temporalio.api.common.v1 import Payloads
+from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import Client, WorkflowFailureError
+from temporalio.exceptions import CancelledError, TerminatedError
+from temporalio.service import RPCError, RPCStatusCode
 
 from warmloop.workflows.batch_run import (
     BatchCarry,
@@ -39,6 +43,14 @@ from warmloop.workflows.contracts import JobState
 STOPPING_WAIT_S = 60.0
 """How long to wait, in all, for the jobs a stopped batch asked to cancel to end (a job
 cancelled while it waits for a human or a tool ends within seconds)."""
+
+
+RECOVER_ACTIVITY = "write_recovered_page"
+
+
+class JobGone(Exception):
+    """A job the stopped batch started is not known to Temporal any more (past the
+    namespace's retention): the page's outcomes cannot all be read back."""
 
 
 class JobsStillStopping(Exception):
@@ -70,6 +82,9 @@ class StoppedPage:
     stop's doing: a resume runs them again, as it runs a cancelled batch's)."""
     unstarted: list[TaskRecord] = field(default_factory=list)
     """Records of the page whose jobs never started."""
+    recovery_written: bool = False
+    """The run wrote the page its own input asked it to recover (``BatchInput.recover``):
+    a resume of this batch need not pass that page on."""
 
     def start(self, *, rerun_stopped: bool = True) -> tuple[int, int]:
         """The line and byte offset the page's unfinished part begins at: the first of
@@ -86,16 +101,27 @@ class StoppedPage:
         return self.read.next_line, self.read.next_offset
 
 
+def recovery_written(events: Sequence[HistoryEvent]) -> bool:
+    """Whether a batch run's history (``events``) shows the page its input asked it to
+    recover (``BatchInput.recover``) written."""
+    scheduled = {ev.event_id: ev.activity_task_scheduled_event_attributes.activity_type.name
+                 for ev in events if ev.HasField("activity_task_scheduled_event_attributes")}
+    return any(scheduled.get(ev.activity_task_completed_event_attributes.scheduled_event_id)
+               == RECOVER_ACTIVITY for ev in events
+               if ev.HasField("activity_task_completed_event_attributes"))
+
+
 async def stopped_page(client: Client, batch_id: str, *,
                        wait_s: float = STOPPING_WAIT_S) -> StoppedPage:
     """Read back the page ``batch_id`` (its workflow id) was on when it stopped.
 
     Waits up to ``wait_s`` in all for the page's jobs still running (asked to cancel by
-    the stop) to end; raises ``JobsStillStopping`` past it. Reads the last run's history
-    (a page's worth of events) and each started job's result."""
+    the stop) to end; raises ``JobsStillStopping`` past it, and ``JobGone`` for a job
+    the batch started that Temporal no longer knows. Reads the last run's history (a
+    page's worth of events) and the results of the jobs that ended after the stop."""
     handle = client.get_workflow_handle(batch_id)
     history = await handle.fetch_history()
-    events = history.events
+    events = list(history.events)
     decode = client.data_converter.decode
     started = events[0].workflow_execution_started_event_attributes
     [inp] = await decode(started.input.payloads, [BatchInput])
@@ -104,10 +130,15 @@ async def stopped_page(client: Client, batch_id: str, *,
     read: ReadPageResult | None = None
     written: WritePageRequest | None = None
     initiated: set[str] = set()
+    began: set[str] = set()
     in_use: set[str] = set()
-    ended_before: set[str] = set()
-    """Jobs whose end reached the batch before it stopped: their outcome is final, a
-    CANCELLED one too (a person cancelled that job alone)."""
+    cancel_asked: int | None = None
+    ended_before: dict[str, tuple[int, RecordOutcome | BatchChildResult, bool]] = {}
+    """Jobs whose end reached the batch before it stopped: the event's id, the job's
+    result (or, failed as a workflow, its outcome), and whether it was stopped (ended
+    CANCELLED, or cancelled or terminated as a workflow). Final, a stopped one too (a
+    person cancelled that job alone), unless it ended after the batch was asked to
+    cancel (the cancel's doing: run again, as a cancelled batch names it)."""
     for ev in events:
         if ev.HasField("activity_task_scheduled_event_attributes"):
             a = ev.activity_task_scheduled_event_attributes
@@ -119,17 +150,32 @@ async def stopped_page(client: Client, batch_id: str, *,
                 [read] = await decode(done.result.payloads, [ReadPageResult])
             elif name == "write_batch_results":
                 [written] = await decode(given.payloads, [WritePageRequest])
+        elif ev.HasField("workflow_execution_cancel_requested_event_attributes"):
+            cancel_asked = cancel_asked or ev.event_id
         elif ev.HasField("start_child_workflow_execution_initiated_event_attributes"):
             initiated.add(ev.start_child_workflow_execution_initiated_event_attributes
                           .workflow_id)
+        elif ev.HasField("child_workflow_execution_started_event_attributes"):
+            began.add(ev.child_workflow_execution_started_event_attributes
+                      .workflow_execution.workflow_id)
         elif ev.HasField("start_child_workflow_execution_failed_event_attributes"):
             in_use.add(ev.start_child_workflow_execution_failed_event_attributes.workflow_id)
+        elif ev.HasField("child_workflow_execution_completed_event_attributes"):
+            c = ev.child_workflow_execution_completed_event_attributes
+            [res] = await decode(c.result.payloads, [BatchChildResult])
+            ended_before[c.workflow_execution.workflow_id] = (
+                ev.event_id, res, res.state == JobState.CANCELLED)
         else:
-            for kind in ("completed", "failed", "canceled", "terminated", "timed_out"):
+            for kind in ("failed", "canceled", "terminated", "timed_out"):
                 attr = f"child_workflow_execution_{kind}_event_attributes"
                 if ev.HasField(attr):  # type: ignore[arg-type]
-                    ended_before.add(getattr(ev, attr).workflow_execution.workflow_id)
-    found = StoppedPage(inp=inp, page=carry.pages + 1, read=None)
+                    a = getattr(ev, attr)
+                    why = a.failure.message if kind == "failed" else kind.replace("_", " ")
+                    wid = a.workflow_execution.workflow_id
+                    ended_before[wid] = (ev.event_id, failed_outcome(0, wid, Exception(why)),
+                                         kind in ("canceled", "terminated"))
+    found = StoppedPage(inp=inp, page=carry.pages + 1, read=None,
+                        recovery_written=recovery_written(events))
     if read is None:
         return found
     if inp.skip_lines:  # as the run filtered its page
@@ -150,13 +196,30 @@ async def stopped_page(client: Client, batch_id: str, *,
         job_id = f"{batch_id}-L{rec.line}"
         if job_id in in_use:
             outcomes.append(in_use_outcome(rec.line, job_id))
+            continue
+        if job_id in ended_before:
+            at, res, stopped = ended_before[job_id]
+            outcome = (job_outcome(rec.line, job_id, res) if isinstance(res, BatchChildResult)
+                       else res.model_copy(update={"line": rec.line}))
+            cut_short = stopped and cancel_asked is not None and at > cancel_asked
         elif job_id not in initiated:
             found.unstarted.append(rec)
+            continue
         else:
-            outcome = await _ended_job(client, rec.line, job_id, deadline)
-            outcomes.append(outcome)
-            if outcome.state == JobState.CANCELLED and job_id not in ended_before:
-                found.stopped.append(rec)
+            try:
+                outcome, cut_short = await _ended_job(client, rec.line, job_id, deadline)
+            except RPCError as e:
+                if e.status != RPCStatusCode.NOT_FOUND:
+                    raise
+                if job_id not in began:  # asked for, never started: the batch stopped first
+                    found.unstarted.append(rec)
+                    continue
+                raise JobGone(f"job {job_id} of batch {batch_id} is not known to Temporal "
+                              "any more (past its retention?): its outcome cannot be "
+                              "read back") from None
+        outcomes.append(outcome)
+        if cut_short:
+            found.stopped.append(rec)
     # bad lines after a record that never started are the next batch's to report
     first_unstarted = min((r.line for r in found.unstarted), default=None)
     outcomes += [b for b in read.bad if first_unstarted is None or b.line < first_unstarted]
@@ -165,16 +228,19 @@ async def stopped_page(client: Client, batch_id: str, *,
 
 
 async def _ended_job(client: Client, line: int, job_id: str, deadline: float
-                     ) -> RecordOutcome:
-    """The outcome of a started job, once it has ended (until ``deadline``)."""
+                     ) -> tuple[RecordOutcome, bool]:
+    """The outcome of a started job once it has ended (until ``deadline``), and whether
+    the batch's stop cut it short (it ended CANCELLED, or cancelled or terminated as a
+    workflow: a batch from before its jobs were asked to cancel terminated them)."""
     job = client.get_workflow_handle(job_id, result_type=BatchChildResult)
     try:
         # an ended job answers at once: a floor, so one past the deadline is still read
         res = await asyncio.wait_for(job.result(), max(2.0, deadline - time.monotonic()))
     except WorkflowFailureError as e:  # failed, terminated or timed out as a workflow
-        return failed_outcome(line, job_id, e)
+        return (failed_outcome(line, job_id, e),
+                isinstance(e.cause, TerminatedError | CancelledError))
     except TimeoutError:
         raise JobsStillStopping(f"job {job_id} has not ended yet (its batch asked it to "
                                 "cancel when it stopped); try again once it has, or "
                                 "cancel it") from None
-    return job_outcome(line, job_id, res)
+    return job_outcome(line, job_id, res), res.state == JobState.CANCELLED

@@ -29,6 +29,12 @@ from temporalio.common import SearchAttributePair, TypedSearchAttributes, Workfl
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
+from warmloop.activities.batch_recovery import (
+    JobGone,
+    JobsStillStopping,
+    recovery_written,
+    stopped_page,
+)
 from warmloop.activities.registry import REDIS_ERRORS, TenantUsage
 from warmloop.activities.tenant_slots import claim_slot, spent_hour
 from warmloop.workers.clients import build_redis, connect
@@ -221,6 +227,8 @@ async def resumed_batch(client: Client, batch_id: str, new_batch_id: str | None 
         if e.status == RPCStatusCode.NOT_FOUND:
             raise InvalidJobError(f"unknown batch {batch_id}") from None
         raise
+    if desc.workflow_type != BatchRun.__name__:
+        raise InvalidJobError(f"{batch_id} is a {desc.workflow_type} workflow, not a batch")
     if desc.status == WorkflowExecutionStatus.RUNNING:
         raise InvalidJobError(f"batch {batch_id} is still running: cancel it first "
                               "(warmloop batch cancel) or let it end")
@@ -244,9 +252,11 @@ async def resumed_batch(client: Client, batch_id: str, new_batch_id: str | None 
     if rerun and res.rerun_offset is not None:
         start, offset = rerun[0], res.rerun_offset
         skip = set(range(start, res.next_line)) - set(rerun)
-    started = (await handle.fetch_history()).events[0].workflow_execution_started_event_attributes
+    events = list((await handle.fetch_history()).events)
+    started = events[0].workflow_execution_started_event_attributes
     [inp] = await client.data_converter.decode(started.input.payloads, [BatchInput])
-    new_inp, new = _resuming(inp, batch_id, new_batch_id, start, offset, skip, set(rerun))
+    new_inp, new = _resuming(inp, batch_id, new_batch_id, start, offset, skip, set(rerun),
+                             recovery_written=recovery_written(events))
     return new_inp, f"ended {res.state}: {res.reason}".rstrip(": "), new
 
 
@@ -255,12 +265,10 @@ async def _resumed_stopped_batch(client: Client, batch_id: str,
                                  new_batch_id: str | None, *, rerun_cancelled: bool
                                  ) -> tuple[BatchInput, str, str]:
     """``resumed_batch`` of a batch that ended without a result."""
-    from warmloop.activities.batch_recovery import JobsStillStopping, stopped_page
-
     how = (status.name if status is not None else "UNKNOWN").lower().replace("_", " ")
     try:
         found = await stopped_page(client, batch_id)
-    except JobsStillStopping as e:
+    except (JobsStillStopping, JobGone) as e:
         raise InvalidJobError(f"batch {batch_id} was {how}, and {e}") from None
     rerun = {r.line for r in found.stopped} if rerun_cancelled else set()
     start, offset = found.start(rerun_stopped=rerun_cancelled)
@@ -272,7 +280,8 @@ async def _resumed_stopped_batch(client: Client, batch_id: str,
                               "had an outcome" + (" (its stopped jobs' lines not rerun, as "
                                                   "asked)" if found.stopped else ""))
     skip = {o.line for o in found.outcomes if o.line >= start}
-    inp, new = _resuming(found.inp, batch_id, new_batch_id, start, offset, skip, rerun)
+    inp, new = _resuming(found.inp, batch_id, new_batch_id, start, offset, skip, rerun,
+                         recovery_written=found.recovery_written)
     why = f"was {how} on its page {found.page}"
     if recover is not None:
         inp = inp.model_copy(update={"recover": recover})
@@ -286,9 +295,11 @@ async def _resumed_stopped_batch(client: Client, batch_id: str,
 
 
 def _resuming(inp: BatchInput, batch_id: str, new_batch_id: str | None, start: int,
-              offset: int, skip: set[int], rerun: set[int]) -> tuple[BatchInput, str]:
+              offset: int, skip: set[int], rerun: set[int], *,
+              recovery_written: bool) -> tuple[BatchInput, str]:
     """The resumed batch's input (from ``start`` at byte ``offset``, skipping ``skip``,
-    running ``rerun`` again) and its bare id."""
+    running ``rerun`` again) and its bare id. ``recovery_written``: the old batch's last
+    run wrote the page its input asked it to recover."""
     new = new_batch_id or f"{split_job_id(batch_id)[1]}-from-L{start}"
     if (bad := id_problem("batch", new)) is not None:
         raise InvalidJobError(bad)
@@ -298,12 +309,11 @@ def _resuming(inp: BatchInput, batch_id: str, new_batch_id: str | None, start: i
     skip -= rerun
     # a deadline was the old batch's (past it, the new one would widen to max_window at
     # once); whoever resumes starts it (approval rules read submitted_by). A page the
-    # old batch was to recover goes on to the new one while the old one stopped in its
-    # first run (before the write, perhaps: writing it again writes the same).
+    # old batch was to recover and did not write goes on to the new one.
     return inp.model_copy(update={"carry": None, "start_line": start, "start_offset": offset,
                                   "skip_lines": sorted(skip), "deadline": None,
                                   "submitted_by": None,
-                                  "recover": inp.recover if inp.carry is None else None}), new
+                                  "recover": None if recovery_written else inp.recover}), new
 
 
 async def submit_batch(client: Client, batch: BatchInput, batch_id: str,

@@ -592,7 +592,8 @@ class BatchRun:
         if self._cancelled:
             return self._cancelled_result(inp, page.exhausted and stop is None)
         if stop is not None or not page.exhausted:
-            workflow.continue_as_new(inp.model_copy(update={"carry": c}))
+            # the page to recover was written by this run: later runs' inputs leave it out
+            workflow.continue_as_new(inp.model_copy(update={"carry": c, "recover": None}))
         return self._result(inp, BatchState.COMPLETED, "")
 
     async def _write_page(self, req: WritePageRequest) -> str:
