@@ -231,9 +231,9 @@ def submit(
 
 
 async def _handle(workflow_id: str, *, result_type: type = JobResult,  # type: ignore[no-untyped-def]
-                  what: str = "job"):
+                  what: str = "job", client: Client | None = None):
     """The handle and description of ``workflow_id``; one clear line if there is none."""
-    client = await connect(_settings())
+    client = client or await connect(_settings())
     handle = client.get_workflow_handle(workflow_id, result_type=result_type)
     try:
         desc = await handle.describe()
@@ -854,12 +854,20 @@ def batch_cancel(batch_id: str) -> None:
 
 @batch_app.command("status")
 def batch_status(batch_id: str) -> None:
-    """Progress of a running batch, or its result."""
+    """Progress of a running batch, or its result (or, for one terminated, the page it
+    stopped on)."""
 
     async def go() -> None:
-        from warmloop.workflows.batch_run import BatchResult, BatchRun
+        from warmloop.workflows.batch_run import (
+            BatchInput,
+            BatchResult,
+            BatchRun,
+            results_prefix,
+        )
 
-        handle, desc = await _handle(batch_id, result_type=BatchResult, what="batch")
+        client = await connect(_settings())
+        handle, desc = await _handle(batch_id, result_type=BatchResult, what="batch",
+                                     client=client)
         if desc.status == WorkflowExecutionStatus.RUNNING:
             p = await handle.query(BatchRun.progress)
             eta = p.estimated_finish.isoformat(timespec="seconds") if p.estimated_finish else "?"
@@ -872,8 +880,19 @@ def batch_status(batch_id: str) -> None:
                 console.print(f"window: {p.window_why}")
             if p.waiting_for_quota:
                 console.print(f"waiting: {_quota_wait(desc)}")
-        else:
+        elif desc.status == WorkflowExecutionStatus.COMPLETED:
             _print_batch(await handle.result())
+        else:  # terminated, failed, timed out: no result says where it stopped
+            events = (await handle.fetch_history()).events
+            [inp] = await client.data_converter.decode(
+                events[0].workflow_execution_started_event_attributes.input.payloads,
+                [BatchInput])
+            pages = inp.carry.pages if inp.carry else 0
+            how = desc.status.name.lower().replace("_", " ") if desc.status else "ended"
+            console.print(f"{batch_id}: {how} without a result, on its page {pages + 1} "
+                          f"({pages} page(s) of outcomes under {results_prefix(batch_id)}); "
+                          f"`warmloop batch resume {batch_id}` writes that page from its "
+                          "jobs and goes on")
 
     run(go())
 

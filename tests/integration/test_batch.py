@@ -353,6 +353,10 @@ async def test_a_terminated_batch_resumes_with_the_page_it_never_wrote(
     await eventually(lambda: waiting_for(f"{bid}-L1", f"{bid}-L2"), attempts=600,
                      interval_s=0.1)
     await client.get_workflow_handle(bid).terminate("an operator stopped it")
+    status = await asyncio.to_thread(warmloop, "batch", "status", bid)
+    assert status.returncode == 0, status.stderr
+    assert "terminated without a result, on its page 1 (0 page(s)" in status.stdout
+    assert f"warmloop batch resume {bid}" in status.stdout
     resumed = await asyncio.to_thread(warmloop, "batch", "resume", bid)
     assert resumed.returncode == 0, resumed.stderr
     new = f"{bid}-from-L1"
