@@ -547,6 +547,18 @@ def hanging_fakes() -> HangsFirstJobs:
     return fakes
 
 
+async def start_until_two_hang(client: Any, fakes: HangsFirstJobs, src: Path,
+                               bid: str) -> Any:
+    """Start ``src`` as tenant acme's batch ``bid`` (window 2, 3 steps a job); its handle
+    once two of its jobs hang (``fakes.lines``)."""
+    handle = await client.start_workflow(
+        BatchRun.run, BatchInput(profile="ticket-triage", source=str(src), window=2,
+                                 tenant="acme", max_steps=3),
+        id=bid, task_queue=AGENT_TASK_QUEUE)
+    await asyncio.wait_for(fakes.started.wait(), 60)
+    return handle
+
+
 async def test_a_cancelled_batch_cancels_its_running_jobs_and_keeps_their_outcomes(
     dev_server_env: WorkflowEnvironment, tmp_path: Path,
 ) -> None:
@@ -625,11 +637,7 @@ async def test_a_terminated_batch_resumes_from_its_jobs_without_running_one_twic
     fakes.lines, fakes.only = ("-L2", "-L3"), f"{bid}-L"  # the first batch's jobs only
     async with batch_workers(dev_server_env, fakes, s3) as client:
         jobs = JobClient(client)
-        handle = await client.start_workflow(
-            BatchRun.run, BatchInput(profile="ticket-triage", source=str(src), window=2,
-                                     tenant="acme", max_steps=3),
-            id=bid, task_queue=AGENT_TASK_QUEUE)
-        await asyncio.wait_for(fakes.started.wait(), 60)  # 2 and 3 hang: 1 has finished
+        handle = await start_until_two_hang(client, fakes, src, bid)  # 1 has finished
         await handle.terminate("operator stopped it")
         inp, ended, new = await resumed_batch(client, bid)
         assert (inp.start_line, inp.skip_lines, inp.recover) == (
@@ -700,11 +708,7 @@ async def test_a_cancelled_batch_resumes_its_stopped_lines_and_then_the_rest(
     fakes.lines, fakes.only = ("-L1", "-L3"), f"{bid}-L"  # the first batch's jobs only
     async with batch_workers(dev_server_env, fakes, s3) as client:
         jobs = JobClient(client)
-        handle = await client.start_workflow(
-            BatchRun.run, BatchInput(profile="ticket-triage", source=str(src), window=2,
-                                     tenant="acme", max_steps=3),
-            id=bid, task_queue=AGENT_TASK_QUEUE)
-        await asyncio.wait_for(fakes.started.wait(), 60)
+        handle = await start_until_two_hang(client, fakes, src, bid)
         with pytest.raises(InvalidJobError, match="still running"):
             await jobs.resume_batch(bid)
         await handle.cancel()
