@@ -605,12 +605,14 @@ class JobClient:
     async def resume_batch(self, batch_id: str, *, new_batch_id: str | None = None,
                            submitted_by: str | None = None,
                            rerun_cancelled: bool = True) -> str:
-        """Start a batch that goes on where ``batch_id`` stopped (cancelled, or its
-        source unreadable for a while): the same source, profile, tenant and options
-        (not its deadline), from the first line without an outcome, and first the lines
-        whose jobs its cancel stopped (``rerun_cancelled=False``: not those). Returns its
-        id (``<old id>-from-L<line>`` unless given). Raises InvalidJobError when there is
-        nothing to resume (see ``resumed_batch``), and as ``start_batch`` does."""
+        """Start a batch that goes on where ``batch_id`` stopped (cancelled, terminated,
+        or its source unreadable for a while): the same source, profile, tenant and
+        options (not its deadline), from the first line without an outcome, and first the
+        lines whose jobs its cancel or its termination stopped (``rerun_cancelled=False``:
+        not those); a terminated batch's last page is written first, read back from its
+        jobs. Returns its id (``<old id>-from-L<line>`` unless given). Raises
+        InvalidJobError when there is nothing to resume (see ``resumed_batch``), and as
+        ``start_batch`` does."""
         inp, _, new = await resumed_batch(self.temporal, batch_id, new_batch_id,
                                           rerun_cancelled=rerun_cancelled)
         inp = inp.model_copy(update={"submitted_by": submitted_by})
