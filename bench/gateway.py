@@ -661,12 +661,27 @@ async def run_policy(policy: str, target: Target, served_by: str, w: Workload, *
                      makespan_s=makespan, served_by=served_by, gateway=gateway)
 
 
+OVERHEAD_WARMUP = 20
+"""Paired calls the overhead phase sends before it measures (``bench.gateway_overhead``'s
+default; 3 before 2026-12-06)."""
+OVERHEAD_GAP_S = 0.02
+"""The pause after each overhead call (``bench.gateway_overhead``'s default; none before
+2026-12-06)."""
+
+
 async def measure_overhead(http: httpx.AsyncClient, gateway_url: str,
                            engine_urls: dict[str, str], *, model: str, n: int,
-                           tag: str) -> dict[str, Any]:
+                           tag: str, warmup: int = OVERHEAD_WARMUP,
+                           gap_s: float = OVERHEAD_GAP_S) -> dict[str, Any]:
     """The gateway's added latency on a quiet fleet: ``n`` 1-token calls through the
     gateway, each paired with the same call straight to the engine the gateway chose,
-    the order alternating. The added latency is each pair's difference."""
+    the order alternating. The added latency is each pair's difference.
+
+    Measured as ``bench.gateway_overhead`` measures it: ``warmup`` pairs first (a
+    gateway process just started: its first calls open connections and fill caches),
+    and ``gap_s`` after each call, so that no call lands on the gateway's after-call
+    work for the one before (its tokenize and records, which on this 2-core host share
+    the cores with the engine serving the next call: not a quiet fleet)."""
     messages = [{"role": "system", "content": "You answer in one word."},
                 {"role": "user", "content": "Overhead probe: say ok."}]
     body = {"model": model, "messages": messages, "max_tokens": 1, "temperature": 0}
@@ -687,17 +702,21 @@ async def measure_overhead(http: httpx.AsyncClient, gateway_url: str,
     diffs: list[float] = []
     via: list[float] = []
     direct: list[float] = []
-    for i in range(n):
+    for i in range(warmup + n):
         headers = session_headers(f"{tag}-o{i:03d}", "overhead", final=True)
         if i % 2:
             d, _ = await call(engine_urls[engine or first])
+            await asyncio.sleep(gap_s)
             g, engine = await call(gateway_url, headers)
         else:
             g, engine = await call(gateway_url, headers)
+            await asyncio.sleep(gap_s)
             d, _ = await call(engine_urls[engine or first])
-        via.append(g)
-        direct.append(d)
-        diffs.append(g - d)
+        await asyncio.sleep(gap_s)
+        if i >= warmup:
+            via.append(g)
+            direct.append(d)
+            diffs.append(g - d)
     return {"overhead_p50_ms": round(pct(diffs, 0.5), 2),
             "overhead_p95_ms": round(pct(diffs, 0.95), 2),
             "gateway_call_p50_ms": round(pct(via, 0.5), 2),
@@ -754,8 +773,10 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
                 gateway.launch()
                 try:
                     await gateway.wait_ready(http)
-                    overhead = await measure_overhead(http, gateway.url, by_id, model=model,
-                                                      n=args.overhead_calls, tag=f"{tag}-oh")
+                    overhead = await measure_overhead(
+                        http, gateway.url, by_id, model=model, n=args.overhead_calls,
+                        tag=f"{tag}-oh", warmup=args.overhead_warmup,
+                        gap_s=args.overhead_gap_ms / 1000)
                     own = gateway_metrics((await http.get(f"{gateway.url}/metrics")).text)
                     overhead["gateway_own_added_mean_ms"] = own["own_added_mean_ms"]
                 finally:
@@ -969,6 +990,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-cache-bytes", type=int, default=16 * 1024 * 1024,
                    help="KV pool per engine (2,048 bytes per token on the tiny model)")
     p.add_argument("--overhead-calls", type=int, default=100)
+    p.add_argument("--overhead-warmup", type=int, default=OVERHEAD_WARMUP,
+                   help="paired calls sent first in the overhead phase, not measured")
+    p.add_argument("--overhead-gap-ms", type=float, default=OVERHEAD_GAP_S * 1000,
+                   help="pause after each overhead call (0: back to back, the gateway's "
+                   "after-call work for one call then lands on the next)")
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     p.add_argument("--keep-stack", action="store_true", help="leave the bench stack running")
     p.add_argument("--calls-json", type=Path, default=None,
