@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from temporalio.api.common.v1 import Payloads
@@ -101,14 +101,32 @@ class StoppedPage:
         return self.read.next_line, self.read.next_offset
 
 
+def completed_activities(events: Sequence[HistoryEvent]
+                         ) -> Iterator[tuple[str, Payloads, Payloads]]:
+    """A run's completed activities, in order: (activity type, input, result)."""
+    scheduled: dict[int, tuple[str, Payloads]] = {}
+    for ev in events:
+        if ev.HasField("activity_task_scheduled_event_attributes"):
+            a = ev.activity_task_scheduled_event_attributes
+            scheduled[ev.event_id] = (a.activity_type.name, a.input)
+        elif ev.HasField("activity_task_completed_event_attributes"):
+            done = ev.activity_task_completed_event_attributes
+            name, given = scheduled.get(done.scheduled_event_id, ("", Payloads()))
+            yield name, given, done.result
+
+
 def recovery_written(events: Sequence[HistoryEvent]) -> bool:
     """Whether a batch run's history (``events``) shows the page its input asked it to
     recover (``BatchInput.recover``) written."""
-    scheduled = {ev.event_id: ev.activity_task_scheduled_event_attributes.activity_type.name
-                 for ev in events if ev.HasField("activity_task_scheduled_event_attributes")}
-    return any(scheduled.get(ev.activity_task_completed_event_attributes.scheduled_event_id)
-               == RECOVER_ACTIVITY for ev in events
-               if ev.HasField("activity_task_completed_event_attributes"))
+    return any(name == RECOVER_ACTIVITY for name, _, _ in completed_activities(events))
+
+
+async def run_input(client: Client, events: Sequence[HistoryEvent]) -> BatchInput:
+    """A batch run's input, from its history's first event (a run that continued as
+    new from another carries its ``carry``)."""
+    started = events[0].workflow_execution_started_event_attributes
+    [inp] = await client.data_converter.decode(started.input.payloads, [BatchInput])
+    return inp
 
 
 async def stopped_page(client: Client, batch_id: str, *,
@@ -119,16 +137,16 @@ async def stopped_page(client: Client, batch_id: str, *,
     the stop) to end; raises ``JobsStillStopping`` past it, and ``JobGone`` for a job
     the batch started that Temporal no longer knows. Reads the last run's history (a
     page's worth of events) and the results of the jobs that ended after the stop."""
-    handle = client.get_workflow_handle(batch_id)
-    history = await handle.fetch_history()
-    events = list(history.events)
+    events = list((await client.get_workflow_handle(batch_id).fetch_history()).events)
     decode = client.data_converter.decode
-    started = events[0].workflow_execution_started_event_attributes
-    [inp] = await decode(started.input.payloads, [BatchInput])
-    carry = inp.carry or BatchCarry()
-    scheduled: dict[int, tuple[str, Payloads]] = {}
+    inp = await run_input(client, events)
     read: ReadPageResult | None = None
     written: WritePageRequest | None = None
+    for name, given, result in completed_activities(events):
+        if name == "read_records":
+            [read] = await decode(result.payloads, [ReadPageResult])
+        elif name == "write_batch_results":
+            [written] = await decode(given.payloads, [WritePageRequest])
     initiated: set[str] = set()
     began: set[str] = set()
     in_use: set[str] = set()
@@ -140,17 +158,7 @@ async def stopped_page(client: Client, batch_id: str, *,
     person cancelled that job alone), unless it ended after the batch was asked to
     cancel (the cancel's doing: run again, as a cancelled batch names it)."""
     for ev in events:
-        if ev.HasField("activity_task_scheduled_event_attributes"):
-            a = ev.activity_task_scheduled_event_attributes
-            scheduled[ev.event_id] = (a.activity_type.name, a.input)
-        elif ev.HasField("activity_task_completed_event_attributes"):
-            done = ev.activity_task_completed_event_attributes
-            name, given = scheduled.get(done.scheduled_event_id, ("", Payloads()))
-            if name == "read_records":
-                [read] = await decode(done.result.payloads, [ReadPageResult])
-            elif name == "write_batch_results":
-                [written] = await decode(given.payloads, [WritePageRequest])
-        elif ev.HasField("workflow_execution_cancel_requested_event_attributes"):
+        if ev.HasField("workflow_execution_cancel_requested_event_attributes"):
             cancel_asked = cancel_asked or ev.event_id
         elif ev.HasField("start_child_workflow_execution_initiated_event_attributes"):
             initiated.add(ev.start_child_workflow_execution_initiated_event_attributes
@@ -174,16 +182,11 @@ async def stopped_page(client: Client, batch_id: str, *,
                     wid = a.workflow_execution.workflow_id
                     ended_before[wid] = (ev.event_id, failed_outcome(0, wid, Exception(why)),
                                          kind in ("canceled", "terminated"))
-    found = StoppedPage(inp=inp, page=carry.pages + 1, read=None,
+    found = StoppedPage(inp=inp, page=(inp.carry.pages if inp.carry else 0) + 1, read=None,
                         recovery_written=recovery_written(events))
     if read is None:
         return found
-    if inp.skip_lines:  # as the run filtered its page
-        skip = set(inp.skip_lines)
-        read = read.model_copy(update={
-            "records": [r for r in read.records if r.line not in skip],
-            "bad": [b for b in read.bad if b.line not in skip]})
-    found.read = read
+    read = found.read = read.without_lines(inp.skip_lines)  # as the run filtered its page
     if written is not None:
         found.written = True
         found.outcomes = sorted(written.outcomes, key=lambda o: o.line)

@@ -858,12 +858,7 @@ def batch_status(batch_id: str) -> None:
     stopped on)."""
 
     async def go() -> None:
-        from warmloop.workflows.batch_run import (
-            BatchInput,
-            BatchResult,
-            BatchRun,
-            results_prefix,
-        )
+        from warmloop.workflows.batch_run import BatchResult, BatchRun, results_prefix
 
         client = await connect(_settings())
         handle, desc = await _handle(batch_id, result_type=BatchResult, what="batch",
@@ -883,10 +878,9 @@ def batch_status(batch_id: str) -> None:
         elif desc.status == WorkflowExecutionStatus.COMPLETED:
             _print_batch(await handle.result())
         else:  # terminated, failed, timed out: no result says where it stopped
-            events = (await handle.fetch_history()).events
-            [inp] = await client.data_converter.decode(
-                events[0].workflow_execution_started_event_attributes.input.payloads,
-                [BatchInput])
+            from warmloop.activities.batch_recovery import run_input
+
+            inp = await run_input(client, (await handle.fetch_history()).events)
             pages = inp.carry.pages if inp.carry else 0
             how = desc.status.name.lower().replace("_", " ") if desc.status else "ended"
             console.print(f"{batch_id}: {how} without a result, on its page {pages + 1} "

@@ -33,6 +33,7 @@ from warmloop.activities.batch_recovery import (
     JobGone,
     JobsStillStopping,
     recovery_written,
+    run_input,
     stopped_page,
 )
 from warmloop.activities.registry import REDIS_ERRORS, TenantUsage
@@ -253,9 +254,8 @@ async def resumed_batch(client: Client, batch_id: str, new_batch_id: str | None 
         start, offset = rerun[0], res.rerun_offset
         skip = set(range(start, res.next_line)) - set(rerun)
     events = list((await handle.fetch_history()).events)
-    started = events[0].workflow_execution_started_event_attributes
-    [inp] = await client.data_converter.decode(started.input.payloads, [BatchInput])
-    new_inp, new = _resuming(inp, batch_id, new_batch_id, start, offset, skip, set(rerun),
+    new_inp, new = _resuming(await run_input(client, events), batch_id, new_batch_id, start,
+                             offset, skip, set(rerun),
                              recovery_written=recovery_written(events))
     return new_inp, f"ended {res.state}: {res.reason}".rstrip(": "), new
 

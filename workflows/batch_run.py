@@ -362,6 +362,16 @@ class ReadPageResult(BaseModel):
     under ``max_jobs_in_flight``, tokens left in its hour) before it starts. Read each
     page, so a quota given or taken away while a batch runs holds from its next page."""
 
+    def without_lines(self, lines: list[int]) -> ReadPageResult:
+        """The page less ``lines`` (records and bad lines): a resumed batch's
+        ``skip_lines``, which have outcomes in the batch it resumes."""
+        if not lines:
+            return self
+        skip = set(lines)
+        return self.model_copy(update={"records": [r for r in self.records
+                                                   if r.line not in skip],
+                                       "bad": [b for b in self.bad if b.line not in skip]})
+
 
 class WritePageRequest(BaseModel):
     batch_id: str
@@ -548,11 +558,7 @@ class BatchRun:
             state, reason = _source_error(e, inp.source)
             workflow.logger.warning("batch ended %s: %s", state.value, reason)
             return self._result(inp, state, reason)
-        if inp.skip_lines:  # they have outcomes in the batch this one resumes
-            skip = set(inp.skip_lines)
-            page = page.model_copy(update={
-                "records": [r for r in page.records if r.line not in skip],
-                "bad": [b for b in page.bad if b.line not in skip]})
+        page = page.without_lines(inp.skip_lines)  # outcomes in the batch this one resumes
         self._remaining = len(page.records) + page.remaining_lines
         if inp.window is None and page.records:
             try:
