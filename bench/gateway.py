@@ -79,6 +79,7 @@ from bench.common import (
     scrape,
     steps_hit_rate,
 )
+from bench.gateway_overhead import GAP_S, WARMUP_PAIRS
 from bench.synthetic_profiles import LOOKUP_KEYS, SYNTHETIC_DOMAINS, WORDS
 from warmloop.activities.holds import hold_stats
 from warmloop.activities.pauses import PAUSES_INDEX
@@ -661,11 +662,11 @@ async def run_policy(policy: str, target: Target, served_by: str, w: Workload, *
                      makespan_s=makespan, served_by=served_by, gateway=gateway)
 
 
-OVERHEAD_WARMUP = 20
-"""Paired calls the overhead phase sends before it measures (``bench.gateway_overhead``'s
-default; 3 before 2026-12-06)."""
-OVERHEAD_GAP_S = 0.02
-"""The pause after each overhead call (``bench.gateway_overhead``'s default; none before
+OVERHEAD_WARMUP = WARMUP_PAIRS
+"""Paired calls the overhead phase sends before it measures (``bench.gateway_overhead``'s;
+3 before 2026-12-06)."""
+OVERHEAD_GAP_S = GAP_S
+"""The pause after each overhead call (``bench.gateway_overhead``'s; none before
 2026-12-06)."""
 
 

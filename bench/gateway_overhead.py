@@ -40,6 +40,14 @@ from rich.table import Table
 from bench.common import pct
 from warmloop.workers.settings import Settings
 
+WARMUP_PAIRS = 20
+"""Paired calls sent before the measured ones: a gateway just started opens its
+connections and fills its caches on its first calls (bench-gateway's overhead phase
+measures the same way)."""
+GAP_S = 0.02
+"""The pause after each call: a quiet fleet, where no call lands on the gateway's
+after-call work (tokenize, records) for the one before."""
+
 PROMPT = [{"role": "system", "content": "You are a terse assistant. " * 20},
           {"role": "user", "content": "Say one word."}]
 
@@ -153,9 +161,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=200, help="measured pairs")
-    p.add_argument("--warmup", type=int, default=20, help="pairs sent first, not measured")
+    p.add_argument("--warmup", type=int, default=WARMUP_PAIRS,
+                   help="pairs sent first, not measured")
     p.add_argument("--url", default=None, help="a running gateway (default: start one)")
-    p.add_argument("--gap-ms", type=float, default=20.0,
+    p.add_argument("--gap-ms", type=float, default=GAP_S * 1000,
                    help="pause after each call: a quiet fleet, where a call does not land "
                    "on the gateway's after-call work (tokenize, records) for the one before; "
                    "0 sends them back to back")
