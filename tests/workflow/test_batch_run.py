@@ -547,13 +547,13 @@ def hanging_fakes() -> HangsFirstJobs:
     return fakes
 
 
-async def start_until_two_hang(client: Any, fakes: HangsFirstJobs, src: Path,
-                               bid: str) -> Any:
-    """Start ``src`` as tenant acme's batch ``bid`` (window 2, 3 steps a job); its handle
-    once two of its jobs hang (``fakes.lines``)."""
+async def start_until_two_hang(client: Any, fakes: HangsFirstJobs, src: Path, bid: str,
+                               **options: Any) -> Any:
+    """Start ``src`` as triage batch ``bid`` (window 2, ``options`` on its input); its
+    handle once two of its jobs hang (``fakes.lines``)."""
     handle = await client.start_workflow(
         BatchRun.run, BatchInput(profile="ticket-triage", source=str(src), window=2,
-                                 tenant="acme", max_steps=3),
+                                 **options),
         id=bid, task_queue=AGENT_TASK_QUEUE)
     await asyncio.wait_for(fakes.started.wait(), 60)
     return handle
@@ -572,10 +572,7 @@ async def test_a_cancelled_batch_cancels_its_running_jobs_and_keeps_their_outcom
     s3 = MemoryS3()
     bid = f"batch-{uuid.uuid4().hex[:6]}"
     async with batch_workers(dev_server_env, fakes, s3) as client:
-        handle = await client.start_workflow(
-            BatchRun.run, BatchInput(profile="ticket-triage", source=str(src), window=2),
-            id=bid, task_queue=AGENT_TASK_QUEUE)
-        await asyncio.wait_for(fakes.started.wait(), 60)
+        handle = await start_until_two_hang(client, fakes, src, bid)
         await handle.cancel()
         res = await handle.result()
     assert res.state == "CANCELLED", res.reason
@@ -606,10 +603,7 @@ async def test_a_terminated_batchs_running_jobs_end_cancelled_with_their_transcr
     fakes = hanging_fakes()
     bid = f"batch-{uuid.uuid4().hex[:6]}"
     async with batch_workers(dev_server_env, fakes, MemoryS3()) as client:
-        handle = await client.start_workflow(
-            BatchRun.run, BatchInput(profile="ticket-triage", source=str(src), window=2),
-            id=bid, task_queue=AGENT_TASK_QUEUE)
-        await asyncio.wait_for(fakes.started.wait(), 60)
+        handle = await start_until_two_hang(client, fakes, src, bid)
         await handle.terminate("operator stopped it")
         for line in (1, 2):
             job = client.get_workflow_handle(f"{bid}-L{line}", result_type=JobResult)
@@ -637,7 +631,8 @@ async def test_a_terminated_batch_resumes_from_its_jobs_without_running_one_twic
     fakes.lines, fakes.only = ("-L2", "-L3"), f"{bid}-L"  # the first batch's jobs only
     async with batch_workers(dev_server_env, fakes, s3) as client:
         jobs = JobClient(client)
-        handle = await start_until_two_hang(client, fakes, src, bid)  # 1 has finished
+        handle = await start_until_two_hang(client, fakes, src, bid, tenant="acme",
+                                             max_steps=3)  # 1 has finished
         await handle.terminate("operator stopped it")
         inp, ended, new = await resumed_batch(client, bid)
         assert (inp.start_line, inp.skip_lines, inp.recover) == (
@@ -708,7 +703,8 @@ async def test_a_cancelled_batch_resumes_its_stopped_lines_and_then_the_rest(
     fakes.lines, fakes.only = ("-L1", "-L3"), f"{bid}-L"  # the first batch's jobs only
     async with batch_workers(dev_server_env, fakes, s3) as client:
         jobs = JobClient(client)
-        handle = await start_until_two_hang(client, fakes, src, bid)
+        handle = await start_until_two_hang(client, fakes, src, bid, tenant="acme",
+                                             max_steps=3)
         with pytest.raises(InvalidJobError, match="still running"):
             await jobs.resume_batch(bid)
         await handle.cancel()
@@ -751,10 +747,7 @@ async def test_a_batch_cancelled_once_every_job_started_names_them_to_run_again(
     bid = f"batch-{uuid.uuid4().hex[:6]}"
     fakes.only = f"{bid}-L"
     async with batch_workers(dev_server_env, fakes, MemoryS3()) as client:
-        handle = await client.start_workflow(
-            BatchRun.run, BatchInput(profile="ticket-triage", source=str(src), window=2,
-                                     max_steps=3), id=bid, task_queue=AGENT_TASK_QUEUE)
-        await asyncio.wait_for(fakes.started.wait(), 60)
+        handle = await start_until_two_hang(client, fakes, src, bid, max_steps=3)
         await handle.cancel()
         first = await handle.result()
         assert (first.state, first.source_done, first.rerun_lines) == ("CANCELLED", True, [1, 2])

@@ -32,6 +32,7 @@ from tests.workflow.test_batch_run import (
     batch_workers,
     hanging_fakes,
     run_batch,
+    start_until_two_hang,
     write_records,
 )
 from warmloop.workers.identity import install_verify_keys
@@ -255,10 +256,7 @@ async def test_a_fresh_cancelled_batch_history_replays(
     fakes = hanging_fakes()
     bid = RECORDED_IDS[name]
     async with batch_workers(dev_server_env, fakes, MemoryS3()) as client:
-        handle = await client.start_workflow(
-            BatchRun.run, BatchInput(profile="ticket-triage", source=str(src), window=2),
-            id=bid, task_queue=AGENT_TASK_QUEUE)
-        await asyncio.wait_for(fakes.started.wait(), 60)
+        handle = await start_until_two_hang(client, fakes, src, bid)
         await handle.cancel()
         res = await handle.result()
         assert (res.state, res.rerun_lines) == ("CANCELLED", [1, 2])
@@ -280,10 +278,7 @@ async def test_a_fresh_batch_history_that_recovers_a_page_replays(
     old = "replay-batch-terminated"
     fakes.only = f"{old}-L"
     async with batch_workers(dev_server_env, fakes, MemoryS3()) as client:
-        stopped = await client.start_workflow(
-            BatchRun.run, BatchInput(profile="ticket-triage", source=str(src), window=2),
-            id=old, task_queue=AGENT_TASK_QUEUE)
-        await asyncio.wait_for(fakes.started.wait(), 60)
+        stopped = await start_until_two_hang(client, fakes, src, old)
         await stopped.terminate("operator stopped it")
         inp, _, new = await resumed_batch(client, old)
         assert inp.recover is not None and new == RECORDED_IDS["batch_run_recovering_page"]
