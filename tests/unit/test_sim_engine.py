@@ -130,9 +130,22 @@ def test_a_pinned_chain_cut_short_keeps_its_head_and_frees_its_tail() -> None:
     assert [k in cache.lru_keys() for k in keys] == [False, False] + [True] * 4
     e.unpin(keys[:2])
     assert all(k in cache.lru_keys() for k in keys)  # nothing left in use
-    # the whole pool is usable again: a request of all 8 blocks runs
-    r = run_one(e, clock, Request(chain=chain("q", 8), prompt_tokens=80, output_tokens=1))
-    assert r.cached_tokens == 0 and r.ttft_s is not None
+    # the whole pool is usable again: a request of all its 7 usable blocks runs
+    r = run_one(e, clock, Request(chain=chain("q", 6), prompt_tokens=65, output_tokens=1))
+    assert r.cached_tokens == 0 and r.first_token_at > r.submitted_at
+
+
+def test_a_pool_caches_one_block_fewer_than_it_has() -> None:
+    """vLLM's ``BlockPool`` keeps its first block as the null block, so an engine of 8
+    blocks runs a request of 7 and refuses one of 8 (it could never fit)."""
+    clock = Clock()
+    e = Engine(clock, "e0", cal(blocks=8))
+    assert e.cache.capacity == 7
+    fits = run_one(e, clock, Request(chain=chain("a", 6), prompt_tokens=65, output_tokens=1))
+    assert fits.first_token_at > fits.submitted_at and fits.computed_tokens == 65
+    refused = run_one(e, clock, Request(chain=chain("b", 7), prompt_tokens=75,
+                                        output_tokens=1))
+    assert refused.first_token_at == 0.0 and refused.done_at == clock.now
 
 
 def test_second_request_hits_the_prefix_and_full_hit_recomputes_a_block() -> None:
