@@ -27,6 +27,7 @@ from warmloop.workers.jobs import (
     InvalidJobError,
     QuotaExceededError,
     fit_batch_to_quota,
+    stopped_how,
     submit_batch,
     submit_job,
 )
@@ -882,7 +883,7 @@ def batch_status(batch_id: str) -> None:
 
             inp = await run_input(client, (await handle.fetch_history()).events)
             pages = inp.carry.pages if inp.carry else 0
-            how = desc.status.name.lower().replace("_", " ") if desc.status else "ended"
+            how = stopped_how(desc.status, unknown="ended")
             console.print(f"{batch_id}: {how} without a result, on its page {pages + 1} "
                           f"({pages} page(s) of outcomes under {results_prefix(batch_id)}); "
                           f"`warmloop batch resume {batch_id}` writes that page from its "

@@ -260,12 +260,18 @@ async def resumed_batch(client: Client, batch_id: str, new_batch_id: str | None 
     return new_inp, f"ended {res.state}: {res.reason}".rstrip(": "), new
 
 
+def stopped_how(status: WorkflowExecutionStatus | None, *, unknown: str = "unknown") -> str:
+    """How a workflow that ended without a result ended, in words (``terminated``, ``timed
+    out``, ``failed``; ``unknown`` when Temporal did not say)."""
+    return status.name.lower().replace("_", " ") if status is not None else unknown
+
+
 async def _resumed_stopped_batch(client: Client, batch_id: str,
                                  status: WorkflowExecutionStatus | None,
                                  new_batch_id: str | None, *, rerun_cancelled: bool
                                  ) -> tuple[BatchInput, str, str]:
     """``resumed_batch`` of a batch that ended without a result."""
-    how = (status.name if status is not None else "UNKNOWN").lower().replace("_", " ")
+    how = stopped_how(status)
     try:
         found = await stopped_page(client, batch_id)
     except (JobsStillStopping, JobGone) as e:
