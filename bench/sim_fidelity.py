@@ -17,6 +17,7 @@ import json
 import math
 import statistics
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +179,81 @@ def pauses_by_step(jobs_json: Path, measured: dict[str, Any]) -> list[dict[str, 
     return out
 
 
+PREWARM_OUTCOMES = ("nothing", "part of the prefix", "the prefix or more")
+"""What a pre-warm found cached, against the approving family's shared prefix (its full
+blocks): nothing is a prefix evicted from the engine, whose whole prompt the pre-warm
+computes again."""
+
+
+def prewarm_outcome(cached_tokens: int, prefix_tokens: int) -> str:
+    """``cached_tokens`` of a pre-warm as one of ``PREWARM_OUTCOMES``."""
+    if cached_tokens <= 0:
+        return PREWARM_OUTCOMES[0]
+    return PREWARM_OUTCOMES[1] if cached_tokens < prefix_tokens else PREWARM_OUTCOMES[2]
+
+
+def logged_prewarms(lines: Iterable[str]) -> dict[str, dict[str, list[int]]]:
+    """bench-pauses' pre-warms in its inference workers' logs: policy -> run (the
+    workflow ids' ``pauses-<policy>-<tag>``) -> each pre-warm's cached tokens, in time
+    order. A worker logs every call it serves (``step_generated``); a pre-warm carries
+    the number of the step before it and comes after that step, so in each job's group
+    of one step number the first record is the step and the rest its approval's
+    pre-warms. Lines that are not such JSON records are skipped."""
+    calls: dict[tuple[str, int], list[tuple[str, int]]] = {}
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(rec, dict) or rec.get("event") != "step_generated":
+            continue
+        job = str(rec.get("job_id", ""))
+        if not job.startswith("pauses-") or job.count("-") < 3:
+            continue
+        calls.setdefault((job, int(rec["step"])), []).append(
+            (str(rec["timestamp"]), int(rec["cached_tokens"])))
+    out: dict[str, dict[str, list[int]]] = {}
+    for (job, _), got in sorted(calls.items(), key=lambda kv: min(kv[1])):
+        _, policy, tag, _ = job.split("-", 3)
+        runs = out.setdefault(policy, {})
+        runs.setdefault(f"{policy}-{tag}", []).extend(c for _, c in sorted(got)[1:])
+    return out
+
+
+def prewarms_beside(logs: Path, measured: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per policy and ``PREWARM_OUTCOMES``: how many pre-warms a run found so, the
+    workers' logs (``logs``: bench-pauses' log folder, its ``inference-worker-*.log``)
+    against the simulator's (a mean over its ``PAUSES_PHASES`` background phases)."""
+    lines: list[str] = []
+    for path in sorted(logs.glob("inference-worker-*.log")):
+        lines += path.read_text(errors="replace").splitlines()
+    logged = logged_prewarms(lines)
+    jobs = scenarios.pauses_jobs()
+    block = scenarios.CPU_TINY_LOADED.block_size
+    prefix = min(j.prefix_tokens for j in jobs if any(st.approval for st in j.steps))
+    prefix = prefix // block * block  # the family's shared full blocks
+    sims: dict[str, list[list[int]]] = {}
+    for k in range(PAUSES_PHASES):
+        fleets: dict[str, Any] = {}
+        scenarios.bench_pauses(**_background(measured), bg_phase=k / PAUSES_PHASES,
+                               on_fleet=fleets.__setitem__)
+        for policy, fleet in fleets.items():
+            sims.setdefault(policy, []).append(fleet.prewarm_cached)
+    out = []
+    for policy in sorted(set(logged) | set(sims)):
+        runs = logged.get(policy, {})
+        phases = sims.get(policy, [])
+        for outcome in PREWARM_OUTCOMES:
+            def per_run(groups: list[list[int]], outcome: str = outcome) -> float:
+                counts = [sum(prewarm_outcome(c, prefix) == outcome for c in g)
+                          for g in groups]
+                return statistics.mean(counts) if counts else math.nan
+            out.append({"policy": policy, "found": outcome, "prefix_tokens": prefix,
+                        "measured": per_run(list(runs.values())), "runs": len(runs),
+                        "simulated": per_run(phases)})
+    return out
+
+
 def fmt(v: Any) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
@@ -194,7 +270,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pauses-jobs", type=Path, default=None,
                    help="run nothing else: set bench-pauses' steps (its --jobs-json file) "
                         "beside the simulator's, by policy and by the pause before each")
+    p.add_argument("--pauses-logs", type=Path, default=None,
+                   help="run nothing else: set the pre-warms bench-pauses' inference workers "
+                        "logged (its log folder, e.g. .warmloop/bench-pauses/logs) beside the "
+                        "simulator's, by what each found cached")
     args = p.parse_args(argv)
+    if args.pauses_logs:
+        rows = prewarms_beside(args.pauses_logs, measured_figures(args.root)["bench-pauses"])
+        prefix = rows[0]["prefix_tokens"] if rows else 0
+        print(f"| policy | a pre-warm found cached (prefix: {prefix:,} tokens) | measured, "
+              f"per run | simulated, per run of {PAUSES_PHASES} phases |")
+        print("| --- | --- | --- | --- |")
+        for r in rows:
+            print(f"| {r['policy']} | {r['found']} | {fmt(float(r['measured']))} "
+                  f"({r['runs']} runs) | {fmt(float(r['simulated']))} |")
+        return
     if args.pauses_jobs:
         measured = measured_figures(args.root)["bench-pauses"]
         print("| policy | after | steps | prompt tokens | recomputed: measured [range] | "

@@ -419,6 +419,9 @@ class Fleet:
         self.steps: list[StepStat] = []
         self.jobs: list[JobStat] = []
         self.prewarm_computed = 0
+        self.prewarm_cached: list[int] = []
+        """Each pre-warm's cached prompt tokens, as it ended (``bench.sim_fidelity`` sets
+        them beside the workers' logged pre-warms)."""
         self.hold_decisions: dict[str, int] = {}
         self.other_ttfts: list[float] = []
         self.on_job_end: list[Callable[[JobStat], None]] = []
@@ -965,6 +968,7 @@ class Fleet:
 
         def done(req: Request) -> None:
             self.prewarm_computed += req.computed_tokens
+            self.prewarm_cached.append(req.cached_tokens)
             if req.first_token_at and job.hold is not None and job.hold.engine is engine:
                 job.hold.used_at = self.clock.now  # the pre-warm used the held blocks
             if hold and self.policy.hold != "never" and job.step < len(job.spec.steps):

@@ -75,3 +75,60 @@ def test_the_background_starts_at_its_phase() -> None:
 
     assert sent_at(0.0) == [0.0, 0.5]
     assert sent_at(0.5) == [0.25, 0.75]  # half an interval in, then every interval
+
+
+def _call(job: str, step: int, t: str, cached: int) -> str:
+    return json.dumps({"event": "step_generated", "job_id": job, "step": step,
+                       "prompt_tokens": 1_613, "cached_tokens": cached,
+                       "timestamp": f"2026-12-06T16:28:{t}Z"})
+
+
+def test_pre_warms_are_read_from_the_workers_logs_in_time_order() -> None:
+    """In a job's group of one step number the first call is the step, the rest its
+    approval's pre-warms, whichever worker logged them and in whatever order the lines
+    come; other records and lines that are not JSON are skipped."""
+    lines = [
+        _call("pauses-release-ab12-004", 1, "35.0", 1_536),  # the view's pre-warm
+        _call("pauses-release-ab12-004", 1, "20.0", 0),  # the step itself
+        "not json",
+        json.dumps({"event": "step_routed", "job_id": "pauses-release-ab12-004", "step": 2}),
+        _call("pauses-release-ab12-004", 1, "39.0", 0),  # the decision's: prefix gone
+        _call("pauses-release-ab12-004", 2, "40.0", 1_536),  # step 2, no approval
+        _call("pauses-hold-cd34-000", 1, "50.0", 1_408),
+        _call("pauses-hold-cd34-000", 1, "55.0", 1_664),
+        _call("bench-other-job", 1, "56.0", 0),  # not bench-pauses'
+    ]
+    from bench.sim_fidelity import logged_prewarms
+
+    assert logged_prewarms(lines) == {"release": {"release-ab12": [1_536, 0]},
+                                      "hold": {"hold-cd34": [1_664]}}
+
+
+def test_a_pre_warms_outcome_is_read_against_the_familys_prefix() -> None:
+    from bench.sim_fidelity import PREWARM_OUTCOMES, prewarm_outcome
+
+    assert [prewarm_outcome(c, 1_408) for c in (0, 256, 1_407, 1_408, 1_536)] == [
+        PREWARM_OUTCOMES[0], PREWARM_OUTCOMES[1], PREWARM_OUTCOMES[1],
+        PREWARM_OUTCOMES[2], PREWARM_OUTCOMES[2]]
+
+
+def test_the_pre_warms_are_set_beside_the_simulators(tmp_path: Path) -> None:
+    """``--pauses-logs``: the logged pre-warms per run by outcome, beside the simulated
+    ones per run (one cached figure a pre-warm: under always-hold all 24 of a run, a
+    view and a decision for each of its 12 approvals, find their held prefix)."""
+    from bench.sim_fidelity import prewarms_beside
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "inference-worker-e0.log").write_text("\n".join([
+        _call("pauses-release-ab12-004", 1, "20.0", 0),
+        _call("pauses-release-ab12-004", 1, "35.0", 0)]) + "\n")
+    rows = {(r["policy"], r["found"]): r for r in prewarms_beside(logs, {})}
+    assert rows["release", "nothing"]["measured"] == 1 and rows["release", "nothing"]["runs"] == 1
+    assert rows["release", "part of the prefix"]["measured"] == 0
+    assert math.isnan(rows["hold", "nothing"]["measured"])  # no hold run logged
+    assert rows["hold", "the prefix or more"]["simulated"] == 24
+    assert rows["hold", "nothing"]["simulated"] == rows["hold", "part of the prefix"][
+        "simulated"] == 0
+    assert sum(rows["release", f]["simulated"] for f in
+               ("nothing", "part of the prefix", "the prefix or more")) == 24
