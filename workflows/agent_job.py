@@ -184,6 +184,10 @@ tokens alone. Usage feeds the caps, so a history recorded before counts as it di
 # message: a longer transcript than histories recorded before it, which may move a
 # compaction or a carry's store.
 PATCH_CUT_BUDGET = "cut-budget"
+# A cancel that arrives with the completion of the job's last store is raised bare, the
+# store's result unread: the job stores again and keeps its outcome. Before, it ended
+# CANCELED in Temporal with no result; only that path reads the patch.
+PATCH_END_SURVIVES_CANCEL = "end-survives-cancel"
 ROUTE_AHEAD_MAX_AGE = timedelta(seconds=2)
 """The oldest a route taken ahead may be when its step starts. Past it (a long tool), the
 fleet's load may have moved, and the step is routed again as before."""
@@ -1412,24 +1416,8 @@ class AgentJob:
         self._state = state
         self._drop_ahead()
         self._pending.clear()
-        key = None
         inline = _messages_bytes(self._transcript) <= INLINE_TRANSCRIPT_BYTES
-        if self._transcript:
-            try:
-                if inline:
-                    key = await workflow.execute_activity(
-                        "store_transcript",
-                        StoreTranscriptRequest(job_id=self._job_id,
-                                               transcript=self._transcript),
-                        task_queue=AGENT_TASK_QUEUE, start_to_close_timeout=SHORT_ACTIVITY,
-                        retry_policy=RetryPolicy(maximum_attempts=5), result_type=str,
-                    )
-                else:
-                    key = await self._store_messages(complete=True)
-            except ActivityError:
-                workflow.logger.warning("transcript not stored in S3; kept in the result"
-                                        if inline else "transcript not stored in S3; it is "
-                                        "in the job's history, too big for its result")
+        key = await self._store_at_end(inline) if self._transcript else None
         workflow.upsert_search_attributes([SA_STATE.value_set(state.value),
                                            SA_PENDING.value_set([])])
         workflow.metric_meter().create_counter("warmloop_jobs_ended", "jobs by terminal state"
@@ -1443,6 +1431,40 @@ class AgentJob:
             transcript_messages=len(self._transcript),
             usage=self._usage, approvals=self._approvals, runs=self._runs,
         )
+
+    async def _store_at_end(self, inline: bool) -> str | None:
+        """The ended job's transcript in S3: its key, or None when the store failed (the
+        transcript is then in the result, or in the history when too big for it).
+
+        Hazard: a cancel that reaches the workflow in the same task as the store's
+        completion is raised here as a bare ``asyncio.CancelledError`` (the SDK's
+        RAISE_ON_CANCELLING_COMPLETED_ACTIVITY), not an ActivityError, and the store's
+        result is lost. Raised on, it ended the job CANCELED with no result although its
+        outcome was decided (a batch's cancel racing its jobs' ends). The job has ended;
+        a workflow is asked to cancel once; so the store, idempotent (same keys), runs
+        again."""
+        for attempt in (1, 2):
+            try:
+                if inline:
+                    return str(await workflow.execute_activity(
+                        "store_transcript",
+                        StoreTranscriptRequest(job_id=self._job_id,
+                                               transcript=self._transcript),
+                        task_queue=AGENT_TASK_QUEUE, start_to_close_timeout=SHORT_ACTIVITY,
+                        retry_policy=RetryPolicy(maximum_attempts=5), result_type=str,
+                    ))
+                return await self._store_messages(complete=True)
+            except ActivityError:
+                workflow.logger.warning("transcript not stored in S3; kept in the result"
+                                        if inline else "transcript not stored in S3; it is "
+                                        "in the job's history, too big for its result")
+                return None
+            except asyncio.CancelledError:
+                if attempt == 2 or not workflow.patched(PATCH_END_SURVIVES_CANCEL):
+                    raise
+                workflow.logger.info("cancel arrived as the job ended (%s): storing its "
+                                     "transcript again", self._state.value)
+        return None
 
     # ---- big transcripts -------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from warmloop.activities.holds import HOLDS_KEY, hold_stats
 from warmloop.activities.registry import EngineRegistry
 from warmloop.infra.stack import Stack
 from warmloop.workers.approvals import dev_approver
+from warmloop.workers.engine_metrics import reset_caches
 from warmloop.workers.identity import dev_token
 from warmloop.workers.settings import Settings
 from warmloop.workflows.agent_job import AgentJob
@@ -163,10 +164,13 @@ async def test_opening_a_pending_approval_prewarms_the_prompt_on_an_engine(
 
     approval = (await eventually(pending, attempts=2400))[0]
     assert approval.step < 6  # so a step after the decision will find the prompt warm
-    # Flush every engine's cache: without a prewarm the next step would start cold.
+    # Flush every engine's cache: without a prewarm the next step would start cold. And
+    # wait for the directory to know it (reset_caches): routed on a directory that still
+    # listed the other engine's blocks from before the flush, the step went there and
+    # found nothing (a CI run).
     async with httpx.AsyncClient() as http:
-        for e in settings.engine_endpoints:
-            (await http.post(f"{e.url}/reset_prefix_cache")).raise_for_status()
+        await reset_caches(http, [e.url for e in settings.engine_endpoints], redis,
+                           [e.id for e in settings.engine_endpoints])
 
     async def no_queue() -> bool:
         out = warmloop("engines", "--json")

@@ -30,11 +30,14 @@ TICKET = {"ticket_id": "T1001", "customer_id": "C100", "subject": "crash", "body
 
 @asynccontextmanager
 async def workers(env: WorkflowEnvironment, fakes: FakeActivities,
-                  serving: list[str] | None = None) -> AsyncIterator[Client]:
-    """An agent worker plus one engine worker per id in ``serving`` (default: all)."""
+                  serving: list[str] | None = None, *,
+                  workflows: bool = True) -> AsyncIterator[Client]:
+    """An agent worker plus one engine worker per id in ``serving`` (default: all).
+    ``workflows=False``: the agent worker runs the activities only (the test runs the
+    workflows on a worker of its own, to stop and start it)."""
     client = env.client
     agent = Worker(client, task_queue=AGENT_TASK_QUEUE, workflow_runner=sandbox_runner(),
-                   workflows=[AgentJob],
+                   workflows=[AgentJob] if workflows else [],
                    activities=[fakes.route_step, fakes.pick_engine, fakes.record_pause,
                                fakes.engine_alive,
                                fakes.run_tool,
