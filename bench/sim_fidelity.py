@@ -17,7 +17,7 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,11 +84,22 @@ def median_figures(runs: list[dict[str, float]]) -> dict[str, float]:
     return {k: round(v) if k.endswith("_tokens") else v for k, v in out.items()}
 
 
+def pauses_phases(measured: dict[str, Any]
+                  ) -> Iterator[tuple[dict[str, Summary], dict[str, Any]]]:
+    """bench-pauses simulated with the background the measured run had (``measured``: its
+    figures), its first request at each of ``PAUSES_PHASES`` phases in turn: each phase's
+    summaries and fleets, by policy."""
+    background = _background(measured)
+    for k in range(PAUSES_PHASES):
+        fleets: dict[str, Any] = {}
+        summaries = scenarios.bench_pauses(**background, bg_phase=k / PAUSES_PHASES,
+                                           on_fleet=fleets.__setitem__)
+        yield summaries, fleets
+
+
 def run(root: Path) -> dict[str, Any]:
     measured = measured_figures(root)
-    background = _background(measured["bench-pauses"])
-    pauses = [scenarios.bench_pauses(**background, bg_phase=k / PAUSES_PHASES)
-              for k in range(PAUSES_PHASES)]
+    pauses = [summaries for summaries, _ in pauses_phases(measured["bench-pauses"])]
     routing = scenarios.bench_routing(
         mean_gap_s=measured["bench-routing"].get("mean_gap_s", 1.9))
     burst = scenarios.bench_burst()
@@ -133,12 +144,8 @@ def pauses_by_step(jobs_json: Path, measured: dict[str, Any]) -> list[dict[str, 
     ``jobs_json``: the bench's ``--jobs-json`` file (the same plans, step by step)."""
     rows = json.loads(jobs_json.read_text())
     plans = {j.job_id: j for j in scenarios.pauses_jobs()}
-    phases: list[dict[str, dict[str, list[int]]]] = []
-    for k in range(PAUSES_PHASES):
-        fleets: dict[str, Any] = {}
-        scenarios.bench_pauses(**_background(measured), bg_phase=k / PAUSES_PHASES,
-                               on_fleet=fleets.__setitem__)
-        phases.append({policy: _sim_by_kind(f, plans) for policy, f in fleets.items()})
+    phases = [{policy: _sim_by_kind(f, plans) for policy, f in fleets.items()}
+              for _, fleets in pauses_phases(measured)]
     out = []
     for policy in phases[0]:
         # measured: per repeat, sums by the pause kind before each step
@@ -233,10 +240,7 @@ def prewarms_beside(logs: Path, measured: dict[str, Any]) -> list[dict[str, Any]
     prefix = min(j.prefix_tokens for j in jobs if any(st.approval for st in j.steps))
     prefix = prefix // block * block  # the family's shared full blocks
     sims: dict[str, list[list[int]]] = {}
-    for k in range(PAUSES_PHASES):
-        fleets: dict[str, Any] = {}
-        scenarios.bench_pauses(**_background(measured), bg_phase=k / PAUSES_PHASES,
-                               on_fleet=fleets.__setitem__)
+    for _, fleets in pauses_phases(measured):
         for policy, fleet in fleets.items():
             sims.setdefault(policy, []).append(fleet.prewarm_cached)
     out = []
