@@ -66,13 +66,16 @@ def within(measured: dict[str, float], simulated: dict[str, float]) -> dict[str,
 
 def _background(measured: dict[str, Any]) -> dict[str, Any]:
     """The background traffic the measured bench-pauses run sized for itself (requests
-    a second per engine, prompt tokens each) and the engines' calibration its hold model
-    priced by, where it recorded them."""
+    a second per engine, prompt tokens each), its calls' own prompt sizes and the
+    engines' calibration its hold model priced by, where it recorded them."""
     out: dict[str, Any] = {}
     if "bg_rate_per_engine" in measured:
         out["bg_rate"] = float(measured["bg_rate_per_engine"])
     if "bg_prompt_tokens" in measured:
         out["bg_tokens"] = int(measured["bg_prompt_tokens"])
+    if measured.get("prompt_tokens_by_job"):  # each call's own size
+        out["prompts"] = {j: [int(n) for n in sizes]
+                          for j, sizes in measured["prompt_tokens_by_job"].items()}
     if measured.get("calibration"):  # what the workers' hold model priced by
         out["hold_pricing"] = scenarios.measured_pricing(measured["calibration"])
     return out

@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+import random
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -284,6 +285,13 @@ class FleetConfig:
     """The workflow's own time from a step's result to the next step's start beyond the
     pause itself: its workflow tasks around the pause and the pause timer's lateness
     (bench-routing measures it: a job's wall time less its stages and scripted pauses)."""
+    approval_notice_s: tuple[float, float] = (0.0, 0.0)
+    """From an approval's request to its reviewer's clock starting, drawn uniformly from
+    this range for each approval (seeded by its job and step): the view and the decision,
+    so their pre-warms and the next step, come this much later than the plan's times. A
+    reviewer that polls for work notices late (bench-pauses' polls every half second, a
+    query a job: its pre-warms came 0.6-2.4 s after the plan's times, 1.3 s at the
+    median), and whether an approval's prefix outlives the pool's churn turns on it."""
     host_sharing: HostSharing | None = None
     """Engines that share a machine's cores (the CPU benches' two engines on two cores);
     None: each engine its own machine, as GPUs are."""
@@ -909,14 +917,24 @@ class Fleet:
         if job.step >= len(spec.steps):
             self.clock.after(self.cfg.post_step_s, self._end_job, job)
             return
-        pause = step.pause_s
+        notice = self._approval_notice(job) if step.approval else 0.0
+        pause = step.pause_s + notice
         self._record_pause(step.pause_kind, pause)
         self._maybe_hold(job, engine, step.pause_kind, req)
         if step.approval and self.policy.prewarm and step.viewed_after_s is not None:
-            self.clock.after(self.cfg.post_step_s + step.viewed_after_s, self._prewarm, job,
-                             True)
+            self.clock.after(self.cfg.post_step_s + notice + step.viewed_after_s,
+                             self._prewarm, job, True)
         self.clock.after(self.cfg.post_step_s + pause + self.cfg.between_steps_s, self._resume,
                          job, step.approval)
+
+    def _approval_notice(self, job: _Job) -> float:
+        """``FleetConfig.approval_notice_s`` drawn for the approval after ``job``'s step
+        (the same in every run and policy: seeded by the job and step, not the order of
+        events)."""
+        low, high = self.cfg.approval_notice_s
+        if high <= low:
+            return low
+        return random.Random(f"{job.spec.job_id}/{job.step}").uniform(low, high)
 
     def _resume(self, job: _Job, approval: bool) -> None:
         if approval and self.policy.prewarm:

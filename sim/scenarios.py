@@ -87,16 +87,24 @@ class PausesSizes:
     """A lookup's call and result (70-105 by key; the mean)."""
     escalation: int = 33
     """An escalation's call and the reviewer's answer (32-37)."""
+    task_opening: int = 0
+    """Of ``task``, the opening every job's task starts with (its JSON's first key and
+    the case id's leading characters): the family's prefix as the engines' cache sees it
+    ends there, so a review job's first step finds 1,536 tokens another review job left
+    (12 blocks), where the prefix alone fills 11."""
     escalate_call: int | None = 22
     """Of ``escalation``, the call: what the approval's pre-warms send (None: not told
     apart, the pre-warm sends the next step's whole prompt)."""
 
 
-PAUSES_SIZES = PausesSizes()
+PAUSES_SIZES = PausesSizes(task_opening=8)
 """Measured: bench-pauses' `--jobs-json` of 2026-12-05 (first steps 1,550 / 1,606 tokens,
 support / review; growth after a lookup 84.8 on average over 204 steps, after an
 escalation 33.3 over 36; an approval's pre-warm 7 tokens past the step before it: the
-call and an empty tail turn for the step's tail)."""
+call and an empty tail turn for the step's tail). The task's opening: runs 10 and 11
+(2026-12-06), where a review job's first step found 1,536 tokens cached or nothing (41
+and 31 of 72; 12 blocks, the prefix's 11 and the 12th its last 120 tokens and the task's
+first 8) and a support job's 1,408 or nothing (198 and 18 of 216)."""
 PAUSES_SIZES_BEFORE = PausesSizes(task=SYNTHETIC_TASK, tail=24, review_extra=60,
                                   lookup=SYNTHETIC_GROWTH, escalation=SYNTHETIC_GROWTH - 40,
                                   escalate_call=None)
@@ -170,6 +178,18 @@ PAUSES_TOOL = PauseModel(median_s=3.0, sigma=0.5, long_share=0.1, long_min_s=20,
 """bench-pauses' tool pauses: lognormal, median 3 s, a tenth of them 20-60 s."""
 
 
+PAUSES_APPROVAL_NOTICE_S = (0.33, 2.35)
+"""bench-pauses' reviewer notices an approval this long after its request (uniform; the
+simulator's ``FleetConfig.approval_notice_s``): the bench's reviewer polls the jobs every
+half second, a query each, and signals the view and the decision. Fitted to runs 10 and
+11 (2026-12-06): their approvals' pre-warms, set against the plan's view and decision
+times after each step, came 0.91 / 1.32 / 1.92 s late at the quartiles (144 a policy);
+the simulator's own stages add 0.08 s, and a uniform range with those quartiles less
+0.08 s is this one. Without it every pre-warm came when the plan says, inside the
+3.6-4.5 s in which the review family's prefix outlives the background's churn more often
+than the bench's did (release pre-warms found nothing 3.0 times a run against 5.7)."""
+
+
 def pauses_jobs(seed: int = 11, n_jobs: int = 16, steps: int = 6, review_every: int = 4,
                 gap_s: float = 1.5, *, tool: PauseModel = PAUSES_TOOL,
                 approval_s: tuple[float, float] = (10.0, 20.0),
@@ -200,10 +220,46 @@ def pauses_jobs(seed: int = 11, n_jobs: int = 16, steps: int = 6, review_every: 
                                       pause_s=0.0 if last else tool.draw(rng)))
         family = "synthetic-review" if review else "synthetic-support"
         out.append(JobSpec(job_id=f"p{i:03d}", family=family, prefix_tokens=SYNTHETIC_PREFIX
-                           + (sizes.review_extra if review else 0), task_tokens=sizes.task,
+                           + (sizes.review_extra if review else 0) + sizes.task_opening,
+                           task_tokens=sizes.task - sizes.task_opening,
                            steps=specs, arrival_s=i * gap_s, tail_tokens=sizes.tail,
                            prior={"tool:lookup": (1.0, 5.0),
                                   "approval:escalation": (120.0, 600.0)}))
+    return out
+
+
+def sized_by_prompts(jobs: list[JobSpec], prompts: Mapping[str, Sequence[int]]
+                     ) -> list[JobSpec]:
+    """``jobs`` with each call's own size, where ``prompts`` has its job: every step's
+    prompt tokens as the engines counted them (bench-pauses' ``--jobs-json``, the same in
+    every repeat of a scripted run). A job's task is its first prompt less its prefix and
+    tail; a step's result, what the next prompt grew by; the last step's keeps its
+    planned size (no prompt follows it). The plans' mean sizes put a prompt's last
+    partial block, which a pre-warm or a resumed step recomputes, where the mean puts it
+    and not where the call's own text does."""
+    out = []
+    for job in jobs:
+        sizes = prompts.get(job.job_id)
+        if sizes is None:
+            out.append(job)
+            continue
+        if len(sizes) != len(job.steps):
+            raise ValueError(f"job {job.job_id}: {len(sizes)} prompt sizes for "
+                             f"{len(job.steps)} steps; give one per step")
+        task = sizes[0] - job.prefix_tokens - job.tail_tokens
+        if task < 0:
+            raise ValueError(f"job {job.job_id}: a first prompt of {sizes[0]} tokens is "
+                             f"shorter than its prefix and tail "
+                             f"({job.prefix_tokens + job.tail_tokens})")
+        steps = []
+        for k, st in enumerate(job.steps):
+            grew = sizes[k + 1] - sizes[k] if k + 1 < len(sizes) else st.result_tokens
+            if grew < (st.call_tokens or 0):
+                raise ValueError(f"job {job.job_id} step {k + 1}: the prompt grew by "
+                                 f"{grew} tokens, less than the step's call "
+                                 f"({st.call_tokens}); the sizes are not this plan's")
+            steps.append(replace(st, result_tokens=grew))
+        out.append(replace(job, task_tokens=task, steps=steps))
     return out
 
 
@@ -214,6 +270,8 @@ def bench_pauses(*, hold: HoldConfig | None = HoldConfig(),
                  sizes: PausesSizes = PAUSES_SIZES,
                  hold_pricing: Sequence[EngineCalibration] | None = None,
                  bg_phase: float = 0.0,
+                 prompts: Mapping[str, Sequence[int]] | None = None,
+                 approval_notice_s: tuple[float, float] = PAUSES_APPROVAL_NOTICE_S,
                  on_fleet: Callable[[str, Fleet], None] | None = None,
                  fleet: FleetConfig = CPU_FLEET) -> dict[str, Summary]:
     """The three hold policies; ``hold`` HoldConfig() (default): the hard-coded rates the
@@ -228,13 +286,19 @@ def bench_pauses(*, hold: HoldConfig | None = HoldConfig(),
     ``warmloop calibrate`` measured (``measured_pricing``), which the workers' hold model
     prices by (None: the engines' loaded curves). ``bg_phase``: where in its interval the
     background's first request falls (0-1; the bench's repeats start at other phases).
-    ``on_fleet``: told each policy's fleet before it runs (its steps, step by step, for
+    ``prompts``: each job's prompt tokens step by step as a run measured them
+    (``sized_by_prompts``; None: ``sizes`` alone). ``approval_notice_s``: how late the
+    bench's reviewer notices an approval (``PAUSES_APPROVAL_NOTICE_S``). ``on_fleet``:
+    told each policy's fleet before it runs (its steps, step by step, for
     ``bench.sim_fidelity --pauses-jobs``). ``fleet``: the stages and host (``CPU_FLEET``)."""
     engines = cpu_engines(16 * MIB, calibration=calibration)
-    cfg = replace(fleet, hold=hold, hold_pricing=hold_pricing)
+    cfg = replace(fleet, hold=hold, hold_pricing=hold_pricing,
+                  approval_notice_s=approval_notice_s)
     out = {}
     for name, pol in PAUSES_POLICIES.items():
         jobs = pauses_jobs(sizes=sizes)
+        if prompts is not None:
+            jobs = sized_by_prompts(jobs, prompts)
         horizon = max(j.arrival_s for j in jobs) + 400.0
 
         def setup(fleet: Fleet, horizon: float = horizon,

@@ -136,9 +136,11 @@ def _pauses_as_recorded() -> dict[str, Any]:
     starting from the profiles' priors (it now starts from the plans' pauses learned)
     and 640-token background prompts (now the bench's measured 532), bench-routing's
     prompt sizes and the approvals' pre-warms sending the next step's whole prompt (now
-    the bench's own sizes and the transcript as it stands)."""
+    the bench's own sizes and the transcript as it stands), and the reviewer noticing
+    each approval at once (now as late as the bench's reviewer did)."""
     return scenarios.bench_pauses(learned=False, bg_rate=3.5, bg_tokens=640,
-                                  sizes=scenarios.PAUSES_SIZES_BEFORE, fleet=AS_RECORDED)
+                                  sizes=scenarios.PAUSES_SIZES_BEFORE,
+                                  approval_notice_s=(0.0, 0.0), fleet=AS_RECORDED)
 
 
 def _scenario_figures() -> dict[str, dict[str, Any]]:

@@ -17,6 +17,20 @@ def test_the_simulated_background_is_the_one_the_bench_measured() -> None:
     assert _background({}) == {}  # published figures without them: the scenario's own
 
 
+def test_the_published_runs_prompt_sizes_reach_the_simulator() -> None:
+    """Each call's own size, as the published runs' engines counted it, sizes the
+    simulated jobs (``sized_by_prompts``); every job of the plans has its six."""
+    got = _background({"prompt_tokens_by_job": {"p001": ["1550", 1632]}})
+    assert got == {"prompts": {"p001": [1_550, 1_632]}}
+    published = json.loads((Path(__file__).parents[2] / "bench" / "measured"
+                            / "cpu_benchmarks.json").read_text())
+    sizes = published["bench-pauses"]["prompt_tokens_by_job"]
+    assert sorted(sizes) == sorted(j.job_id for j in scenarios.pauses_jobs())
+    sized = scenarios.sized_by_prompts(scenarios.pauses_jobs(), sizes)
+    assert all(j.prefix_tokens + j.task_tokens + j.tail_tokens == sizes[j.job_id][0]
+               for j in sized)
+
+
 def test_resumed_steps_are_summed_by_the_pause_before_them(tmp_path: Path) -> None:
     plan = next(j for j in scenarios.pauses_jobs() if j.family == "synthetic-support")
     assert plan.steps[0].pause_kind == "tool:lookup"
@@ -130,5 +144,6 @@ def test_the_pre_warms_are_set_beside_the_simulators(tmp_path: Path) -> None:
     assert rows["hold", "the prefix or more"]["simulated"] == 24
     assert rows["hold", "nothing"]["simulated"] == rows["hold", "part of the prefix"][
         "simulated"] == 0
-    assert sum(rows["release", f]["simulated"] for f in
-               ("nothing", "part of the prefix", "the prefix or more")) == 24
+    # a pre-warm is skipped where its engine has a queue (the worker's activity skips it)
+    assert 22 <= sum(rows["release", f]["simulated"] for f in
+                     ("nothing", "part of the prefix", "the prefix or more")) <= 24
