@@ -18,6 +18,7 @@ import math
 import statistics
 import time
 from collections.abc import Iterable, Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -87,16 +88,23 @@ def median_figures(runs: list[dict[str, float]]) -> dict[str, float]:
     return {k: round(v) if k.endswith("_tokens") else v for k, v in out.items()}
 
 
-def pauses_phases(measured: dict[str, Any]
+def pauses_phases(measured: dict[str, Any], **scenario: Any
                   ) -> Iterator[tuple[dict[str, Summary], dict[str, Any]]]:
     """bench-pauses simulated with the background the measured run had (``measured``: its
     figures), its first request at each of ``PAUSES_PHASES`` phases in turn: each phase's
-    summaries and fleets, by policy."""
-    background = _background(measured)
+    summaries and fleets, by policy (each fleet's ``call_times`` recorded). ``scenario``:
+    more of ``scenarios.bench_pauses``' arguments."""
+    background = {**_background(measured), **scenario}
+
     for k in range(PAUSES_PHASES):
         fleets: dict[str, Any] = {}
+
+        def keep(policy: str, fleet: Any, fleets: dict[str, Any] = fleets) -> None:
+            fleet.call_times = []
+            fleets[policy] = fleet
+
         summaries = scenarios.bench_pauses(**background, bg_phase=k / PAUSES_PHASES,
-                                           on_fleet=fleets.__setitem__)
+                                           on_fleet=keep)
         yield summaries, fleets
 
 
@@ -202,13 +210,12 @@ def prewarm_outcome(cached_tokens: int, prefix_tokens: int) -> str:
     return PREWARM_OUTCOMES[1] if cached_tokens < prefix_tokens else PREWARM_OUTCOMES[2]
 
 
-def logged_prewarms(lines: Iterable[str]) -> dict[str, dict[str, list[int]]]:
-    """bench-pauses' pre-warms in its inference workers' logs: policy -> run (the
-    workflow ids' ``pauses-<policy>-<tag>``) -> each pre-warm's cached tokens, in time
-    order. A worker logs every call it serves (``step_generated``); a pre-warm carries
-    the number of the step before it and comes after that step, so in each job's group
-    of one step number the first record is the step and the rest its approval's
-    pre-warms. Lines that are not such JSON records are skipped."""
+def _logged_calls(lines: Iterable[str]) -> dict[tuple[str, int], list[tuple[str, int]]]:
+    """bench-pauses' calls in its inference workers' logs: (workflow id, step number) ->
+    each call's (timestamp, cached tokens). A worker logs every call it serves
+    (``step_generated``); a pre-warm carries the number of the step before it and comes
+    after that step, so in each group, in time order, the first is the step and the rest
+    its approval's pre-warms. Lines that are not such JSON records are skipped."""
     calls: dict[tuple[str, int], list[tuple[str, int]]] = {}
     for line in lines:
         try:
@@ -222,12 +229,87 @@ def logged_prewarms(lines: Iterable[str]) -> dict[str, dict[str, list[int]]]:
             continue
         calls.setdefault((job, int(rec["step"])), []).append(
             (str(rec["timestamp"]), int(rec["cached_tokens"])))
+    return calls
+
+
+def logged_prewarms(lines: Iterable[str]) -> dict[str, dict[str, list[int]]]:
+    """bench-pauses' pre-warms in its inference workers' logs (``_logged_calls``): policy
+    -> run (the workflow ids' ``pauses-<policy>-<tag>``) -> each pre-warm's cached
+    tokens, in time order."""
+    calls = _logged_calls(lines)
     out: dict[str, dict[str, list[int]]] = {}
     for (job, _), got in sorted(calls.items(), key=lambda kv: min(kv[1])):
         _, policy, tag, _ = job.split("-", 3)
         runs = out.setdefault(policy, {})
         runs.setdefault(f"{policy}-{tag}", []).extend(c for _, c in sorted(got)[1:])
     return out
+
+
+def approval_lateness(calls: Iterable[tuple[str, str, int, float]]) -> list[float]:
+    """How late each approval's pre-warms ended against the plan's times, in seconds:
+    ``calls`` are (run, plan job id, step number, end time) of steps and pre-warms, a
+    pre-warm numbered by the step before it (as the workers log them and
+    ``Fleet.call_times`` records them); in each (run, job, step) group of a planned
+    approval, in time order, the step, the view's pre-warm and the decision's: the view's
+    end less the step's less the plan's view time, the decision's less its decision
+    time. What the reviewer's lateness, the path to the engine and the pre-warm's own
+    compute add up to."""
+    plans = {j.job_id: j for j in scenarios.pauses_jobs()}
+    groups: dict[tuple[str, str, int], list[float]] = {}
+    for run, job, step, at in calls:
+        groups.setdefault((run, job, step), []).append(at)
+    out = []
+    for (_, job, step), times in groups.items():
+        plan = plans.get(job)
+        if plan is None or not 0 < step <= len(plan.steps):
+            continue
+        st = plan.steps[step - 1]
+        if not st.approval or st.viewed_after_s is None or len(times) < 2:
+            continue
+        times.sort()
+        out.append(times[1] - times[0] - st.viewed_after_s)
+        if len(times) > 2:
+            out.append(times[2] - times[0] - st.pause_s)
+    return out
+
+
+def _quartiles(values: list[float]) -> list[float]:
+    return [round(q, 2) for q in statistics.quantiles(values, n=4)] if len(values) > 1 else []
+
+
+def lateness_beside(logs: Path, measured: dict[str, Any]) -> dict[str, Any]:
+    """The approvals' pre-warms' lateness (``approval_lateness``) as the workers logged
+    them (``logs``) and as the simulator has them, at its reviewer's lateness
+    (``scenarios.PAUSES_APPROVAL_NOTICE_S``) and at none: quartiles in seconds, and the
+    uniform range of a lateness that gives the measured quartiles once the simulator's
+    own (its quartiles at none, their mean) is taken off."""
+    lines: list[str] = []
+    for path in sorted(logs.glob("inference-worker-*.log")):
+        lines += path.read_text(errors="replace").splitlines()
+    logged = []
+    for (workflow_id, step), got in _logged_calls(lines).items():
+        run, number = workflow_id.rsplit("-", 1)
+        for stamp, _ in got:
+            at = datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+            logged.append((run, f"p{int(number):03d}", step, at))
+    out: dict[str, Any] = {"measured": approval_lateness(logged)}
+    for name, notice in (("simulated", scenarios.PAUSES_APPROVAL_NOTICE_S),
+                         ("simulated, no lateness", (0.0, 0.0))):
+        sim: list[float] = []
+        for k, (_, fleets) in enumerate(pauses_phases(measured, approval_notice_s=notice)):
+            for policy, fleet in fleets.items():
+                sim += approval_lateness((f"{policy}/{k}", job, step, at)
+                                         for job, step, at in fleet.call_times)
+        out[name] = sim
+    quart = {k: _quartiles(v) for k, v in out.items()}
+    row: dict[str, Any] = {k: {"quartiles_s": quart[k], "n": len(v)} for k, v in out.items()}
+    if quart["measured"] and quart["simulated, no lateness"]:
+        q1, _, q3 = quart["measured"]
+        own = statistics.mean(quart["simulated, no lateness"])
+        width = 2 * (q3 - q1)  # a uniform range's quartiles are a half-width apart
+        low = q1 - width / 4 - own
+        row["fitted_notice_s"] = [round(low, 2), round(low + width, 2)]
+    return row
 
 
 def prewarms_beside(logs: Path, measured: dict[str, Any]) -> list[dict[str, Any]]:
@@ -291,6 +373,18 @@ def main(argv: list[str] | None = None) -> None:
         for r in rows:
             print(f"| {r['policy']} | {r['found']} | {fmt(float(r['measured']))} "
                   f"({r['runs']} runs) | {fmt(float(r['simulated']))} |")
+        late = lateness_beside(args.pauses_logs, measured_figures(args.root)["bench-pauses"])
+        print("\n| approvals' pre-warms, late against the plan | quartiles (s) | pre-warms |")
+        print("| --- | --- | --- |")
+        for k in ("measured", "simulated", "simulated, no lateness"):
+            q = " / ".join(f"{x:.2f}" for x in late[k]["quartiles_s"]) or "-"
+            print(f"| {k} | {q} | {late[k]['n']} |")
+        if "fitted_notice_s" in late:
+            lo, hi = late["fitted_notice_s"]
+            print(f"a reviewer's lateness uniform over {lo:.2f}-{hi:.2f} s gives the measured "
+                  "quartiles (scenarios.PAUSES_APPROVAL_NOTICE_S: "
+                  f"{scenarios.PAUSES_APPROVAL_NOTICE_S[0]}-"
+                  f"{scenarios.PAUSES_APPROVAL_NOTICE_S[1]} s)")
         return
     if args.pauses_jobs:
         measured = measured_figures(args.root)["bench-pauses"]

@@ -292,6 +292,10 @@ class FleetConfig:
     reviewer that polls for work notices late (bench-pauses' polls every half second, a
     query a job: its pre-warms came 0.6-2.4 s after the plan's times, 1.3 s at the
     median), and whether an approval's prefix outlives the pool's churn turns on it."""
+    approval_notice_seed: int = 0
+    """Seeds ``approval_notice_s``' draws with each approval's job and step: runs with one
+    seed draw the same lateness for the same approval, whatever their policy or the
+    order of their events; another seed, another reviewer's."""
     host_sharing: HostSharing | None = None
     """Engines that share a machine's cores (the CPU benches' two engines on two cores);
     None: each engine its own machine, as GPUs are."""
@@ -430,6 +434,11 @@ class Fleet:
         self.prewarm_cached: list[int] = []
         """Each pre-warm's cached prompt tokens, as it ended (``bench.sim_fidelity`` sets
         them beside the workers' logged pre-warms)."""
+        self.call_times: list[tuple[str, int, float]] | None = None
+        """Set to a list to have every agent call's end recorded as (job id, the number
+        of its step or, for a pre-warm, of the step before it, when it ended), as the
+        inference workers log them (``bench.sim_fidelity`` times the approvals' pre-warms
+        against the plan by it); None (default): not recorded."""
         self.hold_decisions: dict[str, int] = {}
         self.other_ttfts: list[float] = []
         self.on_job_end: list[Callable[[JobStat], None]] = []
@@ -885,6 +894,8 @@ class Fleet:
         self._changed.add(engine.owner)
         self.slots_in_use[engine.owner] -= 1
         spec = job.spec
+        if self.call_times is not None:
+            self.call_times.append((spec.job_id, job.step + 1, self.clock.now))
         batch = spec.lane == Lane.BATCH and self.policy.lanes
         if batch:
             adm = self.admission[engine.engine_id]
@@ -929,12 +940,13 @@ class Fleet:
 
     def _approval_notice(self, job: _Job) -> float:
         """``FleetConfig.approval_notice_s`` drawn for the approval after ``job``'s step
-        (the same in every run and policy: seeded by the job and step, not the order of
+        (seeded by ``approval_notice_seed``, the job and the step, not the order of
         events)."""
         low, high = self.cfg.approval_notice_s
         if high <= low:
             return low
-        return random.Random(f"{job.spec.job_id}/{job.step}").uniform(low, high)
+        seed = f"{self.cfg.approval_notice_seed}/{job.spec.job_id}/{job.step}"
+        return random.Random(seed).uniform(low, high)
 
     def _resume(self, job: _Job, approval: bool) -> None:
         if approval and self.policy.prewarm:
@@ -984,9 +996,13 @@ class Fleet:
         else:
             prompt = job.transcript + job.spec.tail_tokens
 
+        after_step = job.step
+
         def done(req: Request) -> None:
             self.prewarm_computed += req.computed_tokens
             self.prewarm_cached.append(req.cached_tokens)
+            if self.call_times is not None:
+                self.call_times.append((job.spec.job_id, after_step, self.clock.now))
             if req.first_token_at and job.hold is not None and job.hold.engine is engine:
                 job.hold.used_at = self.clock.now  # the pre-warm used the held blocks
             if hold and self.policy.hold != "never" and job.step < len(job.spec.steps):

@@ -178,14 +178,15 @@ PAUSES_TOOL = PauseModel(median_s=3.0, sigma=0.5, long_share=0.1, long_min_s=20,
 """bench-pauses' tool pauses: lognormal, median 3 s, a tenth of them 20-60 s."""
 
 
-PAUSES_APPROVAL_NOTICE_S = (0.33, 2.35)
+PAUSES_APPROVAL_NOTICE_S = (0.32, 2.34)
 """bench-pauses' reviewer notices an approval this long after its request (uniform; the
 simulator's ``FleetConfig.approval_notice_s``): the bench's reviewer polls the jobs every
 half second, a query each, and signals the view and the decision. Fitted to runs 10 and
 11 (2026-12-06): their approvals' pre-warms, set against the plan's view and decision
-times after each step, came 0.91 / 1.32 / 1.92 s late at the quartiles (144 a policy);
+times after each step, came 0.91 / 1.32 / 1.92 s late at the quartiles (425 pre-warms);
 the simulator's own stages add 0.08 s, and a uniform range with those quartiles less
-0.08 s is this one. Without it every pre-warm came when the plan says, inside the
+0.08 s is this one (``python -m bench.sim_fidelity --pauses-logs DIR`` fits it from a
+run's logs). Without it every pre-warm came when the plan says, inside the
 3.6-4.5 s in which the review family's prefix outlives the background's churn more often
 than the bench's did (release pre-warms found nothing 3.0 times a run against 5.7)."""
 
@@ -292,8 +293,10 @@ def bench_pauses(*, hold: HoldConfig | None = HoldConfig(),
     told each policy's fleet before it runs (its steps, step by step, for
     ``bench.sim_fidelity --pauses-jobs``). ``fleet``: the stages and host (``CPU_FLEET``)."""
     engines = cpu_engines(16 * MIB, calibration=calibration)
+    # every phase its own reviewer's lateness, as each of the bench's repeats had
     cfg = replace(fleet, hold=hold, hold_pricing=hold_pricing,
-                  approval_notice_s=approval_notice_s)
+                  approval_notice_s=approval_notice_s,
+                  approval_notice_seed=round(bg_phase * 1_000_000))
     out = {}
     for name, pol in PAUSES_POLICIES.items():
         jobs = pauses_jobs(sizes=sizes)

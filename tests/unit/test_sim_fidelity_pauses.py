@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from bench.sim_fidelity import _background, pauses_by_step
 from warmloop.sim import scenarios
@@ -147,3 +150,78 @@ def test_the_pre_warms_are_set_beside_the_simulators(tmp_path: Path) -> None:
     # a pre-warm is skipped where its engine has a queue (the worker's activity skips it)
     assert 22 <= sum(rows["release", f]["simulated"] for f in
                      ("nothing", "part of the prefix", "the prefix or more")) <= 24
+
+
+def test_an_approvals_lateness_is_timed_against_the_plan() -> None:
+    """The view's pre-warm against the plan's view time, the decision's against its
+    decision time, each from its step's end; a group without an approval or its
+    pre-warms gives nothing."""
+    from bench.sim_fidelity import approval_lateness
+
+    plan = scenarios.pauses_jobs()[0]
+    k = next(i for i, st in enumerate(plan.steps) if st.approval)
+    st = plan.steps[k]
+    assert st.viewed_after_s is not None
+    step = k + 1
+    calls = [("r", "p000", step, 100.0 + st.pause_s + 1.5),  # out of order: sorted
+             ("r", "p000", step, 100.0),
+             ("r", "p000", step, 100.0 + st.viewed_after_s + 0.5),
+             ("r", "p001", 1, 10.0),  # a support job's step: no approval
+             ("other-run", "p000", step, 50.0)]  # a step whose pre-warms were not logged
+    assert approval_lateness(calls) == [pytest.approx(0.5), pytest.approx(1.5)]
+
+
+def test_the_simulators_calls_are_timed_as_the_workers_log_them() -> None:
+    """``Fleet.call_times``: a pre-warm numbered by the step before it, ending after it,
+    so the simulator's approvals are timed by the same reading as the logs; with the
+    lateness off they come within the simulator's own stages of the plan's times, with
+    it on as late as drawn."""
+    from bench.sim_fidelity import approval_lateness
+
+    def lateness(notice: tuple[float, float]) -> list[float]:
+        fleets: dict[str, Any] = {}
+
+        def keep(policy: str, fleet: Any) -> None:
+            fleet.call_times = []
+            fleets[policy] = fleet
+
+        scenarios.bench_pauses(approval_notice_s=notice, on_fleet=keep)
+        return approval_lateness(("release", *c) for c in fleets["release"].call_times)
+
+    on_time = lateness((0.0, 0.0))
+    assert len(on_time) == 24 and all(0 < x < 0.3 for x in on_time)
+    late = lateness((1.0, 1.0))
+    assert all(1.0 < x < 1.3 for x in late)
+
+
+def test_the_reviewers_lateness_is_fitted_to_the_logged_quartiles(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--pauses-logs``: the logged approvals' lateness, its quartiles, and a uniform
+    range that, with the simulator's own stages added, has the same quartiles."""
+    import bench.sim_fidelity
+    from bench.sim_fidelity import lateness_beside
+
+    monkeypatch.setattr(bench.sim_fidelity, "PAUSES_PHASES", 2)  # the simulated side: brief
+
+    plan = scenarios.pauses_jobs()[0]
+    k = next(i for i, st in enumerate(plan.steps) if st.approval)
+    st = plan.steps[k]
+    assert st.viewed_after_s is not None
+    lines = []
+    for run, late in enumerate((0.5, 1.0, 1.5, 2.0, 2.5)):
+        job = f"pauses-release-r{run}-000"
+        lines += [_call(job, k + 1, "10.000", 0),
+                  _call(job, k + 1, f"{10 + st.viewed_after_s + late:06.3f}", 0),
+                  _call(job, k + 1, f"{10 + st.pause_s + late:06.3f}", 0)]
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "inference-worker-e0.log").write_text("\n".join(lines) + "\n")
+    got = lateness_beside(logs, {})
+    assert got["measured"]["n"] == 10
+    q1, median, q3 = got["measured"]["quartiles_s"]
+    assert median == pytest.approx(1.5) and q1 < median < q3
+    own = sum(got["simulated, no lateness"]["quartiles_s"]) / 3
+    low, high = got["fitted_notice_s"]
+    assert low + own + (high - low) / 4 == pytest.approx(q1, abs=0.01)
+    assert low + own + 3 * (high - low) / 4 == pytest.approx(q3, abs=0.01)
+    assert got["simulated"]["n"] > 0
