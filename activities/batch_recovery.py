@@ -182,7 +182,7 @@ async def stopped_page(client: Client, batch_id: str, *,
                     wid = a.workflow_execution.workflow_id
                     ended_before[wid] = (ev.event_id, failed_outcome(0, wid, Exception(why)),
                                          kind in ("canceled", "terminated"))
-    found = StoppedPage(inp=inp, page=(inp.carry.pages if inp.carry else 0) + 1, read=None,
+    found = StoppedPage(inp=inp, page=inp.pages_done + 1, read=None,
                         recovery_written=recovery_written(events))
     if read is None:
         return found

@@ -882,7 +882,7 @@ def batch_status(batch_id: str) -> None:
             from warmloop.activities.batch_recovery import run_input
 
             inp = await run_input(client, (await handle.fetch_history()).events)
-            pages = inp.carry.pages if inp.carry else 0
+            pages = inp.pages_done
             how = stopped_how(desc.status, unknown="ended")
             console.print(f"{batch_id}: {how} without a result, on its page {pages + 1} "
                           f"({pages} page(s) of outcomes under {results_prefix(batch_id)}); "

@@ -239,6 +239,12 @@ class BatchInput(BaseModel):
     carry: BatchCarry | None = None
     """Internal: counters carried across continue-as-new."""
 
+    @property
+    def pages_done(self) -> int:
+        """Pages of outcomes the batch's earlier runs wrote (its carry's; 0 on its first
+        run): the run itself is on page ``pages_done + 1``."""
+        return self.carry.pages if self.carry else 0
+
     @model_validator(mode="after")
     def _start_together(self) -> BatchInput:
         if (self.start_line > 1) != (self.start_offset > 0):

@@ -46,6 +46,11 @@ def _page(**kw: Any) -> StoppedPage:
     return StoppedPage(inp=inp, page=3, read=read, **kw)
 
 
+def test_a_run_is_on_the_page_after_those_its_carry_says_were_written() -> None:
+    assert BatchInput(profile="ticket-triage", source="s.jsonl").pages_done == 0
+    assert _page().inp.pages_done == 2  # so the stopped run was on page 3
+
+
 def test_it_goes_on_from_the_first_stopped_or_unstarted_record() -> None:
     page = _page(stopped=[_rec(6)], unstarted=[_rec(7)])
     assert page.start() == (6, 600)
