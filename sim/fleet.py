@@ -322,6 +322,13 @@ class FleetConfig:
     50-105k tokens/s alone; its steps under bench-routing's load show ~26k). None: the
     engines' own."""
 
+    def __post_init__(self) -> None:
+        low, high = self.approval_notice_s
+        if not 0.0 <= low <= high:
+            raise ValueError(f"approval_notice_s must be (low, high) with 0 <= low <= high "
+                             f"seconds, got {self.approval_notice_s}: give (s, s) for a "
+                             "constant lateness, (0, 0) for none")
+
 
 class Fleet:
     """Engines, jobs and the policies between them."""

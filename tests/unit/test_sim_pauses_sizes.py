@@ -112,3 +112,9 @@ def test_the_notice_is_drawn_per_approval_the_same_in_every_run() -> None:
     on_time = sent((0.0, 0.0))
     lag = drawn[1] - on_time[1]
     assert 0.33 <= lag <= 2.35 and lag not in (0.33, 2.35)
+
+
+@pytest.mark.parametrize("notice", [(-0.1, 1.0), (2.0, 1.0)])
+def test_a_lateness_range_out_of_order_is_refused(notice: tuple[float, float]) -> None:
+    with pytest.raises(ValueError, match="0 <= low <= high"):
+        dataclasses.replace(scenarios.CPU_FLEET, approval_notice_s=notice)
