@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fnmatch
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
 import httpx
 import pytest
-import redis.exceptions
 from pydantic import BaseModel, ConfigDict, Field
 from temporalio.exceptions import ApplicationError
 
+from tests.ledger_redis import LedgerRedis
 from warmloop.activities.tools import EffectLedger, ToolActivities
 from warmloop.activities.tools.invoice_reconciliation import InvoiceReconciliationTools
 from warmloop.activities.tools.ticket_triage import TicketTriageTools
@@ -28,57 +27,6 @@ from warmloop.workflows.contracts import ToolRequest, ToolResult
 from warmloop.workflows.profiles import REGISTRY, HttpRunner, Profile, ToolSpec
 from warmloop.workflows.profiles.document import ProfileDocumentError, profile_from_document
 from warmloop.workflows.profiles.function_tools import FunctionTool, ToolContext, tool
-
-
-class FakeRedis:
-    """The commands the ledger uses; ``down`` makes every one fail as an outage does."""
-
-    def __init__(self) -> None:
-        self.kv: dict[str, str] = {}
-        self.hashes: dict[str, dict[str, int]] = {}
-        self.sets: dict[str, set[str]] = {}
-        self.down = False
-
-    def _check(self) -> None:
-        if self.down:
-            raise redis.exceptions.ConnectionError("Error 111 connecting to redis:6379")
-
-    async def set(self, key: str, value: str, nx: bool = False) -> bool:
-        self._check()
-        await asyncio.sleep(0)  # let a concurrent call interleave, as over a socket
-        if nx and key in self.kv:
-            return False
-        self.kv[key] = value
-        return True
-
-    async def get(self, key: str) -> str | None:
-        self._check()
-        await asyncio.sleep(0)
-        return self.kv.get(key)
-
-    async def hincrby(self, key: str, field: str, n: int) -> None:
-        self._check()
-        h = self.hashes.setdefault(key, {})
-        h[field] = h.get(field, 0) + n
-
-    async def hgetall(self, key: str) -> dict[str, int]:
-        self._check()
-        return dict(self.hashes.get(key, {}))
-
-    async def sadd(self, key: str, *members: str) -> None:
-        self._check()
-        self.sets.setdefault(key, set()).update(members)
-
-    async def smembers(self, key: str) -> frozenset[str]:
-        self._check()
-        return frozenset(self.sets.get(key, ()))
-
-    async def scan_iter(self, match: str) -> AsyncIterator[str]:
-        self._check()
-        for k in list(self.kv):
-            if fnmatch.fnmatchcase(k, match):
-                yield k
-
 
 CALLS: list[tuple[str, str]] = []
 
@@ -143,12 +91,12 @@ def function_profile() -> Iterator[FunctionTool]:
 
 
 @pytest.fixture
-def fake_redis() -> FakeRedis:
-    return FakeRedis()
+def fake_redis() -> LedgerRedis:
+    return LedgerRedis()
 
 
 @pytest.fixture
-def acts(fake_redis: FakeRedis) -> ToolActivities:
+def acts(fake_redis: LedgerRedis) -> ToolActivities:
     def resolve(path: str) -> FunctionTool:
         return _function_tool()
 
@@ -184,7 +132,7 @@ def _fn(step: int, order_id: str = "O1234", name: str = "_order_note",
 
 
 async def test_approve_payment_applies_once_per_invoice_whatever_the_step(
-        acts: ToolActivities, fake_redis: FakeRedis) -> None:
+        acts: ToolActivities, fake_redis: LedgerRedis) -> None:
     first = await acts.run_tool(_pay(5))
     assert first.ok and first.output == "payment of 8574.00 EUR approved for invoice INV1002"
     again = await acts.run_tool(_pay(7))
@@ -198,7 +146,7 @@ async def test_approve_payment_applies_once_per_invoice_whatever_the_step(
 
 
 async def test_a_retried_step_returns_its_own_result_unchanged(
-        acts: ToolActivities, fake_redis: FakeRedis) -> None:
+        acts: ToolActivities, fake_redis: LedgerRedis) -> None:
     results = [await acts.run_tool(_pay(5)) for _ in range(3)]  # the activity retried
     assert results[0] == results[1] == results[2]
     assert "already" not in results[0].output
@@ -206,7 +154,7 @@ async def test_a_retried_step_returns_its_own_result_unchanged(
 
 
 async def test_paying_another_invoice_than_the_tasks_is_refused(
-        acts: ToolActivities, fake_redis: FakeRedis) -> None:
+        acts: ToolActivities, fake_redis: LedgerRedis) -> None:
     res = await acts.run_tool(_pay(5, invoice_id="INV1002", task_id="INV1001"))
     assert not res.ok and "\n" not in res.output
     assert "INV1002" in res.output and "INV1001" in res.output
@@ -216,14 +164,14 @@ async def test_paying_another_invoice_than_the_tasks_is_refused(
 
 
 async def test_flagging_another_invoice_is_refused(acts: ToolActivities,
-                                                   fake_redis: FakeRedis) -> None:
+                                                   fake_redis: LedgerRedis) -> None:
     res = await acts.run_tool(_flag(4, "price_mismatch", invoice_id="INV1011"))
     assert not res.ok and "INV1011" in res.output and "INV1018" in res.output
     assert fake_redis.kv == {}
 
 
 async def test_each_discrepancy_kind_is_flagged_once(acts: ToolActivities,
-                                                     fake_redis: FakeRedis) -> None:
+                                                     fake_redis: LedgerRedis) -> None:
     price = await acts.run_tool(_flag(4, "price_mismatch"))
     qty = await acts.run_tool(_flag(5, "quantity_mismatch"))
     assert price.ok and qty.ok and "already" not in price.output + qty.output
@@ -233,7 +181,7 @@ async def test_each_discrepancy_kind_is_flagged_once(acts: ToolActivities,
 
 
 async def test_a_ticket_gets_one_priority_and_one_reply(acts: ToolActivities,
-                                                        fake_redis: FakeRedis) -> None:
+                                                        fake_redis: LedgerRedis) -> None:
     high = await acts.run_tool(_ticket(2, "set_priority", priority="high"))
     assert high.ok and high.output == "priority set to high"
     low = await acts.run_tool(_ticket(4, "set_priority", priority="low"))
@@ -246,7 +194,7 @@ async def test_a_ticket_gets_one_priority_and_one_reply(acts: ToolActivities,
 
 
 async def test_concurrent_first_applications_apply_once(acts: ToolActivities,
-                                                        fake_redis: FakeRedis) -> None:
+                                                        fake_redis: LedgerRedis) -> None:
     a, b = await asyncio.gather(acts.run_tool(_pay(5)), acts.run_tool(_pay(6)))
     assert sum("already applied" in r.output for r in (a, b)) == 1
     assert await EffectLedger(fake_redis).counts("job-1") == {  # type: ignore[arg-type]
@@ -254,7 +202,7 @@ async def test_concurrent_first_applications_apply_once(acts: ToolActivities,
 
 
 async def test_without_redis_a_side_effect_fails_retryably_and_applies_nothing(
-        acts: ToolActivities, fake_redis: FakeRedis) -> None:
+        acts: ToolActivities, fake_redis: LedgerRedis) -> None:
     fake_redis.down = True
     with pytest.raises(ApplicationError) as e:
         await acts.run_tool(_pay(5))
@@ -272,7 +220,7 @@ async def test_without_redis_a_side_effect_fails_retryably_and_applies_nothing(
 
 
 async def test_without_redis_a_side_effect_function_is_not_called(
-        acts: ToolActivities, fake_redis: FakeRedis, function_profile: FunctionTool) -> None:
+        acts: ToolActivities, fake_redis: LedgerRedis, function_profile: FunctionTool) -> None:
     fake_redis.down = True
     with pytest.raises(ApplicationError) as e:
         await acts.run_tool(_fn(3, note="called"))

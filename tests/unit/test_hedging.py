@@ -16,6 +16,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict
 from temporalio.testing import ActivityEnvironment
 
+from tests.ledger_redis import LedgerRedis
 from warmloop import Profile, ToolContext, ToolSpec, tool
 from warmloop.activities.pauses import PauseStats, bucket_mid, bucket_of, tool_kind
 from warmloop.activities.tools import EffectLedger, Hedging, ToolActivities, ToolOutcome, Toolset
@@ -270,48 +271,6 @@ PROFILES = (
 )
 
 
-class FakeRedis:
-    def __init__(self) -> None:
-        self.kv: dict[str, str] = {}
-        self.hashes: dict[str, dict[str, int]] = {}
-
-    async def set(self, key: str, value: str, nx: bool = False, **_: Any) -> bool:
-        if nx and key in self.kv:
-            return False
-        self.kv[key] = value
-        return True
-
-    async def get(self, key: str) -> str | None:
-        return self.kv.get(key)
-
-    async def hincrby(self, key: str, field: str, n: int) -> None:
-        h = self.hashes.setdefault(key, {})
-        h[field] = h.get(field, 0) + n
-
-    async def hgetall(self, key: str) -> dict[str, int]:
-        return dict(self.hashes.get(key, {}))
-
-    async def sadd(self, key: str, member: str) -> None:
-        return None
-
-    def pipeline(self, transaction: bool = False) -> FakePipeline:
-        return FakePipeline(self)
-
-
-class FakePipeline:
-    def __init__(self, redis: FakeRedis) -> None:
-        self.redis, self.ops = redis, []  # type: ignore[var-annotated]
-
-    def __getattr__(self, name: str) -> Any:
-        def queue(*args: Any) -> None:
-            self.ops.append((name, args))
-        return queue
-
-    async def execute(self) -> None:
-        for name, args in self.ops:
-            await getattr(self.redis, name)(*args)
-
-
 @pytest.fixture(autouse=True)
 def registered() -> Iterator[None]:
     for p in PROFILES:
@@ -335,12 +294,12 @@ async def _service(request: httpx.Request) -> httpx.Response:
 
 
 @pytest.fixture
-def redis() -> FakeRedis:
-    return FakeRedis()
+def redis() -> LedgerRedis:
+    return LedgerRedis()
 
 
 @pytest.fixture
-def acts(redis: FakeRedis) -> ToolActivities:
+def acts(redis: LedgerRedis) -> ToolActivities:
     SEEN.clear()
     http = httpx.AsyncClient(transport=httpx.MockTransport(_service))
     # no statistics: every tool's prior (median 1 ms, p90 2 ms) sets its threshold
@@ -357,7 +316,7 @@ def _req(name: str, *, hedge: bool = True, profile: str = "hedge-test") -> ToolR
 
 
 async def test_a_slow_read_only_async_function_is_hedged(acts: ToolActivities,
-                                                         redis: FakeRedis) -> None:
+                                                         redis: LedgerRedis) -> None:
     before = asyncio.all_tasks()
     r = await ActivityEnvironment().run(acts.run_tool, _req("read_async"))
     assert r.ok and r.output == "read a #2" and RUNS == ["a", "a"]
@@ -420,7 +379,7 @@ async def test_a_toolset_is_hedged_only_when_its_arun_is_async(acts: ToolActivit
 # ---- the threshold, the budget -----------------------------------------------------------
 
 
-async def test_without_statistics_the_prior_sets_the_threshold(redis: FakeRedis) -> None:
+async def test_without_statistics_the_prior_sets_the_threshold(redis: LedgerRedis) -> None:
     spec = ToolSpec("lookup", "Look up.", Key, read_only=True, pause_median_s=0.2,
                     pause_p90_s=1.0)
     profile = Profile(name="p", system_prompt="s", task_model=Task, tools=(spec, DONE))
@@ -431,7 +390,7 @@ async def test_without_statistics_the_prior_sets_the_threshold(redis: FakeRedis)
     assert hedging.threshold_from_prior("p", "lookup") is True
 
 
-async def test_with_enough_samples_the_observed_p95_sets_it(redis: FakeRedis) -> None:
+async def test_with_enough_samples_the_observed_p95_sets_it(redis: LedgerRedis) -> None:
     spec = ToolSpec("lookup", "Look up.", Key, read_only=True, pause_median_s=0.2,
                     pause_p90_s=1.0)
     profile = Profile(name="p", system_prompt="s", task_model=Task, tools=(spec, DONE))

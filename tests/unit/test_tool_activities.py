@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from tests.ledger_redis import LedgerRedis
 from warmloop.activities.tools import EffectLedger, ToolActivities, ToolOutcome, Toolset
 from warmloop.workflows.contracts import ToolRequest, ToolResult
 
@@ -16,28 +17,6 @@ class FakeS3:
 
     def put_object(self, *, Bucket: str, Key: str, Body: bytes, **_: Any) -> None:  # noqa: N803
         self.objects[Key] = Body
-
-
-class FakeRedis:
-    def __init__(self) -> None:
-        self.kv: dict[str, str] = {}
-        self.hashes: dict[str, dict[str, int]] = {}
-
-    async def set(self, key: str, value: str, nx: bool = False) -> bool:
-        if nx and key in self.kv:
-            return False
-        self.kv[key] = value
-        return True
-
-    async def get(self, key: str) -> str | None:
-        return self.kv.get(key)
-
-    async def hincrby(self, key: str, field: str, n: int) -> None:
-        h = self.hashes.setdefault(key, {})
-        h[field] = h.get(field, 0) + n
-
-    async def hgetall(self, key: str) -> dict[str, int]:
-        return self.hashes.get(key, {})
 
 
 class BigTools(Toolset):
@@ -55,8 +34,8 @@ def _req(name: str, step: int, **args: Any) -> ToolRequest:
 
 
 @pytest.fixture
-def parts() -> tuple[ToolActivities, FakeS3, FakeRedis]:
-    s3, redis = FakeS3(), FakeRedis()
+def parts() -> tuple[ToolActivities, FakeS3, LedgerRedis]:
+    s3, redis = FakeS3(), LedgerRedis()
     acts = ToolActivities([BigTools()], EffectLedger(redis), s3=s3,  # type: ignore[arg-type]
                           bucket="b")
     return acts, s3, redis

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
+from tests.ledger_redis import LedgerRedis
 from warmloop import Profile, ToolContext, ToolSpec, tool
 from warmloop.activities.tools import EffectLedger, ToolActivities
 from warmloop.workflows.contracts import ToolRequest
@@ -58,23 +59,6 @@ PROFILE_FX = Profile(name="runner-test-fx", system_prompt="s", task_model=Task,
                      tools=(_http(True), ToolSpec("done", "done", Key, finishes_job=True)))
 
 
-class FakeRedis:
-    def __init__(self) -> None:
-        self.kv: dict[str, str] = {}
-
-    async def set(self, key: str, value: str, nx: bool = False) -> bool:
-        if nx and key in self.kv:
-            return False
-        self.kv[key] = value
-        return True
-
-    async def get(self, key: str) -> str | None:
-        return self.kv.get(key)
-
-    async def hincrby(self, key: str, field: str, n: int) -> None:
-        return None
-
-
 SEEN: list[httpx.Request] = []
 
 
@@ -107,7 +91,7 @@ def registered() -> Iterator[None]:
 @pytest.fixture
 def acts() -> ToolActivities:
     http = httpx.AsyncClient(transport=httpx.MockTransport(_service))
-    return ToolActivities([], EffectLedger(FakeRedis()), s3=None, bucket="b",  # type: ignore[arg-type]
+    return ToolActivities([], EffectLedger(LedgerRedis()), s3=None, bucket="b",  # type: ignore[arg-type]
                           http=http)
 
 
