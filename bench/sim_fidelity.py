@@ -232,6 +232,14 @@ def _logged_calls(lines: Iterable[str]) -> dict[tuple[str, int], list[tuple[str,
     return calls
 
 
+def _worker_log_lines(logs: Path) -> list[str]:
+    """Every line of bench-pauses' inference workers' logs (``logs``: its log folder)."""
+    lines: list[str] = []
+    for path in sorted(logs.glob("inference-worker-*.log")):
+        lines += path.read_text(errors="replace").splitlines()
+    return lines
+
+
 def logged_prewarms(lines: Iterable[str]) -> dict[str, dict[str, list[int]]]:
     """bench-pauses' pre-warms in its inference workers' logs (``_logged_calls``): policy
     -> run (the workflow ids' ``pauses-<policy>-<tag>``) -> each pre-warm's cached
@@ -283,11 +291,8 @@ def lateness_beside(logs: Path, measured: dict[str, Any]) -> dict[str, Any]:
     (``scenarios.PAUSES_APPROVAL_NOTICE_S``) and at none: quartiles in seconds, and the
     uniform range of a lateness that gives the measured quartiles once the simulator's
     own (its quartiles at none, their mean) is taken off."""
-    lines: list[str] = []
-    for path in sorted(logs.glob("inference-worker-*.log")):
-        lines += path.read_text(errors="replace").splitlines()
     logged = []
-    for (workflow_id, step), got in _logged_calls(lines).items():
+    for (workflow_id, step), got in _logged_calls(_worker_log_lines(logs)).items():
         run, number = workflow_id.rsplit("-", 1)
         for stamp, _ in got:
             at = datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
@@ -316,10 +321,7 @@ def prewarms_beside(logs: Path, measured: dict[str, Any]) -> list[dict[str, Any]
     """Per policy and ``PREWARM_OUTCOMES``: how many pre-warms a run found so, the
     workers' logs (``logs``: bench-pauses' log folder, its ``inference-worker-*.log``)
     against the simulator's (a mean over its ``PAUSES_PHASES`` background phases)."""
-    lines: list[str] = []
-    for path in sorted(logs.glob("inference-worker-*.log")):
-        lines += path.read_text(errors="replace").splitlines()
-    logged = logged_prewarms(lines)
+    logged = logged_prewarms(_worker_log_lines(logs))
     jobs = scenarios.pauses_jobs()
     block = scenarios.CPU_TINY_LOADED.block_size
     prefix = min(j.prefix_tokens for j in jobs if any(st.approval for st in j.steps))
