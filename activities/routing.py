@@ -66,6 +66,7 @@ from warmloop.workflows.routing import (
     UnservableStepError,
     choose_engine,
     eligible_engines,
+    kv_taken,
     prefix_family,
 )
 from warmloop.workflows.tenants import TENANT_QUOTA_EXCEEDED, TenantQuota, over_tokens, scoped
@@ -267,7 +268,9 @@ class RoutingActivities:
         candidates = [
             EngineCandidate(engine_id=e.engine_id, expected_cached_tokens=expected[e.engine_id],
                             running=e.running, waiting=e.waiting,
-                            in_flight=len(steps[e.engine_id]), kv_usage=e.kv_usage,
+                            in_flight=len(steps[e.engine_id]),
+                            kv_usage=kv_taken(e.kv_usage, held_tokens=e.held_tokens,
+                                              capacity_tokens=e.kv_capacity_tokens),
                             batch_jobs=resident[e.engine_id],
                             prefill_tokens_per_s=calibrated_prefill_rate(
                                 e, expected[e.engine_id] or None))
@@ -313,7 +316,9 @@ class RoutingActivities:
             if engine_id in sent:
                 sent[engine_id] += 1
         by_load = sorted(live, key=lambda e: (e.running + e.waiting + sent[e.engine_id],
-                                              e.kv_usage, e.engine_id))
+                                              kv_taken(e.kv_usage, held_tokens=e.held_tokens,
+                                                       capacity_tokens=e.kv_capacity_tokens),
+                                              e.engine_id))
         ids = [e.engine_id for e in live]
         reason: RouteReason
         if req.policy == "round_robin":

@@ -33,7 +33,9 @@ class EngineCandidate(BaseModel):
     in_flight: int = Field(default=0, ge=0)
     """Steps routed here and not finished yet: fresher than the heartbeat during a burst."""
     kv_usage: float = Field(default=0.0, ge=0.0)
-    """Fraction of the KV pool in use."""
+    """Fraction of the KV pool taken: in use by requests, and kept by holds for paused
+    jobs (``kv_taken``). Breaks ties of load: a new job's prefix is safest where the
+    most room is left."""
     batch_jobs: int = Field(default=0, ge=0)
     """Batch jobs under way here (a step routed here lately), counted for a batch job's
     first step only: between steps a job has nothing in flight, yet it will come back."""
@@ -148,6 +150,22 @@ def eligible_engines(offers: list[EngineOffer], *, model: str | None,
 
 
 _ENGINE_ID = attrgetter("engine_id")
+
+
+def kv_taken(kv_usage: float, *, held_tokens: int, capacity_tokens: int) -> float:
+    """An engine's KV usage as the router compares it: vLLM's (the blocks of running
+    requests) plus the tokens its holds keep for paused jobs, at most 1.
+
+    vLLM counts a held block as free (cached, no request uses it), so two idle engines
+    read 0.0 whatever one of them holds, and a cold start's tie may put a new prefix
+    family beside a held one: the holds' cap (a share of the pool) cannot keep both, so
+    approval holds are let go for room and the held prefix is lost (bench-pauses'
+    outlying repeats). The fleet simulator pins held blocks, so its usage counts them
+    already. A block both held and in use is counted twice: it is a tie-break, and the
+    sum is never below what is taken. ``capacity_tokens`` 0 (not reported): vLLM's."""
+    if capacity_tokens <= 0 or held_tokens <= 0:
+        return kv_usage
+    return min(1.0, kv_usage + held_tokens / capacity_tokens)
 
 
 def _spread_key(job_id: str, engine_id: str) -> str:

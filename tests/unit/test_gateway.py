@@ -519,6 +519,23 @@ async def test_the_cap_counts_the_workers_held_tokens(make: Make, redis: aioredi
     assert not manager.holds
 
 
+async def test_a_new_session_goes_where_less_is_held(make: Make) -> None:
+    # Both engines idle at the same KV usage: only what the gateway holds tells them
+    # apart (vLLM counts a held block as free), and a new session goes to the other.
+    rig = await make("e0", "e1")
+    rig.gateway.config.hold_policy = "always_hold"
+    await rig.chat(conversation(), headers={"x-session-id": "held"})
+    holder = rig.fleet.served_by()[-1]
+    manager = rig.gateway.holds.manager(holder)
+    assert manager is not None and "held" in manager.holds
+    rig.gateway.config.hold_policy = "never"
+    for i in range(12):
+        await rig.chat([{"role": "system", "content": f"Desk {i}. " + SYSTEM},
+                        {"role": "user", "content": "Where is my invoice?"}],
+                       headers={"x-session-id": f"new-{i}"})
+    assert rig.fleet.served_by()[1:] == [e for e in ("e0", "e1") if e != holder] * 12
+
+
 async def test_holds_are_touched_on_their_engine(make: Make) -> None:
     rig = await make("e0", holding=HoldConfig(max_touch_interval_s=0.3,
                                               min_touch_interval_s=0.25))

@@ -134,7 +134,7 @@ class Gateway:
                                instance=instance or f"{socket.gethostname()}-{os.getpid()}")
         self.router = GatewayRouter(self.fleet, self.registry, self.directory,
                                     config=settings.routing, outage=self.outage,
-                                    fresh_s=c.refresh_s)
+                                    fresh_s=c.refresh_s, own_held_tokens=self._own_held_tokens)
         self.pauses = RecentPauseStats(self.redis, outage=self.outage)
         self.tenant_usage = TenantUsage(self.redis)
         """Tenants' tokens per hour: checked before a tenant key's call, added after."""
@@ -632,6 +632,11 @@ class Gateway:
             await work
         except Exception:  # noqa: BLE001 - after-call work is advice; the call is served
             log.exception("gateway_background_failed")
+
+    def _own_held_tokens(self, engine_id: str) -> int:
+        """Tokens the gateway's own holds keep on an engine (the router's KV usage)."""
+        m = self.holds.manager(engine_id)
+        return m.own_held_tokens if m is not None else 0
 
     def _ttl_cache(self, engine_id: str) -> TtlCacheEndpoint | None:
         """A ttl_cache engine's keep-alive economics, as its inference worker has them
