@@ -220,6 +220,12 @@ class HoldManager:
         """Re-prefill's price as the engine's own steps show it (``observe_step``)."""
         self._resumed = 0
         """Holds ended by their job's next step since the last tick (counted there)."""
+        self.held_more = asyncio.Event()
+        """Set when a hold is made: the worker's heartbeat then publishes ``held_tokens``
+        at once, not up to a beat later. The router counts held tokens as taken KV
+        (``workflows.routing.kv_taken``); a job that starts in that beat would otherwise
+        see an engine that just began holding a family's prefix as empty, and may bring
+        a second family beside it (the cap cannot keep both)."""
 
     @property
     def held_tokens(self) -> int:
@@ -333,6 +339,7 @@ class HoldManager:
                     margin_s=self._ttl_cache.margin_s)]
                 hold.next_touch = hold.pings[0] if hold.pings else hold.until
             self.holds[job_id] = hold
+            self.held_more.set()
             await self._count(holds=1)
             await self._make_room()
             await self._publish()

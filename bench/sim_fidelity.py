@@ -285,12 +285,14 @@ def _quartiles(values: list[float]) -> list[float]:
     return [round(q, 2) for q in statistics.quantiles(values, n=4)] if len(values) > 1 else []
 
 
-def lateness_beside(logs: Path, measured: dict[str, Any]) -> dict[str, Any]:
+def lateness_beside(logs: Path, measured: dict[str, Any],
+                    phases: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The approvals' pre-warms' lateness (``approval_lateness``) as the workers logged
     them (``logs``) and as the simulator has them, at its reviewer's lateness
     (``scenarios.PAUSES_APPROVAL_NOTICE_S``) and at none: quartiles in seconds, and the
     uniform range of a lateness that gives the measured quartiles once the simulator's
-    own (its quartiles at none, their mean) is taken off."""
+    own (its quartiles at none, their mean) is taken off. ``phases``: the fleets of
+    ``pauses_phases(measured)`` simulated already (``prewarms_beside`` reads the same)."""
     logged = []
     for (workflow_id, step), got in _logged_calls(_worker_log_lines(logs)).items():
         run, number = workflow_id.rsplit("-", 1)
@@ -301,7 +303,9 @@ def lateness_beside(logs: Path, measured: dict[str, Any]) -> dict[str, Any]:
     for name, notice in (("simulated", scenarios.PAUSES_APPROVAL_NOTICE_S),
                          ("simulated, no lateness", (0.0, 0.0))):
         sim: list[float] = []
-        for k, (_, fleets) in enumerate(pauses_phases(measured, approval_notice_s=notice)):
+        ran = (phases if phases is not None and notice == scenarios.PAUSES_APPROVAL_NOTICE_S
+               else [fleets for _, fleets in pauses_phases(measured, approval_notice_s=notice)])
+        for k, fleets in enumerate(ran):
             for policy, fleet in fleets.items():
                 sim += approval_lateness((f"{policy}/{k}", job, step, at)
                                          for job, step, at in fleet.call_times)
@@ -317,17 +321,21 @@ def lateness_beside(logs: Path, measured: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def prewarms_beside(logs: Path, measured: dict[str, Any]) -> list[dict[str, Any]]:
+def prewarms_beside(logs: Path, measured: dict[str, Any],
+                    phases: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Per policy and ``PREWARM_OUTCOMES``: how many pre-warms a run found so, the
     workers' logs (``logs``: bench-pauses' log folder, its ``inference-worker-*.log``)
-    against the simulator's (a mean over its ``PAUSES_PHASES`` background phases)."""
+    against the simulator's (a mean over its ``PAUSES_PHASES`` background phases; their
+    fleets, ``pauses_phases(measured)``, given as ``phases`` or simulated here)."""
     logged = logged_prewarms(_worker_log_lines(logs))
     jobs = scenarios.pauses_jobs()
     block = scenarios.CPU_TINY_LOADED.block_size
     prefix = min(j.prefix_tokens for j in jobs if any(st.approval for st in j.steps))
     prefix = prefix // block * block  # the family's shared full blocks
     sims: dict[str, list[list[int]]] = {}
-    for _, fleets in pauses_phases(measured):
+    if phases is None:
+        phases = [fleets for _, fleets in pauses_phases(measured)]
+    for fleets in phases:
         for policy, fleet in fleets.items():
             sims.setdefault(policy, []).append(fleet.prewarm_cached)
     out = []
@@ -367,7 +375,9 @@ def main(argv: list[str] | None = None) -> None:
                         "simulator's, by what each found cached")
     args = p.parse_args(argv)
     if args.pauses_logs:
-        rows = prewarms_beside(args.pauses_logs, measured_figures(args.root)["bench-pauses"])
+        measured = measured_figures(args.root)["bench-pauses"]
+        phases = [fleets for _, fleets in pauses_phases(measured)]  # simulated once, read twice
+        rows = prewarms_beside(args.pauses_logs, measured, phases)
         prefix = rows[0]["prefix_tokens"] if rows else 0
         print(f"| policy | a pre-warm found cached (prefix: {prefix:,} tokens) | measured, "
               f"per run | simulated, per run of {PAUSES_PHASES} phases |")
@@ -375,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
         for r in rows:
             print(f"| {r['policy']} | {r['found']} | {fmt(float(r['measured']))} "
                   f"({r['runs']} runs) | {fmt(float(r['simulated']))} |")
-        late = lateness_beside(args.pauses_logs, measured_figures(args.root)["bench-pauses"])
+        late = lateness_beside(args.pauses_logs, measured, phases)
         print("\n| approvals' pre-warms, late against the plan | quartiles (s) | pre-warms |")
         print("| --- | --- | --- |")
         for k in ("measured", "simulated", "simulated, no lateness"):

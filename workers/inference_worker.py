@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import socket
 import time
@@ -108,7 +109,8 @@ async def heartbeat_loop(registry: EngineRegistry, http: httpx.AsyncClient,
                          holds: HoldManager | None = None,
                          outage: RedisOutage | None = None,
                          calibration: CalibrationSource | None = None) -> None:
-    """Probe the engine and publish what it says, every ``interval_s``.
+    """Probe the engine and publish what it says, every ``interval_s``, and at once when
+    ``holds`` makes a hold.
 
     The probe and the worker's own view of its engine go on whatever Redis does: the
     registry is how *others* find the engine, and a Redis that is away (logged once by
@@ -167,7 +169,13 @@ async def heartbeat_loop(registry: EngineRegistry, http: httpx.AsyncClient,
             # hung) must not slow the worker's own view of its engine.
             if publishing is None or publishing.done():
                 publishing = asyncio.ensure_future(publish(hb))
-            await asyncio.sleep(interval_s)
+            if holds is None:
+                await asyncio.sleep(interval_s)
+                continue
+            # a new hold is published at once (the router counts held tokens as taken)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(holds.held_more.wait(), interval_s)
+            holds.held_more.clear()
     finally:
         if publishing is not None:
             publishing.cancel()

@@ -134,6 +134,41 @@ async def test_the_engine_heartbeat_rides_out_a_redis_outage(
     assert len(outage_log.named("redis_back")) == 1
 
 
+class Holding:
+    """What the heartbeat reads of a worker's holds."""
+
+    def __init__(self) -> None:
+        self.held_tokens = 0
+        self.regret = None
+        self.held_more = asyncio.Event()
+
+    def observe_engine(self, computed_tokens_total: float) -> None:
+        pass
+
+
+async def test_a_new_hold_is_published_without_waiting_for_the_next_beat(
+        client: aioredis.Redis) -> None:
+    # The router counts held tokens as taken KV: a hold the registry learns of a beat
+    # late lets a job that starts meanwhile see the engine as empty.
+    registry = EngineRegistry(client, ttl_s=120)
+    holds = Holding()
+    async with httpx.AsyncClient(transport=metrics_engine()) as http:
+        loop = asyncio.ensure_future(inference_worker.heartbeat_loop(
+            registry, http, EngineEndpoint(id="e0", url="http://e0"), 60.0,
+            holds=holds))  # type: ignore[arg-type]
+        try:
+            async def held(tokens: int) -> bool:
+                live = await registry.live()
+                return bool(live) and live[0].held_tokens == tokens
+
+            await eventually(lambda: held(0))
+            holds.held_tokens = 1_537
+            holds.held_more.set()
+            await eventually(lambda: held(1_537), timeout_s=5.0)  # not 60 s later
+        finally:
+            loop.cancel()
+
+
 async def test_the_kv_event_loop_rides_out_a_redis_outage(server: RedisServer,
                                                           client: aioredis.Redis) -> None:
     """Events that arrive while Redis is away are not lost for good: when it is back,
