@@ -341,7 +341,7 @@ def prewarms_beside(logs: Path, measured: dict[str, Any],
     out = []
     for policy in sorted(set(logged) | set(sims)):
         runs = logged.get(policy, {})
-        phases = sims.get(policy, [])
+        simulated = sims.get(policy, [])
         for outcome in PREWARM_OUTCOMES:
             def per_run(groups: list[list[int]], outcome: str = outcome) -> float:
                 counts = [sum(prewarm_outcome(c, prefix) == outcome for c in g)
@@ -349,7 +349,7 @@ def prewarms_beside(logs: Path, measured: dict[str, Any],
                 return statistics.mean(counts) if counts else math.nan
             out.append({"policy": policy, "found": outcome, "prefix_tokens": prefix,
                         "measured": per_run(list(runs.values())), "runs": len(runs),
-                        "simulated": per_run(phases)})
+                        "simulated": per_run(simulated)})
     return out
 
 
