@@ -339,9 +339,9 @@ class HoldManager:
                     margin_s=self._ttl_cache.margin_s)]
                 hold.next_touch = hold.pings[0] if hold.pings else hold.until
             self.holds[job_id] = hold
-            self.held_more.set()
             await self._count(holds=1)
             await self._make_room()
+            self.held_more.set()  # after the room it made: what is held now
             await self._publish()
         log.info("hold_decision", job_id=job_id, kind=kind, action=choice.action.value,
                  ttl_s=round(choice.ttl_s, 1), reason=choice.reason,

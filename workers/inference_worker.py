@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import socket
 import time
@@ -137,6 +136,20 @@ async def heartbeat_loop(registry: EngineRegistry, http: httpx.AsyncClient,
         else:
             outage.ok()
 
+    queued: EngineHeartbeat | None = None
+    """A hold's heartbeat waiting for the publish in flight (at most one: the latest)."""
+
+    async def publish_queued(in_flight: asyncio.Task[None]) -> None:
+        nonlocal queued
+        try:
+            await asyncio.wait({in_flight})
+        except asyncio.CancelledError:
+            in_flight.cancel()
+            raise
+        hb, queued = queued, None
+        if hb is not None:
+            await publish(hb)
+
     try:
         while True:
             stop_if_cancelled()
@@ -172,10 +185,24 @@ async def heartbeat_loop(registry: EngineRegistry, http: httpx.AsyncClient,
             if holds is None:
                 await asyncio.sleep(interval_s)
                 continue
-            # a new hold is published at once (the router counts held tokens as taken)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(holds.held_more.wait(), interval_s)
-            holds.held_more.clear()
+            # Until the next beat, a new hold is published at once (the router counts
+            # held tokens as taken KV) with this beat's probe: probing again would feed
+            # the churn meter a short interval holding the step's prefill.
+            deadline = time.monotonic() + interval_s
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    await asyncio.wait_for(holds.held_more.wait(), left)
+                except TimeoutError:
+                    break
+                holds.held_more.clear()
+                hb = hb.model_copy(update={"held_tokens": holds.held_tokens})
+                if publishing is None or publishing.done():
+                    publishing = asyncio.ensure_future(publish(hb))
+                elif queued is None:  # after the one in flight, not instead of it
+                    queued = hb
+                    publishing = asyncio.ensure_future(publish_queued(publishing))
+                else:
+                    queued = hb  # the follow-up not yet sent takes the latest
     finally:
         if publishing is not None:
             publishing.cancel()

@@ -162,7 +162,11 @@ def kv_taken(kv_usage: float, *, held_tokens: int, capacity_tokens: int) -> floa
     approval holds are let go for room and the held prefix is lost (bench-pauses'
     outlying repeats). The fleet simulator pins held blocks, so its usage counts them
     already. A block both held and in use is counted twice: it is a tie-break, and the
-    sum is never below what is taken. ``capacity_tokens`` 0 (not reported): vLLM's."""
+    sum is never below what is taken. ``capacity_tokens`` 0 (not reported): vLLM's.
+
+    ``held_tokens`` is what the router knows: the inference worker's holds, from its
+    heartbeat, and a gateway's own (it adds them). Another gateway's holds, and a
+    gateway's to the routing activity, are not in any heartbeat, so they do not count."""
     if capacity_tokens <= 0 or held_tokens <= 0:
         return kv_usage
     return min(1.0, kv_usage + held_tokens / capacity_tokens)

@@ -169,6 +169,51 @@ async def test_a_new_hold_is_published_without_waiting_for_the_next_beat(
             loop.cancel()
 
 
+class SlowRegistry:
+    """Records each heartbeat's held tokens; the first with ``block_at`` waits on ``gate``."""
+
+    def __init__(self, block_at: int) -> None:
+        self.held: list[int] = []
+        self.block_at = block_at
+        self.gate = asyncio.Event()
+        self.blocked = asyncio.Event()
+
+    async def heartbeat(self, hb: EngineHeartbeat) -> None:
+        self.held.append(hb.held_tokens)
+        if hb.held_tokens == self.block_at and not self.gate.is_set():
+            self.blocked.set()
+            await self.gate.wait()
+
+
+async def test_holds_made_while_a_publish_hangs_follow_it_the_latest_once() -> None:
+    registry = SlowRegistry(block_at=100)
+    holds = Holding()
+    async with httpx.AsyncClient(transport=metrics_engine()) as http:
+        loop = asyncio.ensure_future(inference_worker.heartbeat_loop(
+            registry, http, EngineEndpoint(id="e0", url="http://e0"), 60.0,  # type: ignore[arg-type]
+            holds=holds))  # type: ignore[arg-type]
+        try:
+            async def published(tokens: int) -> bool:
+                return tokens in registry.held
+
+            await eventually(lambda: published(0))
+            holds.held_tokens = 100
+            holds.held_more.set()
+            await asyncio.wait_for(registry.blocked.wait(), 5)  # Redis hangs on this one
+            async def woken() -> bool:
+                return not holds.held_more.is_set()
+
+            for tokens in (200, 300):  # two more holds meanwhile: one follow-up, the latest
+                holds.held_tokens = tokens
+                holds.held_more.set()
+                await eventually(woken)  # the loop took the wake
+            registry.gate.set()
+            await eventually(lambda: published(300), timeout_s=5.0)
+            assert registry.held == [0, 100, 300]
+        finally:
+            loop.cancel()
+
+
 async def test_the_kv_event_loop_rides_out_a_redis_outage(server: RedisServer,
                                                           client: aioredis.Redis) -> None:
     """Events that arrive while Redis is away are not lost for good: when it is back,
