@@ -119,6 +119,22 @@ class PolicyRun:
     def recomputed(self) -> int:
         return self.post_pause_prompt - self.post_pause_cached + self.prewarm_tokens
 
+    def family_engines(self) -> dict[str, dict[str, int]]:
+        """Each prefix family's steps by engine. Two families on one engine outgrow its
+        holds' cap (30 % of a pool cannot keep both prompts), so approval holds are let
+        go for room: the repeats that recomputed several times the rest were these."""
+        out: dict[str, dict[str, int]] = {}
+        for j in self.jobs:
+            by_engine = out.setdefault(j["family"], {})
+            for st in j["steps"]:
+                by_engine[st["engine"]] = by_engine.get(st["engine"], 0) + 1
+        return {f: dict(sorted(e.items())) for f, e in sorted(out.items())}
+
+    def families_sharing_an_engine(self) -> int:
+        """Families whose busiest engine is another family's busiest too (0: apart)."""
+        busiest = [max(e, key=e.__getitem__) for e in self.family_engines().values() if e]
+        return sum(busiest.count(b) > 1 for b in busiest)
+
 
 async def background(http: httpx.AsyncClient, urls: list[str], stop: asyncio.Event,
                      rate_per_s: float, prompt_words: int, ttfts: list[float],
@@ -311,7 +327,7 @@ async def run_policy(name: str, policy: HoldPolicy, client: Client, http: httpx.
     for wf_id, r in zip(planned, results, strict=True):
         out.states[r.state.value] = out.states.get(r.state.value, 0) + 1
         out.jobs.append({"job": planned[wf_id].job_id, "workflow_id": wf_id,
-                         "state": r.state.value,
+                         "family": planned[wf_id].family, "state": r.state.value,
                          "steps": [{"step": st.step, "engine": st.engine_id,
                                     "prompt_tokens": st.prompt_tokens,
                                     "cached_tokens": st.cached_tokens,
@@ -414,7 +430,8 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
                               f"{r.post_pause_prompt:,} (pre-warms {r.prewarm_tokens:,}); "
                               f"touch tokens {r.touch_tokens:,} ({r.touches} touches); "
                               f"completion p50 {pct(r.completion, .5):.1f}s; other TTFT p95 "
-                              f"{pct(r.other_ttft_ms, .95):.0f} ms; {r.states}")
+                              f"{pct(r.other_ttft_ms, .95):.0f} ms; {r.states}; steps by "
+                              f"family and engine {r.family_engines()}")
                 job_rows += [{"repeat": rep, "policy": name, **j} for j in r.jobs]
                 job_rows.append({"repeat": rep, "policy": name,
                                  "prewarm_tokens": r.prewarm_tokens,
@@ -458,6 +475,7 @@ def figures(runs: dict[str, PolicyRun]) -> dict[str, Any]:
         "other_ttft_p95_ms": per(lambda r: round(pct(r.other_ttft_ms, .95), 1)),
         "other_requests": per(lambda r: len(r.other_ttft_ms)),
         "approvals": per(lambda r: r.approvals),
+        "families_sharing_an_engine": per(lambda r: r.families_sharing_an_engine()),
         "states": per(lambda r: r.states),
     }
 
@@ -500,6 +518,11 @@ def report(m: dict[str, Any], rg: dict[str, Any], n: int, console: Console) -> N
             f"{m['warmloop_prefill_tokens'] / max(1, hold):.2f}x always-hold's (target <= 1); "
             f"other traffic's TTFT p95 {ttft['warmloop'] / ttft['release']:.2f}x "
             "always-release's (target <= 1.2)")
+    sharing = rg.get("families_sharing_an_engine") or {}
+    if sharing:
+        console.print("prefix families sharing their busiest engine, fewest-most over the "
+                      "repeats (0: each family on its own): " + ", ".join(
+                          f"{name} {lo}-{hi}" for name, (lo, hi) in sharing.items()))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,7 +9,7 @@ import json
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 
-from bench.pauses import planned_reviews, plans, script
+from bench.pauses import PolicyRun, planned_reviews, plans, script
 from bench.synthetic_profiles import SYNTHETIC_PROFILES
 from warmloop.sim.scenarios import pauses_jobs, plan_pauses
 from warmloop.workflows.contracts import PendingApproval
@@ -81,3 +81,18 @@ def test_every_policy_starts_from_pauses_the_hold_model_has_learned() -> None:
                            ("synthetic-review", "approval:escalation")}
     copies, fewest = len(learned) // len(once), min(counts.values())
     assert fewest >= 20 and fewest // copies * (copies - 1) < 20  # no more copies than that
+
+
+def test_a_repeat_says_whether_the_families_shared_an_engine() -> None:
+    def job(family: str, *engines: str) -> dict[str, object]:
+        return {"job": "p", "family": family,
+                "steps": [{"step": i + 1, "engine": e} for i, e in enumerate(engines)]}
+
+    apart = PolicyRun("hold", jobs=[job("review", "e1", "e1"), job("support", "e0", "e0", "e0"),
+                                    job("support", "e0", "e1")])
+    assert apart.family_engines() == {"review": {"e1": 2}, "support": {"e0": 4, "e1": 1}}
+    assert apart.families_sharing_an_engine() == 0
+    # run 11's outlier: the review family on e0 and most of support beside it
+    together = PolicyRun("warmloop", jobs=[job("review", "e0", "e0"),
+                                           job("support", "e0", "e0", "e1")])
+    assert together.families_sharing_an_engine() == 2
