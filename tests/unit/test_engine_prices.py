@@ -15,6 +15,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 from typer.testing import CliRunner
 
+from tests.routing_stubs import EmptyDirectory
 from warmloop.activities.inference import InferenceActivities
 from warmloop.activities.registry import EngineHeartbeat
 from warmloop.activities.routing import RoutingActivities
@@ -243,20 +244,9 @@ class StubRegistry:
         self.routed.append(engine_id)
 
 
-class StubDirectory:
-    async def job_chain(self, job_id: str) -> None:
-        return None
-
-    async def profile_chain(self, family: str) -> None:
-        return None
-
-    async def matched_blocks(self, chain: list[str], ids: list[str]) -> dict[str, int]:
-        return dict.fromkeys(ids, 0)
-
-
 async def _route(req: RouteRequest, offers: list[EngineOffer] = FLEET) -> str:
     acts = RoutingActivities(StubRegistry(offers), object(),  # type: ignore[arg-type]
-                             directory=StubDirectory())  # type: ignore[arg-type]
+                             directory=EmptyDirectory())  # type: ignore[arg-type]
     return (await ActivityEnvironment().run(acts.route_step, req)).engine_id
 
 

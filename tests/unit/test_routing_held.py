@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 from temporalio.testing import ActivityEnvironment
 
+from tests.routing_stubs import EmptyDirectory
 from warmloop.activities.registry import EngineHeartbeat
 from warmloop.activities.routing import RoutingActivities
 from warmloop.workflows.contracts import RouteRequest
@@ -68,20 +69,9 @@ class Registry:
         pass
 
 
-class Directory:
-    async def job_chain(self, job_id: str) -> None:
-        return None
-
-    async def profile_chain(self, family: str) -> None:
-        return None
-
-    async def matched_blocks(self, chain: list[str], ids: list[str]) -> dict[str, int]:
-        return dict.fromkeys(ids, 0)
-
-
 async def _routed(held: int) -> set[str]:
     acts = RoutingActivities(Registry(held), object(),  # type: ignore[arg-type]
-                             directory=Directory())  # type: ignore[arg-type]
+                             directory=EmptyDirectory())  # type: ignore[arg-type]
     env = ActivityEnvironment()
     return {(await env.run(acts.route_step, RouteRequest(
         job_id=j, step=1, profile="support-escalation"))).engine_id for j in JOBS}
