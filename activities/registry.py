@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from redis.exceptions import RedisError, WatchError
 
 from warmloop.workflows.calibration import EngineCalibration
-from warmloop.workflows.routing import EngineOffer
+from warmloop.workflows.routing import EngineOffer, kv_taken
 from warmloop.workflows.tenants import HOUR_S, hour_window
 
 log = structlog.get_logger(__name__)
@@ -161,6 +161,12 @@ class EngineHeartbeat(BaseModel):
 
     def offer(self) -> EngineOffer:
         return EngineOffer(engine_id=self.engine_id, model=self.model, priced=self.priced)
+
+    def kv_taken(self, *, also_held: int = 0) -> float:
+        """The KV usage the router compares (``workflows.routing.kv_taken``): vLLM's plus
+        the worker's held tokens, and ``also_held`` (a gateway's own holds here)."""
+        return kv_taken(self.kv_usage, held_tokens=self.held_tokens + also_held,
+                        capacity_tokens=self.kv_capacity_tokens)
 
 
 def calibrated_prefill_rate(hb: EngineHeartbeat, prompt_tokens: int | None) -> float | None:

@@ -66,7 +66,6 @@ from warmloop.workflows.routing import (
     UnservableStepError,
     choose_engine,
     eligible_engines,
-    kv_taken,
     prefix_family,
 )
 from warmloop.workflows.tenants import TENANT_QUOTA_EXCEEDED, TenantQuota, over_tokens, scoped
@@ -269,8 +268,7 @@ class RoutingActivities:
             EngineCandidate(engine_id=e.engine_id, expected_cached_tokens=expected[e.engine_id],
                             running=e.running, waiting=e.waiting,
                             in_flight=len(steps[e.engine_id]),
-                            kv_usage=kv_taken(e.kv_usage, held_tokens=e.held_tokens,
-                                              capacity_tokens=e.kv_capacity_tokens),
+                            kv_usage=e.kv_taken(),
                             batch_jobs=resident[e.engine_id],
                             prefill_tokens_per_s=calibrated_prefill_rate(
                                 e, expected[e.engine_id] or None))
@@ -316,9 +314,7 @@ class RoutingActivities:
             if engine_id in sent:
                 sent[engine_id] += 1
         by_load = sorted(live, key=lambda e: (e.running + e.waiting + sent[e.engine_id],
-                                              kv_taken(e.kv_usage, held_tokens=e.held_tokens,
-                                                       capacity_tokens=e.kv_capacity_tokens),
-                                              e.engine_id))
+                                              e.kv_taken(), e.engine_id))
         ids = [e.engine_id for e in live]
         reason: RouteReason
         if req.policy == "round_robin":

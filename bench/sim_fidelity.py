@@ -108,6 +108,12 @@ def pauses_phases(measured: dict[str, Any], **scenario: Any
         yield summaries, fleets
 
 
+def phase_fleets(measured: dict[str, Any], **scenario: Any) -> list[dict[str, Any]]:
+    """``pauses_phases``' fleets alone, every phase simulated (the log readers keep them
+    to read more than one figure off one simulation)."""
+    return [fleets for _, fleets in pauses_phases(measured, **scenario)]
+
+
 def run(root: Path) -> dict[str, Any]:
     measured = measured_figures(root)
     pauses = [summaries for summaries, _ in pauses_phases(measured["bench-pauses"])]
@@ -156,7 +162,7 @@ def pauses_by_step(jobs_json: Path, measured: dict[str, Any]) -> list[dict[str, 
     rows = json.loads(jobs_json.read_text())
     plans = {j.job_id: j for j in scenarios.pauses_jobs()}
     phases = [{policy: _sim_by_kind(f, plans) for policy, f in fleets.items()}
-              for _, fleets in pauses_phases(measured)]
+              for fleets in phase_fleets(measured)]
     out = []
     for policy in phases[0]:
         # measured: per repeat, sums by the pause kind before each step
@@ -300,11 +306,10 @@ def lateness_beside(logs: Path, measured: dict[str, Any],
             at = datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
             logged.append((run, f"p{int(number):03d}", step, at))
     out: dict[str, Any] = {"measured": approval_lateness(logged)}
-    for name, notice in (("simulated", scenarios.PAUSES_APPROVAL_NOTICE_S),
-                         ("simulated, no lateness", (0.0, 0.0))):
+    for name, ran in (("simulated", phase_fleets(measured) if phases is None else phases),
+                      ("simulated, no lateness",
+                       phase_fleets(measured, approval_notice_s=(0.0, 0.0)))):
         sim: list[float] = []
-        ran = (phases if phases is not None and notice == scenarios.PAUSES_APPROVAL_NOTICE_S
-               else [fleets for _, fleets in pauses_phases(measured, approval_notice_s=notice)])
         for k, fleets in enumerate(ran):
             for policy, fleet in fleets.items():
                 sim += approval_lateness((f"{policy}/{k}", job, step, at)
@@ -333,9 +338,7 @@ def prewarms_beside(logs: Path, measured: dict[str, Any],
     prefix = min(j.prefix_tokens for j in jobs if any(st.approval for st in j.steps))
     prefix = prefix // block * block  # the family's shared full blocks
     sims: dict[str, list[list[int]]] = {}
-    if phases is None:
-        phases = [fleets for _, fleets in pauses_phases(measured)]
-    for fleets in phases:
+    for fleets in phase_fleets(measured) if phases is None else phases:
         for policy, fleet in fleets.items():
             sims.setdefault(policy, []).append(fleet.prewarm_cached)
     out = []
@@ -376,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.pauses_logs:
         measured = measured_figures(args.root)["bench-pauses"]
-        phases = [fleets for _, fleets in pauses_phases(measured)]  # simulated once, read twice
+        phases = phase_fleets(measured)  # simulated once, read twice
         rows = prewarms_beside(args.pauses_logs, measured, phases)
         prefix = rows[0]["prefix_tokens"] if rows else 0
         print(f"| policy | a pre-warm found cached (prefix: {prefix:,} tokens) | measured, "

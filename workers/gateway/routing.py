@@ -39,7 +39,6 @@ from warmloop.workflows.routing import (
     UnservableStepError,
     choose_engine,
     eligible_engines,
-    kv_taken,
 )
 
 REDIS_BUDGET_S = 0.5
@@ -58,7 +57,8 @@ class GatewayRouter:
                  clock: Callable[[], float] = time.monotonic,
                  own_held_tokens: Callable[[str], int] = lambda engine_id: 0) -> None:
         """``own_held_tokens``: what the gateway's own holds keep on an engine (the
-        worker's are in its heartbeat); the router counts both as taken (``kv_taken``)."""
+        worker's are in its heartbeat); the router counts both as taken
+        (``EngineHeartbeat.kv_taken``)."""
         self._fleet = fleet
         self._own_held = own_held_tokens
         self._registry = registry
@@ -86,9 +86,7 @@ class GatewayRouter:
             EngineCandidate(engine_id=e.engine_id, expected_cached_tokens=expected[e.engine_id],
                             running=e.running, waiting=e.waiting,
                             in_flight=self._fleet.in_flight(e.engine_id),
-                            kv_usage=kv_taken(
-                                e.kv_usage, capacity_tokens=e.kv_capacity_tokens,
-                                held_tokens=e.held_tokens + self._own_held(e.engine_id)),
+                            kv_usage=e.kv_taken(also_held=self._own_held(e.engine_id)),
                             batch_jobs=resident.get(e.engine_id, 0),
                             prefill_tokens_per_s=calibrated_prefill_rate(
                                 e, chain.blocks * chain.block_size if chain else None))
