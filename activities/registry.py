@@ -191,6 +191,30 @@ BATCH_CLAIM_S = BATCH_JOB_RESIDENT_S
 steps make them count as under way."""
 
 
+GATEWAY_HELD_KEY = "warmloop:gateway:held"
+"""Hash: gateway instance -> what its holds keep on each engine (``GatewayHeld`` JSON).
+The inference workers' held tokens are in their heartbeats; a gateway's holds are in
+none, so each gateway publishes its own here for the routers and the other gateways."""
+GATEWAY_HELD_MAX_AGE_S = 30.0
+"""A gateway's entry older than this is not counted (the gateway died); live gateways
+renew theirs well within it."""
+
+
+def _text(v: Any) -> str:
+    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+
+
+class GatewayHeld(BaseModel):
+    """Tokens one gateway's holds keep warm on each engine, for the routers (it is taken
+    KV they cannot see: vLLM counts a held block as free) and the other gateways (the
+    30 % hold cap is per engine, whoever holds)."""
+
+    gateway: str
+    engines: dict[str, int]
+    at: float
+    """Unix time it was published."""
+
+
 class BatchClaim(BaseModel):
     """The window a batch was given, for batches that ask after it."""
 
@@ -508,6 +532,42 @@ class EngineRegistry:
         """The step keys routed to each engine and not finished."""
         since = (time.time() if now is None else now) - INFLIGHT_MAX_AGE_S
         return await self._members_since(INFLIGHT_KEY, engine_ids, since)
+
+    async def publish_gateway_held(self, held: GatewayHeld) -> None:
+        await self._redis.hset(GATEWAY_HELD_KEY, held.gateway, held.model_dump_json())
+
+    async def gateway_gone(self, gateway: str) -> None:
+        """The gateway stopped: its holds end with it, and no router should count them."""
+        await self._redis.hdel(GATEWAY_HELD_KEY, gateway)
+
+    async def gateways_held(self, *, exclude: str | None = None,
+                            now: float | None = None) -> dict[str, int]:
+        """Tokens every gateway's holds keep on each engine (but ``exclude``'s, a
+        gateway's own), from entries at most ``GATEWAY_HELD_MAX_AGE_S`` old. An entry
+        that does not parse (another version's, or garbage) counts for nothing and is
+        logged; stale ones are dropped on the way (their gateway died without
+        ``gateway_gone``)."""
+        raw = await self._redis.hgetall(GATEWAY_HELD_KEY)
+        now = time.time() if now is None else now
+        total: dict[str, int] = {}
+        stale: list[Any] = []
+        for field, value in raw.items():
+            try:
+                held = GatewayHeld.model_validate_json(value)
+            except ValueError:
+                log.warning("gateway_held_unreadable", gateway=_text(field))  # then dropped
+                stale.append(field)
+                continue
+            if now - held.at > GATEWAY_HELD_MAX_AGE_S:
+                stale.append(field)
+                continue
+            if held.gateway == exclude:
+                continue
+            for engine_id, tokens in held.engines.items():
+                total[engine_id] = total.get(engine_id, 0) + max(0, tokens)
+        if stale:
+            await self._redis.hdel(GATEWAY_HELD_KEY, *stale)
+        return total
 
     async def leave(self, engine_id: str) -> None:
         await self._redis.delete(ENGINE_KEY.format(engine_id))

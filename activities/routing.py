@@ -107,6 +107,8 @@ class RoutingActivities:
         self._snapshot: list[EngineHeartbeat] = []
         """The last non-empty list of live engines read from the registry."""
         self._snapshot_at: float | None = None
+        self._gateways_held: dict[str, int] = {}
+        """What the gateways' holds kept on each engine at the last route with Redis."""
         self._routed_away: deque[tuple[float, str]] = deque()
         """(when, engine) of steps routed by the snapshot, within AWAY_LOAD_WINDOW_S."""
         self._turn = 0
@@ -244,14 +246,17 @@ class RoutingActivities:
         if cache_aware and job is None and stable is None and req.last_engine is not None:
             stable = await self._dir.profile_chain(family)  # its chain expired: rare
         chain = (job[0] if job is not None else stable or []) if cache_aware else []
-        steps, resident, matched = await asyncio.gather(
+        steps, resident, matched, gateways = await asyncio.gather(
             self._registry.in_flight_steps(ids),
             # only a batch job's first step weighs the jobs under way
             # (warmloop.workflows.routing)
             self._registry.batch_jobs(ids) if batch and req.last_engine is None
             else _value(dict.fromkeys(ids, 0)),
             self._dir.matched_blocks(chain, ids) if cache_aware
-            else _value(dict.fromkeys(ids, 0)))
+            else _value(dict.fromkeys(ids, 0)),
+            # the gateways' holds are in no heartbeat; taken KV all the same
+            self._registry.gateways_held())
+        self._gateways_held = gateways
         expected = {e: 0 for e in ids}
         if cache_aware:
             if job is not None:
@@ -268,7 +273,7 @@ class RoutingActivities:
             EngineCandidate(engine_id=e.engine_id, expected_cached_tokens=expected[e.engine_id],
                             running=e.running, waiting=e.waiting,
                             in_flight=len(steps[e.engine_id]),
-                            kv_usage=e.kv_taken(),
+                            kv_usage=e.kv_taken(also_held=gateways.get(e.engine_id, 0)),
                             batch_jobs=resident[e.engine_id],
                             prefill_tokens_per_s=calibrated_prefill_rate(
                                 e, expected[e.engine_id] or None))
@@ -313,8 +318,10 @@ class RoutingActivities:
         for _, engine_id in self._routed_away:
             if engine_id in sent:
                 sent[engine_id] += 1
-        by_load = sorted(live, key=lambda e: (e.running + e.waiting + sent[e.engine_id],
-                                              e.kv_taken(), e.engine_id))
+        held = self._gateways_held
+        by_load = sorted(live, key=lambda e: (
+            e.running + e.waiting + sent[e.engine_id],
+            e.kv_taken(also_held=held.get(e.engine_id, 0)), e.engine_id))
         ids = [e.engine_id for e in live]
         reason: RouteReason
         if req.policy == "round_robin":

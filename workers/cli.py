@@ -1023,7 +1023,7 @@ def engines(as_json: bool = typer.Option(False, "--json", help="One JSON object 
         from warmloop.activities.directory import PrefixDirectory
         from warmloop.activities.holds import HOLDS_KEY
         from warmloop.activities.registry import EngineRegistry
-        from warmloop.workers.gateway.holds import GATEWAY_HOLDS_KEY
+        from warmloop.workers.gateway.holds import gateway_hold_records
 
         s = _settings()
         r = aioredis.Redis.from_url(s.redis_url, **redis_options(s))
@@ -1035,10 +1035,9 @@ def engines(as_json: bool = typer.Option(False, "--json", help="One JSON object 
             directory = PrefixDirectory(r)
             blocks = {e: await directory.engine_blocks(e) for e in ids}
             holds = {e: int(await r.hlen(HOLDS_KEY.format(e))) for e in ids}
-            # the gateway's holds (sessions of agents with their own loop), kept apart:
-            # the inference worker rewrites its own table whole at every tick
-            gateway_holds = {e: [json.loads(v) for v in
-                                 await r.hvals(GATEWAY_HOLDS_KEY.format(e))] for e in ids}
+            # the gateways' holds (sessions of agents with their own loop), a table per
+            # gateway replica: the inference worker rewrites its own whole at every tick
+            gateway_holds = {e: await gateway_hold_records(r, e) for e in ids}
         except RedisError as err:
             fail(f"cannot reach Redis at {s.redis_url} ({err}); is the stack up?")
         if as_json:

@@ -144,7 +144,7 @@ async def test_the_final_call_ends_the_sessions_hold(
                                     json={"model": "tiny", "messages": chat("Hello"),
                                           "max_tokens": 2, "temperature": 0})
             engine = first.headers["x-warmloop-engine"]
-            key = GATEWAY_HOLDS_KEY.format(engine)
+            key = GATEWAY_HOLDS_KEY.format(engine, gw.instance)
 
             async def held() -> bool:
                 return await redis.hget(key, sid) is not None
@@ -168,6 +168,68 @@ async def test_the_final_call_ends_the_sessions_hold(
             assert after.get("released_on_resume", 0) > before.get("released_on_resume", 0)
     finally:
         gw.config.hold_policy = "cost_model"
+
+
+async def test_two_gateway_replicas_count_each_others_holds(
+        stack: Stack, settings: Settings, redis: aioredis.Redis) -> None:
+    """Two gateways over the real engines: each keeps its own hold table (one replica's
+    tick no longer erases the other's), each publishes what it holds, and the other
+    replica, the workflows' router and ``warmloop engines`` count it."""
+    from tests.integration.cli import warmloop
+    from warmloop.activities.registry import EngineRegistry
+
+    tag = uuid.uuid4().hex[:6]
+    apps = [create_gateway_app(settings, instance=f"gw-{tag}-{i}") for i in range(2)]
+    gws: list[Gateway] = [a.state.gateway for a in apps]
+    for gw in gws:
+        gw.config.hold_policy = "always_hold"
+        await gw.start()
+    try:
+        engines = []
+        for i, (app, gw) in enumerate(zip(apps, gws, strict=True)):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                         base_url="http://gateway", timeout=120) as client:
+                r = await client.post("/v1/chat/completions",
+                                      headers={"x-session-id": f"replica-{tag}-{i}"},
+                                      json={"model": "tiny", "max_tokens": 2, "temperature": 0,
+                                            "messages": chat(f"Replica {i}: order {tag}?")})
+                await gw.idle()
+                assert r.status_code == 200, r.text
+                engines.append(r.headers["x-warmloop-engine"])
+        held = []
+        for gw, engine in zip(gws, engines, strict=True):
+            m = gw.holds.manager(engine)
+            assert m is not None and m.own_held_tokens > 0
+            held.append(m.own_held_tokens)
+        registry = EngineRegistry(redis, ttl_s=settings.engine_ttl_s)
+
+        async def published() -> bool:
+            seen = await registry.gateways_held(exclude="nobody")
+            want: dict[str, int] = {}
+            for engine, n in zip(engines, held, strict=True):
+                want[engine] = want.get(engine, 0) + n
+            return all(seen.get(e, 0) >= n for e, n in want.items())
+
+        await eventually(published, attempts=200)  # each gateway's refresh loop writes it
+
+        async def counted() -> bool:
+            return gws[1].fleet.others_held(engines[0]) >= held[0] \
+                and gws[0].fleet.others_held(engines[1]) >= held[1]
+
+        await eventually(counted, attempts=200)
+        other = gws[1].holds.manager(engines[0])
+        if other is not None:  # the cap sees the first replica's hold too
+            assert other.held_tokens >= other.own_held_tokens + held[0]
+        out = await asyncio.to_thread(warmloop, "engines", "--json")
+        assert out.returncode == 0, out.stderr
+        shown = {(row := json.loads(line))["engine_id"]: row
+                 for line in out.stdout.splitlines() if line.startswith("{")}
+        for engine in set(engines):
+            assert shown[engine]["gateway_holds"] >= engines.count(engine)
+    finally:
+        for gw in gws:
+            await gw.stop()
+    assert f"gw-{tag}-0".encode() not in await redis.hkeys("warmloop:gateway:held")
 
 
 @pytest.mark.leaves_stack_broken

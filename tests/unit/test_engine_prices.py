@@ -240,6 +240,9 @@ class StubRegistry:
     async def in_flight_steps(self, ids: list[str]) -> dict[str, list[str]]:
         return {e: [] for e in ids}
 
+    async def gateways_held(self) -> dict[str, int]:
+        return {}
+
     async def step_routed(self, engine_id: str, key: str) -> None:
         self.routed.append(engine_id)
 

@@ -28,7 +28,14 @@ from tests.unit.engine_fakes import CutStream, RedisServer, free_port
 from warmloop.activities.directory import PrefixDirectory
 from warmloop.activities.holds import HoldManager
 from warmloop.activities.pauses import PauseStats
-from warmloop.activities.registry import EngineHeartbeat, EngineRegistry, RedisOutage
+from warmloop.activities.registry import (
+    GATEWAY_HELD_KEY,
+    GATEWAY_HELD_MAX_AGE_S,
+    EngineHeartbeat,
+    EngineRegistry,
+    GatewayHeld,
+    RedisOutage,
+)
 from warmloop.workers.gateway.app import create_gateway_app
 from warmloop.workers.gateway.calls import BadCall, api_key_scope, gateway_salt, parse_call
 from warmloop.workers.gateway.config import GatewayConfig
@@ -191,7 +198,8 @@ async def make(redis: aioredis.Redis, module_server: RedisServer
     rigs: list[Rig] = []
 
     async def build(*ids: str, config: GatewayConfig | None = None,
-                    holding: HoldConfig | None = None, **settings_extra: Any) -> Rig:
+                    holding: HoldConfig | None = None, instance: str | None = None,
+                    **settings_extra: Any) -> Rig:
         fleet = Fleet(*ids)
         for i in ids:
             await heartbeat(redis, i)
@@ -200,7 +208,8 @@ async def make(redis: aioredis.Redis, module_server: RedisServer
         http = httpx.AsyncClient(transport=fleet.transport())
         app = create_gateway_app(settings, redis=redis, http=http,
                                  config=config or GatewayConfig(refresh_s=0.05,
-                                                                learn_delay_s=0))
+                                                                learn_delay_s=0),
+                                 instance=instance)
         gateway: Gateway = app.state.gateway
         await gateway.start()
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
@@ -477,7 +486,7 @@ async def test_pauses_are_learned_and_holds_kept_then_ended(
     manager = rig.gateway.holds.manager("e0")
     assert manager is not None and manager.holds["s1"].tokens
     await manager.tick()  # the table is written by the tick
-    table = await rig.redis.hgetall(GATEWAY_HOLDS_KEY.format("e0"))
+    table = await rig.redis.hgetall(GATEWAY_HOLDS_KEY.format("e0", rig.gateway.instance))
     assert list(table) == [b"s1"] and json.loads(table[b"s1"])["kind"] == "tool:search_kb"
     assert await rig.redis.hlen("warmloop:holds:e0") == 0  # the worker's table is its own
     await asyncio.sleep(0.05)
@@ -491,7 +500,7 @@ async def test_pauses_are_learned_and_holds_kept_then_ended(
     await rig.chat(conversation("My app crashes.", "Search done.", "Thanks"), headers=final)
     await manager.tick()
     assert "s1" not in manager.holds and rig.gateway.sessions.get("s1") is None
-    assert await rig.redis.hlen(GATEWAY_HOLDS_KEY.format("e0")) == 0
+    assert await rig.redis.hlen(GATEWAY_HOLDS_KEY.format("e0", rig.gateway.instance)) == 0
     assert rig.gateway.metrics.counter("warmloop_gateway_hold_decisions_total",
                                        action="hold") == 2
 
@@ -534,6 +543,82 @@ async def test_a_new_session_goes_where_less_is_held(make: Make) -> None:
                         {"role": "user", "content": "Where is my invoice?"}],
                        headers={"x-session-id": f"new-{i}"})
     assert rig.fleet.served_by()[1:] == [e for e in ("e0", "e1") if e != holder] * 12
+
+
+async def test_another_gateways_holds_count_as_taken(make: Make) -> None:
+    # Two gateway replicas over the same engines: what one holds is in no heartbeat,
+    # and the other sends its new sessions away from it all the same.
+    first = await make("e0", "e1", instance="gw-a")
+    second = await make("e0", "e1", instance="gw-b")
+    first.gateway.config.hold_policy = "always_hold"
+    await first.chat(conversation(), headers={"x-session-id": "held"})
+    holder = first.fleet.served_by()[-1]
+    manager = first.gateway.holds.manager(holder)
+    assert manager is not None and "held" in manager.holds
+    await first.gateway.refresh()  # publishes what it holds
+    await second.gateway.refresh()  # reads it
+    assert second.gateway.fleet.others_held(holder) == manager.own_held_tokens > 0
+    second.gateway.config.hold_policy = "never"
+    for i in range(12):
+        await second.chat([{"role": "system", "content": f"Desk {i}. " + SYSTEM},
+                           {"role": "user", "content": "Where is my invoice?"}],
+                          headers={"x-session-id": f"new-{i}"})
+    assert second.fleet.served_by() == [e for e in ("e0", "e1") if e != holder] * 12
+
+
+async def test_replicas_keep_their_own_hold_tables(make: Make, redis: aioredis.Redis) -> None:
+    # Each replica rewrites its table whole at every tick: in one shared table the last
+    # writer erased the others' holds.
+    rigs = [await make("e0", instance=name) for name in ("gw-a", "gw-b")]
+    for i, rig in enumerate(rigs):
+        rig.gateway.config.hold_policy = "always_hold"
+        await rig.chat(conversation(f"Case {i}."), headers={"x-session-id": f"s-{i}"})
+    for rig in rigs:
+        manager = rig.gateway.holds.manager("e0")
+        assert manager is not None
+        await manager.tick()
+    records = await gateway_holds.gateway_hold_records(redis, "e0")
+    assert sorted((r["gateway"], r["session"]) for r in records) == [("gw-a", "s-0"),
+                                                                     ("gw-b", "s-1")]
+    await rigs[0].gateway.stop()  # its holds end with it; the other's stay
+    assert [r["session"] for r in await gateway_holds.gateway_hold_records(redis, "e0")] \
+        == ["s-1"]
+    assert await EngineRegistry(redis, ttl_s=60).gateways_held(exclude="gw-b") == {}
+
+
+async def test_the_cap_counts_the_other_gateways_held_tokens(
+        make: Make, redis: aioredis.Redis) -> None:
+    rig = await make("e0", holding=HoldConfig(max_held_fraction=0.3), instance="gw-a")
+    rig.gateway.config.hold_policy = "always_hold"
+    await rig.chat(conversation(), headers={"x-session-id": "s3"})
+    manager = rig.gateway.holds.manager("e0")
+    assert manager is not None and manager.holds
+    await manager.tick()
+    assert manager.holds  # alone under the cap
+    # another replica holds the whole cap (30 % of 100,000 tokens) on e0
+    await EngineRegistry(redis, ttl_s=60).publish_gateway_held(
+        GatewayHeld(gateway="gw-b", engines={"e0": 30_000}, at=time.time()))
+    await rig.gateway.refresh()
+    await manager.tick()
+    assert not manager.holds
+
+
+async def test_gateway_entries_stale_or_garbled_count_for_nothing(
+        redis: aioredis.Redis) -> None:
+    registry = EngineRegistry(redis, ttl_s=60)
+    now = time.time()
+    await registry.publish_gateway_held(GatewayHeld(gateway="live", engines={"e0": 500, "e1": 7},
+                                                    at=now))
+    await registry.publish_gateway_held(GatewayHeld(gateway="also", engines={"e0": 100}, at=now))
+    await registry.publish_gateway_held(GatewayHeld(
+        gateway="dead", engines={"e0": 9_999}, at=now - GATEWAY_HELD_MAX_AGE_S - 1))
+    await redis.hset(GATEWAY_HELD_KEY, "garbled", b"{not json")
+    await redis.hset(GATEWAY_HELD_KEY, "wrong", json.dumps({"gateway": "wrong", "at": now,
+                                                            "engines": {"e0": "lots"}}))
+    assert await registry.gateways_held(now=now) == {"e0": 600, "e1": 7}
+    assert await registry.gateways_held(exclude="live", now=now) == {"e0": 100}
+    # the dead and the unreadable were dropped on the way; the live stay
+    assert sorted(await redis.hkeys(GATEWAY_HELD_KEY)) == [b"also", b"live"]
 
 
 async def test_holds_are_touched_on_their_engine(make: Make) -> None:

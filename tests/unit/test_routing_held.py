@@ -53,11 +53,12 @@ def test_load_still_comes_before_what_is_held() -> None:
 class Registry:
     """Two idle engines as their heartbeats say; ``e0``'s worker holds ``held`` tokens."""
 
-    def __init__(self, held: int) -> None:
+    def __init__(self, held: int, gateway_held: int = 0) -> None:
         self.hbs = [EngineHeartbeat(engine_id=e, task_queue=f"engine.{e}", model="tiny",
                                     url="u", healthy=True, kv_capacity_tokens=8_192,
                                     held_tokens=held if e == "e0" else 0, at=0.0)
                     for e in ("e0", "e1")]
+        self.gateway_held = gateway_held
 
     async def live(self) -> list[EngineHeartbeat]:
         return self.hbs
@@ -65,12 +66,15 @@ class Registry:
     async def in_flight_steps(self, ids: list[str]) -> dict[str, list[str]]:
         return {e: [] for e in ids}
 
+    async def gateways_held(self) -> dict[str, int]:
+        return {"e1": self.gateway_held} if self.gateway_held else {}
+
     async def step_routed(self, engine_id: str, key: str) -> None:
         pass
 
 
-async def _routed(held: int) -> set[str]:
-    acts = RoutingActivities(Registry(held), object(),  # type: ignore[arg-type]
+async def _routed(held: int, gateway_held: int = 0) -> set[str]:
+    acts = RoutingActivities(Registry(held, gateway_held), object(),  # type: ignore[arg-type]
                              directory=EmptyDirectory())  # type: ignore[arg-type]
     env = ActivityEnvironment()
     return {(await env.run(acts.route_step, RouteRequest(
@@ -80,3 +84,11 @@ async def _routed(held: int) -> set[str]:
 async def test_route_step_reads_the_held_tokens_from_the_heartbeat() -> None:
     assert await _routed(0) == {"e0", "e1"}
     assert await _routed(1_537) == {"e1"}
+
+
+async def test_route_step_counts_the_gateways_held_tokens() -> None:
+    # a gateway's holds are in no heartbeat: the registry's gateway entries say them
+    assert await _routed(0, gateway_held=1_537) == {"e0"}
+    # the worker's on e0 and a gateway's on e1: the one holding less gets them all
+    assert await _routed(1_000, gateway_held=1_537) == {"e0"}
+    assert await _routed(1_537, gateway_held=1_000) == {"e1"}

@@ -51,11 +51,14 @@ ROUTE_HEADER = "x-warmloop-route"
 
 def create_gateway_app(settings: Settings, *, redis: aioredis.Redis | None = None,
                        http: httpx.AsyncClient | None = None,
-                       config: GatewayConfig | None = None) -> Starlette:
+                       config: GatewayConfig | None = None,
+                       instance: str | None = None) -> Starlette:
     """The ASGI app. ``redis``/``http``: clients to use instead of building them from
-    ``settings`` (tests); either way they are used from the app's event loop only. The
+    ``settings`` (tests); either way they are used from the app's event loop only.
+    ``instance``: the gateway's name among its replicas (default ``host-pid``). The
     ``Gateway`` is ``app.state.gateway``; it starts and stops with the app's lifespan."""
-    gateway = Gateway(settings, redis=redis, http=http, config=config or configured(settings))
+    gateway = Gateway(settings, redis=redis, http=http, config=config or configured(settings),
+                      instance=instance)
     keys = KeyCheck.of(settings.gateway_key_digests)
 
     @contextlib.asynccontextmanager

@@ -129,19 +129,23 @@ class Gateway:
         self.outage = RedisOutage()
         self.registry = EngineRegistry(self.redis, ttl_s=settings.engine_ttl_s)
         self.directory = PrefixDirectory(self.redis)
+        self.instance = instance or f"{socket.gethostname()}-{os.getpid()}"
+        """This gateway among its replicas: its in-flight keys, hold tables and held
+        tokens are its own in Redis."""
         self.fleet = FleetView(self.registry, self.redis, cooldown_s=c.failure_cooldown_s,
-                               outage=self.outage,
-                               instance=instance or f"{socket.gethostname()}-{os.getpid()}")
+                               outage=self.outage, instance=self.instance)
         self.router = GatewayRouter(self.fleet, self.registry, self.directory,
                                     config=settings.routing, outage=self.outage,
-                                    fresh_s=c.refresh_s, own_held_tokens=self._own_held_tokens)
+                                    fresh_s=c.refresh_s,
+                                    gateways_held_tokens=self._gateways_held_tokens)
         self.pauses = RecentPauseStats(self.redis, outage=self.outage)
         self.tenant_usage = TenantUsage(self.redis)
         """Tenants' tokens per hour: checked before a tenant key's call, added after."""
         self.holds = HoldPool(http=self.http, redis=self.redis, pauses=self.pauses,
                               config=settings.holding, directory=self.directory,
                               outage=self.outage, engine_info=self.fleet.engine,
-                              ttl_cache=self._ttl_cache)
+                              ttl_cache=self._ttl_cache, others_held=self.fleet.others_held,
+                              instance=self.instance)
         self.sessions = SessionTable(max_sessions=c.max_sessions, idle_s=c.session_idle_s)
         self.index = PromptIndex(max_entries=c.max_learned_prompts)
         self.metrics = Metrics()
@@ -169,6 +173,7 @@ class Gateway:
             await stop_task(self._loop)
         await self.idle()
         await self.holds.close()
+        await self.fleet.gone()
         await self.upstream.aclose()
         if self._owns[1]:
             await self.http.aclose()
@@ -178,6 +183,7 @@ class Gateway:
     async def refresh(self) -> None:
         await self.fleet.refresh()
         await self.holds.sync(self.fleet.engines)
+        await self.fleet.publish_held(self.holds.held())
 
     async def idle(self) -> None:
         """Wait until the work left behind calls (learning, records) is done."""
@@ -633,10 +639,11 @@ class Gateway:
         except Exception:  # noqa: BLE001 - after-call work is advice; the call is served
             log.exception("gateway_background_failed")
 
-    def _own_held_tokens(self, engine_id: str) -> int:
-        """Tokens the gateway's own holds keep on an engine (the router's KV usage)."""
+    def _gateways_held_tokens(self, engine_id: str) -> int:
+        """Tokens the gateways' holds keep on an engine, this one's as they are now and
+        the others' as last read (the router's KV usage; no heartbeat counts them)."""
         m = self.holds.manager(engine_id)
-        return m.own_held_tokens if m is not None else 0
+        return (m.own_held_tokens if m is not None else 0) + self.fleet.others_held(engine_id)
 
     def _ttl_cache(self, engine_id: str) -> TtlCacheEndpoint | None:
         """A ttl_cache engine's keep-alive economics, as its inference worker has them

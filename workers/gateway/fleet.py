@@ -21,6 +21,7 @@ Hazards:
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -29,9 +30,11 @@ import redis.asyncio as aioredis
 import structlog
 
 from warmloop.activities.registry import (
+    GATEWAY_HELD_MAX_AGE_S,
     INFLIGHT_KEY,
     EngineHeartbeat,
     EngineRegistry,
+    GatewayHeld,
     RedisOutage,
     step_key,
 )
@@ -48,6 +51,7 @@ class FleetView:
                  clock: Callable[[], float] = time.time) -> None:
         self._registry = registry
         self._redis = redis
+        self.instance = instance
         self._own_prefix = f"gw:{instance}:"
         self._cooldown_s = cooldown_s
         self._outage = outage
@@ -64,6 +68,10 @@ class FleetView:
         """In-flight key -> (engine, since) of calls not yet in the registry."""
         self._ended: list[tuple[str, str]] = []
         """(engine, key) of written calls that have ended, to take out."""
+        self._others_held: dict[str, int] = {}
+        """Tokens the other gateways' holds keep on each engine (``GATEWAY_HELD_KEY``)."""
+        self._held_published: tuple[dict[str, int], float] | None = None
+        """What this gateway last published of its own holds, and when (monotonic)."""
 
     async def refresh(self) -> bool:
         """Write the calls in flight, read the registry; False (the last snapshot kept)
@@ -72,9 +80,12 @@ class FleetView:
 
         async def read() -> bool:
             live = await self._registry.live()
-            steps = await self._registry.in_flight_steps([e.engine_id for e in live])
+            steps, held = await asyncio.gather(
+                self._registry.in_flight_steps([e.engine_id for e in live]),
+                self._registry.gateways_held(exclude=self.instance))
             self._others = {e: sum(not k.startswith(self._own_prefix) for k in keys)
                             for e, keys in steps.items()}
+            self._others_held = held
             self.engines = {e.engine_id: e for e in live}
             self.refreshed_at = self._clock()
             return True
@@ -94,6 +105,41 @@ class FleetView:
         every = sorted(self.engines.values(), key=lambda e: e.engine_id)
         fine = [e for e in every if e.engine_id not in self._failed]
         return fine or every
+
+    def others_held(self, engine_id: str) -> int:
+        """Tokens the other gateways' holds keep on the engine, as last read."""
+        return self._others_held.get(engine_id, 0)
+
+    async def publish_held(self, held: dict[str, int]) -> None:
+        """This gateway's held tokens per engine, for the routers and the other gateways:
+        written when they changed, or to renew the entry well within
+        ``GATEWAY_HELD_MAX_AGE_S`` (an idle gateway with no holds writes nothing more).
+        Best effort: while Redis is away the others count what was last written."""
+        held = {e: n for e, n in held.items() if n > 0}
+        now = time.monotonic()
+        last = self._held_published
+        if last is None and not held:
+            return  # nothing held yet: nothing to say
+        if last is not None and last[0] == held and \
+                (not held or now - last[1] < GATEWAY_HELD_MAX_AGE_S / 3):
+            return
+
+        async def write() -> bool:
+            await self._registry.publish_gateway_held(
+                GatewayHeld(gateway=self.instance, engines=held, at=self._clock()))
+            return True
+
+        if await self._outage.attempt("gateway holds", write, False,
+                                      timeout_s=REDIS_TIMEOUT_S):
+            self._held_published = (held, now)
+
+    async def gone(self) -> None:
+        """The gateway stops: its entry goes (else it counts until it is stale)."""
+        async def write() -> bool:
+            await self._registry.gateway_gone(self.instance)
+            return True
+
+        await self._outage.attempt("gateway holds", write, False, timeout_s=REDIS_TIMEOUT_S)
 
     def in_flight(self, engine_id: str) -> int:
         return self._others.get(engine_id, 0) + self.local[engine_id]

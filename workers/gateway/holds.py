@@ -14,20 +14,26 @@ on held tokens per engine (``HoldConfig.max_held_fraction``).
 Hazards:
 
 - The inference worker beside each engine rewrites its own hold table
-  (``warmloop:holds:<engine>``) whole at every tick; the gateway's holds are kept in
-  ``GATEWAY_HOLDS_KEY`` so that neither erases the other's. ``warmloop engines`` must
-  add both to show them.
-- The cap is shared one way: the gateway counts the worker's held tokens (its
-  heartbeat's ``held_tokens``) and gives way to them at every tick; the worker does
-  not count the gateway's.
+  (``warmloop:holds:<engine>``) whole at every tick; each gateway keeps its holds in
+  its own table (``GATEWAY_HOLDS_KEY``, by engine and gateway instance) so that none
+  erases another's. ``warmloop engines`` adds them all to show them.
+- The cap is shared one way: a gateway counts the worker's held tokens (its
+  heartbeat's ``held_tokens``) and the other gateways' (``GATEWAY_HELD_KEY``, as of its
+  last fleet refresh) and gives way to them at every tick; the worker does not count
+  the gateways'. Two gateways over the cap at once may both let holds go (under it
+  afterwards, never over).
 - Holds live in this process: a gateway restart drops them (the engine's LRU then
-  lets their blocks go; nothing else is lost).
+  lets their blocks go; nothing else is lost). A session whose next call reaches
+  another gateway replica is held by the first until its TTL (put the replicas behind
+  a proxy that keeps a session on one).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import json
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,8 +54,27 @@ from warmloop.workflows.profiles.base import ToolSpec
 
 log = structlog.get_logger(__name__)
 
-GATEWAY_HOLDS_KEY = "warmloop:gateway:holds:{}"
-"""Hash per engine: session key -> the hold (JSON), as the workers' ``HOLDS_KEY``."""
+GATEWAY_HOLDS_KEY = "warmloop:gateway:holds:{}:{}"
+"""Hash per engine and gateway instance: session key -> the hold (JSON), as the workers'
+``HOLDS_KEY``."""
+_GLOB = re.compile(r"([*?\[\]\\])")
+
+
+async def gateway_hold_records(redis: aioredis.Redis, engine_id: str) -> list[dict[str, Any]]:
+    """Every gateway's holds on the engine (each replica's table), as records with the
+    ``gateway`` and ``session`` they belong to."""
+    prefix = GATEWAY_HOLDS_KEY.format(engine_id, "")
+    pattern = GATEWAY_HOLDS_KEY.format(_GLOB.sub(r"\\\1", engine_id), "*")
+    records: list[dict[str, Any]] = []
+    async for key in redis.scan_iter(match=pattern, count=100):
+        name = key.decode() if isinstance(key, bytes) else key
+        for session, v in (await redis.hgetall(key)).items():
+            records.append({**json.loads(v), "gateway": name.removeprefix(prefix),
+                            "session": session.decode() if isinstance(session, bytes)
+                            else session})
+    return records
+
+
 TABLE_TTL_S = 30
 """The table is rewritten every tick; left by a gateway that died, it expires."""
 REPLY_KIND = approval_kind("reply")
@@ -114,8 +139,13 @@ class GatewayHolds(HoldManager):
     each decision: a call's after-call work then costs one Redis transaction less, and
     an idle gateway writes nothing. The table lags the holds by at most one tick."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, instance: str = "gateway",
+                 others_held: Callable[[], int] = lambda: 0, **kwargs: Any) -> None:
+        """``instance``: the gateway's (its table's key); ``others_held``: what the other
+        gateways' holds keep on this engine (counted in the cap)."""
         super().__init__(*args, **kwargs)
+        self._table_key = GATEWAY_HOLDS_KEY.format(self._engine, instance)
+        self._others_held = others_held
         self._ticking = False
         # One tick at a time: the pool's loop and a caller (a test, a final call's
         # bookkeeping) may tick at once, and a tick ending must not clear the flag of
@@ -127,7 +157,8 @@ class GatewayHolds(HoldManager):
     @property
     def held_tokens(self) -> int:
         info = self._info()
-        return self.own_held_tokens + (info.held_tokens if info is not None else 0)
+        return self.own_held_tokens + (info.held_tokens if info is not None else 0) \
+            + self._others_held()
 
     @property
     def own_held_tokens(self) -> int:
@@ -176,7 +207,7 @@ class GatewayHolds(HoldManager):
             await self._write_table(records)
 
     async def _write_table(self, records: dict[str, str] | None = None) -> None:
-        key = GATEWAY_HOLDS_KEY.format(self._engine)
+        key = self._table_key
         table = records if records is not None else {
             j: h.record() for j, h in self.holds.items()}
 
@@ -200,8 +231,12 @@ class HoldPool:
                  config: HoldConfig, directory: PrefixDirectory, outage: RedisOutage,
                  engine_info: Callable[[str], EngineHeartbeat | None],
                  ttl_cache: Callable[[str], TtlCacheEndpoint | None] = lambda _: None,
-                 tick_s: float = 0.25) -> None:
+                 others_held: Callable[[str], int] = lambda _: 0,
+                 instance: str = "gateway", tick_s: float = 0.25) -> None:
+        """``others_held``: what the other gateways' holds keep on an engine;
+        ``instance``: this gateway's (its hold tables are its own)."""
         self._http, self._redis, self._pauses = http, redis, pauses
+        self._others_held, self._instance = others_held, instance
         self._config, self._dir, self._outage = config, directory, outage
         self._info, self._ttl_cache, self._tick_s = engine_info, ttl_cache, tick_s
         self.managers: dict[str, GatewayHolds] = {}
@@ -210,6 +245,10 @@ class HoldPool:
 
     def manager(self, engine_id: str) -> GatewayHolds | None:
         return self.managers.get(engine_id)
+
+    def held(self) -> dict[str, int]:
+        """Tokens this gateway's holds keep on each engine (``GatewayHolds.own_held_tokens``)."""
+        return {e: m.own_held_tokens for e, m in self.managers.items()}
 
     async def sync(self, engines: dict[str, EngineHeartbeat]) -> None:
         """Follow the fleet: a manager for each new engine, the engine's churn fed from
@@ -249,7 +288,9 @@ class HoldPool:
                          redis=self._redis, pauses=self._pauses,
                          engine_info=functools.partial(self._info, engine_id),
                          config=self._config, directory=self._dir,
-                         ttl_cache=self._ttl_cache(engine_id), outage=self._outage)
+                         ttl_cache=self._ttl_cache(engine_id), outage=self._outage,
+                         instance=self._instance,
+                         others_held=functools.partial(self._others_held, engine_id))
         self.managers[engine_id] = m
         self._tasks[engine_id] = asyncio.ensure_future(m.run(self._tick_s))
         return m

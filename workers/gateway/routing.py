@@ -55,12 +55,12 @@ class GatewayRouter:
     def __init__(self, fleet: FleetView, registry: EngineRegistry, directory: PrefixDirectory,
                  *, config: RoutingConfig, outage: RedisOutage, fresh_s: float = 0.25,
                  clock: Callable[[], float] = time.monotonic,
-                 own_held_tokens: Callable[[str], int] = lambda engine_id: 0) -> None:
-        """``own_held_tokens``: what the gateway's own holds keep on an engine (the
-        worker's are in its heartbeat); the router counts both as taken
-        (``EngineHeartbeat.kv_taken``)."""
+                 gateways_held_tokens: Callable[[str], int] = lambda engine_id: 0) -> None:
+        """``gateways_held_tokens``: what the gateways' holds (this one's and its
+        replicas') keep on an engine (the worker's are in its heartbeat); the router
+        counts both as taken (``EngineHeartbeat.kv_taken``)."""
         self._fleet = fleet
-        self._own_held = own_held_tokens
+        self._gateways_held = gateways_held_tokens
         self._registry = registry
         self._dir = directory
         self._config = config
@@ -86,7 +86,7 @@ class GatewayRouter:
             EngineCandidate(engine_id=e.engine_id, expected_cached_tokens=expected[e.engine_id],
                             running=e.running, waiting=e.waiting,
                             in_flight=self._fleet.in_flight(e.engine_id),
-                            kv_usage=e.kv_taken(also_held=self._own_held(e.engine_id)),
+                            kv_usage=e.kv_taken(also_held=self._gateways_held(e.engine_id)),
                             batch_jobs=resident.get(e.engine_id, 0),
                             prefill_tokens_per_s=calibrated_prefill_rate(
                                 e, chain.blocks * chain.block_size if chain else None))
