@@ -191,13 +191,24 @@ BATCH_CLAIM_S = BATCH_JOB_RESIDENT_S
 steps make them count as under way."""
 
 
-GATEWAY_HELD_KEY = "warmloop:gateway:held"
-"""Hash: gateway instance -> what its holds keep on each engine (``GatewayHeld`` JSON).
-The inference workers' held tokens are in their heartbeats; a gateway's holds are in
-none, so each gateway publishes its own here for the routers and the other gateways."""
-GATEWAY_HELD_MAX_AGE_S = 30.0
-"""A gateway's entry older than this is not counted (the gateway died); live gateways
-renew theirs well within it."""
+GATEWAY_HELD_KEY = "warmloop:gateway:held:{}"
+"""Per gateway instance: what its holds keep on each engine (``GatewayHeld`` JSON), with
+a Redis expiry of ``GATEWAY_HELD_TTL_S``. The inference workers' held tokens are in
+their heartbeats; a gateway's holds are in none, so each gateway publishes its own for
+the routers and the other gateways."""
+GATEWAY_SET = "warmloop:gateways"
+"""Sorted set: the gateway instances that published, by when they last did (the
+readers' way to the keys; members silent for ``GATEWAY_FORGET_S`` are dropped)."""
+GATEWAY_HELD_TTL_S = 30.0
+"""A gateway's entry expires this long after it was written (the gateway died); live
+gateways renew theirs well within it. Redis decides, so no two hosts' clocks are
+compared."""
+GATEWAY_FORGET_S = 3600.0
+"""A gateway silent this long leaves ``GATEWAY_SET`` (its entry expired long before)."""
+
+
+_UNREADABLE: set[str] = set()
+"""Gateways whose entry did not parse, told once."""
 
 
 def _text(v: Any) -> str:
@@ -534,39 +545,54 @@ class EngineRegistry:
         return await self._members_since(INFLIGHT_KEY, engine_ids, since)
 
     async def publish_gateway_held(self, held: GatewayHeld) -> None:
-        await self._redis.hset(GATEWAY_HELD_KEY, held.gateway, held.model_dump_json())
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.set(GATEWAY_HELD_KEY.format(held.gateway), held.model_dump_json(),
+                 px=int(GATEWAY_HELD_TTL_S * 1000))
+        pipe.zadd(GATEWAY_SET, {held.gateway: held.at})
+        await pipe.execute()
 
     async def gateway_gone(self, gateway: str) -> None:
         """The gateway stopped: its holds end with it, and no router should count them."""
-        await self._redis.hdel(GATEWAY_HELD_KEY, gateway)
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.delete(GATEWAY_HELD_KEY.format(gateway))
+        pipe.zrem(GATEWAY_SET, gateway)
+        await pipe.execute()
 
-    async def gateways_held(self, *, exclude: str | None = None,
-                            now: float | None = None) -> dict[str, int]:
+    async def gateways(self, now: float | None = None) -> list[str]:
+        """The gateway instances that published within ``GATEWAY_FORGET_S`` (the
+        longer silent are dropped from ``GATEWAY_SET`` on the way)."""
+        since = (time.time() if now is None else now) - GATEWAY_FORGET_S
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.zremrangebyscore(GATEWAY_SET, "-inf", since)
+        pipe.zrange(GATEWAY_SET, 0, -1)
+        return [_text(g) for g in (await pipe.execute())[1]]
+
+    async def gateways_held(self, *, exclude: str | None = None) -> dict[str, int]:
         """Tokens every gateway's holds keep on each engine (but ``exclude``'s, a
-        gateway's own), from entries at most ``GATEWAY_HELD_MAX_AGE_S`` old. An entry
-        that does not parse (another version's, or garbage) counts for nothing and is
-        logged; stale ones are dropped on the way (their gateway died without
-        ``gateway_gone``)."""
-        raw = await self._redis.hgetall(GATEWAY_HELD_KEY)
-        now = time.time() if now is None else now
+        gateway's own), from the entries not expired. An entry that does not parse
+        (another version's, or garbage) counts for nothing (logged once); it expires
+        like any other.
+
+        Hazard: a prompt's blocks held by two gateways are counted by each (each counts
+        its own holds' blocks once), so with replicas sharing a profile the routers and
+        the cap see more taken than is: holds go early, never over the cap."""
+        names = [g for g in await self.gateways() if g != exclude]
+        if not names:
+            return {}
         total: dict[str, int] = {}
-        stale: list[Any] = []
-        for field, value in raw.items():
+        for name, value in zip(names, await self._redis.mget(
+                [GATEWAY_HELD_KEY.format(g) for g in names]), strict=True):
+            if value is None:
+                continue  # expired: that gateway died, or is away from Redis
             try:
                 held = GatewayHeld.model_validate_json(value)
             except ValueError:
-                log.warning("gateway_held_unreadable", gateway=_text(field))  # then dropped
-                stale.append(field)
-                continue
-            if now - held.at > GATEWAY_HELD_MAX_AGE_S:
-                stale.append(field)
-                continue
-            if held.gateway == exclude:
+                if name not in _UNREADABLE:
+                    _UNREADABLE.add(name)
+                    log.warning("gateway_held_unreadable", gateway=name)
                 continue
             for engine_id, tokens in held.engines.items():
                 total[engine_id] = total.get(engine_id, 0) + max(0, tokens)
-        if stale:
-            await self._redis.hdel(GATEWAY_HELD_KEY, *stale)
         return total
 
     async def leave(self, engine_id: str) -> None:

@@ -29,8 +29,9 @@ from warmloop.activities.directory import PrefixDirectory
 from warmloop.activities.holds import HoldManager
 from warmloop.activities.pauses import PauseStats
 from warmloop.activities.registry import (
+    GATEWAY_FORGET_S,
     GATEWAY_HELD_KEY,
-    GATEWAY_HELD_MAX_AGE_S,
+    GATEWAY_SET,
     EngineHeartbeat,
     EngineRegistry,
     GatewayHeld,
@@ -577,12 +578,13 @@ async def test_replicas_keep_their_own_hold_tables(make: Make, redis: aioredis.R
         manager = rig.gateway.holds.manager("e0")
         assert manager is not None
         await manager.tick()
-    records = await gateway_holds.gateway_hold_records(redis, "e0")
+    await asyncio.gather(*(rig.gateway.refresh() for rig in rigs))  # both publish
+    records = (await gateway_holds.gateway_hold_records(redis, ["e0"]))["e0"]
     assert sorted((r["gateway"], r["session"]) for r in records) == [("gw-a", "s-0"),
                                                                      ("gw-b", "s-1")]
     await rigs[0].gateway.stop()  # its holds end with it; the other's stay
-    assert [r["session"] for r in await gateway_holds.gateway_hold_records(redis, "e0")] \
-        == ["s-1"]
+    records = (await gateway_holds.gateway_hold_records(redis, ["e0"]))["e0"]
+    assert [r["session"] for r in records] == ["s-1"]
     assert await EngineRegistry(redis, ttl_s=60).gateways_held(exclude="gw-b") == {}
 
 
@@ -603,22 +605,25 @@ async def test_the_cap_counts_the_other_gateways_held_tokens(
     assert not manager.holds
 
 
-async def test_gateway_entries_stale_or_garbled_count_for_nothing(
+async def test_gateway_entries_expired_or_garbled_count_for_nothing(
         redis: aioredis.Redis) -> None:
     registry = EngineRegistry(redis, ttl_s=60)
     now = time.time()
-    await registry.publish_gateway_held(GatewayHeld(gateway="live", engines={"e0": 500, "e1": 7},
-                                                    at=now))
-    await registry.publish_gateway_held(GatewayHeld(gateway="also", engines={"e0": 100}, at=now))
-    await registry.publish_gateway_held(GatewayHeld(
-        gateway="dead", engines={"e0": 9_999}, at=now - GATEWAY_HELD_MAX_AGE_S - 1))
-    await redis.hset(GATEWAY_HELD_KEY, "garbled", b"{not json")
-    await redis.hset(GATEWAY_HELD_KEY, "wrong", json.dumps({"gateway": "wrong", "at": now,
-                                                            "engines": {"e0": "lots"}}))
-    assert await registry.gateways_held(now=now) == {"e0": 600, "e1": 7}
-    assert await registry.gateways_held(exclude="live", now=now) == {"e0": 100}
-    # the dead and the unreadable were dropped on the way; the live stay
-    assert sorted(await redis.hkeys(GATEWAY_HELD_KEY)) == [b"also", b"live"]
+    for name, engines in (("live", {"e0": 500, "e1": 7}), ("also", {"e0": 100}),
+                          ("dead", {"e0": 9_999}), ("garbled", {}), ("wrong", {})):
+        await registry.publish_gateway_held(GatewayHeld(gateway=name, engines=engines, at=now))
+    await redis.delete(GATEWAY_HELD_KEY.format("dead"))  # as its expiry does
+    await redis.set(GATEWAY_HELD_KEY.format("garbled"), b"{not json")
+    await redis.set(GATEWAY_HELD_KEY.format("wrong"), json.dumps(
+        {"gateway": "wrong", "at": now, "engines": {"e0": "lots"}}))
+    assert await redis.pttl(GATEWAY_HELD_KEY.format("live")) > 0  # Redis expires them
+    assert await registry.gateways_held() == {"e0": 600, "e1": 7}
+    assert await registry.gateways_held(exclude="live") == {"e0": 100}
+    # a gateway silent for an hour leaves the set; the others stay
+    await redis.zadd(GATEWAY_SET, {"dead": now - GATEWAY_FORGET_S - 1})
+    assert sorted(await registry.gateways()) == ["also", "garbled", "live", "wrong"]
+    await registry.gateway_gone("also")
+    assert await registry.gateways_held() == {"e0": 500, "e1": 7}
 
 
 async def test_holds_are_touched_on_their_engine(make: Make) -> None:

@@ -30,7 +30,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from warmloop.activities.registry import (
-    GATEWAY_HELD_MAX_AGE_S,
+    GATEWAY_HELD_TTL_S,
     INFLIGHT_KEY,
     EngineHeartbeat,
     EngineRegistry,
@@ -113,7 +113,7 @@ class FleetView:
     async def publish_held(self, held: dict[str, int]) -> None:
         """This gateway's held tokens per engine, for the routers and the other gateways:
         written when they changed, or to renew the entry well within
-        ``GATEWAY_HELD_MAX_AGE_S`` (an idle gateway with no holds writes nothing more).
+        ``GATEWAY_HELD_TTL_S`` (an idle gateway with no holds writes nothing more).
         Best effort: while Redis is away the others count what was last written."""
         held = {e: n for e, n in held.items() if n > 0}
         now = time.monotonic()
@@ -121,7 +121,7 @@ class FleetView:
         if last is None and not held:
             return  # nothing held yet: nothing to say
         if last is not None and last[0] == held and \
-                (not held or now - last[1] < GATEWAY_HELD_MAX_AGE_S / 3):
+                (not held or now - last[1] < GATEWAY_HELD_TTL_S / 3):
             return
 
         async def write() -> bool:
@@ -139,7 +139,10 @@ class FleetView:
             await self._registry.gateway_gone(self.instance)
             return True
 
-        await self._outage.attempt("gateway holds", write, False, timeout_s=REDIS_TIMEOUT_S)
+        # tried even while Redis seems away (once, bounded): else the others count this
+        # gateway's holds until its entry expires
+        await self._outage.attempt("gateway holds", write, False, timeout_s=REDIS_TIMEOUT_S,
+                                   probe=True)
 
     def in_flight(self, engine_id: str) -> int:
         return self._others.get(engine_id, 0) + self.local[engine_id]

@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -46,7 +45,7 @@ from pydantic import BaseModel, ConfigDict
 from warmloop.activities.directory import PrefixDirectory
 from warmloop.activities.holds import REDIS_TIMEOUT_S, HoldManager
 from warmloop.activities.pauses import PauseStats, approval_kind, tool_kind
-from warmloop.activities.registry import EngineHeartbeat, RedisOutage
+from warmloop.activities.registry import EngineHeartbeat, EngineRegistry, RedisOutage
 from warmloop.workers.gateway.tasks import stop_task
 from warmloop.workflows.holding import HoldConfig, PauseDistribution, TtlCacheEndpoint
 from warmloop.workflows.profiles import Profile
@@ -57,22 +56,25 @@ log = structlog.get_logger(__name__)
 GATEWAY_HOLDS_KEY = "warmloop:gateway:holds:{}:{}"
 """Hash per engine and gateway instance: session key -> the hold (JSON), as the workers'
 ``HOLDS_KEY``."""
-_GLOB = re.compile(r"([*?\[\]\\])")
 
 
-async def gateway_hold_records(redis: aioredis.Redis, engine_id: str) -> list[dict[str, Any]]:
-    """Every gateway's holds on the engine (each replica's table), as records with the
-    ``gateway`` and ``session`` they belong to."""
-    prefix = GATEWAY_HOLDS_KEY.format(engine_id, "")
-    pattern = GATEWAY_HOLDS_KEY.format(_GLOB.sub(r"\\\1", engine_id), "*")
-    records: list[dict[str, Any]] = []
-    async for key in redis.scan_iter(match=pattern, count=100):
-        name = key.decode() if isinstance(key, bytes) else key
-        for session, v in (await redis.hgetall(key)).items():
-            records.append({**json.loads(v), "gateway": name.removeprefix(prefix),
-                            "session": session.decode() if isinstance(session, bytes)
-                            else session})
-    return records
+async def gateway_hold_records(redis: aioredis.Redis, engine_ids: list[str]
+                               ) -> dict[str, list[dict[str, Any]]]:
+    """Every gateway's holds on each engine (each replica's table), as records with the
+    ``gateway`` and ``session`` they belong to: the gateways from ``GATEWAY_SET``, their
+    tables in one round trip."""
+    names = await EngineRegistry(redis, ttl_s=0).gateways()
+    pairs = [(e, g) for e in engine_ids for g in names]
+    pipe = redis.pipeline(transaction=False)
+    for e, g in pairs:
+        pipe.hgetall(GATEWAY_HOLDS_KEY.format(e, g))
+    out: dict[str, list[dict[str, Any]]] = {e: [] for e in engine_ids}
+    for (e, g), table in zip(pairs, await pipe.execute() if pairs else [], strict=True):
+        for session, v in table.items():
+            out[e].append({**json.loads(v), "gateway": g,
+                           "session": session.decode() if isinstance(session, bytes)
+                           else session})
+    return out
 
 
 TABLE_TTL_S = 30
