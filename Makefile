@@ -63,7 +63,7 @@ bench-ladder: install
 
 ## Lint, type-check, then the whole suite (it starts the real stack it needs).
 test: install lint browser promtool
-	$(BIN)/pytest
+	$(BIN)/pytest --durations=30
 
 ## Unit and time-skipping workflow tests only (no stack).
 test-fast: install promtool
