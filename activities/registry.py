@@ -567,16 +567,19 @@ class EngineRegistry:
         pipe.zrange(GATEWAY_SET, 0, -1)
         return [_text(g) for g in (await pipe.execute())[1]]
 
-    async def gateways_held(self, *, exclude: str | None = None) -> dict[str, int]:
+    async def gateways_held(self, *, exclude: str | None = None,
+                            names: list[str] | None = None) -> dict[str, int]:
         """Tokens every gateway's holds keep on each engine (but ``exclude``'s, a
-        gateway's own), from the entries not expired. An entry that does not parse
+        gateway's own), from the entries not expired; ``names``: the gateways, as
+        ``gateways()`` gave them lately (default: read them now). An entry that does not parse
         (another version's, or garbage) counts for nothing (logged once); it expires
         like any other.
 
         Hazard: a prompt's blocks held by two gateways are counted by each (each counts
         its own holds' blocks once), so with replicas sharing a profile the routers and
         the cap see more taken than is: holds go early, never over the cap."""
-        names = [g for g in await self.gateways() if g != exclude]
+        names = [g for g in (await self.gateways() if names is None else names)
+                 if g != exclude]
         if not names:
             return {}
         total: dict[str, int] = {}

@@ -80,6 +80,9 @@ the job, is live (or, while Redis is away, last known) and not excluded."""
 REDIS_BUDGET_S = 1.5
 """route_step's time for Redis. The workflow runs it as a local activity with a 5 s
 timeout; a hung Redis then leaves time to route by the snapshot."""
+GATEWAY_NAMES_FRESH_S = 1.0
+"""How long the routing activity reuses the list of gateways that publish held tokens
+(a gateway that starts holding is counted within this long)."""
 AWAY_LOAD_WINDOW_S = 30.0
 """While routing by the snapshot (its loads frozen), steps sent to an engine in this
 window count as its load, so that new jobs spread instead of all going to one."""
@@ -109,9 +112,22 @@ class RoutingActivities:
         self._snapshot_at: float | None = None
         self._gateways_held: dict[str, int] = {}
         """What the gateways' holds kept on each engine at the last route with Redis."""
+        self._gateway_names_cached: list[str] = []
+        self._gateway_names_at: float | None = None
         self._routed_away: deque[tuple[float, str]] = deque()
         """(when, engine) of steps routed by the snapshot, within AWAY_LOAD_WINDOW_S."""
         self._turn = 0
+
+    async def _gateway_names(self) -> list[str]:
+        """The gateways that publish held tokens, read at most every
+        ``GATEWAY_NAMES_FRESH_S`` (they come and go rarely; a fleet without gateways then
+        costs a route no Redis command for them)."""
+        now = self._clock()
+        if self._gateway_names_at is None or now - self._gateway_names_at >= \
+                GATEWAY_NAMES_FRESH_S:
+            self._gateway_names_cached = await self._registry.gateways()
+            self._gateway_names_at = now
+        return self._gateway_names_cached
 
     async def _live(self, exclude: list[str], *, model: str | None = None,
                     require_price: bool = False) -> list[EngineHeartbeat]:
@@ -236,12 +252,13 @@ class RoutingActivities:
         cache_aware = req.policy == "cache_aware"
         batch = req.lane == Lane.BATCH
         family = scoped(req.tenant, prefix_family(req.profile, req.tools))
-        live, job, stable = await asyncio.gather(
+        live, job, stable, gateway_names = await asyncio.gather(
             self._live(req.exclude, model=req.model, require_price=req.require_price),
             self._dir.job_chain(req.job_id) if cache_aware else nothing(),
             # the profile's prefix matters to a job with no chain yet: its first step
             self._dir.profile_chain(family) if cache_aware and req.last_engine is None
-            else nothing())
+            else nothing(),
+            self._gateway_names())
         ids = [e.engine_id for e in live]
         if cache_aware and job is None and stable is None and req.last_engine is not None:
             stable = await self._dir.profile_chain(family)  # its chain expired: rare
@@ -255,7 +272,8 @@ class RoutingActivities:
             self._dir.matched_blocks(chain, ids) if cache_aware
             else _value(dict.fromkeys(ids, 0)),
             # the gateways' holds are in no heartbeat; taken KV all the same
-            self._registry.gateways_held())
+            self._registry.gateways_held(names=gateway_names) if gateway_names
+            else _value({}))
         self._gateways_held = gateways
         expected = {e: 0 for e in ids}
         if cache_aware:

@@ -240,8 +240,8 @@ class StubRegistry:
     async def in_flight_steps(self, ids: list[str]) -> dict[str, list[str]]:
         return {e: [] for e in ids}
 
-    async def gateways_held(self) -> dict[str, int]:
-        return {}
+    async def gateways(self) -> list[str]:
+        return []
 
     async def step_routed(self, engine_id: str, key: str) -> None:
         self.routed.append(engine_id)

@@ -66,8 +66,15 @@ class Registry:
     async def in_flight_steps(self, ids: list[str]) -> dict[str, list[str]]:
         return {e: [] for e in ids}
 
-    async def gateways_held(self) -> dict[str, int]:
-        return {"e1": self.gateway_held} if self.gateway_held else {}
+    asked_gateways = 0
+
+    async def gateways(self) -> list[str]:
+        self.asked_gateways += 1
+        return ["gw"] if self.gateway_held else []
+
+    async def gateways_held(self, names: list[str]) -> dict[str, int]:
+        assert names == ["gw"]
+        return {"e1": self.gateway_held}
 
     async def step_routed(self, engine_id: str, key: str) -> None:
         pass
@@ -92,3 +99,20 @@ async def test_route_step_counts_the_gateways_held_tokens() -> None:
     # the worker's on e0 and a gateway's on e1: the one holding less gets them all
     assert await _routed(1_000, gateway_held=1_537) == {"e0"}
     assert await _routed(1_537, gateway_held=1_000) == {"e1"}
+
+
+async def test_the_gateways_are_listed_once_a_second_not_every_route() -> None:
+    now = [100.0]
+    registry = Registry(0)
+    acts = RoutingActivities(registry, object(),  # type: ignore[arg-type]
+                             directory=EmptyDirectory(),  # type: ignore[arg-type]
+                             clock=lambda: now[0])
+    env = ActivityEnvironment()
+    for j in JOBS[:5]:
+        await env.run(acts.route_step, RouteRequest(job_id=j, step=1, profile="support"))
+    assert registry.asked_gateways == 1
+    now[0] += 1.0
+    registry.gateway_held = 1_537  # a gateway began holding on e1
+    assert (await env.run(acts.route_step, RouteRequest(
+        job_id=JOBS[0], step=1, profile="support"))).engine_id == "e0"
+    assert registry.asked_gateways == 2
