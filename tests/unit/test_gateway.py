@@ -24,6 +24,7 @@ import warmloop.workers.gateway.fleet as gateway_fleet
 import warmloop.workers.gateway.holds as gateway_holds
 import warmloop.workers.gateway.routing as gateway_routing
 import warmloop.workflows.routing as workflow_routing
+from tests.polling import eventually
 from tests.unit.engine_fakes import CutStream, RedisServer, free_port
 from warmloop.activities.directory import PrefixDirectory
 from warmloop.activities.holds import HoldManager
@@ -624,6 +625,39 @@ async def test_gateway_entries_expired_or_garbled_count_for_nothing(
     assert sorted(await registry.gateways()) == ["also", "garbled", "live", "wrong"]
     await registry.gateway_gone("also")
     assert await registry.gateways_held() == {"e0": 500, "e1": 7}
+
+
+async def test_a_session_that_moved_to_another_replica_ends_its_hold_here(
+        make: Make, redis: aioredis.Redis) -> None:
+    first = await make("e0", instance="gw-a")
+    second = await make("e0", instance="gw-b")
+    first.gateway.config.hold_policy = "always_hold"
+    s = {"x-session-id": "roaming", "x-session-kind": "support"}
+    await first.chat(conversation(), headers=s)
+    manager = first.gateway.holds.manager("e0")
+    assert manager is not None and "roaming" in manager.holds
+    # garbage on the channel, and a replica's own announcement, change nothing
+    await redis.publish(gateway_core.SESSIONS_CHANNEL, b"\xff not json")
+    await redis.publish(gateway_core.SESSIONS_CHANNEL, json.dumps(
+        {"gateway": "gw-a", "session": "roaming"}))
+    # the proxy sends the session's next call to the other replica
+    await second.chat(conversation("My app crashes.", "Still broken."), headers=s)
+
+    async def moved() -> bool:
+        return "roaming" not in manager.holds and first.gateway.sessions.get("roaming") is None
+
+    await eventually(moved)
+    assert first.gateway.metrics.counter("warmloop_gateway_sessions_moved_total") == 1
+    assert second.gateway.sessions.get("roaming") is not None  # it is the second's now
+    # back on the first replica later: a session new there, not one long pause measured
+    await first.chat(conversation("My app crashes.", "Still broken.", "Fixed?"), headers=s)
+    hist = await PauseStats(redis).histogram(kind_profile("support").name, REPLY_KIND)
+    assert sum(hist.values()) == 0
+    await eventually(lambda: _false_if_known(second.gateway, "roaming"))
+
+
+async def _false_if_known(gateway: Gateway, session: str) -> bool:
+    return gateway.sessions.get(session) is None
 
 
 async def test_holds_are_touched_on_their_engine(make: Make) -> None:

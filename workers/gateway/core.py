@@ -50,7 +50,14 @@ from warmloop.activities.directory import (
     prompt_chain,
 )
 from warmloop.activities.inference import HOLD_ERRORS
-from warmloop.activities.registry import EngineHeartbeat, EngineRegistry, RedisOutage, TenantUsage
+from warmloop.activities.registry import (
+    REDIS_ERRORS,
+    EngineHeartbeat,
+    EngineRegistry,
+    RedisOutage,
+    TenantUsage,
+    stop_if_cancelled,
+)
 from warmloop.workers.clients import build_redis
 from warmloop.workers.gateway.calls import TEXT_CHUNK_CHARS, Call
 from warmloop.workers.gateway.config import GatewayConfig
@@ -88,6 +95,8 @@ RETRY_ELSEWHERE: tuple[type[Exception], ...] = (
 RETRY_STATUSES = frozenset({503})
 """Answers that say the engine will not take the call now (overloaded, starting)."""
 REDIS_TIMEOUT_S = 1.0
+SESSIONS_CHANNEL = "warmloop:gateway:sessions"
+"""Pub/sub: a gateway replica announces each session new to it (``Gateway._announce``)."""
 STABLE_PREFIX_PROBES = ("a", "b")
 MAX_STABLE_TRIED = 10_000
 
@@ -159,6 +168,7 @@ class Gateway:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stable_tried: set[str] = set()
         self._loop: asyncio.Task[None] | None = None
+        self._listener: asyncio.Task[None] | None = None
 
     # ---- lifetime ----------------------------------------------------------------------
 
@@ -167,10 +177,12 @@ class Gateway:
         background."""
         await self.refresh()
         self._loop = asyncio.ensure_future(self._refresh_loop())
+        self._listener = asyncio.ensure_future(self._follow_sessions())
 
     async def stop(self) -> None:
-        if self._loop is not None:
-            await stop_task(self._loop)
+        for task in (self._loop, self._listener):
+            if task is not None:
+                await stop_task(task)
         await self.idle()
         await self.holds.close()
         await self.fleet.gone()
@@ -202,9 +214,13 @@ class Gateway:
     # ---- a call ----------------------------------------------------------------------
 
     def open_session(self, call: Call) -> Session | None:
-        """Step 1: the session's pause ends here (measured; its hold released)."""
+        """Step 1: the session's pause ends here (measured; its hold released). A
+        session new to this gateway is announced to the other replicas
+        (``SESSIONS_CHANNEL``): one that knew it ends its hold there."""
         if call.session is None:
             return None
+        if self.sessions.get(call.session) is None:
+            self._background(self._announce(call.session))
         s = self.sessions.open(call.session, call.kind, call.lane)
         if s.ended_at is not None and s.pause_kind is not None and s.active == 0:
             seconds = time.monotonic() - s.ended_at
@@ -216,6 +232,51 @@ class Gateway:
         s.active += 1
         s.generation += 1
         return s
+
+    async def _announce(self, session: str) -> None:
+        message = json.dumps({"gateway": self.instance, "session": session})
+
+        async def publish() -> bool:
+            await self.redis.publish(SESSIONS_CHANNEL, message)
+            return True
+
+        await self.outage.attempt("session announce", publish, False,
+                                  timeout_s=REDIS_TIMEOUT_S)
+
+    async def _follow_sessions(self) -> None:
+        """Listen for sessions another replica took (``_announce``): a session this
+        gateway knows, idle here, moved (a proxy rebalanced, a replica came or went).
+        Its hold here has done its work and ends, and the session is forgotten, so that
+        a later call back here is not measured as one long pause. Messages are fire and
+        forget: one missed while Redis was away leaves that hold to its TTL."""
+        while True:
+            try:
+                async with self.redis.pubsub(ignore_subscribe_messages=True) as sub:
+                    await sub.subscribe(SESSIONS_CHANNEL)
+                    while True:
+                        msg = await sub.get_message(timeout=1.0)
+                        stop_if_cancelled()
+                        if msg is not None:
+                            self._session_moved(msg.get("data"))
+            except REDIS_ERRORS as e:
+                log.warning("session_channel_lost", error=str(e))
+                await asyncio.sleep(1.0)
+
+    def _session_moved(self, data: Any) -> None:
+        try:
+            note = json.loads(data)
+            gateway, key = note["gateway"], note["session"]
+        except (TypeError, ValueError, KeyError):
+            return  # not ours to read (garbage on the channel)
+        if gateway == self.instance or not isinstance(key, str):
+            return
+        s = self.sessions.get(key)
+        if s is None or s.active:
+            return  # unknown here, or a call of it still in flight here
+        self.holds.resume(key)
+        self.sessions.drop(key)
+        self.metrics.inc("warmloop_gateway_sessions_moved_total")
+        log.info("gateway_session_moved", session=key, to=gateway)
 
     def close_unsent(self, session: Session | None) -> None:
         """The call ended before any engine took it (refused, no engine, cancelled)."""

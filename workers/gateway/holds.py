@@ -24,8 +24,9 @@ Hazards:
   afterwards, never over).
 - Holds live in this process: a gateway restart drops them (the engine's LRU then
   lets their blocks go; nothing else is lost). A session whose next call reaches
-  another gateway replica is held by the first until its TTL (put the replicas behind
-  a proxy that keeps a session on one).
+  another gateway replica is announced by it (``SESSIONS_CHANNEL``, pub/sub), and the
+  first ends its hold and forgets it; an announcement missed while Redis was away
+  leaves that hold to its TTL. Its pause across the move is not measured.
 """
 
 from __future__ import annotations

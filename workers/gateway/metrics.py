@@ -27,6 +27,8 @@ COUNTERS = {
     "warmloop_gateway_hold_decisions_total": "Hold decisions at the end of a session's call, "
                                              "by action.",
     "warmloop_gateway_pauses_total": "Session pauses measured (between two calls).",
+    "warmloop_gateway_sessions_moved_total": "Sessions another gateway replica took (their "
+                                             "holds here ended).",
     "warmloop_gateway_learn_skipped_total": "Prompt chains not learned (too many waiting, "
                                             "or the engine could not tokenize).",
 }
