@@ -165,8 +165,8 @@ def kv_taken(kv_usage: float, *, held_tokens: int, capacity_tokens: int) -> floa
     sum is never below what is taken. ``capacity_tokens`` 0 (not reported): vLLM's.
 
     ``held_tokens`` is what the router knows: the inference worker's holds, from its
-    heartbeat, and a gateway's own (it adds them). Another gateway's holds, and a
-    gateway's to the routing activity, are not in any heartbeat, so they do not count."""
+    heartbeat, and the gateways' (in no heartbeat: each gateway publishes its own,
+    ``EngineRegistry.gateways_held``, as of its last fleet refresh)."""
     if capacity_tokens <= 0 or held_tokens <= 0:
         return kv_usage
     return min(1.0, kv_usage + held_tokens / capacity_tokens)

@@ -174,7 +174,8 @@ async def test_two_gateway_replicas_count_each_others_holds(
         stack: Stack, settings: Settings, redis: aioredis.Redis) -> None:
     """Two gateways over the real engines: each keeps its own hold table (one replica's
     tick no longer erases the other's), each publishes what it holds, and the other
-    replica, the workflows' router and ``warmloop engines`` count it."""
+    replica, the workflows' router and ``warmloop engines`` count it; a session that
+    moves from one to the other ends its hold on the first."""
     from tests.integration.cli import warmloop
     from warmloop.activities.registry import EngineRegistry
 
@@ -226,6 +227,24 @@ async def test_two_gateway_replicas_count_each_others_holds(
                  for line in out.stdout.splitlines() if line.startswith("{")}
         for engine in set(engines):
             assert shown[engine]["gateway_holds"] >= engines.count(engine)
+        # the first replica's session moves to the second (a proxy rebalanced): the
+        # second announces it, and the first ends its hold
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=apps[1]),
+                                     base_url="http://gateway", timeout=120) as client:
+            r = await client.post("/v1/chat/completions",
+                                  headers={"x-session-id": f"replica-{tag}-0"},
+                                  json={"model": "tiny", "max_tokens": 2, "temperature": 0,
+                                        "messages": chat(f"Replica 0: order {tag}?", "Hi.")})
+            await gws[1].idle()
+            assert r.status_code == 200, r.text
+        first = gws[0].holds.manager(engines[0])
+        assert first is not None
+
+        async def moved() -> bool:
+            return f"replica-{tag}-0" not in first.holds
+
+        await eventually(moved, attempts=200)
+        assert gws[0].metrics.counter("warmloop_gateway_sessions_moved_total") == 1
     finally:
         for gw in gws:
             await gw.stop()
