@@ -570,6 +570,8 @@ def policy_figures(run: PolicyRun) -> dict[str, Any]:
         "errors": len(recs) - len(ok),
         "served_by": run.served_by,
     }
+    if len(ok) < len(recs):  # what went wrong, so that a run's errors can be told apart
+        out["error_samples"] = sorted({r.error or "" for r in recs if r.error is not None})[:3]
     routes: dict[str, int] = {}
     for r in ok:
         if r.route:
@@ -842,6 +844,8 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
                         f"{f['ttft_p50_ms']:.0f}/{f['ttft_p95_ms']:.0f} ms, session p95 "
                         f"{f['session_p95_s']:.1f} s, makespan {f['makespan_s']:.0f} s, "
                         f"shares {f['engine_shares']}, errors {f['errors']}"
+                        + (f" ({'; '.join(f['error_samples'])})" if f.get("error_samples")
+                           else "")
                         + (f", routes {f['route_reasons']}" if "route_reasons" in f else ""))
                 repeats.append({"oracle_hit_rate": round(oracle, 4), **figures, **overhead})
         finally:

@@ -173,6 +173,7 @@ def test_policy_figures_take_touches_out_of_the_hit_rate_but_bill_their_prefill(
     assert f["workload_prefill_tokens"] == 1200
     assert f["engine_shares"] == {"e0": 1.0, "e1": 0.0}
     assert f["requests"] == 3 and f["errors"] == 1
+    assert f["error_samples"] == ["502: engine died"]  # what went wrong, printed with it
     assert f["session_p95_s"] == 5.5  # first call sent to last answer read
     assert f["ttft_p95_ms"] == 100.0
     assert f["route_reasons"] == {"affinity": 2}

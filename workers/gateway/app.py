@@ -166,6 +166,9 @@ async def _completion(gateway: Gateway, endpoint: Endpoint, request: Request) ->
         return _bad(e)
     except NoEngineError as e:
         gateway.close_unsent(session)
+        # the client is told; the operator too (an empty fleet view is worth knowing)
+        log.warning("call_refused_no_engine", endpoint=endpoint, reason=str(e),
+                    live=len(gateway.fleet.engines))
         gateway.metrics.inc("warmloop_gateway_requests_total", endpoint=endpoint, status="503")
         return error_response(503, f"{e}; retry later", kind="service_unavailable", code=503)
     except QuotaRefused as e:
