@@ -38,7 +38,7 @@ from warmloop.activities.registry import (
     GatewayHeld,
     RedisOutage,
 )
-from warmloop.workers.gateway.app import create_gateway_app
+from warmloop.workers.gateway.app import create_gateway_app, server_config
 from warmloop.workers.gateway.calls import BadCall, api_key_scope, gateway_salt, parse_call
 from warmloop.workers.gateway.config import GatewayConfig
 from warmloop.workers.gateway.core import Gateway, job_key
@@ -671,6 +671,23 @@ async def test_holds_are_touched_on_their_engine(make: Make) -> None:
     await manager.tick()
     assert "/v1/completions" in rig.fleet["e0"].paths
     assert manager.holds["s4"].touches == 1
+
+
+async def test_idle_client_connections_outlive_the_clients_and_balancers_in_front() -> None:
+    # uvicorn's default (5 s) is httpx's own keep-alive expiry, and shorter than a load
+    # balancer's idle timeout (60 s): a call may then go out on a connection the gateway
+    # is closing, and fail with no answer.
+    settings = Settings(redis_url="redis://127.0.0.1:1/0")
+    served = server_config(settings, port=free_port())
+    gateway: Gateway = served.app.state.gateway  # type: ignore[union-attr]
+    try:
+        assert served.timeout_keep_alive == GatewayConfig().keep_alive_s
+        assert served.timeout_keep_alive > 60 > httpx.Limits().keepalive_expiry  # type: ignore[operator]
+        custom = server_config(settings, port=free_port(), config=GatewayConfig(keep_alive_s=90))
+        assert custom.timeout_keep_alive == 90
+        await custom.app.state.gateway.http.aclose()  # type: ignore[union-attr]
+    finally:
+        await gateway.http.aclose()
 
 
 # ---- errors and the other endpoints ------------------------------------------------------

@@ -25,7 +25,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
@@ -43,6 +43,9 @@ from warmloop.workers.gateway.core import Flight, Gateway, QuotaRefused
 from warmloop.workers.gateway.relay import EventRelay, error_event, error_object, read_body
 from warmloop.workers.gateway.routing import NoEngineError
 from warmloop.workers.settings import Settings
+
+if TYPE_CHECKING:
+    import uvicorn
 
 log = structlog.get_logger(__name__)
 ENGINE_HEADER = "x-warmloop-engine"
@@ -272,11 +275,21 @@ class RelayResponse(StreamingResponse):
                 await self._on_close()
 
 
+def server_config(settings: Settings, *, host: str = "127.0.0.1", port: int | None = None,
+                  config: GatewayConfig | None = None) -> uvicorn.Config:
+    """uvicorn's settings for the gateway app (``serve``)."""
+    import uvicorn
+
+    config = config or configured(settings)
+    return uvicorn.Config(create_gateway_app(settings, config=config), host=host,
+                          port=port or settings.gateway_port, log_level="warning",
+                          server_header=False, access_log=False,
+                          timeout_keep_alive=config.keep_alive_s)
+
+
 def serve(settings: Settings, *, host: str = "127.0.0.1", port: int | None = None,
           config: GatewayConfig | None = None) -> None:
     """Serve the gateway with uvicorn until interrupted (``warmloop gateway``)."""
     import uvicorn
 
-    uvicorn.run(create_gateway_app(settings, config=config), host=host,
-                port=port or settings.gateway_port, log_level="warning", server_header=False,
-                access_log=False)
+    uvicorn.Server(server_config(settings, host=host, port=port, config=config)).run()

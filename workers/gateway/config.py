@@ -40,4 +40,11 @@ class GatewayConfig(BaseModel):
     tail_tokens: int = Field(default=8, ge=0)
     """Tokens at a prompt's end not counted as reusable: the generation prompt, which
     the next call's rendering of the assistant's answer may not repeat."""
+    keep_alive_s: int = Field(default=75, ge=1)
+    """An idle client connection is kept open this long (uvicorn's ``timeout_keep_alive``).
+    uvicorn's own default, 5 s, is what httpx (and so the OpenAI SDK) waits before it
+    drops an idle connection itself, and shorter than a load balancer's idle timeout
+    (60 s on AWS's ALB and in nginx's upstream keep-alive): the balancer or the client
+    may then send a call on a connection the gateway is closing, and that call fails
+    with no answer. Keep it longer than whatever sits in front of the gateway."""
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
