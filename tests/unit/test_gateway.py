@@ -649,11 +649,25 @@ async def test_a_session_that_moved_to_another_replica_ends_its_hold_here(
     await eventually(moved)
     assert first.gateway.metrics.counter("warmloop_gateway_sessions_moved_total") == 1
     assert second.gateway.sessions.get("roaming") is not None  # it is the second's now
-    # back on the first replica later: a session new there, not one long pause measured
+    # its pause, measured by the replica that saw it begin, ended as the call arrived
+    stats = PauseStats(redis)
+
+    async def pauses() -> dict[int, int]:
+        return await stats.histogram(kind_profile("support").name, REPLY_KIND)
+
+    assert sum((await eventually(pauses)).values()) == 1
+    # back on the first replica: the second measures that pause; the first, which forgot
+    # the session, does not measure one from its own last answer (two pauses, not one
+    # spanning the second replica's call)
     await first.chat(conversation("My app crashes.", "Still broken.", "Fixed?"), headers=s)
-    hist = await PauseStats(redis).histogram(kind_profile("support").name, REPLY_KIND)
-    assert sum(hist.values()) == 0
     await eventually(lambda: _false_if_known(second.gateway, "roaming"))
+
+    async def two() -> bool:
+        return sum((await pauses()).values()) == 2
+
+    await eventually(two)
+    assert first.gateway.metrics.counter("warmloop_gateway_pauses_total") == 1
+    assert second.gateway.metrics.counter("warmloop_gateway_pauses_total") == 1
 
 
 async def _false_if_known(gateway: Gateway, session: str) -> bool:

@@ -222,16 +222,21 @@ class Gateway:
         if self.sessions.get(call.session) is None:
             self._background(self._announce(call.session))
         s = self.sessions.open(call.session, call.kind, call.lane)
-        if s.ended_at is not None and s.pause_kind is not None and s.active == 0:
-            seconds = time.monotonic() - s.ended_at
-            self._background(self.pauses.record(kind_profile(s.kind).name, s.pause_kind,
-                                                seconds))
-            self.metrics.inc("warmloop_gateway_pauses_total")
+        self._pause_ended(s)
         s.ended_at = None
         self.holds.resume(s.key)
         s.active += 1
         s.generation += 1
         return s
+
+    def _pause_ended(self, s: Session) -> None:
+        """The session's pause (since its last answer here) ends now: measured into the
+        pause statistics, if it was paused."""
+        if s.ended_at is not None and s.pause_kind is not None and s.active == 0:
+            seconds = time.monotonic() - s.ended_at
+            self._background(self.pauses.record(kind_profile(s.kind).name, s.pause_kind,
+                                                seconds))
+            self.metrics.inc("warmloop_gateway_pauses_total")
 
     async def _announce(self, session: str) -> None:
         message = json.dumps({"gateway": self.instance, "session": session})
@@ -246,9 +251,11 @@ class Gateway:
     async def _follow_sessions(self) -> None:
         """Listen for sessions another replica took (``_announce``): a session this
         gateway knows, idle here, moved (a proxy rebalanced, a replica came or went).
-        Its hold here has done its work and ends, and the session is forgotten, so that
-        a later call back here is not measured as one long pause. Messages are fire and
-        forget: one missed while Redis was away leaves that hold to its TTL."""
+        Its pause ends now (the announcement comes as its next call starts there), its
+        hold here has done its work and ends, and the session is forgotten, so that a
+        later call back here is not measured as one long pause. Messages are fire and
+        forget: one missed while Redis was away leaves that hold to its TTL, and that
+        pause unmeasured."""
         while True:
             try:
                 async with self.redis.pubsub(ignore_subscribe_messages=True) as sub:
@@ -273,6 +280,7 @@ class Gateway:
         s = self.sessions.get(key)
         if s is None or s.active:
             return  # unknown here, or a call of it still in flight here
+        self._pause_ended(s)
         self.holds.resume(key)
         self.sessions.drop(key)
         self.metrics.inc("warmloop_gateway_sessions_moved_total")

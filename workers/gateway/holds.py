@@ -26,7 +26,9 @@ Hazards:
   lets their blocks go; nothing else is lost). A session whose next call reaches
   another gateway replica is announced by it (``SESSIONS_CHANNEL``, pub/sub), and the
   first ends its hold and forgets it; an announcement missed while Redis was away
-  leaves that hold to its TTL. Its pause across the move is not measured.
+  leaves that hold to its TTL (and that pause unmeasured). The first replica measures
+  the session's pause across the move (it saw it begin; the announcement comes as the
+  next call starts).
 """
 
 from __future__ import annotations
