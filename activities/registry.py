@@ -545,10 +545,14 @@ class EngineRegistry:
         return await self._members_since(INFLIGHT_KEY, engine_ids, since)
 
     async def publish_gateway_held(self, held: GatewayHeld) -> None:
+        """Write ``held`` (expiring in ``GATEWAY_HELD_TTL_S``), and drop from
+        ``GATEWAY_SET`` the gateways silent for ``GATEWAY_FORGET_S``: the writers keep
+        the set, so that its readers (every route, every gateway's refresh) only read."""
         pipe = self._redis.pipeline(transaction=False)
         pipe.set(GATEWAY_HELD_KEY.format(held.gateway), held.model_dump_json(),
                  px=int(GATEWAY_HELD_TTL_S * 1000))
         pipe.zadd(GATEWAY_SET, {held.gateway: held.at})
+        pipe.zremrangebyscore(GATEWAY_SET, "-inf", held.at - GATEWAY_FORGET_S)
         await pipe.execute()
 
     async def gateway_gone(self, gateway: str) -> None:
@@ -559,13 +563,9 @@ class EngineRegistry:
         await pipe.execute()
 
     async def gateways(self, now: float | None = None) -> list[str]:
-        """The gateway instances that published within ``GATEWAY_FORGET_S`` (the
-        longer silent are dropped from ``GATEWAY_SET`` on the way)."""
+        """The gateway instances that published within ``GATEWAY_FORGET_S``."""
         since = (time.time() if now is None else now) - GATEWAY_FORGET_S
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.zremrangebyscore(GATEWAY_SET, "-inf", since)
-        pipe.zrange(GATEWAY_SET, 0, -1)
-        return [_text(g) for g in (await pipe.execute())[1]]
+        return [_text(g) for g in await self._redis.zrangebyscore(GATEWAY_SET, since, "+inf")]
 
     async def gateways_held(self, *, exclude: str | None = None,
                             names: list[str] | None = None) -> dict[str, int]:

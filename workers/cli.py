@@ -1037,7 +1037,7 @@ def engines(as_json: bool = typer.Option(False, "--json", help="One JSON object 
             holds = {e: int(await r.hlen(HOLDS_KEY.format(e))) for e in ids}
             # the gateways' holds (sessions of agents with their own loop), a table per
             # gateway replica: the inference worker rewrites its own whole at every tick
-            gateway_holds = await gateway_hold_records(r, ids)
+            gateway_holds = await gateway_hold_records(r, ids, await registry.gateways())
         except RedisError as err:
             fail(f"cannot reach Redis at {s.redis_url} ({err}); is the stack up?")
         if as_json:

@@ -580,11 +580,13 @@ async def test_replicas_keep_their_own_hold_tables(make: Make, redis: aioredis.R
         assert manager is not None
         await manager.tick()
     await asyncio.gather(*(rig.gateway.refresh() for rig in rigs))  # both publish
-    records = (await gateway_holds.gateway_hold_records(redis, ["e0"]))["e0"]
+    records = (await gateway_holds.gateway_hold_records(
+        redis, ["e0"], await EngineRegistry(redis, ttl_s=60).gateways()))["e0"]
     assert sorted((r["gateway"], r["session"]) for r in records) == [("gw-a", "s-0"),
                                                                      ("gw-b", "s-1")]
     await rigs[0].gateway.stop()  # its holds end with it; the other's stay
-    records = (await gateway_holds.gateway_hold_records(redis, ["e0"]))["e0"]
+    records = (await gateway_holds.gateway_hold_records(
+        redis, ["e0"], await EngineRegistry(redis, ttl_s=60).gateways()))["e0"]
     assert [r["session"] for r in records] == ["s-1"]
     assert await EngineRegistry(redis, ttl_s=60).gateways_held(exclude="gw-b") == {}
 
@@ -620,9 +622,13 @@ async def test_gateway_entries_expired_or_garbled_count_for_nothing(
     assert await redis.pttl(GATEWAY_HELD_KEY.format("live")) > 0  # Redis expires them
     assert await registry.gateways_held() == {"e0": 600, "e1": 7}
     assert await registry.gateways_held(exclude="live") == {"e0": 100}
-    # a gateway silent for an hour leaves the set; the others stay
+    # a gateway silent for an hour is not listed, and the next publish drops it from
+    # the set; the others stay
     await redis.zadd(GATEWAY_SET, {"dead": now - GATEWAY_FORGET_S - 1})
     assert sorted(await registry.gateways()) == ["also", "garbled", "live", "wrong"]
+    await registry.publish_gateway_held(GatewayHeld(gateway="live", engines={"e0": 500, "e1": 7},
+                                                    at=now))
+    assert await redis.zscore(GATEWAY_SET, "dead") is None
     await registry.gateway_gone("also")
     assert await registry.gateways_held() == {"e0": 500, "e1": 7}
 

@@ -48,7 +48,7 @@ from pydantic import BaseModel, ConfigDict
 from warmloop.activities.directory import PrefixDirectory
 from warmloop.activities.holds import REDIS_TIMEOUT_S, HoldManager
 from warmloop.activities.pauses import PauseStats, approval_kind, tool_kind
-from warmloop.activities.registry import EngineHeartbeat, EngineRegistry, RedisOutage
+from warmloop.activities.registry import EngineHeartbeat, RedisOutage
 from warmloop.workers.gateway.tasks import stop_task
 from warmloop.workflows.holding import HoldConfig, PauseDistribution, TtlCacheEndpoint
 from warmloop.workflows.profiles import Profile
@@ -61,13 +61,12 @@ GATEWAY_HOLDS_KEY = "warmloop:gateway:holds:{}:{}"
 ``HOLDS_KEY``."""
 
 
-async def gateway_hold_records(redis: aioredis.Redis, engine_ids: list[str]
-                               ) -> dict[str, list[dict[str, Any]]]:
+async def gateway_hold_records(redis: aioredis.Redis, engine_ids: list[str],
+                               gateways: list[str]) -> dict[str, list[dict[str, Any]]]:
     """Every gateway's holds on each engine (each replica's table), as records with the
-    ``gateway`` and ``session`` they belong to: the gateways from ``GATEWAY_SET``, their
-    tables in one round trip."""
-    names = await EngineRegistry(redis, ttl_s=0).gateways()
-    pairs = [(e, g) for e in engine_ids for g in names]
+    ``gateway`` and ``session`` they belong to: ``gateways`` as
+    ``EngineRegistry.gateways`` lists them, their tables in one round trip."""
+    pairs = [(e, g) for e in engine_ids for g in gateways]
     pipe = redis.pipeline(transaction=False)
     for e, g in pairs:
         pipe.hgetall(GATEWAY_HOLDS_KEY.format(e, g))
