@@ -11,6 +11,12 @@ jobs to completion at a time, and their prefixes stay in the engine's KV between
 steps, instead of every job of the burst taking turns and each step finding its
 prefix evicted by the others'. K is also held to what fits in the KV pool at the
 batch steps' observed prompt size.
+
+K is the engine's, not one process's: its inference worker and every gateway replica
+admit batch calls to it, so with ``AdmissionConfig.shared_slots`` each slot is also a
+lease in Redis (``SharedBatchSlots``), and N processes together run at most K. The
+order above holds within each process; across them, whoever asks first when a slot
+frees gets it.
 """
 
 from __future__ import annotations
@@ -18,13 +24,17 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import os
+import socket
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Protocol
 
+import redis.asyncio as aioredis
 import structlog
 
+from warmloop.activities.registry import REDIS_ERRORS, RedisOutage
 from warmloop.workflows.calibration import EngineCalibration
 from warmloop.workflows.lanes import (
     AdmissionConfig,
@@ -37,6 +47,129 @@ log = structlog.get_logger(__name__)
 
 # Jobs remembered as "under way" (their first admission time); the oldest are forgotten.
 _MAX_TRACKED_JOBS = 10_000
+
+BATCH_SLOTS_KEY = "warmloop:batch-slots:{}"
+"""An engine's batch slots in use, fleet-wide: a sorted set of slot tokens (one per
+batch call admitted, ``<holder>:<run>:<n>``) scored by when their lease ends, in Redis's
+own clock (``TIME``), so no two hosts' clocks are compared."""
+SHARED_POLL_S = 0.1
+"""How often a call that has its process's slot but not the fleet's asks again. Only
+calls already admitted by their own process poll, so at most K a process."""
+SHARED_REDIS_TIMEOUT_S = 1.0
+
+# KEYS[1]: the engine's slots; ARGV: limit, token, lease seconds. 1: taken.
+_TAKE_SLOT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[2])
+redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[3]) * 1000))
+return 1
+"""
+
+# KEYS[1]: the engine's slots; ARGV: lease seconds, then the tokens. The number renewed
+# (a token whose lease ran out, its holder stalled that long, is not taken again).
+_RENEW_SLOTS = """
+local t = redis.call('TIME')
+local until_ = tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[1])
+local n = 0
+for i = 2, #ARGV do
+  n = n + redis.call('ZADD', KEYS[1], 'XX', 'CH', until_, ARGV[i])
+end
+redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[1]) * 1000))
+return n
+"""
+
+
+class SharedBatchSlots:
+    """One process's side of an engine's fleet-wide batch slots (``BATCH_SLOTS_KEY``).
+
+    Each slot is a lease: a process that dies (or stalls past ``lease_s``) with calls
+    admitted loses their slots when the leases end, so a crashed gateway cannot shrink
+    an engine's K for good. The holder renews its leases (``renew_if_due``) from a loop
+    of its own: the inference worker's heartbeat, the gateway's fleet refresh.
+
+    Hazard: a lease is the only thing that frees a slot whose taking was interrupted
+    (the call cancelled while Redis answered): until it ends, that engine admits one
+    batch call fewer. While Redis is away, slots are the process's own alone (``take``
+    admits at its local K, as before shared slots): a fleet that cannot coordinate
+    keeps running its batch lane rather than stopping it."""
+
+    def __init__(self, redis: aioredis.Redis, engine_id: str, *, holder: str | None = None,
+                 lease_s: float = 30.0, outage: RedisOutage | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``holder``: this process, in its tokens (``host-pid`` unless given)."""
+        self._redis = redis
+        self.key = BATCH_SLOTS_KEY.format(engine_id)
+        self.holder = holder or f"{socket.gethostname()}-{os.getpid()}"
+        self.lease_s = lease_s
+        self._outage = outage or RedisOutage()
+        self._clock = clock
+        self._serial = itertools.count()
+        # a restarted holder of the same name must not take its predecessor's tokens
+        self._run = os.urandom(3).hex()
+        self.tokens: list[str | None] = []
+        """This process's slots now: a token each, None for one taken while Redis was
+        away (nothing to give back)."""
+        self._renewed_at = clock()
+
+    async def take(self, limit: int) -> bool:
+        """One slot if fewer than ``limit`` are in use fleet-wide (or Redis is away)."""
+        token = f"{self.holder}:{self._run}:{next(self._serial)}"
+        if not self._outage.should_try():
+            self.tokens.append(None)
+            return True
+        try:
+            async with asyncio.timeout(SHARED_REDIS_TIMEOUT_S):
+                taken = await self._redis.eval(  # type: ignore[misc]
+                    _TAKE_SLOT, 1, self.key, limit, token, self.lease_s)
+        except REDIS_ERRORS as e:
+            self._outage.failed(e, what="batch slots")
+            self.tokens.append(None)
+            return True
+        self._outage.ok()
+        if not taken:
+            return False
+        self.tokens.append(token)
+        return True
+
+    async def give_back(self) -> None:
+        """One of this process's slots (they are alike: any will do)."""
+        if not self.tokens:
+            return
+        token = self.tokens.pop()
+        if token is not None:
+            await self._outage.attempt("batch slots", lambda: self._redis.zrem(self.key, token),
+                                       0, timeout_s=SHARED_REDIS_TIMEOUT_S)
+
+    async def renew_if_due(self) -> None:
+        """Renew this process's leases when a third of a lease has passed since the last
+        renewal: a call longer than a lease keeps its slot."""
+        now = self._clock()
+        live = [t for t in self.tokens if t is not None]
+        if not live or now - self._renewed_at < self.lease_s / 3:
+            return
+        self._renewed_at = now
+        await self._outage.attempt(
+            "batch slots",
+            lambda: self._redis.eval(_RENEW_SLOTS, 1, self.key,  # type: ignore[misc]
+                                     self.lease_s, *live),
+            0, timeout_s=SHARED_REDIS_TIMEOUT_S)
+
+    async def in_use(self) -> int:
+        """Slots in use fleet-wide, expired leases not counted (for tests and the CLI)."""
+        t = await self._redis.time()
+        now = t[0] + t[1] / 1e6
+        return int(await self._redis.zcount(self.key, f"({now}", "+inf"))
+
+    async def clear(self) -> None:
+        """Give back every slot (the process is stopping)."""
+        live = [t for t in self.tokens if t is not None]
+        self.tokens.clear()
+        if live:
+            await self._outage.attempt("batch slots", lambda: self._redis.zrem(self.key, *live),
+                                       0, timeout_s=SHARED_REDIS_TIMEOUT_S)
 
 
 class KvPool(Protocol):
@@ -52,9 +185,12 @@ class KvPool(Protocol):
 class BatchAdmission:
     def __init__(self, config: AdmissionConfig | None = None, *,
                  clock: Callable[[], float] = time.monotonic,
-                 kv_pool: Callable[[], KvPool | None] | None = None) -> None:
+                 kv_pool: Callable[[], KvPool | None] | None = None,
+                 shared: SharedBatchSlots | None = None) -> None:
         """``kv_pool``: the engine's KV pool and its block size, read at each decision
-        (its latest heartbeat; None or 0 tokens: unknown, no KV fit)."""
+        (its latest heartbeat; None or 0 tokens: unknown, no KV fit). ``shared``: the
+        engine's fleet-wide slots, which every batch call admitted here also takes
+        (None: this process's K is the engine's)."""
         self.config = config or AdmissionConfig()
         self.limit = min(self.config.k_max, max(self.config.k_min, self.config.k_start))
         """K as adapted to interactive TTFT (before the KV fit)."""
@@ -71,6 +207,7 @@ class BatchAdmission:
         self._arrivals = itertools.count()
         self._started: OrderedDict[str, float] = OrderedDict()
         self._fleet_p95: float | None = None
+        self.shared = shared
 
     def calibrate(self, calibration: EngineCalibration) -> None:
         """Start K where the engine's calibration says interactive TTFT holds
@@ -158,7 +295,38 @@ class BatchAdmission:
         """Wait for a batch slot; ``on_wait`` runs every second while waiting (heartbeat).
 
         ``job_id`` orders the waiters: steps of jobs admitted before go first, oldest job
-        first; a new job's first step waits its turn (arrival order)."""
+        first; a new job's first step waits its turn (arrival order). With ``shared``
+        slots, a call admitted here then waits for one of the engine's fleet-wide."""
+        await self._acquire_here(job_id, on_wait)
+        if self.shared is None:
+            return
+        try:
+            await self._acquire_shared(on_wait)
+        except BaseException:
+            self.active -= 1  # cancelled waiting for the fleet: this process's slot goes on
+            self._wake()
+            raise
+
+    async def _acquire_shared(self, on_wait: Callable[[], None] | None) -> None:
+        shared = self.shared
+        assert shared is not None
+        if await shared.take(self.effective_limit):
+            return
+        self.waiting += 1
+        beat_at = self._clock() + 1.0
+        try:
+            while True:
+                await asyncio.sleep(SHARED_POLL_S)
+                if on_wait is not None and self._clock() >= beat_at:
+                    on_wait()
+                    beat_at = self._clock() + 1.0
+                if await shared.take(self.effective_limit):
+                    return
+        finally:
+            self.waiting -= 1
+
+    async def _acquire_here(self, job_id: str | None,
+                            on_wait: Callable[[], None] | None) -> None:
         if not self._waiters and self.active < self.effective_limit:
             self.active += 1
             self._mark_started(job_id)
@@ -188,9 +356,13 @@ class BatchAdmission:
         self._mark_started(job_id)
 
     async def release(self) -> None:
-        self.active -= 1
-        self._grow_if_idle()
-        self._wake()
+        try:
+            if self.shared is not None:
+                await self.shared.give_back()
+        finally:
+            self.active -= 1
+            self._grow_if_idle()
+            self._wake()
 
     def observe_batch(self, prompt_tokens: int, shared_tokens: int = 0) -> None:
         """A batch step's prompt size, and how much of it every job of its profile

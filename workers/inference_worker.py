@@ -19,7 +19,7 @@ import zmq.asyncio
 from temporalio import activity
 from temporalio.worker import FixedSizeSlotSupplier, Worker, WorkerTuner
 
-from warmloop.activities.admission import BatchAdmission
+from warmloop.activities.admission import BatchAdmission, SharedBatchSlots
 from warmloop.activities.cachebust import CacheBust, CacheBustDetector
 from warmloop.activities.directory import KvEventApplier, PrefixDirectory
 from warmloop.activities.holds import HoldManager, WorkflowsOver
@@ -216,6 +216,8 @@ async def _publish(registry: EngineRegistry, hb: EngineHeartbeat, engine_id: str
         await registry.leave(engine_id)
         return
     await registry.heartbeat(hb)
+    if admission is not None and admission.shared is not None:
+        await admission.shared.renew_if_due()
     if admission is not None and admission.config.fleet_signal:
         admission.observe_fleet([
             e.interactive_ttft_p95_ms for e in await registry.live()
@@ -334,7 +336,11 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
             file=calibration_file(settings.state_dir, engine.id))
         admission = BatchAdmission(
             settings.admission,
-            kv_pool=lambda: view.last)
+            kv_pool=lambda: view.last,
+            # K is the engine's: the gateways admit batch calls to it too
+            shared=SharedBatchSlots(redis, engine.id, holder=f"worker-{engine.id}",
+                                    lease_s=settings.admission.slot_lease_s, outage=outage)
+            if settings.admission.shared_slots else None)
         # The engine's evictions (its KV events), for the hold model's rent.
         regret = EvictionRegret() if engine.kv_events else None
         holds = HoldManager(engine_id=engine.id, base_url=engine.url, model=engine.model,
@@ -385,9 +391,12 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
             # the directory and hold records of steps already returned
             if cancelled := await inference.drain():
                 log.warning("step_bookkeeping_cancelled", steps=cancelled)
-            # Best effort: without Redis the engine's key expires by itself.
+            # Best effort: without Redis the engine's key expires by itself, and the
+            # batch slots' leases end by themselves.
             await outage.attempt("leave the registry", lambda: registry.leave(engine.id),
                                  None, timeout_s=REDIS_SOCKET_TIMEOUT_S, probe=True)
+            if admission.shared is not None:
+                await admission.shared.clear()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -59,6 +59,13 @@ class AdmissionConfig(BaseModel):
     """Share of the engine's KV pool the batch jobs under way may fill; K is held to the
     jobs that fit in it, so that a job's prefix is still cached at its next step. Set 1
     to let K fill the pool; lower it when interactive jobs need their prefixes kept."""
+    shared_slots: bool = True
+    """K is the engine's, shared through Redis by every process that admits batch calls
+    to it (its inference worker and each gateway replica), so N of them run at most K
+    at once, not N x K. Off: each process admits up to K on its own."""
+    slot_lease_s: float = Field(default=30.0, ge=3.0, le=3600.0)
+    """How long a shared slot outlives its holder: a crashed or stalled process's batch
+    slots come back to the engine after this. Holders renew every third of it."""
 
 
 def calibrated_k_start(worst_ttft_s: Callable[[int], float], config: AdmissionConfig) -> int:

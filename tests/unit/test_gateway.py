@@ -26,6 +26,7 @@ import warmloop.workers.gateway.routing as gateway_routing
 import warmloop.workflows.routing as workflow_routing
 from tests.polling import eventually
 from tests.unit.engine_fakes import CutStream, RedisServer, free_port
+from warmloop.activities.admission import BATCH_SLOTS_KEY, BatchAdmission, SharedBatchSlots
 from warmloop.activities.directory import PrefixDirectory
 from warmloop.activities.holds import HoldManager
 from warmloop.activities.pauses import PauseStats
@@ -51,7 +52,7 @@ from warmloop.workers.gateway.upstream import RawUpstream
 from warmloop.workers.settings import Settings
 from warmloop.workflows.contracts import Lane
 from warmloop.workflows.holding import HoldConfig
-from warmloop.workflows.lanes import VLLM_PRIORITY
+from warmloop.workflows.lanes import VLLM_PRIORITY, AdmissionConfig
 from warmloop.workflows.tenants import cache_salt
 
 BLOCK = 4
@@ -88,6 +89,10 @@ class FakeEngine:
     seen: list[dict[str, Any]] = field(default_factory=list)
     raw: list[bytes] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
+    gate: asyncio.Event | None = None
+    """Set: chat calls wait for it before they are answered (a call in progress)."""
+    arrived: int = 0
+    """Chat calls that reached the gate."""
 
     def stream_bytes(self, body: dict[str, Any]) -> bytes:
         head = {"id": "c1", "object": "chat.completion.chunk", "model": "tiny",
@@ -158,7 +163,13 @@ class Fleet:
         return self.engines[engine_id]
 
     def transport(self) -> httpx.MockTransport:
-        return httpx.MockTransport(lambda r: self.engines[r.url.host].answer(r))
+        async def answer(r: httpx.Request) -> httpx.Response:
+            engine = self.engines[r.url.host]
+            if engine.gate is not None and r.url.path == "/v1/chat/completions":
+                engine.arrived += 1
+                await engine.gate.wait()
+            return engine.answer(r)
+        return httpx.MockTransport(answer)
 
     def served_by(self) -> list[str]:
         return [e for e, fake in self.engines.items() for _ in fake.seen]
@@ -545,6 +556,47 @@ async def test_a_new_session_goes_where_less_is_held(make: Make) -> None:
                         {"role": "user", "content": "Where is my invoice?"}],
                        headers={"x-session-id": f"new-{i}"})
     assert rig.fleet.served_by()[1:] == [e for e in ("e0", "e1") if e != holder] * 12
+
+
+async def test_replicas_and_the_worker_share_an_engines_batch_slots(
+        make: Make, redis: aioredis.Redis) -> None:
+    # K = 1 on e0. The inference worker runs one batch step there; two gateway replicas
+    # each get a batch call for e0: neither goes to the engine until the worker's slot
+    # frees, and then one at a time.
+    one = AdmissionConfig(k_start=1, k_min=1, k_max=1, idle_grow_s=3600)
+    first = await make("e0", instance="gw-a", admission=one)
+    second = await make("e0", instance="gw-b", admission=one)
+    worker = BatchAdmission(one, shared=SharedBatchSlots(redis, "e0", holder="worker-e0"))
+    await worker.acquire("step-of-a-workflow")
+    for rig in (first, second):
+        rig.fleet["e0"].gate = asyncio.Event()
+    calls = [asyncio.ensure_future(rig.client.post(
+        "/v1/chat/completions", headers={"x-warmloop-lane": "batch", "x-session-id": f"b{i}"},
+        json={"model": "tiny", "messages": conversation()}))
+        for i, rig in enumerate((first, second))]
+    await eventually(lambda: _waiting(first, second, 2))
+    assert first.fleet["e0"].arrived == second.fleet["e0"].arrived == 0
+    await worker.release()
+    await eventually(lambda: _arrived(first, second, 1))
+    assert await _waiting(first, second, 1)  # the other replica's call still waits
+    assert await redis.zcard(BATCH_SLOTS_KEY.format("e0")) == 1
+    for rig in (first, second):
+        assert rig.fleet["e0"].gate is not None
+        rig.fleet["e0"].gate.set()
+    answers = await asyncio.wait_for(asyncio.gather(*calls), 10)
+    assert [a.status_code for a in answers] == [200, 200]
+    assert first.fleet["e0"].arrived + second.fleet["e0"].arrived == 2
+    await first.gateway.idle()
+    await second.gateway.idle()
+    assert await redis.zcard(BATCH_SLOTS_KEY.format("e0")) == 0
+
+
+async def _waiting(first: Rig, second: Rig, n: int) -> bool:
+    return sum(a.waiting for r in (first, second) for a in r.gateway._admissions.values()) == n
+
+
+async def _arrived(first: Rig, second: Rig, n: int) -> bool:
+    return first.fleet["e0"].arrived + second.fleet["e0"].arrived == n
 
 
 async def test_another_gateways_holds_count_as_taken(make: Make) -> None:

@@ -42,7 +42,7 @@ import httpx
 import redis.asyncio as aioredis
 import structlog
 
-from warmloop.activities.admission import BatchAdmission
+from warmloop.activities.admission import BatchAdmission, SharedBatchSlots
 from warmloop.activities.directory import (
     MAX_WALK_BLOCKS,
     PrefixDirectory,
@@ -184,6 +184,9 @@ class Gateway:
             if task is not None:
                 await stop_task(task)
         await self.idle()
+        for a in self._admissions.values():
+            if a.shared is not None:
+                await a.shared.clear()
         await self.holds.close()
         await self.fleet.gone()
         await self.upstream.aclose()
@@ -196,6 +199,9 @@ class Gateway:
         await self.fleet.refresh()
         await self.holds.sync(self.fleet.engines)
         await self.fleet.publish_held(self.holds.held())
+        for a in list(self._admissions.values()):
+            if a.shared is not None:
+                await a.shared.renew_if_due()
 
     async def idle(self) -> None:
         """Wait until the work left behind calls (learning, records) is done."""
@@ -472,8 +478,13 @@ class Gateway:
     def _admission(self, engine_id: str) -> BatchAdmission:
         a = self._admissions.get(engine_id)
         if a is None:
+            c = self.settings.admission
             a = self._admissions[engine_id] = BatchAdmission(
-                self.settings.admission, kv_pool=lambda: self.fleet.engine(engine_id))
+                c, kv_pool=lambda: self.fleet.engine(engine_id),
+                # K is the engine's: its inference worker and the other replicas share it
+                shared=SharedBatchSlots(self.redis, engine_id, holder=self.instance,
+                                        lease_s=c.slot_lease_s, outage=self.outage)
+                if c.shared_slots else None)
         return a
 
     async def _post(self, engine: EngineHeartbeat, path: str, body: bytes

@@ -1,0 +1,122 @@
+"""An engine's batch slots shared through Redis by every process that admits batch calls
+to it (``SharedBatchSlots``): N processes run at most K, a dead holder's slots come back
+when their leases end, and a Redis that is away leaves each process its own K."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as aioredis
+
+from tests.polling import eventually
+from tests.unit.engine_fakes import RedisServer
+from warmloop.activities.admission import BATCH_SLOTS_KEY, BatchAdmission, SharedBatchSlots
+from warmloop.workflows.lanes import AdmissionConfig
+
+# K fixed at 2 (no growth while idle within a test)
+CONFIG = AdmissionConfig(k_start=2, k_min=2, k_max=2, idle_grow_s=3600)
+
+
+def process(redis: aioredis.Redis, holder: str, *, lease_s: float = 30.0,
+            config: AdmissionConfig = CONFIG) -> BatchAdmission:
+    return BatchAdmission(config, shared=SharedBatchSlots(redis, "e0", holder=holder,
+                                                          lease_s=lease_s))
+
+
+async def test_two_processes_run_at_most_k_together(redis: aioredis.Redis) -> None:
+    worker, gateway = process(redis, "worker"), process(redis, "gateway")
+    await worker.acquire("job-1")
+    await gateway.acquire("job-2")
+    assert worker.shared is not None and await worker.shared.in_use() == 2
+    # Each process has room of its own (1 of 2), the engine has none.
+    third = asyncio.ensure_future(worker.acquire("job-3"))
+    fourth = asyncio.ensure_future(gateway.acquire("job-4"))
+    await eventually(lambda: _true(worker.waiting == 1 and gateway.waiting == 1))
+    assert not third.done() and not fourth.done()
+    assert await worker.shared.in_use() == 2
+
+    await gateway.release()  # one slot frees: one of the two waiting calls takes it
+    done, pending = await asyncio.wait({third, fourth}, return_when=asyncio.FIRST_COMPLETED)
+    assert len(done) == 1 and len(pending) == 1
+    assert await worker.shared.in_use() == 2
+    await (worker if third in done else gateway).release()
+    await asyncio.wait_for(pending.pop(), 5)
+    assert await worker.shared.in_use() == 2
+    for p in (worker, gateway):
+        while p.active:
+            await p.release()
+    assert await worker.shared.in_use() == 0
+    assert await redis.zcard(BATCH_SLOTS_KEY.format("e0")) == 0
+
+
+async def test_a_dead_holders_slots_come_back_when_their_leases_end(
+        redis: aioredis.Redis) -> None:
+    dead = process(redis, "dead", lease_s=0.5)
+    await dead.acquire("a")
+    await dead.acquire("b")  # and then it dies: no release, no renewal
+    alive = process(redis, "alive")
+    started = asyncio.get_running_loop().time()
+    await asyncio.wait_for(alive.acquire("c"), 5)
+    assert asyncio.get_running_loop().time() - started >= 0.3  # it waited for the lease
+    assert alive.shared is not None and await alive.shared.in_use() == 1
+
+
+async def test_a_renewed_lease_keeps_its_slot_past_its_first_term(
+        redis: aioredis.Redis) -> None:
+    config = CONFIG.model_copy(update={"k_start": 1, "k_min": 1, "k_max": 1})
+    holder = process(redis, "holder", lease_s=0.6, config=config)
+    await holder.acquire("long-call")
+    other = process(redis, "other", config=config)
+    assert other.shared is not None and holder.shared is not None
+    loop = asyncio.get_running_loop()
+    until = loop.time() + 1.5  # 2.5 leases
+    while loop.time() < until:
+        await holder.shared.renew_if_due()  # the holder's heartbeat
+        assert not await other.shared.take(1)
+        await asyncio.sleep(0.05)
+    await holder.release()
+    assert await other.shared.take(1)
+
+
+async def test_a_call_cancelled_waiting_for_the_fleet_gives_its_place_back(
+        redis: aioredis.Redis) -> None:
+    config = CONFIG.model_copy(update={"k_start": 1, "k_min": 1, "k_max": 1})
+    first, second = process(redis, "a", config=config), process(redis, "b", config=config)
+    await first.acquire("j1")
+    waiting = asyncio.ensure_future(second.acquire("j2"))
+    await eventually(lambda: _true(second.waiting == 1))
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    assert second.active == 0 and second.waiting == 0
+    assert second.shared is not None and second.shared.tokens == []
+    await first.release()
+    await asyncio.wait_for(second.acquire("j3"), 5)
+    assert await second.shared.in_use() == 1
+
+
+async def test_with_redis_away_each_process_admits_its_own_k(
+        server: RedisServer, client: aioredis.Redis) -> None:
+    one, two = process(client, "one"), process(client, "two")
+    await one.acquire("a")
+    await one.acquire("b")
+    server.stop()  # hung, not refused: each call waits out its timeout once
+    try:
+        await asyncio.wait_for(two.acquire("c"), 10)
+        await asyncio.wait_for(two.acquire("d"), 10)
+        assert two.active == 2 and two.shared is not None and two.shared.tokens == [None, None]
+        third = asyncio.ensure_future(two.acquire("e"))  # its own K still holds
+        await eventually(lambda: _true(two.waiting == 1))
+        assert not third.done()
+        await asyncio.wait_for(two.release(), 10)  # nothing to give back in Redis
+        await asyncio.wait_for(third, 10)
+        third_token = two.shared.tokens[-1]
+        assert third_token is None  # taken while Redis was away
+    finally:
+        server.cont()
+    await one.release()
+    await one.release()
+    assert one.shared is not None and await one.shared.in_use() == 0
+
+
+async def _true(value: bool) -> bool:
+    return value
