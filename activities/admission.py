@@ -82,6 +82,17 @@ return n
 """
 
 
+async def batch_slots_in_use(redis: aioredis.Redis, engine_ids: list[str]) -> dict[str, int]:
+    """Each engine's batch slots in use fleet-wide (every holder's; leases ended not
+    counted), in one round trip."""
+    t = await redis.time()
+    now = t[0] + t[1] / 1e6
+    pipe = redis.pipeline(transaction=False)
+    for e in engine_ids:
+        pipe.zcount(BATCH_SLOTS_KEY.format(e), f"({now}", "+inf")
+    return {e: int(n) for e, n in zip(engine_ids, await pipe.execute(), strict=True)}
+
+
 class SharedBatchSlots:
     """One process's side of an engine's fleet-wide batch slots (``BATCH_SLOTS_KEY``).
 
@@ -101,6 +112,7 @@ class SharedBatchSlots:
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``holder``: this process, in its tokens (``host-pid`` unless given)."""
         self._redis = redis
+        self.engine_id = engine_id
         self.key = BATCH_SLOTS_KEY.format(engine_id)
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}"
         self.lease_s = lease_s
@@ -158,10 +170,8 @@ class SharedBatchSlots:
             0, timeout_s=SHARED_REDIS_TIMEOUT_S)
 
     async def in_use(self) -> int:
-        """Slots in use fleet-wide, expired leases not counted (for tests and the CLI)."""
-        t = await self._redis.time()
-        now = t[0] + t[1] / 1e6
-        return int(await self._redis.zcount(self.key, f"({now}", "+inf"))
+        """Slots in use fleet-wide, leases ended not counted."""
+        return (await batch_slots_in_use(self._redis, [self.engine_id]))[self.engine_id]
 
     async def clear(self) -> None:
         """Give back every slot (the process is stopping)."""

@@ -1020,6 +1020,7 @@ def engines(as_json: bool = typer.Option(False, "--json", help="One JSON object 
         import redis.asyncio as aioredis
         from redis.exceptions import RedisError
 
+        from warmloop.activities.admission import batch_slots_in_use
         from warmloop.activities.directory import PrefixDirectory
         from warmloop.activities.holds import HOLDS_KEY
         from warmloop.activities.registry import EngineRegistry
@@ -1038,6 +1039,8 @@ def engines(as_json: bool = typer.Option(False, "--json", help="One JSON object 
             # the gateways' holds (sessions of agents with their own loop), a table per
             # gateway replica: the inference worker rewrites its own whole at every tick
             gateway_holds = await gateway_hold_records(r, ids, await registry.gateways())
+            # batch calls running now, fleet-wide: the worker's and every gateway's
+            slots = await batch_slots_in_use(r, ids)
         except RedisError as err:
             fail(f"cannot reach Redis at {s.redis_url} ({err}); is the stack up?")
         if as_json:
@@ -1045,6 +1048,7 @@ def engines(as_json: bool = typer.Option(False, "--json", help="One JSON object 
                 print(json.dumps({**hb.model_dump(), "in_flight": in_flight[hb.engine_id],
                                   "directory_blocks": blocks[hb.engine_id],
                                   "holds": holds[hb.engine_id],
+                                  "batch_slots_in_use": slots[hb.engine_id],
                                   "gateway_holds": len(gateway_holds[hb.engine_id]),
                                   "gateway_held_tokens": sum(
                                       int(h.get("tokens", 0))
@@ -1057,7 +1061,7 @@ def engines(as_json: bool = typer.Option(False, "--json", help="One JSON object 
                           str(hb.running),
                           str(hb.waiting), str(in_flight[hb.engine_id]),
                           "-" if hb.batch_limit is None
-                          else f"{hb.batch_active}/{hb.batch_limit}",
+                          else f"{slots[hb.engine_id]}/{hb.batch_limit}",
                           f"{hb.kv_usage:.0%}", f"{hb.kv_capacity_tokens:,} tok",
                           _held(hb.held_tokens, holds[hb.engine_id],
                                 gateway_holds[hb.engine_id]),
