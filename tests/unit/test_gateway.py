@@ -728,6 +728,36 @@ async def test_a_session_that_moved_to_another_replica_ends_its_hold_here(
     assert second.gateway.metrics.counter("warmloop_gateway_pauses_total") == 1
 
 
+async def test_a_session_served_by_each_replica_in_turn_keeps_its_engine_and_one_hold(
+        make: Make, redis: aioredis.Redis) -> None:
+    # No session-sticky proxy: a balancer sends each call of a session to the next
+    # replica. Every call still goes to the engine that has the session's prefix, one
+    # replica at a time holds it, and each pause is measured once.
+    replicas = [await make("e0", "e1", instance=f"gw-{i}") for i in range(2)]
+    for rig in replicas:
+        rig.gateway.config.hold_policy = "always_hold"
+    s = {"x-session-id": "round-robin", "x-session-kind": "support"}
+    turns = ["Still broken.", "Tried it.", "Now what?", "Done.", "Thanks."]
+    served: list[str] = []
+    for n in range(6):
+        here, other = replicas[n % 2], replicas[(n + 1) % 2]
+        r = await here.chat(conversation("My app crashes.", *turns[:n]), headers=s)
+        assert r.status_code == 200
+        served.append(r.headers["x-warmloop-engine"])
+        await eventually(lambda: _false_if_known(other.gateway, "round-robin"))
+        holding = [rig for rig in replicas
+                   if any("round-robin" in m.holds for m in rig.gateway.holds.managers.values())]
+        assert holding == [here]
+    assert len(set(served)) == 1
+    stats = PauseStats(redis)
+
+    async def five() -> bool:
+        return sum((await stats.histogram(kind_profile("support").name, REPLY_KIND)
+                    ).values()) == 5
+
+    await eventually(five)
+
+
 async def _false_if_known(gateway: Gateway, session: str) -> bool:
     return gateway.sessions.get(session) is None
 
