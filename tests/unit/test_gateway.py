@@ -576,6 +576,8 @@ async def test_replicas_and_the_worker_share_an_engines_batch_slots(
         for i, rig in enumerate((first, second))]
     await eventually(lambda: _waiting(first, second, 2))
     assert first.fleet["e0"].arrived == second.fleet["e0"].arrived == 0
+    shown = (await first.client.get("/metrics")).text
+    assert 'warmloop_gateway_batch_waiting{engine="e0"} 1' in shown
     await worker.release()
     await eventually(lambda: _arrived(first, second, 1))
     assert await _waiting(first, second, 1)  # the other replica's call still waits

@@ -764,6 +764,9 @@ class Gateway:
                            m.own_held_tokens))
         for engine_id, n in sorted(self.fleet.local.items()):
             gauges.append(("warmloop_gateway_in_flight", {"engine": engine_id}, n))
+        for engine_id, a in sorted(self._admissions.items()):
+            gauges.append(("warmloop_gateway_batch_active", {"engine": engine_id}, a.active))
+            gauges.append(("warmloop_gateway_batch_waiting", {"engine": engine_id}, a.waiting))
         return self.metrics.render(gauges)
 
 

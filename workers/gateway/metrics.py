@@ -38,6 +38,10 @@ GAUGES = {
     "warmloop_gateway_sessions": "Sessions the gateway remembers.",
     "warmloop_gateway_live_engines": "Engines the gateway routes to.",
     "warmloop_gateway_in_flight": "Calls in flight through the gateway, by engine.",
+    "warmloop_gateway_batch_active": "Batch-lane calls this gateway has admitted and not "
+                                     "finished, by engine (including those waiting for one of "
+                                     "the engine's shared slots).",
+    "warmloop_gateway_batch_waiting": "Batch-lane calls waiting for a batch slot, by engine.",
 }
 HISTOGRAM = "warmloop_gateway_added_latency_seconds"
 HISTOGRAM_HELP = ("Time a call spends in the gateway before its engine request is sent "
