@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import time
@@ -746,7 +747,7 @@ async def test_a_session_served_by_each_replica_in_turn_keeps_its_engine_and_one
         r = await here.chat(conversation("My app crashes.", *turns[:n]), headers=s)
         assert r.status_code == 200
         served.append(r.headers["x-warmloop-engine"])
-        await eventually(lambda: _false_if_known(other.gateway, "round-robin"))
+        await eventually(functools.partial(_false_if_known, other.gateway, "round-robin"))
         holding = [rig for rig in replicas
                    if any("round-robin" in m.holds for m in rig.gateway.holds.managers.values())]
         assert holding == [here]
