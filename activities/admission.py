@@ -28,13 +28,13 @@ import os
 import socket
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 import structlog
 
-from warmloop.activities.registry import REDIS_ERRORS, RedisOutage
+from warmloop.activities.registry import REDIS_ERRORS, RedisOutage, stop_if_cancelled
 from warmloop.workflows.calibration import EngineCalibration
 from warmloop.workflows.lanes import (
     AdmissionConfig,
@@ -53,38 +53,48 @@ BATCH_SLOTS_KEY = "warmloop:batch-slots:{}"
 batch call admitted, ``<holder>:<run>:<n>``) scored by when their lease ends, in Redis's
 own clock (``TIME``), so no two hosts' clocks are compared."""
 SHARED_POLL_S = 0.1
-"""How often a call that has its process's slot but not the fleet's asks again. Only
-calls already admitted by their own process poll, so at most K a process."""
+"""How often a process's next call for a fleet slot asks again. One call a process
+asks at a time (the first its own order admitted), the others wait behind it."""
 SHARED_REDIS_TIMEOUT_S = 1.0
+LOCAL_AFTER_S = 5.0
+"""How long Redis must have been away before a process admits batch calls on its own
+K alone: a blip must not let every call waiting for a fleet slot in at once."""
 
-# KEYS[1]: the engine's slots; ARGV: limit, token, lease seconds. 1: taken.
+# KEYS[1]: the engine's slots; ARGV: limit, token, lease seconds. 1: taken (or already
+# held: a retry of a take whose answer was lost finds its own token).
 _TAKE_SLOT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZSCORE', KEYS[1], ARGV[2]) then return 1 end
 if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[2])
-redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[3]) * 1000))
+local lease = tonumber(ARGV[3])
+redis.call('ZADD', KEYS[1], now + lease, ARGV[2])
+local want = math.ceil(lease * 1000)
+if redis.call('PTTL', KEYS[1]) < want then redis.call('PEXPIRE', KEYS[1], want) end
 return 1
 """
 
-# KEYS[1]: the engine's slots; ARGV: lease seconds, then the tokens. The number renewed
-# (a token whose lease ran out, its holder stalled that long, is not taken again).
+# KEYS[1]: the engine's slots; ARGV: lease seconds, then the tokens held. Every token
+# gets a new lease; the answer is how many had lapsed (a holder away longer than a
+# lease, a flushed Redis) and are counted again.
 _RENEW_SLOTS = """
 local t = redis.call('TIME')
-local until_ = tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[1])
-local n = 0
+local lease = tonumber(ARGV[1])
+local until_ = tonumber(t[1]) + tonumber(t[2]) / 1000000 + lease
+local lapsed = 0
 for i = 2, #ARGV do
-  n = n + redis.call('ZADD', KEYS[1], 'XX', 'CH', until_, ARGV[i])
+  lapsed = lapsed + redis.call('ZADD', KEYS[1], until_, ARGV[i])
 end
-redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[1]) * 1000))
-return n
+local want = math.ceil(lease * 1000)
+if redis.call('PTTL', KEYS[1]) < want then redis.call('PEXPIRE', KEYS[1], want) end
+return lapsed
 """
 
 
 async def batch_slots_in_use(redis: aioredis.Redis, engine_ids: list[str]) -> dict[str, int]:
     """Each engine's batch slots in use fleet-wide (every holder's; leases ended not
-    counted), in one round trip."""
+    counted): Redis's clock, then one pipelined count per engine."""
     t = await redis.time()
     now = t[0] + t[1] / 1e6
     pipe = redis.pipeline(transaction=False)
@@ -99,16 +109,20 @@ class SharedBatchSlots:
     Each slot is a lease: a process that dies (or stalls past ``lease_s``) with calls
     admitted loses their slots when the leases end, so a crashed gateway cannot shrink
     an engine's K for good. The holder renews its leases (``renew_if_due``) from a loop
-    of its own: the inference worker's heartbeat, the gateway's fleet refresh.
+    of its own: the inference worker's heartbeat, the gateway's fleet refresh; a renewal
+    also counts again the slots whose leases lapsed while Redis was away.
 
-    Hazard: a lease is the only thing that frees a slot whose taking was interrupted
-    (the call cancelled while Redis answered): until it ends, that engine admits one
-    batch call fewer. While Redis is away, slots are the process's own alone (``take``
-    admits at its local K, as before shared slots): a fleet that cannot coordinate
-    keeps running its batch lane rather than stopping it."""
+    Redis away: a take waits (``take`` answers False) until Redis has been away
+    ``local_after_s``; after that, slots are the process's own alone (``take`` admits
+    at its local K, as before shared slots): a fleet that cannot coordinate keeps its
+    batch lane running rather than stopped. Its own ``RedisOutage``: a failed call of
+    another part of the process (the directory, the holds) does not let it in.
+
+    Hazard: one restarted worker's slots still held by its predecessor's leases admit
+    that many fewer batch calls on its engine until they end (``lease_s``)."""
 
     def __init__(self, redis: aioredis.Redis, engine_id: str, *, holder: str | None = None,
-                 lease_s: float = 30.0, outage: RedisOutage | None = None,
+                 lease_s: float = 30.0, local_after_s: float = LOCAL_AFTER_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``holder``: this process, in its tokens (``host-pid`` unless given)."""
         self._redis = redis
@@ -116,58 +130,89 @@ class SharedBatchSlots:
         self.key = BATCH_SLOTS_KEY.format(engine_id)
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}"
         self.lease_s = lease_s
-        self._outage = outage or RedisOutage()
+        self.local_after_s = local_after_s
+        self._outage = RedisOutage(clock=clock)
         self._clock = clock
         self._serial = itertools.count()
         # a restarted holder of the same name must not take its predecessor's tokens
         self._run = os.urandom(3).hex()
-        self.tokens: list[str | None] = []
-        """This process's slots now: a token each, None for one taken while Redis was
-        away (nothing to give back)."""
+        self.tokens: list[str] = []
+        """This process's slots now, a token each (one taken while Redis was away is
+        recorded too: it may have reached Redis, and giving it back costs nothing)."""
         self._renewed_at = clock()
+        self._take = redis.register_script(_TAKE_SLOT)
+        self._renew = redis.register_script(_RENEW_SLOTS)
+        self._turn = asyncio.Lock()
+        """One call of this process asks for a slot at a time, in the order the process
+        admitted them (``asyncio.Lock`` is first come, first served)."""
+        self._background: set[asyncio.Task[None]] = set()
 
-    async def take(self, limit: int) -> bool:
-        """One slot if fewer than ``limit`` are in use fleet-wide (or Redis is away)."""
-        token = f"{self.holder}:{self._run}:{next(self._serial)}"
-        if not self._outage.should_try():
-            self.tokens.append(None)
+    def new_token(self) -> str:
+        return f"{self.holder}:{self._run}:{next(self._serial)}"
+
+    async def take(self, limit: int, token: str) -> bool:
+        """``token``'s slot if fewer than ``limit`` are in use fleet-wide (or Redis has
+        been away ``local_after_s``). Asked again with the same token after a lost
+        answer, it finds the slot it took."""
+        if self._outage.should_try():
+            try:
+                async with asyncio.timeout(SHARED_REDIS_TIMEOUT_S):
+                    taken = await self._take(keys=[self.key], args=[limit, token, self.lease_s])
+            except REDIS_ERRORS as e:
+                self._outage.failed(e, what="batch slots")
+            else:
+                self._outage.ok()
+                if taken:
+                    self.tokens.append(token)
+                return bool(taken)
+        if self._outage.away_s >= self.local_after_s:
+            self.tokens.append(token)
             return True
+        return False
+
+    async def wait(self, limit: Callable[[], int], *,
+                   on_wait: Callable[[], None] | None = None) -> None:
+        """Wait for a slot, behind this process's calls that asked before; ``limit``
+        read at each try (K moves); ``on_wait`` about every second while waiting."""
+        token = self.new_token()
         try:
-            async with asyncio.timeout(SHARED_REDIS_TIMEOUT_S):
-                taken = await self._redis.eval(  # type: ignore[misc]
-                    _TAKE_SLOT, 1, self.key, limit, token, self.lease_s)
-        except REDIS_ERRORS as e:
-            self._outage.failed(e, what="batch slots")
-            self.tokens.append(None)
-            return True
-        self._outage.ok()
-        if not taken:
-            return False
-        self.tokens.append(token)
-        return True
+            async with self._turn:
+                beat_at = self._clock() + 1.0
+                while not await self.take(limit(), token):
+                    stop_if_cancelled()
+                    await asyncio.sleep(SHARED_POLL_S)
+                    if on_wait is not None and self._clock() >= beat_at:
+                        on_wait()
+                        beat_at = self._clock() + 1.0
+        except BaseException:
+            if token in self.tokens:
+                self.tokens.remove(token)
+            # cancelled while Redis ran the take: its slot may be there, unrecorded
+            self._in_background(self._remove([token]))
+            raise
 
     async def give_back(self) -> None:
         """One of this process's slots (they are alike: any will do)."""
-        if not self.tokens:
-            return
-        token = self.tokens.pop()
-        if token is not None:
-            await self._outage.attempt("batch slots", lambda: self._redis.zrem(self.key, token),
-                                       0, timeout_s=SHARED_REDIS_TIMEOUT_S)
+        if self.tokens:
+            await self._remove([self.tokens.pop()])
 
     async def renew_if_due(self) -> None:
         """Renew this process's leases when a third of a lease has passed since the last
-        renewal: a call longer than a lease keeps its slot."""
+        renewal that reached Redis (after a failed one: at every call)."""
         now = self._clock()
-        live = [t for t in self.tokens if t is not None]
-        if not live or now - self._renewed_at < self.lease_s / 3:
+        if not self.tokens or now - self._renewed_at < self.lease_s / 3:
+            return
+        lapsed = await self._outage.attempt(
+            "batch slots", lambda: self._renew(keys=[self.key],
+                                               args=[self.lease_s, *self.tokens]),
+            None, timeout_s=SHARED_REDIS_TIMEOUT_S, probe=True)
+        if lapsed is None:
             return
         self._renewed_at = now
-        await self._outage.attempt(
-            "batch slots",
-            lambda: self._redis.eval(_RENEW_SLOTS, 1, self.key,  # type: ignore[misc]
-                                     self.lease_s, *live),
-            0, timeout_s=SHARED_REDIS_TIMEOUT_S)
+        if lapsed:
+            log.warning("batch_slots_lapsed", engine=self.engine_id, slots=int(lapsed),
+                        why="leases ended while their calls ran (Redis away or this "
+                            "process stalled); counted again")
 
     async def in_use(self) -> int:
         """Slots in use fleet-wide, leases ended not counted."""
@@ -175,32 +220,34 @@ class SharedBatchSlots:
 
     async def clear(self) -> None:
         """Give back every slot (the process is stopping)."""
-        live = [t for t in self.tokens if t is not None]
-        self.tokens.clear()
-        if live:
-            await self._outage.attempt("batch slots", lambda: self._redis.zrem(self.key, *live),
-                                       0, timeout_s=SHARED_REDIS_TIMEOUT_S)
+        live, self.tokens = self.tokens, []
+        await self._remove(live)
 
+    async def _remove(self, tokens: list[str]) -> None:
+        if tokens:
+            await self._outage.attempt("batch slots", lambda: self._redis.zrem(self.key, *tokens),
+                                       0, timeout_s=SHARED_REDIS_TIMEOUT_S, probe=True)
 
-class KvPool(Protocol):
-    """An engine's KV pool as its heartbeat describes it (``EngineHeartbeat``)."""
-
-    @property
-    def kv_capacity_tokens(self) -> int: ...
-
-    @property
-    def block_size(self) -> int: ...
+    def _in_background(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
 
 class BatchAdmission:
     def __init__(self, config: AdmissionConfig | None = None, *,
                  clock: Callable[[], float] = time.monotonic,
                  kv_pool: Callable[[], KvPool | None] | None = None,
-                 shared: SharedBatchSlots | None = None) -> None:
+                 shared: SharedBatchSlots | None = None,
+                 ceiling: Callable[[], int | None] | None = None) -> None:
         """``kv_pool``: the engine's KV pool and its block size, read at each decision
         (its latest heartbeat; None or 0 tokens: unknown, no KV fit). ``shared``: the
         engine's fleet-wide slots, which every batch call admitted here also takes
-        (None: this process's K is the engine's)."""
+        (None: this process's K is the engine's). ``ceiling``: K as the engine's own
+        admission sets it (its inference worker's heartbeat, for a gateway): this
+        process's K is never above it, so every sharer asks Redis with one K (the
+        worker's, which sees the engine's batch steps and interactive TTFT); None
+        while unknown."""
         self.config = config or AdmissionConfig()
         self.limit = min(self.config.k_max, max(self.config.k_min, self.config.k_start))
         """K as adapted to interactive TTFT (before the KV fit)."""
@@ -218,6 +265,10 @@ class BatchAdmission:
         self._started: OrderedDict[str, float] = OrderedDict()
         self._fleet_p95: float | None = None
         self.shared = shared
+        self._ceiling = ceiling or (lambda: None)
+        self.fleet_waiting = 0
+        """Calls admitted here waiting for one of the engine's shared slots (counted in
+        ``active``, not in ``waiting``)."""
 
     def calibrate(self, calibration: EngineCalibration) -> None:
         """Start K where the engine's calibration says interactive TTFT holds
@@ -251,9 +302,12 @@ class BatchAdmission:
 
     @property
     def effective_limit(self) -> int:
-        """K after the KV fit: the batch steps admitted at once."""
+        """K after the KV fit (and under the ``ceiling``): the batch steps admitted at
+        once."""
         fit = self.kv_fit
-        return max(self.config.k_min, min(self.limit, fit)) if fit else self.limit
+        k = max(self.config.k_min, min(self.limit, fit)) if fit else self.limit
+        ceiling = self._ceiling()
+        return k if ceiling is None else min(k, ceiling)
 
     def interactive_p95_ms(self) -> float | None:
         if not self._ttfts:
@@ -320,20 +374,11 @@ class BatchAdmission:
     async def _acquire_shared(self, on_wait: Callable[[], None] | None) -> None:
         shared = self.shared
         assert shared is not None
-        if await shared.take(self.effective_limit):
-            return
-        self.waiting += 1
-        beat_at = self._clock() + 1.0
+        self.fleet_waiting += 1
         try:
-            while True:
-                await asyncio.sleep(SHARED_POLL_S)
-                if on_wait is not None and self._clock() >= beat_at:
-                    on_wait()
-                    beat_at = self._clock() + 1.0
-                if await shared.take(self.effective_limit):
-                    return
+            await shared.wait(lambda: self.effective_limit, on_wait=on_wait)
         finally:
-            self.waiting -= 1
+            self.fleet_waiting -= 1
 
     async def _acquire_here(self, job_id: str | None,
                             on_wait: Callable[[], None] | None) -> None:

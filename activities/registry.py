@@ -70,6 +70,11 @@ class RedisOutage:
     def away(self) -> bool:
         return self._since is not None
 
+    @property
+    def away_s(self) -> float:
+        """How long the current outage has lasted (0 while Redis answers)."""
+        return 0.0 if self._since is None else self._clock() - self._since
+
     def should_try(self) -> bool:
         """False while Redis is away and its next probe is not due."""
         return self._since is None or self._clock() >= self._next_try

@@ -212,12 +212,13 @@ async def _publish(registry: EngineRegistry, hb: EngineHeartbeat, engine_id: str
                    admission: BatchAdmission | None) -> None:
     """One beat's Redis work: the heartbeat (or leaving, for an engine that fails its
     health check: never route to it) and the neighbours' TTFT for batch admission."""
+    if admission is not None and admission.shared is not None:
+        # first, and whatever the engine's health: its calls run on while it is slow
+        await admission.shared.renew_if_due()
     if not hb.healthy:
         await registry.leave(engine_id)
         return
     await registry.heartbeat(hb)
-    if admission is not None and admission.shared is not None:
-        await admission.shared.renew_if_due()
     if admission is not None and admission.config.fleet_signal:
         admission.observe_fleet([
             e.interactive_ttft_p95_ms for e in await registry.live()
@@ -339,7 +340,7 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
             kv_pool=lambda: view.last,
             # K is the engine's: the gateways admit batch calls to it too
             shared=SharedBatchSlots(redis, engine.id, holder=f"worker-{engine.id}",
-                                    lease_s=settings.admission.slot_lease_s, outage=outage)
+                                    lease_s=settings.admission.slot_lease_s)
             if settings.admission.shared_slots else None)
         # The engine's evictions (its KV events), for the hold model's rent.
         regret = EvictionRegret() if engine.kv_events else None

@@ -561,12 +561,16 @@ async def test_a_new_session_goes_where_less_is_held(make: Make) -> None:
 
 async def test_replicas_and_the_worker_share_an_engines_batch_slots(
         make: Make, redis: aioredis.Redis) -> None:
-    # K = 1 on e0. The inference worker runs one batch step there; two gateway replicas
-    # each get a batch call for e0: neither goes to the engine until the worker's slot
-    # frees, and then one at a time.
+    # K = 1 on e0 (its worker's heartbeat says so; the gateways' own K is 4). The worker
+    # runs one batch step there; two gateway replicas each get a batch call for e0:
+    # neither goes to the engine until the worker's slot frees, and then one at a time.
     one = AdmissionConfig(k_start=1, k_min=1, k_max=1, idle_grow_s=3600)
-    first = await make("e0", instance="gw-a", admission=one)
-    second = await make("e0", instance="gw-b", admission=one)
+    four = AdmissionConfig(k_start=4, k_min=1, k_max=4, idle_grow_s=3600)
+    first = await make("e0", instance="gw-a", admission=four)
+    second = await make("e0", instance="gw-b", admission=four)
+    await heartbeat(redis, "e0", batch_limit=1)
+    for rig in (first, second):
+        await rig.gateway.refresh()
     worker = BatchAdmission(one, shared=SharedBatchSlots(redis, "e0", holder="worker-e0"))
     await worker.acquire("step-of-a-workflow")
     for rig in (first, second):
@@ -595,7 +599,8 @@ async def test_replicas_and_the_worker_share_an_engines_batch_slots(
 
 
 async def _waiting(first: Rig, second: Rig, n: int) -> bool:
-    return sum(a.waiting for r in (first, second) for a in r.gateway._admissions.values()) == n
+    return sum(a.waiting + a.fleet_waiting
+               for r in (first, second) for a in r.gateway._admissions.values()) == n
 
 
 async def _arrived(first: Rig, second: Rig, n: int) -> bool:
@@ -759,6 +764,9 @@ async def test_a_session_served_by_each_replica_in_turn_keeps_its_engine_and_one
                     ).values()) == 5
 
     await eventually(five)
+    for rig in replicas:
+        await rig.gateway.idle()
+    assert await five()  # and no pause counted late, twice
 
 
 async def _false_if_known(gateway: Gateway, session: str) -> bool:

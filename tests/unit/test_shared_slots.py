@@ -11,6 +11,8 @@ import redis.asyncio as aioredis
 from tests.polling import eventually
 from tests.unit.engine_fakes import RedisServer
 from warmloop.activities.admission import BATCH_SLOTS_KEY, BatchAdmission, SharedBatchSlots
+from warmloop.activities.registry import EngineHeartbeat, EngineRegistry
+from warmloop.workers.inference_worker import _publish
 from warmloop.workflows.lanes import AdmissionConfig
 
 # K fixed at 2 (no growth while idle within a test)
@@ -18,9 +20,9 @@ CONFIG = AdmissionConfig(k_start=2, k_min=2, k_max=2, idle_grow_s=3600)
 
 
 def process(redis: aioredis.Redis, holder: str, *, lease_s: float = 30.0,
-            config: AdmissionConfig = CONFIG) -> BatchAdmission:
-    return BatchAdmission(config, shared=SharedBatchSlots(redis, "e0", holder=holder,
-                                                          lease_s=lease_s))
+            config: AdmissionConfig = CONFIG, local_after_s: float = 5.0) -> BatchAdmission:
+    return BatchAdmission(config, shared=SharedBatchSlots(
+        redis, "e0", holder=holder, lease_s=lease_s, local_after_s=local_after_s))
 
 
 async def test_two_processes_run_at_most_k_together(redis: aioredis.Redis) -> None:
@@ -31,7 +33,7 @@ async def test_two_processes_run_at_most_k_together(redis: aioredis.Redis) -> No
     # Each process has room of its own (1 of 2), the engine has none.
     third = asyncio.ensure_future(worker.acquire("job-3"))
     fourth = asyncio.ensure_future(gateway.acquire("job-4"))
-    await eventually(lambda: _true(worker.waiting == 1 and gateway.waiting == 1))
+    await eventually(lambda: _true(worker.fleet_waiting == 1 and gateway.fleet_waiting == 1))
     assert not third.done() and not fourth.done()
     assert await worker.shared.in_use() == 2
 
@@ -72,10 +74,59 @@ async def test_a_renewed_lease_keeps_its_slot_past_its_first_term(
     until = loop.time() + 1.5  # 2.5 leases
     while loop.time() < until:
         await holder.shared.renew_if_due()  # the holder's heartbeat
-        assert not await other.shared.take(1)
+        assert not await other.shared.take(1, other.shared.new_token())
         await asyncio.sleep(0.05)
     await holder.release()
-    assert await other.shared.take(1)
+    assert await other.shared.take(1, other.shared.new_token())
+
+
+async def test_the_worker_renews_its_leases_while_its_engine_fails_its_health_check(
+        redis: aioredis.Redis) -> None:
+    # An engine too busy to answer /health in time is when batch calls run longest.
+    config = CONFIG.model_copy(update={"k_start": 1, "k_min": 1, "k_max": 1})
+    worker = process(redis, "worker-e0", lease_s=0.6, config=config)
+    await worker.acquire("long-step")
+    unhealthy = EngineHeartbeat(engine_id="e0", task_queue="engine.e0", model="tiny",
+                                url="http://e0", healthy=False, at=0.0)
+    registry = EngineRegistry(redis, ttl_s=60)
+    other = process(redis, "gateway", config=config)
+    assert other.shared is not None
+    loop = asyncio.get_running_loop()
+    until = loop.time() + 1.5
+    while loop.time() < until:
+        await _publish(registry, unhealthy, "e0", worker)  # a beat
+        assert not await other.shared.take(1, other.shared.new_token())
+        await asyncio.sleep(0.05)
+
+
+async def test_a_take_asked_again_finds_the_slot_it_took(redis: aioredis.Redis) -> None:
+    # its first answer lost (a timeout after Redis ran it): the retry, same token, gets
+    # the slot, not a refusal from a set it fills itself
+    one = SharedBatchSlots(redis, "e0", holder="one")
+    token = one.new_token()
+    assert await one.take(1, token)
+    one.tokens.clear()  # as if the answer never came
+    assert await one.take(1, token)
+    assert one.tokens == [token] and await one.in_use() == 1
+    assert not await one.take(1, one.new_token())
+
+
+async def test_the_engines_k_is_the_smallest_sharers(redis: aioredis.Redis) -> None:
+    # The gateway's K follows the worker's (its ceiling, the heartbeat's batch_limit):
+    # with K 1 there and 4 here, the engine runs one batch call, not four.
+    worker_k: list[int | None] = [1]
+    gateway = BatchAdmission(CONFIG.model_copy(update={"k_start": 4, "k_max": 4, "k_min": 1}),
+                             shared=SharedBatchSlots(redis, "e0", holder="gw"),
+                             ceiling=lambda: worker_k[0])
+    assert gateway.effective_limit == 1
+    await gateway.acquire("a")
+    second = asyncio.ensure_future(gateway.acquire("b"))
+    await eventually(lambda: _true(gateway.waiting == 1))
+    assert gateway.shared is not None and await gateway.shared.in_use() == 1
+    worker_k[0] = None  # no worker admits on this engine: the gateway's own K
+    await gateway.release()
+    await asyncio.wait_for(second, 5)
+    assert gateway.effective_limit == 4
 
 
 async def test_a_call_cancelled_waiting_for_the_fleet_gives_its_place_back(
@@ -84,33 +135,35 @@ async def test_a_call_cancelled_waiting_for_the_fleet_gives_its_place_back(
     first, second = process(redis, "a", config=config), process(redis, "b", config=config)
     await first.acquire("j1")
     waiting = asyncio.ensure_future(second.acquire("j2"))
-    await eventually(lambda: _true(second.waiting == 1))
+    await eventually(lambda: _true(second.fleet_waiting == 1))
     waiting.cancel()
     await asyncio.gather(waiting, return_exceptions=True)
-    assert second.active == 0 and second.waiting == 0
+    assert second.active == 0 and second.waiting == 0 and second.fleet_waiting == 0
     assert second.shared is not None and second.shared.tokens == []
     await first.release()
     await asyncio.wait_for(second.acquire("j3"), 5)
     assert await second.shared.in_use() == 1
 
 
-async def test_with_redis_away_each_process_admits_its_own_k(
+async def test_with_redis_away_a_while_each_process_admits_its_own_k(
         server: RedisServer, client: aioredis.Redis) -> None:
-    one, two = process(client, "one"), process(client, "two")
+    one, two = process(client, "one"), process(client, "two", local_after_s=2.0)
     await one.acquire("a")
     await one.acquire("b")
-    server.stop()  # hung, not refused: each call waits out its timeout once
+    server.stop()  # hung, not refused: each call waits out its timeout
     try:
-        await asyncio.wait_for(two.acquire("c"), 10)
-        await asyncio.wait_for(two.acquire("d"), 10)
-        assert two.active == 2 and two.shared is not None and two.shared.tokens == [None, None]
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await asyncio.wait_for(two.acquire("c"), 15)
+        # not at the first failure: a blip does not let the waiting calls in
+        assert loop.time() - started >= 2.0
+        await asyncio.wait_for(two.acquire("d"), 15)
+        assert two.active == 2 and two.shared is not None and len(two.shared.tokens) == 2
         third = asyncio.ensure_future(two.acquire("e"))  # its own K still holds
         await eventually(lambda: _true(two.waiting == 1))
         assert not third.done()
-        await asyncio.wait_for(two.release(), 10)  # nothing to give back in Redis
+        await asyncio.wait_for(two.release(), 10)
         await asyncio.wait_for(third, 10)
-        third_token = two.shared.tokens[-1]
-        assert third_token is None  # taken while Redis was away
     finally:
         server.cont()
     await one.release()

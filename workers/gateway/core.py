@@ -483,7 +483,10 @@ class Gateway:
                 c, kv_pool=lambda: self.fleet.engine(engine_id),
                 # K is the engine's: its inference worker and the other replicas share it
                 shared=SharedBatchSlots(self.redis, engine_id, holder=self.instance,
-                                        lease_s=c.slot_lease_s, outage=self.outage)
+                                        lease_s=c.slot_lease_s)
+                if c.shared_slots else None,
+                # one K for every sharer: the worker's, which sees the engine's steps
+                ceiling=(lambda: _batch_limit(self.fleet.engine(engine_id)))
                 if c.shared_slots else None)
         return a
 
@@ -766,7 +769,8 @@ class Gateway:
             gauges.append(("warmloop_gateway_in_flight", {"engine": engine_id}, n))
         for engine_id, a in sorted(self._admissions.items()):
             gauges.append(("warmloop_gateway_batch_active", {"engine": engine_id}, a.active))
-            gauges.append(("warmloop_gateway_batch_waiting", {"engine": engine_id}, a.waiting))
+            gauges.append(("warmloop_gateway_batch_waiting", {"engine": engine_id},
+                           a.waiting + a.fleet_waiting))
         return self.metrics.render(gauges)
 
 
@@ -776,6 +780,11 @@ class QuotaRefused(Exception):
     def __init__(self, message: str, retry_after_s: float) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+def _batch_limit(hb: EngineHeartbeat | None) -> int | None:
+    """The engine's K as its inference worker publishes it (None: no worker admits)."""
+    return None if hb is None else hb.batch_limit
 
 
 def job_key(session: str) -> str:
