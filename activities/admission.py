@@ -234,6 +234,16 @@ class SharedBatchSlots:
         task.add_done_callback(self._background.discard)
 
 
+class KvPool(Protocol):
+    """An engine's KV pool as its heartbeat describes it (``EngineHeartbeat``)."""
+
+    @property
+    def kv_capacity_tokens(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+
 class BatchAdmission:
     def __init__(self, config: AdmissionConfig | None = None, *,
                  clock: Callable[[], float] = time.monotonic,
