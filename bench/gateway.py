@@ -20,7 +20,10 @@ the session headers on every call; only the gateway reads them):
 - ``sglang_cache_aware``: sglang-router, policy ``cache_aware``;
 - ``vllm_router_cache_aware``: vllm-router, policy ``cache_aware``;
 - ``round_robin``: vllm-router, policy ``round_robin`` (client-side round robin when
-  vllm-router is not installed or does not start).
+  vllm-router is not installed or does not start);
+- ``warmloop_replicas``, only when named in ``--policies``: two gateway processes, each
+  call sent to the next (a balancer without session stickiness, so a session's calls
+  land on both replicas): what running replicas costs against one gateway.
 
 Figures: hit rate and prefill tokens from the engines' own counters (vLLM /metrics;
 the gateway's hold touches are counted in the prefill bill and taken out of the hit
@@ -89,7 +92,12 @@ from warmloop.workflows.routing import block_hashes
 
 POLICIES = ("warmloop", "sglang_cache_aware", "vllm_router_cache_aware", "round_robin")
 PEERS = POLICIES[1:]
+REPLICAS = "warmloop_replicas"
+"""Not run unless named: two gateway replicas, each call to the next one (a balancer
+without session stickiness: a session's calls land on both)."""
+ALL_POLICIES = (*POLICIES, REPLICAS)
 GATEWAY_PORT, SGLANG_PORT, VLLM_ROUTER_PORT = 8750, 8751, 8752
+SECOND_GATEWAY_PORT = 8753
 SESSION_HEADER, KIND_HEADER, FINAL_HEADER = "x-session-id", "x-session-kind", "x-session-final"
 ENGINE_HEADER, ROUTE_HEADER = "x-warmloop-engine", "x-warmloop-route"
 EST_REQUEST_S = 0.35
@@ -385,15 +393,16 @@ class Server:
         self._proc = None
 
 
-def gateway_server(settings: Settings, engines: int) -> Server:
+def gateway_server(settings: Settings, engines: int, *, port: int = GATEWAY_PORT,
+                   name: str = "gateway") -> Server:
     def ready(r: httpx.Response) -> bool:
         body = r.json() if r.status_code == 200 else {}
         return body.get("status") == "ok" and len(body.get("engines", [])) >= engines
 
-    return Server("warmloop gateway", [
+    return Server(f"warmloop {name}", [
         sys.executable, "-m", "warmloop.workers.gateway", "--host", "127.0.0.1",
-        "--port", str(GATEWAY_PORT)], f"http://127.0.0.1:{GATEWAY_PORT}",
-        settings.state_dir / "logs" / "gateway.log", ready_path="/health",
+        "--port", str(port)], f"http://127.0.0.1:{port}",
+        settings.state_dir / "logs" / f"{name}.log", ready_path="/health",
         env={**os.environ, **settings_env(settings)}, ready=ready)
 
 
@@ -582,6 +591,7 @@ def policy_figures(run: PolicyRun) -> dict[str, Any]:
         out["hold_decisions"] = run.gateway["hold_decisions"]
         out["learn_skipped"] = run.gateway["learn_skipped"]
         out["failovers"] = run.gateway["failovers"]
+        out["sessions_moved"] = run.gateway["sessions_moved"]
         # its own time before each call left for the engine, under the run's load: the
         # part of warmloop's TTFT that no engine and no peer router adds
         out["own_added_mean_ms"] = run.gateway["own_added_mean_ms"]
@@ -618,6 +628,7 @@ def gateway_metrics(text: str) -> dict[str, Any]:
         "hold_decisions": holds,
         "learn_skipped": plain.get("warmloop_gateway_learn_skipped_total", 0.0),
         "failovers": plain.get("warmloop_gateway_failovers_total", 0.0),
+        "sessions_moved": plain.get("warmloop_gateway_sessions_moved_total", 0.0),
         "own_added_mean_ms": round(1000 * total / count, 3) if count else None,
         "own_added_p50_ms": histogram_quantile_ms(buckets, {}, 0.5),
     }
@@ -792,9 +803,16 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
                     await reset_caches(http, urls, fleet.redis, fleet.engine_ids)
                     console.print(f"repeat {rep + 1}/{args.repeat}, policy {policy} ...")
                     server: Server | None
+                    second: Server | None = None
                     if policy == "warmloop":
                         await clear_gateway_learning(fleet.redis)
                         server, served_by = gateway, "warmloop gateway"
+                    elif policy == REPLICAS:
+                        await clear_gateway_learning(fleet.redis)
+                        server = gateway
+                        second = gateway_server(settings, len(urls), port=SECOND_GATEWAY_PORT,
+                                                name="gateway-2")
+                        served_by = "two warmloop gateways, each call to the next (no stickiness)"
                     elif policy == "sglang_cache_aware":
                         server, served_by = sglang, "sglang-router 0.3.2, cache_aware"
                     elif missing is None:
@@ -819,15 +837,27 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
                                 continue
                             server = None
                             served_by = f"client-side round robin (vllm-router: {e})"[:300]
-                    target = Target([server.url] if server is not None else urls)
+                    if second is not None:
+                        second.launch()
+                        try:
+                            await second.wait_ready(http)
+                        except RuntimeError:
+                            second.stop()
+                            if server is not None:
+                                server.stop()
+                            raise
+                    target = Target([u.url for u in (server, second) if u is not None]
+                                    if server is not None else urls)
                     try:
                         run = await run_policy(
                             policy, target, served_by, w, http=http, fleet=fleet,
                             tag=f"{tag}-{policy}", args=args, model=model,
-                            gateway_url=gateway.url if policy == "warmloop" else None)
+                            gateway_url=gateway.url if policy in ("warmloop", REPLICAS)
+                            else None)
                     finally:
-                        if server is not None:
-                            server.stop()
+                        for up in (server, second):
+                            if up is not None:
+                                up.stop()
                     f = figures[policy] = policy_figures(run)
                     call_rows += [{"repeat": rep, "policy": policy, **dataclasses.asdict(r)}
                                   for r in run.records]
@@ -869,7 +899,7 @@ def result_json(medians: dict[str, Any], ranges: dict[str, Any], n: int, *,
     out: dict[str, Any] = {"oracle_hit_rate": medians.get("oracle_hit_rate"),
                            "bounded_oracle_hit_rate": medians.get("bounded_oracle_hit_rate"),
                            "placement_bound_hit_rate": medians.get("placement_bound_hit_rate")}
-    for p in POLICIES:
+    for p in ALL_POLICIES:
         if p in medians:
             out[p] = medians[p]
     for k in ("overhead_p50_ms", "overhead_p95_ms", "gateway_call_p50_ms",
@@ -908,7 +938,7 @@ def report(m: dict[str, Any], rg: dict[str, Any], n: int, console: Console) -> N
     def cell(p: str, key: str, spec: str) -> str:
         return fmt_range(m[p][key], (rg.get(p) or {}).get(key), spec)
 
-    for p in POLICIES:
+    for p in ALL_POLICIES:
         f = m.get(p)
         if not isinstance(f, dict):
             continue
@@ -927,7 +957,7 @@ def report(m: dict[str, Any], rg: dict[str, Any], n: int, console: Console) -> N
             cell(p, "session_p95_s", ".1f"), shares, f"{f['errors']:.0f}")
     console.print(table)
     console.print("served by: " + "; ".join(
-        f"{p} = {m[p].get('served_by') or m[p].get('unavailable')}" for p in POLICIES
+        f"{p} = {m[p].get('served_by') or m[p].get('unavailable')}" for p in ALL_POLICIES
         if isinstance(m.get(p), dict)))
     if oracle is not None:
         console.print(f"oracle hit rate (every full block computed once): "
@@ -952,6 +982,14 @@ def report(m: dict[str, Any], rg: dict[str, Any], n: int, console: Console) -> N
             f"(1-token call: direct p50 {m['direct_call_p50_ms']:.1f} ms, through the "
             f"gateway {m['gateway_call_p50_ms']:.1f} ms; the gateway's own time before it "
             f"sends, mean {m.get('gateway_own_added_mean_ms')} ms)")
+    two = m.get(REPLICAS)
+    if isinstance(wl, dict) and "hit_rate" in wl and isinstance(two, dict) and "hit_rate" in two:
+        console.print(
+            f"two replicas, no stickiness, against one gateway: hit rate "
+            f"{two['hit_rate']:.3f} vs {wl['hit_rate']:.3f}, prefill "
+            f"{two['prefill_tokens'] / max(1, wl['prefill_tokens']):.2f}x, TTFT p95 "
+            f"{two['ttft_p95_ms'] / max(1e-9, wl['ttft_p95_ms']):.2f}x; sessions moved between "
+            f"replicas (the first's count) {two.get('sessions_moved', 0):.0f}")
     if not (isinstance(wl, dict) and "hit_rate" in wl):
         return
     checks = []
@@ -1000,7 +1038,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--overhead-gap-ms", type=float, default=OVERHEAD_GAP_S * 1000,
                    help="pause after each overhead call (0: back to back, the gateway's "
                    "after-call work for one call then lands on the next)")
-    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=ALL_POLICIES,
+                   help=f"{REPLICAS}: two gateway replicas, calls alternating (not by default)")
     p.add_argument("--keep-stack", action="store_true", help="leave the bench stack running")
     p.add_argument("--calls-json", type=Path, default=None,
                    help="write every policy's calls (session, engine, TTFT, tokens) here")
