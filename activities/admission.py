@@ -372,14 +372,15 @@ class BatchAdmission:
         first; a new job's first step waits its turn (arrival order). With ``shared``
         slots, a call admitted here then waits for one of the engine's fleet-wide."""
         await self._acquire_here(job_id, on_wait)
-        if self.shared is None:
-            return
-        try:
-            await self._acquire_shared(on_wait)
-        except BaseException:
-            self.active -= 1  # cancelled waiting for the fleet: this process's slot goes on
-            self._wake()
-            raise
+        if self.shared is not None:
+            try:
+                await self._acquire_shared(on_wait)
+            except BaseException:
+                self.active -= 1  # cancelled waiting for the fleet: the slot goes on here
+                self._wake()
+                raise
+        # under way from here (not while it waited: one cancelled then has not begun)
+        self._mark_started(job_id)
 
     async def _acquire_shared(self, on_wait: Callable[[], None] | None) -> None:
         shared = self.shared
@@ -394,7 +395,6 @@ class BatchAdmission:
                             on_wait: Callable[[], None] | None) -> None:
         if not self._waiters and self.active < self.effective_limit:
             self.active += 1
-            self._mark_started(job_id)
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._waiters, (self._order(job_id), next(self._arrivals), fut))
@@ -418,7 +418,6 @@ class BatchAdmission:
             raise
         finally:
             self.waiting -= 1
-        self._mark_started(job_id)
 
     async def release(self) -> None:
         try:

@@ -140,6 +140,7 @@ async def test_a_call_cancelled_waiting_for_the_fleet_gives_its_place_back(
     await asyncio.gather(waiting, return_exceptions=True)
     assert second.active == 0 and second.waiting == 0 and second.fleet_waiting == 0
     assert second.shared is not None and second.shared.tokens == []
+    assert "j2" not in second._started  # it never began: no continuing job's place later
     await first.release()
     await asyncio.wait_for(second.acquire("j3"), 5)
     assert await second.shared.in_use() == 1
