@@ -199,9 +199,9 @@ class Gateway:
         await self.fleet.refresh()
         await self.holds.sync(self.fleet.engines)
         await self.fleet.publish_held(self.holds.held())
-        for a in list(self._admissions.values()):
-            if a.shared is not None:
-                await a.shared.renew_if_due()
+        # at once: with Redis hung each renewal waits out its timeout
+        await asyncio.gather(*(a.shared.renew_if_due() for a in list(self._admissions.values())
+                               if a.shared is not None))
 
     async def idle(self) -> None:
         """Wait until the work left behind calls (learning, records) is done."""
