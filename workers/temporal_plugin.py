@@ -38,10 +38,13 @@ def passthrough_runner(modules: Sequence[str]) -> Callable[[WorkflowRunner | Non
         if isinstance(runner, SandboxedWorkflowRunner):
             # cryptography too: the decide validator verifies signatures, and its Rust
             # core imports its exception types when it raises; re-imported in the
-            # sandbox, that import aborts the process instead of raising.
+            # sandbox, that import aborts the process instead of raising. And redis
+            # (no workflow calls it): a collection that runs on the workflow thread may
+            # finalize a connection pool, whose __del__ imports redis.observability;
+            # in the sandbox that re-imports redis (and is refused its os.environ).
             return dataclasses.replace(
                 runner, restrictions=runner.restrictions.with_passthrough_modules(
-                    *modules, "cryptography"))
+                    *modules, "cryptography", "redis"))
         return runner
 
     return configure
