@@ -202,13 +202,16 @@ class SharedBatchSlots:
         now = self._clock()
         if not self.tokens or now - self._renewed_at < self.lease_s / 3:
             return
+        held = list(self.tokens)
         lapsed = await self._outage.attempt(
-            "batch slots", lambda: self._renew(keys=[self.key],
-                                               args=[self.lease_s, *self.tokens]),
+            "batch slots", lambda: self._renew(keys=[self.key], args=[self.lease_s, *held]),
             None, timeout_s=SHARED_REDIS_TIMEOUT_S, probe=True)
         if lapsed is None:
             return
         self._renewed_at = now
+        # a slot given back while the renewal was on its way may have been put back by it
+        if gone := [t for t in held if t not in self.tokens]:
+            await self._remove(gone)
         if lapsed:
             log.warning("batch_slots_lapsed", engine=self.engine_id, slots=int(lapsed),
                         why="leases ended while their calls ran (Redis away or this "

@@ -5,6 +5,7 @@ when their leases end, and a Redis that is away leaves each process its own K.""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -174,3 +175,20 @@ async def test_with_redis_away_a_while_each_process_admits_its_own_k(
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_a_slot_given_back_during_a_renewal_stays_given_back(
+        redis: aioredis.Redis) -> None:
+    one = SharedBatchSlots(redis, "e0", holder="one", lease_s=3.0)
+    token = one.new_token()
+    assert await one.take(4, token)
+    one._renewed_at -= 10  # a renewal is due
+    renew = one._renew
+
+    async def slow_renew(**kwargs: Any) -> Any:
+        await one.give_back()  # the call ends while the renewal is on its way
+        return await renew(**kwargs)  # and it puts the token back
+
+    one._renew = slow_renew  # type: ignore[assignment]
+    await one.renew_if_due()
+    assert one.tokens == [] and await one.in_use() == 0
