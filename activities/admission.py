@@ -118,8 +118,8 @@ class SharedBatchSlots:
     batch lane running rather than stopped. Its own ``RedisOutage``: a failed call of
     another part of the process (the directory, the holds) does not let it in.
 
-    Hazard: one restarted worker's slots still held by its predecessor's leases admit
-    that many fewer batch calls on its engine until they end (``lease_s``)."""
+    Hazard: a holder's name must be its own (a restarted worker clears what its
+    predecessor of the same name left, ``forget_predecessors``)."""
 
     def __init__(self, redis: aioredis.Redis, engine_id: str, *, holder: str | None = None,
                  lease_s: float = 30.0, local_after_s: float = LOCAL_AFTER_S,
@@ -216,6 +216,24 @@ class SharedBatchSlots:
             log.warning("batch_slots_lapsed", engine=self.engine_id, slots=int(lapsed),
                         why="leases ended while their calls ran (Redis away or this "
                             "process stalled); counted again")
+
+    async def forget_predecessors(self) -> int:
+        """Give back the slots an earlier process of this holder's name left (a worker
+        restarted after a crash: its engine's one worker), instead of waiting out their
+        leases; how many. Were another process of the name alive, its renewal would
+        count its slots again (a renewal puts lapsed tokens back)."""
+        mine = f"{self.holder}:"
+        ours = f"{mine}{self._run}:"
+        async def members() -> list[str]:
+            raw: list[Any] = await self._redis.zrange(self.key, 0, -1)
+            return [x.decode() if isinstance(x, bytes) else str(x) for x in raw]
+
+        none: list[str] = []
+        found = await self._outage.attempt("batch slots", members, none,
+                                           timeout_s=SHARED_REDIS_TIMEOUT_S, probe=True)
+        left = [m for m in found if m.startswith(mine) and not m.startswith(ours)]
+        await self._remove(left)
+        return len(left)
 
     async def in_use(self) -> int:
         """Slots in use fleet-wide, leases ended not counted."""

@@ -376,6 +376,8 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
                 local_activity_supplier=FixedSizeSlotSupplier(1),
                 nexus_supplier=FixedSizeSlotSupplier(1)),
         )
+        if admission.shared is not None and (left := await admission.shared.forget_predecessors()):
+            log.info("batch_slots_of_predecessor_given_back", engine=engine.id, slots=left)
         log.info("inference_worker_started", task_queue=engine_task_queue(engine.id))
         try:
             async with asyncio.TaskGroup() as tg:

@@ -192,3 +192,17 @@ async def test_a_slot_given_back_during_a_renewal_stays_given_back(
     one._renew = slow_renew  # type: ignore[assignment]
     await one.renew_if_due()
     assert one.tokens == [] and await one.in_use() == 0
+
+
+async def test_a_restarted_worker_gives_back_what_its_predecessor_left(
+        redis: aioredis.Redis) -> None:
+    crashed = SharedBatchSlots(redis, "e0", holder="worker-e0")
+    gateway = SharedBatchSlots(redis, "e0", holder="gw")
+    for slots in (crashed, crashed, gateway):
+        assert await slots.take(4, slots.new_token())
+    restarted = SharedBatchSlots(redis, "e0", holder="worker-e0")
+    assert await restarted.take(4, restarted.new_token())
+    assert await restarted.forget_predecessors() == 2
+    # its own slot and the gateway's stay
+    assert await restarted.in_use() == 2 and await gateway.in_use() == 2
+    assert await restarted.forget_predecessors() == 0
