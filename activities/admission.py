@@ -147,6 +147,15 @@ class SharedBatchSlots:
         admitted them (``asyncio.Lock`` is first come, first served)."""
         self._background: set[asyncio.Task[None]] = set()
 
+    @classmethod
+    def for_engine(cls, redis: aioredis.Redis, engine_id: str, config: AdmissionConfig, *,
+                   holder: str | None = None) -> SharedBatchSlots | None:
+        """The engine's shared slots as ``config`` sets them (``shared_slots``,
+        ``slot_lease_s``); None with shared slots off."""
+        if not config.shared_slots:
+            return None
+        return cls(redis, engine_id, holder=holder, lease_s=config.slot_lease_s)
+
     def new_token(self) -> str:
         return f"{self.holder}:{self._run}:{next(self._serial)}"
 

@@ -339,9 +339,8 @@ async def run_inference_worker(settings: Settings, engine_id: str) -> None:
             settings.admission,
             kv_pool=lambda: view.last,
             # K is the engine's: the gateways admit batch calls to it too
-            shared=SharedBatchSlots(redis, engine.id, holder=f"worker-{engine.id}",
-                                    lease_s=settings.admission.slot_lease_s)
-            if settings.admission.shared_slots else None)
+            shared=SharedBatchSlots.for_engine(redis, engine.id, settings.admission,
+                                               holder=f"worker-{engine.id}"))
         # The engine's evictions (its KV events), for the hold model's rent.
         regret = EvictionRegret() if engine.kv_events else None
         holds = HoldManager(engine_id=engine.id, base_url=engine.url, model=engine.model,

@@ -184,9 +184,8 @@ class Gateway:
             if task is not None:
                 await stop_task(task)
         await self.idle()
-        for a in self._admissions.values():
-            if a.shared is not None:
-                await a.shared.clear()
+        await asyncio.gather(*(a.shared.clear() for a in self._admissions.values()
+                               if a.shared is not None))
         await self.holds.close()
         await self.fleet.gone()
         await self.upstream.aclose()
@@ -478,16 +477,15 @@ class Gateway:
     def _admission(self, engine_id: str) -> BatchAdmission:
         a = self._admissions.get(engine_id)
         if a is None:
-            c = self.settings.admission
+            # K is the engine's: its inference worker and the other replicas share it
+            shared = SharedBatchSlots.for_engine(self.redis, engine_id, self.settings.admission,
+                                                 holder=self.instance)
             a = self._admissions[engine_id] = BatchAdmission(
-                c, kv_pool=lambda: self.fleet.engine(engine_id),
-                # K is the engine's: its inference worker and the other replicas share it
-                shared=SharedBatchSlots(self.redis, engine_id, holder=self.instance,
-                                        lease_s=c.slot_lease_s)
-                if c.shared_slots else None,
+                self.settings.admission, kv_pool=lambda: self.fleet.engine(engine_id),
+                shared=shared,
                 # one K for every sharer: the worker's, which sees the engine's steps
-                ceiling=(lambda: _batch_limit(self.fleet.engine(engine_id)))
-                if c.shared_slots else None)
+                ceiling=None if shared is None
+                else (lambda: _batch_limit(self.fleet.engine(engine_id))))
         return a
 
     async def _post(self, engine: EngineHeartbeat, path: str, body: bytes
