@@ -702,10 +702,11 @@ async def test_a_session_that_moved_to_another_replica_ends_its_hold_here(
     await first.chat(conversation(), headers=s)
     manager = first.gateway.holds.manager("e0")
     assert manager is not None and "roaming" in manager.holds
-    # garbage on the channel, and a replica's own announcement, change nothing
-    await redis.publish(gateway_core.SESSIONS_CHANNEL, b"\xff not json")
-    await redis.publish(gateway_core.SESSIONS_CHANNEL, json.dumps(
-        {"gateway": "gw-a", "session": "roaming"}))
+    # garbage on the stream, and a replica's own announcement, change nothing
+    for junk in ({"junk": b"\xff"}, {"gateway": b"\xff", "session": "roaming", "age_ms": 0},
+                 {"gateway": "gw-b", "session": "roaming", "age_ms": "soon"},
+                 {"gateway": "gw-a", "session": "roaming", "age_ms": 0}):
+        await redis.xadd(gateway_core.SESSIONS_STREAM, junk)  # type: ignore[arg-type]
     # the proxy sends the session's next call to the other replica
     await second.chat(conversation("My app crashes.", "Still broken."), headers=s)
 
@@ -734,6 +735,66 @@ async def test_a_session_that_moved_to_another_replica_ends_its_hold_here(
     await eventually(two)
     assert first.gateway.metrics.counter("warmloop_gateway_pauses_total") == 1
     assert second.gateway.metrics.counter("warmloop_gateway_pauses_total") == 1
+
+
+async def test_a_move_announced_while_redis_was_away_still_ends_the_hold_it_left(
+        make: Make, redis: aioredis.Redis, module_server: RedisServer) -> None:
+    first = await make("e0", instance="gw-a")
+    second = await make("e0", instance="gw-b")
+    first.gateway.config.hold_policy = "always_hold"
+    s = {"x-session-id": "roaming", "x-session-kind": "support"}
+    await first.chat(conversation(), headers=s)
+    manager = first.gateway.holds.manager("e0")
+    assert manager is not None and "roaming" in manager.holds
+    # Redis goes down; the session's next call comes to the other replica, which serves
+    # it from its last view of the fleet but cannot announce it
+    module_server.kill()
+    try:
+        r = await second.chat(conversation("My app crashes.", "Still broken."), headers=s)
+        assert r.status_code == 200
+        assert "roaming" in second.gateway._unannounced
+        assert "roaming" in manager.holds and first.gateway.sessions.get("roaming")
+    finally:
+        module_server.start()  # back, empty (no persistence): the engine beats again
+    await heartbeat(redis, "e0")
+
+    async def moved() -> bool:
+        return "roaming" not in manager.holds and first.gateway.sessions.get("roaming") is None
+
+    await eventually(moved, attempts=400)  # sent at a refresh once Redis is back
+    assert not second.gateway._unannounced
+    assert first.gateway.metrics.counter("warmloop_gateway_sessions_moved_total") == 1
+    stats = PauseStats(redis)
+
+    async def pauses() -> dict[int, int]:
+        return await stats.histogram(kind_profile("support").name, REPLY_KIND)
+
+    assert sum((await eventually(pauses)).values()) == 1
+
+
+async def test_a_move_announced_late_after_the_session_came_back_is_ignored(
+        make: Make, redis: aioredis.Redis) -> None:
+    first = await make("e0", instance="gw-a")
+    first.gateway.config.hold_policy = "always_hold"
+    s = {"x-session-id": "boomerang", "x-session-kind": "support"}
+    await first.chat(conversation(), headers=s)
+    manager = first.gateway.holds.manager("e0")
+    assert manager is not None and "boomerang" in manager.holds
+    # another replica's announcement of a call a minute ago, before this one's: stale
+    await redis.xadd(gateway_core.SESSIONS_STREAM,
+                     {"gateway": "gw-b", "session": "boomerang", "age_ms": 60_000})
+    await eventually(lambda: _true(first.gateway.metrics.counter(
+        "warmloop_gateway_session_moves_stale_total") == 1))
+    assert "boomerang" in manager.holds and first.gateway.sessions.get("boomerang")
+    # sent at once: the session moved after its last call here
+    await redis.xadd(gateway_core.SESSIONS_STREAM,
+                     {"gateway": "gw-b", "session": "boomerang", "age_ms": 0})
+    await eventually(lambda: _true("boomerang" not in manager.holds))
+    assert first.gateway.metrics.counter("warmloop_gateway_sessions_moved_total") == 1
+
+
+async def _true(value: bool) -> bool:
+    return value
 
 
 async def test_a_session_served_by_each_replica_in_turn_keeps_its_engine_and_one_hold(

@@ -36,7 +36,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import redis.asyncio as aioredis
@@ -95,8 +95,19 @@ RETRY_ELSEWHERE: tuple[type[Exception], ...] = (
 RETRY_STATUSES = frozenset({503})
 """Answers that say the engine will not take the call now (overloaded, starting)."""
 REDIS_TIMEOUT_S = 1.0
-SESSIONS_CHANNEL = "warmloop:gateway:sessions"
-"""Pub/sub: a gateway replica announces each session new to it (``Gateway._announce``)."""
+SESSIONS_STREAM = "warmloop:gateway:session-moves"
+"""A Redis stream: a gateway replica announces each session new to it
+(``Gateway._announce``); the others read it from where they left off, so an
+announcement made while one of them was cut off from Redis still reaches it (pub/sub,
+before 2026-12-07, dropped it: that hold then stood to its TTL)."""
+SESSIONS_STREAM_MAXLEN = 10_000
+"""Announcements the stream keeps (about: Redis trims whole nodes). A replica cut off for
+longer than this many moves take reads the rest; the holds it misses end at their TTL."""
+UNANNOUNCED_MAX = 10_000
+"""Announcements a replica keeps to send again while Redis is away (the oldest go)."""
+UNANNOUNCED_MAX_AGE_S = 600.0
+"""An announcement not sent by then is dropped: the longest hold TTL (always-hold's)
+has ended the other replica's hold by itself."""
 STABLE_PREFIX_PROBES = ("a", "b")
 MAX_STABLE_TRIED = 10_000
 
@@ -169,6 +180,9 @@ class Gateway:
         self._stable_tried: set[str] = set()
         self._loop: asyncio.Task[None] | None = None
         self._listener: asyncio.Task[None] | None = None
+        self._unannounced: dict[str, float] = {}
+        """Sessions new to this replica whose announcement Redis did not take, and when
+        their call came (``time.monotonic``): sent again at the next refresh."""
 
     # ---- lifetime ----------------------------------------------------------------------
 
@@ -198,6 +212,8 @@ class Gateway:
         await self.fleet.refresh()
         await self.holds.sync(self.fleet.engines)
         await self.fleet.publish_held(self.holds.held())
+        if self._unannounced:
+            await self._announce_late()
         # at once: with Redis hung each renewal waits out its timeout
         await asyncio.gather(*(a.shared.renew_if_due() for a in list(self._admissions.values())
                                if a.shared is not None))
@@ -221,11 +237,11 @@ class Gateway:
     def open_session(self, call: Call) -> Session | None:
         """Step 1: the session's pause ends here (measured; its hold released). A
         session new to this gateway is announced to the other replicas
-        (``SESSIONS_CHANNEL``): one that knew it ends its hold there."""
+        (``SESSIONS_STREAM``): one that knew it ends its hold there."""
         if call.session is None:
             return None
         if self.sessions.get(call.session) is None:
-            self._background(self._announce(call.session))
+            self._background(self._announce(call.session, time.monotonic()))
         s = self.sessions.open(call.session, call.kind, call.lane)
         self._pause_ended(s)
         s.ended_at = None
@@ -234,62 +250,117 @@ class Gateway:
         s.generation += 1
         return s
 
-    def _pause_ended(self, s: Session) -> None:
-        """The session's pause (since its last answer here) ends now: measured into the
-        pause statistics, if it was paused."""
+    def _pause_ended(self, s: Session, at: float | None = None) -> None:
+        """The session's pause (since its last answer here) ends ``at`` (monotonic;
+        None: now): measured into the pause statistics, if it was paused."""
         if s.ended_at is not None and s.pause_kind is not None and s.active == 0:
-            seconds = time.monotonic() - s.ended_at
+            seconds = max(0.0, (time.monotonic() if at is None else at) - s.ended_at)
             self._background(self.pauses.record(kind_profile(s.kind).name, s.pause_kind,
                                                 seconds))
             self.metrics.inc("warmloop_gateway_pauses_total")
 
-    async def _announce(self, session: str) -> None:
-        message = json.dumps({"gateway": self.instance, "session": session})
+    async def _announce(self, session: str, at: float) -> None:
+        """Tell the other replicas that ``session``'s call of ``at`` came here; kept to
+        send again (``_announce_late``) when Redis does not take it."""
 
-        async def publish() -> bool:
-            await self.redis.publish(SESSIONS_CHANNEL, message)
+        async def add() -> bool:
+            await self.redis.xadd(SESSIONS_STREAM, _move_fields(self.instance, session, 0),
+                                  maxlen=SESSIONS_STREAM_MAXLEN, approximate=True)
             return True
 
-        await self.outage.attempt("session announce", publish, False,
-                                  timeout_s=REDIS_TIMEOUT_S)
+        if not await self.outage.attempt("session announce", add, False,
+                                         timeout_s=REDIS_TIMEOUT_S):
+            self._unannounced.pop(session, None)
+            self._unannounced[session] = at
+            while len(self._unannounced) > UNANNOUNCED_MAX:
+                del self._unannounced[next(iter(self._unannounced))]
+
+    async def _announce_late(self) -> None:
+        """Send the announcements Redis did not take, each with its age, so a replica
+        that served the session after it was made here knows it for stale."""
+        now = time.monotonic()
+        late = [(k, at) for k, at in self._unannounced.items()
+                if now - at <= UNANNOUNCED_MAX_AGE_S]
+
+        async def add() -> bool:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for session, at in late:
+                    pipe.xadd(SESSIONS_STREAM,
+                              _move_fields(self.instance, session, int((now - at) * 1000)),
+                              maxlen=SESSIONS_STREAM_MAXLEN, approximate=True)
+                await pipe.execute()
+            return True
+
+        if late and not await self.outage.attempt("session announce", add, False,
+                                                  timeout_s=REDIS_TIMEOUT_S):
+            return
+        for session, at in late:  # sent (or too old to matter); newer ones since stay
+            if self._unannounced.get(session) == at:
+                del self._unannounced[session]
+        for session in [k for k, at in self._unannounced.items()
+                        if now - at > UNANNOUNCED_MAX_AGE_S]:
+            del self._unannounced[session]
+        if late:
+            log.info("gateway_sessions_announced_late", sessions=len(late))
 
     async def _follow_sessions(self) -> None:
-        """Listen for sessions another replica took (``_announce``): a session this
-        gateway knows, idle here, moved (a proxy rebalanced, a replica came or went).
-        Its pause ends now (the announcement comes as its next call starts there), its
-        hold here has done its work and ends, and the session is forgotten, so that a
-        later call back here is not measured as one long pause. Messages are fire and
-        forget: one missed while Redis was away leaves that hold to its TTL, and that
-        pause unmeasured."""
+        """Read the sessions other replicas took (``_announce``): a session this gateway
+        knows, idle here, moved (a proxy rebalanced, a replica came or went). Its pause
+        ended when its call came there, its hold here has done its work and ends, and the
+        session is forgotten, so that a later call back here is not measured as one long
+        pause. The stream is read from where this replica left off: announcements made
+        while it was cut off from Redis come when it is back, each placed in time by its
+        age (the stream entry's, in Redis's clock, plus the time its maker held it)."""
+        last: str | None = None
         while True:
             try:
-                async with self.redis.pubsub(ignore_subscribe_messages=True) as sub:
-                    await sub.subscribe(SESSIONS_CHANNEL)
-                    while True:
-                        msg = await sub.get_message(timeout=1.0)
-                        stop_if_cancelled()
-                        if msg is not None:
-                            self._session_moved(msg.get("data"))
+                if last is None:  # from the stream's end now: older moves are not ours
+                    newest = await self.redis.xrevrange(SESSIONS_STREAM, count=1)
+                    last = _text(newest[0][0]) if newest else "0-0"
+                got: Any = await self.redis.xread({SESSIONS_STREAM: last}, count=256,
+                                                  block=1000)
+                stop_if_cancelled()
+                if not got:
+                    continue
+                entries = _stream_entries(got)
+                received = time.monotonic()
+                sec, usec = cast("tuple[int, int]", await self.redis.time())
+                redis_ms = sec * 1000 + usec // 1000
+                for entry_id, fields in entries:
+                    if entry_id is None:
+                        continue
+                    last = _text(entry_id)
+                    self._session_moved(fields, received, redis_ms, last)
             except REDIS_ERRORS as e:
-                log.warning("session_channel_lost", error=str(e))
+                log.warning("session_stream_lost", error=str(e))
                 await asyncio.sleep(1.0)
 
-    def _session_moved(self, data: Any) -> None:
+    def _session_moved(self, fields: Any, received: float, redis_ms: int,
+                       entry_id: str) -> None:
+        """One announcement read at ``received`` (monotonic), when Redis's clock said
+        ``redis_ms``."""
         try:
-            note = json.loads(data)
-            gateway, key = note["gateway"], note["session"]
-        except (TypeError, ValueError, KeyError):
-            return  # not ours to read (garbage on the channel)
-        if gateway == self.instance or not isinstance(key, str):
+            gateway = _field(fields, "gateway")
+            key = _field(fields, "session")
+            age_s = (redis_ms - int(entry_id.split("-")[0])
+                     + int(_field(fields, "age_ms"))) / 1000
+        except (TypeError, ValueError, KeyError, UnicodeDecodeError):
+            return  # not ours to read (garbage on the stream)
+        if gateway == self.instance:
             return
         s = self.sessions.get(key)
         if s is None or s.active:
             return  # unknown here, or a call of it still in flight here
-        self._pause_ended(s)
+        moved_at = received - max(0.0, age_s)
+        if s.seen > moved_at:  # served here after it moved: the announcement is stale
+            self.metrics.inc("warmloop_gateway_session_moves_stale_total")
+            return
+        self._pause_ended(s, moved_at)
         self.holds.resume(key)
         self.sessions.drop(key)
         self.metrics.inc("warmloop_gateway_sessions_moved_total")
-        log.info("gateway_session_moved", session=key, to=gateway)
+        log.info("gateway_session_moved", session=key, to=gateway,
+                 late_s=round(received - moved_at, 3))
 
     def close_unsent(self, session: Session | None) -> None:
         """The call ended before any engine took it (refused, no engine, cancelled)."""
@@ -789,3 +860,32 @@ def job_key(session: str) -> str:
     """The session's job id in the prefix directory (its chain, for a restart)."""
     return f"gw:{session}"
 
+
+def _move_fields(gateway: str, session: str, age_ms: int) -> Any:
+    """An announcement's fields: who took the session, and how long ago (ms) its call came
+    beyond the entry's own time (0 when sent at once)."""
+    return {"gateway": gateway, "session": session, "age_ms": age_ms}
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _stream_entries(got: Any) -> list[Any]:
+    """The (id, fields) entries of the one stream an XREAD asked for, in whichever shape
+    redis-py parsed the answer: ``[[name, entries]]`` (RESP2), ``{name: [entries]}``
+    (RESP3), ``{name: entries}`` (its unified form)."""
+    if isinstance(got, dict):
+        value: Any = next(iter(got.values()), [])
+        if value and isinstance(value[0], list):
+            return list(value[0])
+        return list(value)
+    return list(got[0][1]) if got else []
+
+
+def _field(fields: Any, name: str) -> str:
+    """A stream entry's field, from a client that decodes answers or one that does not."""
+    value = fields.get(name.encode(), fields.get(name))
+    if value is None:
+        raise KeyError(name)
+    return _text(value)

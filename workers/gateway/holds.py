@@ -24,11 +24,12 @@ Hazards:
   afterwards, never over).
 - Holds live in this process: a gateway restart drops them (the engine's LRU then
   lets their blocks go; nothing else is lost). A session whose next call reaches
-  another gateway replica is announced by it (``SESSIONS_CHANNEL``, pub/sub), and the
-  first ends its hold and forgets it; an announcement missed while Redis was away
-  leaves that hold to its TTL (and that pause unmeasured). The first replica measures
-  the session's pause across the move (it saw it begin; the announcement comes as the
-  next call starts).
+  another gateway replica is announced by it (``SESSIONS_STREAM``, a Redis stream),
+  and the first ends its hold and forgets it. An announcement Redis did not take is
+  sent again, with its age, once Redis is back, and a replica cut off reads on from
+  where it left off; one read after the session came back to that replica is stale and
+  ignored. The first replica measures the session's pause across the move (it saw it
+  begin; the announcement places the next call's start in time).
 """
 
 from __future__ import annotations

@@ -29,6 +29,9 @@ COUNTERS = {
     "warmloop_gateway_pauses_total": "Session pauses measured (between two calls).",
     "warmloop_gateway_sessions_moved_total": "Sessions another gateway replica took (their "
                                              "holds here ended).",
+    "warmloop_gateway_session_moves_stale_total": "Announcements of a move read after this "
+                                                  "replica served the session again (sent "
+                                                  "late, while Redis was away): ignored.",
     "warmloop_gateway_learn_skipped_total": "Prompt chains not learned (too many waiting, "
                                             "or the engine could not tokenize).",
 }
