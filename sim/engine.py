@@ -53,6 +53,8 @@ class Request:
     on_first_token: Callable[[Request], None] | None
     on_done: Callable[[Request], None] | None
     tag: Any  # Any, not object: mypyc's dataclasses (sim.compiled) cannot resolve it
+    own_from: int
+    """Where the chain's own part starts (``PrefixCache.acquire``); -1: none."""
     # filled in by the engine
     submitted_at: float
     first_token_at: float
@@ -67,7 +69,8 @@ class Request:
 
     def __init__(self, chain: list[BlockKey], prompt_tokens: int, output_tokens: int,
                  priority: int = 0, on_first_token: Callable[[Request], None] | None = None,
-                 on_done: Callable[[Request], None] | None = None, tag: Any = None) -> None:
+                 on_done: Callable[[Request], None] | None = None, tag: Any = None,
+                 own_from: int = -1) -> None:
         self.chain = chain
         self.prompt_tokens = prompt_tokens
         self.output_tokens = output_tokens
@@ -75,6 +78,7 @@ class Request:
         self.on_first_token = on_first_token
         self.on_done = on_done
         self.tag = tag
+        self.own_from = own_from
         self.submitted_at = 0.0
         self.first_token_at = 0.0
         self.done_at = 0.0
@@ -141,13 +145,16 @@ class PrefixCache:
     def __init__(self, blocks: int, index: dict[BlockKey, int] | None = None,
                  owner: int = 0, *, regret: EvictionRegret | None = None,
                  block_tokens: int = 16, clock: Clock | None = None,
-                 stale_slack: int | None = None) -> None:
+                 stale_slack: int | None = None,
+                 run_index: dict[int, dict[int, int]] | None = None) -> None:
         """``regret`` (with the ``clock`` and the blocks' ``block_tokens``): told every
         eviction and every block computed, as a real engine's KV events tell the
         inference worker (the hold model's rent). ``stale_slack``: how many stale or
         taken LRU places may wait beyond twice the current ones before they are dropped
         (default: the pool's blocks; each drop renumbers the current places, a cache
-        miss each; the tests set it low to drop them often)."""
+        miss each; the tests set it low to drop them often). ``run_index`` (shared by a
+        fleet's engines, beside ``index``): each run's first key -> {engine number:
+        its cached blocks there}, for the runs' blocks, which ``index`` does not hold."""
         if regret is not None and clock is None:
             raise ValueError("PrefixCache: a regret needs the clock it is told the time by")
         if stale_slack is not None and stale_slack < 0:
@@ -178,7 +185,13 @@ class PrefixCache:
         since, or evicted) are skipped."""
         self._aged_seq = 0
         self.index = index
+        self.owner = owner
         self.bit = 1 << owner
+        self.runs: dict[int, _Run] = {}
+        """Jobs' own blocks, a record a job (``_Run``), by the key of its first own
+        block: used when a chain's caller says where its own part starts
+        (``own_from``); those blocks are not in ``ref``."""
+        self.run_index = run_index
         self.stored_blocks = 0
         """Blocks computed and registered so far (the pool's churn, as vLLM's prefix
         cache queries minus hits count it)."""
@@ -198,31 +211,93 @@ class PrefixCache:
 
     def lru_keys(self) -> list[BlockKey]:
         """The blocks in the LRU (not aged), oldest first (for tests and checks: a walk
-        over every place)."""
+        over every place; a run's place gives its blocks, last first)."""
         keys = self._lru_keys
-        return [keys[i] for i in self._current_places()]
+        out: list[BlockKey] = []
+        for i in self._current_places():
+            e = keys[i]
+            if isinstance(e, _Seg):
+                first = e.run.first
+                out += [first + p for p in range(e.hi - 1, e.lo - 1, -1)]
+            else:
+                out.append(e)
+        return out
 
     def aged_keys(self) -> list[BlockKey]:
         """The blocks released as last used before then, oldest first (for tests)."""
         return [k for _, _, k in sorted(self._current_aged())]
 
+    def check_runs(self) -> None:
+        """Raise ``AssertionError`` unless the runs' records agree with one another and
+        with the counts (for tests: a walk over every run and place): each run's places
+        cover its evictable blocks ``[top, cached)`` without gaps, oldest on top; ``top``
+        is its longest user's end; the index has its cached blocks; the evictable blocks
+        counted are the LRU's and the aged heap's current ones."""
+        for first, run in self.runs.items():
+            assert run.first == first and run.cached > 0, (first, run.cached)
+            assert run.top == (max(run.ends) if run.ends else 0), (first, run.ends)
+            edge = run.cached
+            for seg in run.segs:
+                assert seg.run is run and seg.hi == edge and seg.lo < seg.hi, \
+                    (first, seg.lo, seg.hi, edge)
+                edge = seg.lo
+            assert edge == run.top, (first, edge, run.top)
+            if self.run_index is not None:
+                assert self.run_index[first][self.owner] == run.cached
+        if self.run_index is not None:
+            for first, where in self.run_index.items():
+                assert self.owner not in where or first in self.runs
+        ref = self.ref
+        counted = len([k for k in self.lru_keys()]) + len(self._current_aged())
+        assert counted == self.evictable_blocks == sum(
+            1 for v in ref.values() if v < 0) + sum(
+            r.cached - r.top for r in self.runs.values()), counted
+
     def _current_places(self) -> list[int]:
         """Indices in ``_lru_keys`` of the LRU's current places (not stale, not taken)."""
         ref, keys, base = self.ref, self._lru_keys, self._lru_base
-        return [i for i in range(self._lru_head, len(keys))
-                if ref.get(keys[i], 0) == _lru_stamp(base + i)]
+        out: list[int] = []
+        for i in range(self._lru_head, len(keys)):
+            e = keys[i]
+            if isinstance(e, _Seg):
+                if e.hi > e.lo:
+                    out.append(i)
+            elif ref.get(e, 0) == _lru_stamp(base + i):
+                out.append(i)
+        return out
 
     def _current_aged(self) -> list[tuple[float, int, BlockKey]]:
         """The aged heap's current blocks (not stale) as (last used, number, block)."""
         ref = self.ref
-        return [(r.t, r.seq + j, r.keys[j]) for r in self._aged_heap
-                for j in range(r.pos, len(r.keys))
-                if ref.get(r.keys[j], 0) == _aged_stamp(r.seq + j)]
+        out: list[tuple[float, int, BlockKey]] = []
+        for r in self._aged_heap:
+            seg = r.seg
+            if seg is not None:
+                first = seg.run.first
+                out += [(r.t, r.seq + r.hi0 - 1 - p, first + p)
+                        for p in range(seg.lo, seg.hi)]
+                continue
+            out += [(r.t, r.seq + j, r.keys[j]) for j in range(r.pos, len(r.keys))
+                    if ref.get(r.keys[j], 0) == _aged_stamp(r.seq + j)]
+        return out
 
-    def hit_blocks(self, chain: list[BlockKey]) -> int:
-        """Leading blocks of ``chain`` cached here (in use or evictable)."""
-        ref = self.ref
+    def hit_blocks(self, chain: list[BlockKey], own_from: int = -1) -> int:
+        """Leading blocks of ``chain`` cached here (in use or evictable). ``own_from``:
+        where the chain's own part (a ``_Run``) starts; -1 or past its end: none."""
         n = len(chain)
+        if 0 <= own_from < n:
+            if own_from and chain[own_from - 1] not in self.ref:
+                return self._hit_keys(chain, own_from)
+            run = self.runs.get(chain[own_from])
+            if run is None:
+                return own_from
+            own = n - own_from
+            return own_from + (run.cached if run.cached < own else own)
+        return self._hit_keys(chain, n)
+
+    def _hit_keys(self, chain: list[BlockKey], n: int) -> int:
+        """Leading blocks of ``chain[:n]`` cached here, each a ``ref`` key."""
+        ref = self.ref
         if not n or chain[0] not in ref:
             return 0
         hi = n - 1
@@ -237,8 +312,10 @@ class PrefixCache:
                 hi = mid
         return hi
 
-    def hit_blocks_walk(self, chain: list[BlockKey]) -> int:
-        """``hit_blocks`` by walking the chain (the reference the tests compare with)."""
+    def hit_blocks_walk(self, chain: list[BlockKey], own_from: int = -1) -> int:
+        """``hit_blocks`` by walking the chain (the reference the tests compare with;
+        ``own_from`` unread: a cache used through the walks keeps every block in
+        ``ref``)."""
         ref = self.ref
         n = 0
         for k in chain:
@@ -252,7 +329,8 @@ class PrefixCache:
         """Blocks some request or hold is using (vLLM's KV usage counts these)."""
         return self.capacity - self.empty - self.evictable_blocks
 
-    def can_allocate(self, hit: int, chain: list[BlockKey], new_blocks: int) -> bool:
+    def can_allocate(self, hit: int, chain: list[BlockKey], new_blocks: int,
+                     own_from: int = -1) -> bool:
         free = self.empty + self.evictable_blocks
         if new_blocks <= free - hit:  # however many of the hit blocks are evictable
             return True
@@ -260,7 +338,15 @@ class PrefixCache:
             return False
         ref = self.ref
         reclaimed = 0
-        for k in chain[:hit]:
+        upto = hit
+        if 0 <= own_from < hit:
+            run = self.runs.get(chain[own_from])
+            if run is not None:
+                upto = own_from
+                own_hit = hit - own_from
+                if own_hit > run.top:
+                    reclaimed = own_hit - run.top
+        for k in chain[:upto]:
             if ref[k] < 0:
                 reclaimed += 1
         return new_blocks <= free - reclaimed
@@ -281,9 +367,11 @@ class PrefixCache:
                 lo = mid
         return hi
 
-    def acquire(self, keys: list[BlockKey], cached: int = -1) -> None:
+    def acquire(self, keys: list[BlockKey], cached: int = -1, own_from: int = -1) -> None:
         """Use ``keys`` (cached ones are reused, missing ones allocated and registered).
         ``cached``: ``hit_blocks(keys)`` if the caller has just found it (-1: look).
+        ``own_from``: where the chain's own part starts (its blocks kept as a ``_Run``:
+        ``_acquire_run``); -1 or past the end: every block a ``ref`` key.
 
         ``keys`` is a chain's leading blocks: in use, then cached but unused, then not
         cached (see ``PrefixCache``). The user ends at the last key; the blocks from the
@@ -292,6 +380,9 @@ class PrefixCache:
         turn (``acquire_walk``)."""
         n = len(keys)
         if not n:
+            return
+        if 0 <= own_from < n:
+            self._acquire_run(keys, cached, own_from)
             return
         ref = self.ref
         last = keys[n - 1]
@@ -322,13 +413,87 @@ class PrefixCache:
         ref[last] = 1  # entered use here: no successor in use, one user ending at it
         self._note_usage()
 
+    def _acquire_run(self, keys: list[BlockKey], cached: int, s: int) -> None:
+        """``acquire`` of a chain whose blocks from ``s`` on are a job's own run: the
+        shared part's blocks as ``acquire`` takes them, except that the user does not
+        end at its last block but goes on through the run (one successor in use, when
+        the run was in use by no one); the run's blocks as counts. The order of the
+        steps is ``acquire``'s: the reused blocks (shared, then own) out of the LRU,
+        then one ``_take`` for every new block, then the new blocks registered (the
+        regret is told them in chain order), as the same chain taken a block each."""
+        n = len(keys)
+        if cached < 0:
+            cached = self.hit_blocks(keys, s)
+        ref = self.ref
+        first = keys[s]
+        run = self.runs.get(first)
+        if run is None:
+            run = self.runs[first] = _Run(first)
+        shared_new: list[BlockKey] = []
+        if not run.top and s:  # the run enters use: its shared prefix gains a successor
+            hit = cached if cached < s else s
+            unused = self._first_unused(keys, hit)
+            if unused == s:
+                ref[keys[s - 1]] += IN_USE_SUCCESSOR
+            else:
+                if unused:
+                    ref[keys[unused - 1]] += IN_USE_SUCCESSOR
+                if hit > unused:
+                    ref.update(dict.fromkeys(keys[unused:hit], IN_USE_SUCCESSOR))
+                    self.evictable_blocks -= hit - unused
+                if hit < s:
+                    shared_new = keys[hit:s]
+        m = n - s
+        old_top = run.top
+        run.ends.append(m)
+        top = m if m > old_top else old_top
+        had = run.cached
+        back = top if top < had else had  # [old_top, back) come back into use
+        if back > old_top:
+            self.evictable_blocks -= back - old_top
+            segs = run.segs
+            while segs:
+                seg = segs[-1]  # the bottom place: the newest
+                if seg.hi <= back:
+                    seg.lo = seg.hi  # all back in use: a stale place now
+                    segs.pop()
+                else:
+                    if seg.lo < back:
+                        seg.lo = back
+                    break
+        run.top = top
+        own_new = top - had if top > had else 0
+        new = len(shared_new) + own_new
+        if new:
+            self._take(new)
+            self.stored_blocks += new
+            index = self.index
+            if shared_new:
+                ref.update(dict.fromkeys(shared_new, IN_USE_SUCCESSOR))
+                if index is not None:
+                    bit = self.bit
+                    get = index.get
+                    index.update([(k, get(k, 0) | bit) for k in shared_new])
+            if own_new:
+                run.cached = top
+                if self.run_index is not None:
+                    where = self.run_index.get(first)
+                    if where is None:
+                        where = self.run_index[first] = {}
+                    where[self.owner] = top
+            if self.regret is not None:
+                self.regret.stored(shared_new + list(range(first + had, first + top)),
+                                   self._block_tokens, self._clock.now)  # type: ignore[union-attr]
+        self._note_usage()
+
     def _evict(self, n: int) -> None:
         """Free the ``n`` least recently used blocks."""
         ref, index, bit = self.ref, self.index, self.bit
-        victims = self._take_oldest(n)
+        order: list[BlockKey] | None = [] if self.regret is not None else None
+        victims = self._take_oldest(n, order)
         self.evictable_blocks -= n
         if self.regret is not None:
-            self.regret.evicted(victims, self._block_tokens,
+            self.regret.evicted(order if order is not None else victims, self._block_tokens,
                                 self._clock.now)  # type: ignore[union-attr]
         for key in victims:
             del ref[key]
@@ -339,18 +504,27 @@ class PrefixCache:
                 else:
                     del index[key]
 
-    def _take_oldest(self, n: int) -> list[BlockKey]:
+    def _take_oldest(self, n: int, order: list[BlockKey] | None = None) -> list[BlockKey]:
         """Out of the LRU and the aged blocks, the ``n`` last used longest ago (the LRU's
         on a tie: a released chain's tail before an aged predecessor), past their places
-        (``_evict`` then drops them from ``ref``, so no stale place can match them)."""
+        (``_evict`` then drops them from ``ref``, so no stale place can match them).
+        Returns the ``ref`` keys taken; runs' blocks are taken off their runs here.
+        ``order``: a list to append every block taken to, in order (runs' too)."""
         ref, heap = self.ref, self._aged_heap
         keys, times = self._lru_keys, self._lru_times
         head, base, end = self._lru_head, self._lru_base, len(keys)
         out: list[BlockKey] = []
+        taken = 0
         stamp = _lru_stamp(base + head)  # kept as head moves: 2 lower a place
-        while len(out) < n:
+        while taken < n:
             # the LRU's first current place
-            while head < end and ref.get(keys[head], 0) != stamp:
+            while head < end:
+                e = keys[head]
+                if isinstance(e, _Seg):
+                    if e.hi > e.lo:
+                        break
+                elif ref.get(e, 0) == stamp:
+                    break
                 head += 1  # stale: used since, or evicted
                 stamp -= 2
             # the aged front: the oldest run's first current block (stale: used since,
@@ -358,16 +532,32 @@ class PrefixCache:
             while heap and not heap[0].skip_stale(ref):
                 heapq.heappop(heap)
             if heap and (head == end or heap[0].t < times[head]):
-                run = heap[0]
-                key = run.keys[run.pos]
-                run.pos += 1
-                if run.pos == len(run.keys):
+                aged = heap[0]
+                seg = aged.seg
+                if seg is not None:
+                    taken += self._take_from(seg, n - taken, order)
+                    if seg.hi <= seg.lo:
+                        heapq.heappop(heap)
+                    continue
+                key = aged.keys[aged.pos]
+                aged.pos += 1
+                if aged.pos == len(aged.keys):
                     heapq.heappop(heap)
             else:
-                key = keys[head]
+                e = keys[head]
+                if isinstance(e, _Seg):
+                    taken += self._take_from(e, n - taken, order)
+                    if e.hi <= e.lo:
+                        head += 1
+                        stamp -= 2
+                    continue
+                key = e
                 head += 1
                 stamp -= 2
             out.append(key)
+            if order is not None:
+                order.append(key)
+            taken += 1
         self._lru_head = head
         if head > self._stale_slack and head > end >> 1:  # cut the places taken off
             del keys[:head], times[:head]
@@ -375,8 +565,36 @@ class PrefixCache:
             self._lru_head = 0
         return out
 
+    def _take_from(self, seg: _Seg, most: int, order: list[BlockKey] | None) -> int:
+        """Evict up to ``most`` blocks from the top of ``seg`` (its run's topmost place:
+        the oldest of the run's, so the first the LRU reaches); how many."""
+        k = seg.hi - seg.lo
+        if k > most:
+            k = most
+        run = seg.run
+        assert run.segs[0] is seg, "a run's place reached before an older one of it"
+        hi = seg.hi
+        if order is not None:
+            first = run.first
+            order += [first + p for p in range(hi - 1, hi - 1 - k, -1)]
+        seg.hi = hi - k
+        run.cached -= k
+        if seg.hi <= seg.lo:
+            run.segs.pop(0)
+        where = self.run_index.get(run.first) if self.run_index is not None else None
+        if run.cached:
+            if where is not None:
+                where[self.owner] = run.cached
+        else:
+            del self.runs[run.first]
+            if where is not None:
+                del where[self.owner]
+                if not where:
+                    del self.run_index[run.first]  # type: ignore[union-attr]
+        return k
+
     def release(self, keys: list[BlockKey], *, used_at: float | None = None,
-                aged_from: int = 0) -> None:
+                aged_from: int = 0, own_from: int = -1) -> None:
         """Stop using ``keys``; last block first, so a prompt's tail is evicted first.
 
         The user ended at the last key: from there back, each block no other user ends
@@ -386,9 +604,14 @@ class PrefixCache:
 
         ``used_at``: when the freed blocks from ``keys[aged_from]`` on were last used,
         if before now (a hold's last touch): they are evicted as that old. The blocks
-        before ``aged_from`` (a prefix other chains share) go to the LRU as used now."""
+        before ``aged_from`` (a prefix other chains share) go to the LRU as used now.
+
+        ``own_from``: as ``acquire``'s (the same as the chain was acquired with)."""
         n = len(keys)
         if not n:
+            return
+        if 0 <= own_from < n:
+            self._release_run(keys, used_at, aged_from, own_from)
             return
         ref = self.ref
         i = n - 1
@@ -425,6 +648,78 @@ class PrefixCache:
         self._compact()
         self._note_usage()
 
+    def _release_run(self, keys: list[BlockKey], used_at: float | None, aged_from: int,
+                     s: int) -> None:
+        """``release`` of a chain whose blocks from ``s`` on are a job's own run: the run's
+        freed blocks (from the user's end down to the next user's) become one place (two
+        when part of them is aged: the aged part above), and when the run leaves use its
+        shared prefix is walked as ``release`` walks it; the places come in the order
+        the same chain released a block each would have made them."""
+        n = len(keys)
+        run = self.runs[keys[s]]
+        m = n - s
+        ends = run.ends
+        ends.remove(m)
+        old_top = run.top
+        top = max(ends) if ends else 0
+        if top >= old_top:
+            return  # another user still ends at or past this one's end: nothing freed
+        run.top = top
+        ref = self.ref
+        freed: list[BlockKey] = []  # the shared prefix's, last first
+        if not top and s:
+            i = s - 1
+            k = keys[i]
+            left = ref[k] - IN_USE_SUCCESSOR
+            if left:
+                ref[k] = left
+            else:
+                freed.append(k)
+                while i:
+                    i -= 1
+                    k = keys[i]
+                    left = ref[k] - IN_USE_SUCCESSOR
+                    if left:
+                        ref[k] = left
+                        break
+                    freed.append(k)
+        now = self._now()
+        aged_lo = old_top  # the run's blocks from here up are aged
+        if used_at is not None and used_at < now:
+            if aged_from < s and freed:
+                raise ValueError(f"PrefixCache.release: aged_from ({aged_from}) before the "
+                                 f"own part ({s}) would age shared blocks with a run")
+            a = aged_from - s
+            aged_lo = top if a < top else (a if a < old_top else old_top)
+            if aged_lo < old_top:
+                seg = _Seg(run, aged_lo, old_top)
+                heapq.heappush(self._aged_heap, _AgedRun(used_at, self._aged_seq, [], seg))
+                self._aged_seq += old_top - aged_lo
+                run.segs.append(seg)
+                heap = self._aged_heap
+                if len(heap) > 2 * self.evictable_blocks + self._stale_slack:
+                    self._aged_heap = heap = [r for r in heap if r.skip_stale(ref)]
+                    heapq.heapify(heap)
+        lru_keys = self._lru_keys
+        places = 0
+        if aged_lo > top:
+            seg = _Seg(run, top, aged_lo)
+            run.segs.append(seg)
+            lru_keys.append(seg)
+            places = 1
+        if freed:
+            stamp = _lru_stamp(self._lru_base + len(lru_keys))
+            for k in freed:
+                ref[k] = stamp
+                stamp -= 2
+            lru_keys.extend(freed)
+            places += len(freed)
+        if places:
+            self._lru_times.extend([now] * places)
+        self.evictable_blocks += old_top - top + len(freed)
+        self._compact()
+        self._note_usage()
+
     def _age(self, freed: list[BlockKey], own: int, used_at: float) -> None:
         """Put ``freed[:own]`` in the aged heap as last used at ``used_at`` (last first,
         so the tail is evicted first)."""
@@ -457,12 +752,15 @@ class PrefixCache:
         self._lru_base = base
         self._lru_head = 0
         for j, i in enumerate(kept):
-            ref[keys[i]] = _lru_stamp(base + j)
+            e = keys[i]
+            if not isinstance(e, _Seg):  # a run's place is current by its range, not a stamp
+                ref[e] = _lru_stamp(base + j)
 
     # The plain walks: one key at a time (the reference the tests compare with).
 
-    def acquire_walk(self, keys: list[BlockKey], cached: int = -1) -> None:
-        """``acquire`` a key at a time (``cached``, taken for its signature, unread)."""
+    def acquire_walk(self, keys: list[BlockKey], cached: int = -1, own_from: int = -1) -> None:
+        """``acquire`` a key at a time (``cached`` and ``own_from``, taken for its
+        signature, unread: through the walks every block is a ``ref`` key)."""
         ref, index, bit = self.ref, self.index, self.bit
         for i, k in enumerate(keys):
             c = ref.get(k)
@@ -484,7 +782,7 @@ class PrefixCache:
         self._note_usage()
 
     def release_walk(self, keys: list[BlockKey], *, used_at: float | None = None,
-                     aged_from: int = 0) -> None:
+                     aged_from: int = 0, own_from: int = -1) -> None:
         ref = self.ref
         now = self._now()
         freed = 0
@@ -542,13 +840,18 @@ class _AgedRun:
     run's numbers are consecutive and no other run's fall between them, so the runs'
     order is their blocks' (those of a release made together are evicted together)."""
 
-    __slots__ = ("t", "seq", "keys", "pos")
+    __slots__ = ("t", "seq", "keys", "pos", "seg", "hi0")
 
-    def __init__(self, t: float, seq: int, keys: list[BlockKey]) -> None:
+    def __init__(self, t: float, seq: int, keys: list[BlockKey],
+                 seg: _Seg | None = None) -> None:
+        """``seg``: a job's own blocks aged together (``keys`` then empty); block ``p``
+        of its run is number ``seq + hi0 - 1 - p`` (last first, as ``keys`` would be)."""
         self.t = t
         self.seq = seq
         self.keys = keys
         self.pos = 0
+        self.seg = seg
+        self.hi0 = seg.hi if seg is not None else 0
 
     def __lt__(self, other: _AgedRun) -> bool:
         t = self.t
@@ -557,11 +860,49 @@ class _AgedRun:
 
     def skip_stale(self, ref: dict[BlockKey, int]) -> bool:
         """Move ``pos`` past the stale blocks at its front; False: none is current."""
+        seg = self.seg
+        if seg is not None:
+            return seg.hi > seg.lo
         keys, p, seq = self.keys, self.pos, self.seq
         while p < len(keys) and ref.get(keys[p], 0) != _aged_stamp(seq + p):
             p += 1
         self.pos = p
         return p < len(keys)
+
+
+class _Run:
+    """A job's own blocks cached on one engine, kept as one record instead of a ``ref``
+    entry a block: a step of a job on the engine its last step used brings the whole
+    run back into use and frees it again, O(1) here where a block each cost a dict
+    write or two (a cold int and a cold slot: ~30 % of a 128-GPU cache-aware run).
+
+    Its blocks are keys ``first + i`` (``Fleet._chain``'s dense own keys), ``i <
+    cached``; those below ``top`` are in use (``top`` is the longest of its users'
+    ends, ``ends``), the rest evictable, in ``segs``: the places one release each made,
+    topmost (oldest, evicted first) first, covering ``[top, cached)`` without gaps."""
+
+    __slots__ = ("first", "cached", "top", "ends", "segs")
+
+    def __init__(self, first: int) -> None:
+        self.first = first
+        self.cached = 0
+        self.top = 0
+        self.ends: list[int] = []
+        self.segs: list[_Seg] = []
+
+
+class _Seg:
+    """A run's blocks ``[lo, hi)`` one release freed: one place in the LRU (or the aged
+    heap) for all of them, as a release's blocks are consecutive places there. Reuse
+    takes a run's evictable blocks from the bottom (raises ``lo``), eviction from the
+    top (lowers ``hi``): dead, and skipped as a stale place, when they meet."""
+
+    __slots__ = ("run", "lo", "hi")
+
+    def __init__(self, run: _Run, lo: int, hi: int) -> None:
+        self.run = run
+        self.lo = lo
+        self.hi = hi
 
 
 class StepCurves(Protocol):
@@ -653,7 +994,8 @@ class Engine:
 
     def __init__(self, clock: Clock, engine_id: str, calibration: EngineCalibration,
                  index: dict[BlockKey, int] | None = None, owner: int = 0, *,
-                 regret: bool = False, host: Host | None = None) -> None:
+                 regret: bool = False, host: Host | None = None,
+                 run_index: dict[int, dict[int, int]] | None = None) -> None:
         """``regret``: follow the pool's evictions (``EvictionRegret``, ``self.regret``)
         for the hold model's rent, as an inference worker follows its engine's.
         ``host``: the machine whose cores this engine shares (None: its own)."""
@@ -664,7 +1006,8 @@ class Engine:
         self.block = calibration.block_size
         self.regret = EvictionRegret() if regret else None
         self.cache = PrefixCache(usable_blocks(calibration.kv_pool_blocks), index, owner,
-                                 regret=self.regret, block_tokens=self.block, clock=clock)
+                                 regret=self.regret, block_tokens=self.block, clock=clock,
+                                 run_index=run_index)
         self._decode_s: dict[int, float] = {}
         self._prefill_rate: dict[int, float] = {}
         self.waiting: list[tuple[int, int, Request]] = []
@@ -708,8 +1051,8 @@ class Engine:
     def kv_usage(self) -> float:
         return self.cache.usage
 
-    def cached_prefix_tokens(self, chain: list[BlockKey]) -> int:
-        return self.cache.hit_blocks(chain) * self.block
+    def cached_prefix_tokens(self, chain: list[BlockKey], own_from: int = -1) -> int:
+        return self.cache.hit_blocks(chain, own_from) * self.block
 
     # --- the calibration's curves, memoised (pure functions of an int) ------------------
 
@@ -737,27 +1080,29 @@ class Engine:
 
     # --- holds: blocks kept in use while a job pauses (what touches achieve) ----------
 
-    def pin(self, chain: list[BlockKey]) -> list[BlockKey]:
-        """Keep the cached leading blocks of ``chain`` from eviction; returns them."""
-        hit = self.cache.hit_blocks(chain)
+    def pin(self, chain: list[BlockKey], own_from: int = -1) -> list[BlockKey]:
+        """Keep the cached leading blocks of ``chain`` from eviction; returns them.
+        ``own_from``: as ``PrefixCache.acquire``'s (give it again to unpin them)."""
+        hit = self.cache.hit_blocks(chain, own_from)
         keys = chain[:hit]  # a new list (a slice of a list is one)
-        self.cache.acquire(keys, hit)
+        self.cache.acquire(keys, hit, own_from)
         return keys
 
     def unpin(self, keys: list[BlockKey], *, used_at: float | None = None,
-              aged_from: int = 0) -> None:
-        """Stop keeping ``keys``; ``used_at``/``aged_from`` as ``PrefixCache.release``."""
-        self.cache.release(keys, used_at=used_at, aged_from=aged_from)
+              aged_from: int = 0, own_from: int = -1) -> None:
+        """Stop keeping ``keys``; ``used_at``/``aged_from``/``own_from`` as
+        ``PrefixCache.release``."""
+        self.cache.release(keys, used_at=used_at, aged_from=aged_from, own_from=own_from)
         self._kick()
 
     def unpin_tail(self, keys: list[BlockKey], kept: int, *, used_at: float | None = None,
-                   aged_from: int = 0) -> None:
+                   aged_from: int = 0, own_from: int = -1) -> None:
         """Keep only the first ``kept`` of the pinned ``keys``. A user of the cache ends
         at its last key (``PrefixCache.acquire``): the kept prefix is taken as a user of
         its own before the whole chain is let go, so its blocks never reach the LRU.
         ``used_at``/``aged_from``: as ``PrefixCache.release``, for the tail let go."""
-        self.cache.acquire(keys[:kept])
-        self.cache.release(keys, used_at=used_at, aged_from=aged_from)
+        self.cache.acquire(keys[:kept], -1, own_from)
+        self.cache.release(keys, used_at=used_at, aged_from=aged_from, own_from=own_from)
         self._kick()
 
     # --- requests --------------------------------------------------------------------
@@ -804,12 +1149,13 @@ class Engine:
         while self.waiting and len(self.running) + len(self.prefilling) < cal.max_batch:
             req = self.waiting[0][2]
             chain = req.chain
-            cached = hit = cache.hit_blocks(chain)
+            own_from = req.own_from
+            cached = hit = cache.hit_blocks(chain, own_from)
             if hit * block >= req.prompt_tokens:
                 hit = max(0, (req.prompt_tokens - 1) // block)  # the last token is computed
             total = -(-(req.prompt_tokens + req.output_tokens) // block)
             new = max(0, total - hit)
-            if not cache.can_allocate(hit, chain, new):
+            if not cache.can_allocate(hit, chain, new, own_from):
                 if not self.running and not self.prefilling and total > cache.capacity:
                     heapq.heappop(self.waiting)  # can never fit: vLLM refuses it
                     if self.changed is not None:
@@ -821,7 +1167,7 @@ class Engine:
                 break
             heapq.heappop(self.waiting)
             shared = chain[:min(len(chain), total)]  # a new list: the chain grows later
-            cache.acquire(shared, min(cached, len(shared)))  # a prefix's hit: the chain's
+            cache.acquire(shared, min(cached, len(shared)), own_from)  # a prefix's hit: the chain's
             req._held = shared
             req._private = max(0, total - len(shared))
             cache.take_private(req._private)
@@ -953,7 +1299,7 @@ class Engine:
         if self.changed is not None:
             self.changed.add(self.owner)
         req.done_at = now
-        self.cache.release(req._held)
+        self.cache.release(req._held, own_from=req.own_from)
         self.cache.give_private(req._private)
         req._held = []
         req._private = 0

@@ -339,6 +339,9 @@ class Fleet:
         self.policy = policy
         self.cfg = config or FleetConfig()
         self.block_index: dict[BlockKey, int] = {}
+        self.run_index: dict[int, dict[int, int]] = {}
+        """Each job's own run (by its first key): engine number -> its blocks cached
+        there (``PrefixCache.run_index``); the router's, beside ``block_index``."""
         """Each cached block key: a bit mask of the engines caching it. The router's
         alone (``_candidates``): under round-robin routing, which never reads it, the
         engines keep none (a fifth of a 128-GPU round-robin run was its upkeep)."""
@@ -354,8 +357,10 @@ class Fleet:
                   for _ in range(-(-len(calibrations) // sharing.engines_per_host))]
                  if sharing is not None else [])
         index = None if policy.routing == "round_robin" else self.block_index
+        run_index = None if index is None else self.run_index
         self.engines = [Engine(clock, f"e{i:03d}", c, index, i, regret=measured,
-                               host=hosts[i // sharing.engines_per_host] if sharing else None)
+                               host=hosts[i // sharing.engines_per_host] if sharing else None,
+                               run_index=run_index)
                         for i, c in enumerate(calibrations)]
         first_of: dict[int, Engine] = {}
         for e in self.engines:  # one memo of the curves a calibration
@@ -515,15 +520,22 @@ class Fleet:
             self._bits_memo[mask] = got
         return got
 
-    def _warm_groups(self, chain: list[BlockKey]) -> list[tuple[int, int]]:
+    def _warm_groups(self, chain: list[BlockKey], own_from: int = -1
+                     ) -> list[tuple[int, int]]:
         """The engines caching any of ``chain``, grouped by how many of its leading
         blocks they cache: (blocks, bit mask of engine numbers), fewest blocks first;
         read off the fleet's block index. A chain's cached blocks are a prefix of it on
         every engine (see ``PrefixCache``), so the engines caching block i include those
         caching block i + 1, and the masks only change at a few places a binary search
-        finds."""
+        finds. The chain's own part from ``own_from`` (a job's run) is read off
+        ``run_index`` when some engine has it: those engines cache the whole shared part
+        before it, and their group splits by how much of the run each caches."""
         index = self.block_index
         n = len(chain)
+        runs = self.run_index.get(chain[own_from]) if 0 <= own_from < n else None
+        full = n
+        if runs:
+            n = own_from
         cur = index.get(chain[0], 0) if n else 0
         out: list[tuple[int, int]] = []
         lo = 0
@@ -538,12 +550,27 @@ class Fleet:
             nxt = index.get(chain[b], 0) if b < n else 0
             out.append((b, cur & ~nxt))
             cur, lo = nxt, b
+        if runs:
+            own = full - n
+            rest = 0
+            if n == 0:
+                rest = 0
+            elif out and out[-1][0] == n:
+                rest = out.pop()[1]
+            by: dict[int, int] = {}
+            for owner, cached in runs.items():
+                hit = n + (cached if cached < own else own)
+                by[hit] = by.get(hit, 0) | (1 << owner)
+                rest &= ~(1 << owner)
+            if rest:
+                out.append((n, rest))
+            out += sorted(by.items())
         return out
 
-    def _warm(self, chain: list[BlockKey]) -> dict[int, int]:
+    def _warm(self, chain: list[BlockKey], own_from: int = -1) -> dict[int, int]:
         """Engine number -> leading blocks of ``chain`` it caches, for every engine that
         caches any, in engine order: each engine's ``hit_blocks`` (``_warm_groups``)."""
-        groups = self._warm_groups(chain)
+        groups = self._warm_groups(chain, own_from)
         out = [(i, b) for b, mask in groups for i in self._bits(mask)]
         if len(groups) > 1:
             out.sort()
@@ -628,8 +655,8 @@ class Fleet:
         return out
 
     def _candidates(self, chain: list[BlockKey], batch_first: bool,
-                    last_engine: str | None = None, *, prune: bool = True
-                    ) -> list[EngineCandidate]:
+                    last_engine: str | None = None, *, prune: bool = True,
+                    own_from: int = -1) -> list[EngineCandidate]:
         """The candidates the router is offered: the engines caching the prompt and the
         ``FleetConfig.candidates`` least loaded cold ones (``prune``: of the former,
         only those that can win, ``_undominated``; ``choose_engine`` decides the same)."""
@@ -641,13 +668,13 @@ class Fleet:
         seen = self._seen
         last = self.by_id[last_engine].owner if last_engine is not None else -1
         if prune:
-            groups = self._warm_groups(chain)
+            groups = self._warm_groups(chain, own_from)
             warm_mask = 0
             for _, mask in groups:
                 warm_mask |= mask
             offered, batch_jobs = self._undominated(groups, batch_first, last)
         else:
-            warm = self._warm(chain)
+            warm = self._warm(chain, own_from)
             warm_mask = 0
             for i in warm:
                 warm_mask |= 1 << i
@@ -767,7 +794,7 @@ class Fleet:
         return keep, batch_jobs
 
     def route(self, job_id: str, chain: list[BlockKey], last_engine: str | None,
-              batch: bool) -> Engine:
+              batch: bool, own_from: int = -1) -> Engine:
         """The engine ``workflows.routing.choose_engine`` picks for a step (its
         ``pick_engine``: the decision without the record the workers keep)."""
         if self.policy.routing == "round_robin":
@@ -776,7 +803,8 @@ class Fleet:
             self.turn += 1
         else:
             chosen, _, _ = routing.pick_engine(
-                self._candidates(chain, batch and last_engine is None, last_engine),
+                self._candidates(chain, batch and last_engine is None, last_engine,
+                                 own_from=own_from),
                 job_id=job_id,
                 last_engine=last_engine, config=self.routing_cfg, policy=self.policy.routing,
                 batch=batch)
@@ -786,14 +814,16 @@ class Fleet:
         spec = job.spec
         batch = spec.lane == Lane.BATCH and self.policy.lanes
         chain = self._chain(job)
-        engine = self.route(spec.job_id, chain, job.last_engine, batch)
+        own_from = spec.prefix_tokens // self.block
+        engine = self.route(spec.job_id, chain, job.last_engine, batch, own_from)
         if batch:
             self.batch_seen[engine.engine_id].saw(spec.job_id, self.clock.now)
         prompt = job.transcript + spec.tail_tokens
         out = spec.steps[job.step].output_tokens
         req = Request(chain=chain, prompt_tokens=prompt, output_tokens=out,
                       priority=lanes.VLLM_PRIORITY[spec.lane] if self.policy.lanes else 0,
-                      on_first_token=self._first_token, on_done=self._step_done, tag=job)
+                      on_first_token=self._first_token, on_done=self._step_done, tag=job,
+                      own_from=own_from)
         self.in_flight[engine.engine_id] += 1
         self._changed.add(engine.owner)
         job.pending = engine
@@ -991,8 +1021,9 @@ class Fleet:
 
     def _prewarm(self, job: _Job, hold: bool) -> None:
         chain = self._chain(job)
+        own_from = job.spec.prefix_tokens // self.block
         engine = self.route(job.spec.job_id, chain, job.last_engine,
-                            job.spec.lane == Lane.BATCH and self.policy.lanes)
+                            job.spec.lane == Lane.BATCH and self.policy.lanes, own_from)
         if not holding.prewarm_worthwhile(len(engine.waiting)):
             return  # the worker's prewarm activity skips it too
         if job.hold is not None and job.hold.engine is not engine:
@@ -1016,7 +1047,7 @@ class Fleet:
                 self._pin(job, engine, self.hold_cfg.always_hold_ttl_s)
 
         engine.submit(Request(chain=chain, prompt_tokens=prompt, output_tokens=1,
-                              priority=0, on_done=done, tag=None))
+                              priority=0, on_done=done, tag=None, own_from=own_from))
         job.last_engine = engine.engine_id
 
     # --- holds (workflows.holding) ---------------------------------------------------------
@@ -1108,7 +1139,7 @@ class Fleet:
     def _pin(self, job: _Job, engine: Engine, ttl_s: float) -> None:
         if job.hold is not None:
             self._end_hold(job.hold, used_now=job.hold.engine is engine)
-        keys = engine.pin(self._chain(job))
+        keys = engine.pin(self._chain(job), job.spec.prefix_tokens // self.block)
         if not keys:
             return
         now = self.clock.now
@@ -1155,7 +1186,8 @@ class Fleet:
         held.remove(hold)
         kept = len(hold.keys) - excess
         hold.engine.unpin_tail(hold.keys, kept, used_at=self._last_touch(hold),
-                               aged_from=max(kept, shared))
+                               aged_from=max(kept, shared),
+                               own_from=hold.job.spec.prefix_tokens // self.block)
         hold.keys = hold.keys[:kept]
         held.add(hold)
         return True
@@ -1181,11 +1213,12 @@ class Fleet:
             self.holds[eid] = deque(h for h in holds if h.active)
         if hold.job.hold is hold:
             hold.job.hold = None
+        own_from = hold.job.spec.prefix_tokens // self.block
         if used_now:
-            hold.engine.unpin(hold.keys)
+            hold.engine.unpin(hold.keys, own_from=own_from)
         else:
             hold.engine.unpin(hold.keys, used_at=self._last_touch(hold),
-                              aged_from=_HeldBlocks._split(hold)[0])
+                              aged_from=_HeldBlocks._split(hold)[0], own_from=own_from)
 
     def _last_touch(self, hold: _Hold) -> float:
         """When the workers would have touched ``hold`` last: one touch interval after

@@ -358,6 +358,94 @@ def test_aged_releases_keep_every_chain_a_prefix(seed: int) -> None:
             assert fast.hit_blocks(c) == fast.hit_blocks_walk(c)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_runs_simulate_like_a_block_each(seed: int) -> None:
+    """A job's own blocks kept as one record (``own_from``: ``PrefixCache._Run``) against
+    the same chains kept a ``ref`` key a block (no ``own_from``; the test above holds
+    that path to the walks): random uses, releases (half
+    of them aged, as holds are), cut tails and evictions of fleet-shaped chains (a
+    family's shared keys, then the job's own dense ints), with the eviction regret
+    following both. After every operation: the same blocks in the same LRU and aged
+    order, the same use, the same hits and warm engines, the same regret (so the same
+    evictions in the same order), and the runs' records consistent (``check_runs``)."""
+    import random
+
+    from warmloop.workflows.holding import EvictionRegret
+
+    rng = random.Random(seed)
+    clock = Clock()
+    capacity = rng.choice([30, 60, 120])
+    slack = 0 if seed % 2 else None
+    fast = PrefixCache(capacity, index={}, clock=clock, stale_slack=slack, run_index={},
+                       regret=EvictionRegret(), block_tokens=16)
+    walk = PrefixCache(capacity, index={}, clock=clock, stale_slack=slack,
+                       regret=EvictionRegret(), block_tokens=16)  # a block each
+    chains: list[list[object]] = []
+    shared: list[int] = []
+    for j in range(10):
+        n = rng.choice([0, 3, 4, 5]) if j else 0  # job 0: no shared part at all
+        family: list[object] = [-(j % 3 + 1) * 1000 + i for i in range(n)]
+        own = rng.randint(1, 15)
+        chains.append(family + list(range(10_000 * (j + 1), 10_000 * (j + 1) + own)))
+        shared.append(n)
+    floor: dict[int, float] = {}
+    users: list[tuple[int, list[object]]] = []
+    for _ in range(500):
+        clock.now += rng.random()
+        r = rng.random()
+        if users and r < 0.4:
+            j, keys = users.pop(rng.randrange(len(users)))
+            if rng.random() < 0.5:
+                used_at = floor[j] = rng.uniform(floor.get(j, 0.0), clock.now)
+                fast.release(keys, used_at=used_at, aged_from=shared[j], own_from=shared[j])
+                walk.release(keys, used_at=used_at, aged_from=shared[j])
+            else:
+                floor[j] = clock.now
+                fast.release(keys, own_from=shared[j])
+                walk.release(keys)
+        elif users and r < 0.5:  # a hold cut short: its tail let go, aged
+            i = rng.randrange(len(users))
+            j, keys = users[i]
+            if len(keys) < 2:
+                continue
+            kept = rng.randint(1, len(keys) - 1)
+            used_at = floor[j] = rng.uniform(floor.get(j, 0.0), clock.now)
+            fast.acquire(keys[:kept], -1, shared[j])
+            fast.release(keys, used_at=used_at, aged_from=max(kept, shared[j]),
+                         own_from=shared[j])
+            walk.acquire(keys[:kept])
+            walk.release(keys, used_at=used_at, aged_from=max(kept, shared[j]))
+            users[i] = (j, keys[:kept])
+        else:
+            j = rng.randrange(len(chains))
+            chain = chains[j]
+            keys = (chain[:fast.hit_blocks(chain, shared[j])] if rng.random() < 0.3
+                    else chain[:rng.randint(1, len(chain))])
+            hit = fast.hit_blocks(keys, shared[j])
+            if not keys or not fast.can_allocate(hit, keys, len(keys) - hit, shared[j]) \
+                    or fast.used_blocks + len(keys) > capacity:
+                continue
+            assert walk.can_allocate(hit, keys, len(keys) - hit)
+            fast.acquire(keys, -1 if rng.random() < 0.5 else hit, shared[j])
+            walk.acquire(keys)
+            users.append((j, keys))
+        assert fast.lru_keys() == walk.lru_keys()
+        assert fast.aged_keys() == walk.aged_keys()
+        assert fast.used_blocks == walk.used_blocks
+        assert fast.evictable_blocks == walk.evictable_blocks and fast.empty == walk.empty
+        assert fast.regret is not None and walk.regret is not None
+        assert list(fast.regret._ghosts.items()) == list(walk.regret._ghosts.items())
+        assert fast.regret.regretted == walk.regret.regretted
+        assert fast.stored_blocks == walk.stored_blocks
+        fast.check_runs()
+        assert fast.index is not None and fast.run_index is not None
+        assert walk.index is not None
+        assert fast.index.keys() | {r.first + i for r in fast.runs.values()
+                                    for i in range(r.cached)} == walk.index.keys()
+        for j, c in enumerate(chains):
+            assert fast.hit_blocks(c, shared[j]) == walk.hit_blocks(c) == walk.hit_blocks_walk(c)
+
+
 def _pair(slowdown: float | None) -> tuple[Clock, Engine, Engine]:
     """Two engines, on one host sharing its cores (``slowdown``) or each on its own."""
     clock = Clock()

@@ -186,21 +186,36 @@ def test_plain_walks_simulate_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     assert run_fleet_case(key)["digest"] == BASELINE[key]["digest"]
 
 
+def walked(cache: PrefixCache, chain: list[Any], own_from: int = -1) -> int:
+    """``hit_blocks`` the plain way: the shared part walked a key at a time in ``ref``,
+    then the job's own run's cached blocks (its record: those blocks are not in
+    ``ref``; ``check_runs`` checks the records)."""
+    if not 0 <= own_from < len(chain):
+        return cache.hit_blocks_walk(chain)
+    n = cache.hit_blocks_walk(chain[:own_from])
+    if n < own_from:
+        return n
+    run = cache.runs.get(chain[own_from])
+    return n + (min(run.cached, len(chain) - own_from) if run is not None else 0)
+
+
 def test_fast_lookups_agree_with_the_walks_along_a_run() -> None:
     """Checked at every lookup of a run with holds, prewarms, lanes and evictions."""
     checks = [0]
     real_warm = Fleet._warm
     real_hit = PrefixCache.hit_blocks
 
-    def hit(self: PrefixCache, chain: Any) -> int:
-        n = real_hit(self, chain)
-        assert n == self.hit_blocks_walk(chain)
+    def hit(self: PrefixCache, chain: Any, own_from: int = -1) -> int:
+        n = real_hit(self, chain, own_from)
+        assert n == walked(self, chain, own_from)
         checks[0] += 1
+        if checks[0] % 97 == 0:
+            self.check_runs()
         return n
 
-    def warm(self: Fleet, chain: list[Any]) -> dict[int, int]:
-        got = real_warm(self, chain)
-        want = {e.owner: e.cache.hit_blocks_walk(chain) for e in self.engines}
+    def warm(self: Fleet, chain: list[Any], own_from: int = -1) -> dict[int, int]:
+        got = real_warm(self, chain, own_from)
+        want = {e.owner: walked(e.cache, chain, own_from) for e in self.engines}
         assert list(got.items()) == [(i, n) for i, n in want.items() if n]
         return got
 
@@ -244,15 +259,16 @@ def test_pruned_candidates_decide_like_all_of_them() -> None:
     real = Fleet.route
 
     def route(self: Fleet, job_id: str, chain: list[Any], last_engine: str | None,
-              batch: bool) -> Any:
+              batch: bool, own_from: int = -1) -> Any:
         if self.policy.routing != "round_robin":
             first = batch and last_engine is None
             kw: dict[str, Any] = dict(job_id=job_id, last_engine=last_engine,
                                       config=self.routing_cfg, policy=self.policy.routing,
                                       batch=batch)
             full = [c.model_copy() for c in self._candidates(chain, first, last_engine,
-                                                            prune=False)]
-            pruned = [c.model_copy() for c in self._candidates(chain, first, last_engine)]
+                                                            prune=False, own_from=own_from)]
+            pruned = [c.model_copy() for c in self._candidates(chain, first, last_engine,
+                                                              own_from=own_from)]
             want = routing.choose_engine(full, **kw).engine_id  # type: ignore[arg-type]
             assert routing.choose_engine(pruned, **kw).engine_id == want  # type: ignore[arg-type]
             checked["all"] += 1
@@ -260,7 +276,7 @@ def test_pruned_candidates_decide_like_all_of_them() -> None:
             checked["cold_pruned_away"] += (sum(c.expected_cached_tokens == 0 for c in full)
                                             - sum(c.expected_cached_tokens == 0 for c in pruned))
             checked["batch_first"] += first
-        return real(self, job_id, chain, last_engine, batch)
+        return real(self, job_id, chain, last_engine, batch, own_from)
 
     mp = pytest.MonkeyPatch()
     mp.setattr(Fleet, "route", route)
