@@ -18,7 +18,6 @@ cap, oldest first. An approval opened half-way, and its decision, prewarm the pr
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import math
 import random
@@ -138,6 +137,8 @@ class _Hold:
     touched (``Fleet._last_touch``), or used by one of the job's own requests (a
     pre-warm). It only moves forward: the blocks a hold cut short let go were that old,
     and the rest of it cannot be older when it ends."""
+    own_from: int = 0
+    """Where its job's own blocks start in its chain (its family's shared blocks)."""
 
 
 class _HeldBlocks:
@@ -155,11 +156,10 @@ class _HeldBlocks:
 
     @staticmethod
     def _split(hold: _Hold) -> tuple[int, int]:
-        """(shared blocks, own blocks): a chain's keys ascend, the family's (negative)
-        before the job's own (``FAMILY_KEY_STRIDE``)."""
-        keys = cast("list[int]", hold.keys)  # the fleet's keys are ints (``_chain``)
-        shared = bisect.bisect_left(keys, 0)
-        return shared, len(keys) - shared
+        """(shared blocks, own blocks) of the hold's keys (its chain's first blocks)."""
+        n = len(hold.keys)
+        shared = hold.own_from if hold.own_from < n else n
+        return shared, n - shared
 
     def add(self, hold: _Hold) -> None:
         shared, own = self._split(hold)
@@ -1139,11 +1139,12 @@ class Fleet:
     def _pin(self, job: _Job, engine: Engine, ttl_s: float) -> None:
         if job.hold is not None:
             self._end_hold(job.hold, used_now=job.hold.engine is engine)
-        keys = engine.pin(self._chain(job), job.spec.prefix_tokens // self.block)
+        own_from = job.spec.prefix_tokens // self.block
+        keys = engine.pin(self._chain(job), own_from)
         if not keys:
             return
         now = self.clock.now
-        hold = _Hold(engine, keys, job, created=now, used_at=now)
+        hold = _Hold(engine, keys, job, created=now, used_at=now, own_from=own_from)
         job.hold = hold
         eid = engine.engine_id
         self.holds[eid].append(hold)
@@ -1187,7 +1188,7 @@ class Fleet:
         kept = len(hold.keys) - excess
         hold.engine.unpin_tail(hold.keys, kept, used_at=self._last_touch(hold),
                                aged_from=max(kept, shared),
-                               own_from=hold.job.spec.prefix_tokens // self.block)
+                               own_from=hold.own_from)
         hold.keys = hold.keys[:kept]
         held.add(hold)
         return True
@@ -1213,12 +1214,11 @@ class Fleet:
             self.holds[eid] = deque(h for h in holds if h.active)
         if hold.job.hold is hold:
             hold.job.hold = None
-        own_from = hold.job.spec.prefix_tokens // self.block
         if used_now:
-            hold.engine.unpin(hold.keys, own_from=own_from)
+            hold.engine.unpin(hold.keys, own_from=hold.own_from)
         else:
             hold.engine.unpin(hold.keys, used_at=self._last_touch(hold),
-                              aged_from=_HeldBlocks._split(hold)[0], own_from=own_from)
+                              aged_from=_HeldBlocks._split(hold)[0], own_from=hold.own_from)
 
     def _last_touch(self, hold: _Hold) -> float:
         """When the workers would have touched ``hold`` last: one touch interval after
