@@ -159,14 +159,26 @@ class Clock:
 
     def at(self, t: float, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` at time ``t`` (never before now)."""
+        self.at_number(t, next(self._seq), fn, *args)
+
+    def reserve(self, n: int) -> int:
+        """Set aside the next ``n`` scheduling numbers (their order among events of the
+        same time) for events scheduled later by ``at_number``; returns the first. Events
+        given them run as if scheduled now, at the times they are given."""
+        first = next(self._seq)
+        self._seq = itertools.count(first + n)
+        return first
+
+    def at_number(self, t: float, number: int, fn: Callable[..., Any], *args: Any) -> None:
+        """``at`` with a number from ``reserve`` (each given once)."""
         if t < self.now:
             t = self.now
         if t > self._until:
-            self._later.append(_Event(t, next(self._seq), fn, args))
+            self._later.append(_Event(t, number, fn, args))
         elif NATIVE_HEAP:
-            _push(self._heap, _Event(t, next(self._seq), fn, args))
+            _push(self._heap, _Event(t, number, fn, args))
         else:
-            heapq.heappush(self._heap, _Event(t, next(self._seq), fn, args))
+            heapq.heappush(self._heap, _Event(t, number, fn, args))
 
     def after(self, delay_s: float, fn: Callable[..., Any], *args: Any) -> None:
         self.at(self.now + delay_s, fn, *args)

@@ -459,8 +459,25 @@ class Fleet:
     # --- jobs ------------------------------------------------------------------------
 
     def add_jobs(self, specs: Sequence[JobSpec]) -> None:
-        for s in specs:
-            self.clock.at(s.arrival_s, self._start, s)
+        """Start each job at its arrival. The arrivals wait in a list of their own, in
+        order, the next of them alone among the clock's events: a run's 100,000 jobs in
+        the event heap made every push and pop of it two levels deeper (its pops were
+        7 % of a 128-GPU round-robin run). Jobs of one arrival time start in the order
+        given. Each arrival keeps the event number it had when all were scheduled at once
+        (``Clock.reserve``), so every event runs in the same order as then."""
+        if not specs:
+            return
+        first = self.clock.reserve(len(specs))
+        order = sorted(range(len(specs)), key=lambda i: specs[i].arrival_s)  # stable
+        arrivals = [(specs[i], first + i) for i in order]
+        spec, number = arrivals[0]
+        self.clock.at_number(spec.arrival_s, number, self._arrive, arrivals, 0)
+
+    def _arrive(self, arrivals: list[tuple[JobSpec, int]], i: int) -> None:
+        if i + 1 < len(arrivals):
+            spec, number = arrivals[i + 1]
+            self.clock.at_number(spec.arrival_s, number, self._arrive, arrivals, i + 1)
+        self._start(arrivals[i][0])
 
     def _start(self, spec: JobSpec) -> None:
         stat = JobStat(spec.job_id, spec.family, spec.lane, self.clock.now)
