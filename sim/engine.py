@@ -65,6 +65,9 @@ class Request:
     _decode_left: int
     """Tokens left to decode after the first (when it joined the decoding batch)."""
     _held: list[BlockKey]
+    _held_n: int
+    """How many of ``_held`` the request uses (its chain itself, when it has an own
+    part: no copy; the chain grows with the job's later steps)."""
     _private: int
 
     def __init__(self, chain: list[BlockKey], prompt_tokens: int, output_tokens: int,
@@ -87,6 +90,7 @@ class Request:
         self._prefill_left = 0
         self._decode_left = 0
         self._held = []
+        self._held_n = 0
         self._private = 0
 
     @property
@@ -367,23 +371,27 @@ class PrefixCache:
                 lo = mid
         return hi
 
-    def acquire(self, keys: list[BlockKey], cached: int = -1, own_from: int = -1) -> None:
+    def acquire(self, keys: list[BlockKey], cached: int = -1, own_from: int = -1,
+                count: int = -1) -> None:
         """Use ``keys`` (cached ones are reused, missing ones allocated and registered).
         ``cached``: ``hit_blocks(keys)`` if the caller has just found it (-1: look).
         ``own_from``: where the chain's own part starts (its blocks kept as a ``_Run``:
-        ``_acquire_run``); -1 or past the end: every block a ``ref`` key.
+        ``_acquire_run``); -1 or past the end: every block a ``ref`` key. ``count``: use
+        only the first ``count`` of ``keys`` (-1: all).
 
         ``keys`` is a chain's leading blocks: in use, then cached but unused, then not
         cached (see ``PrefixCache``). The user ends at the last key; the blocks from the
         first unused one on enter use, each with one successor in use but the last, and
         the last block in use before them gains one; the same as taking each key in
         turn (``acquire_walk``)."""
-        n = len(keys)
+        n = len(keys) if count < 0 else count
         if not n:
             return
         if 0 <= own_from < n:
-            self._acquire_run(keys, cached, own_from)
+            self._acquire_run(keys, cached, own_from, n)
             return
+        if n < len(keys):
+            keys = keys[:n]
         ref = self.ref
         last = keys[n - 1]
         if cached < 0:
@@ -413,17 +421,17 @@ class PrefixCache:
         ref[last] = 1  # entered use here: no successor in use, one user ending at it
         self._note_usage()
 
-    def _acquire_run(self, keys: list[BlockKey], cached: int, s: int) -> None:
+    def _acquire_run(self, keys: list[BlockKey], cached: int, s: int, n: int) -> None:
         """``acquire`` of a chain whose blocks from ``s`` on are a job's own run: the
         shared part's blocks as ``acquire`` takes them, except that the user does not
         end at its last block but goes on through the run (one successor in use, when
         the run was in use by no one); the run's blocks as counts. The order of the
         steps is ``acquire``'s: the reused blocks (shared, then own) out of the LRU,
         then one ``_take`` for every new block, then the new blocks registered (the
-        regret is told them in chain order), as the same chain taken a block each."""
-        n = len(keys)
+        regret is told them in chain order), as the same chain taken a block each. Only
+        the first ``n`` of ``keys`` are the chain."""
         if cached < 0:
-            cached = self.hit_blocks(keys, s)
+            cached = self.hit_blocks(keys[:n], s)
         ref = self.ref
         first = keys[s]
         run = self.runs.get(first)
@@ -594,7 +602,7 @@ class PrefixCache:
         return k
 
     def release(self, keys: list[BlockKey], *, used_at: float | None = None,
-                aged_from: int = 0, own_from: int = -1) -> None:
+                aged_from: int = 0, own_from: int = -1, count: int = -1) -> None:
         """Stop using ``keys``; last block first, so a prompt's tail is evicted first.
 
         The user ended at the last key: from there back, each block no other user ends
@@ -606,13 +614,15 @@ class PrefixCache:
         if before now (a hold's last touch): they are evicted as that old. The blocks
         before ``aged_from`` (a prefix other chains share) go to the LRU as used now.
 
-        ``own_from``: as ``acquire``'s (the same as the chain was acquired with)."""
-        n = len(keys)
+        ``own_from``, ``count``: as ``acquire``'s (as the chain was acquired with)."""
+        n = len(keys) if count < 0 else count
         if not n:
             return
         if 0 <= own_from < n:
-            self._release_run(keys, used_at, aged_from, own_from)
+            self._release_run(keys, used_at, aged_from, own_from, n)
             return
+        if n < len(keys):
+            keys = keys[:n]
         ref = self.ref
         i = n - 1
         k = keys[i]
@@ -649,13 +659,13 @@ class PrefixCache:
         self._note_usage()
 
     def _release_run(self, keys: list[BlockKey], used_at: float | None, aged_from: int,
-                     s: int) -> None:
+                     s: int, n: int) -> None:
         """``release`` of a chain whose blocks from ``s`` on are a job's own run: the run's
         freed blocks (from the user's end down to the next user's) become one place (two
         when part of them is aged: the aged part above), and when the run leaves use its
         shared prefix is walked as ``release`` walks it; the places come in the order
-        the same chain released a block each would have made them."""
-        n = len(keys)
+        the same chain released a block each would have made them. Only the first ``n``
+        of ``keys`` are the chain."""
         run = self.runs[keys[s]]
         m = n - s
         ends = run.ends
@@ -758,9 +768,12 @@ class PrefixCache:
 
     # The plain walks: one key at a time (the reference the tests compare with).
 
-    def acquire_walk(self, keys: list[BlockKey], cached: int = -1, own_from: int = -1) -> None:
+    def acquire_walk(self, keys: list[BlockKey], cached: int = -1, own_from: int = -1,
+                     count: int = -1) -> None:
         """``acquire`` a key at a time (``cached`` and ``own_from``, taken for its
         signature, unread: through the walks every block is a ``ref`` key)."""
+        if 0 <= count < len(keys):
+            keys = keys[:count]
         ref, index, bit = self.ref, self.index, self.bit
         for i, k in enumerate(keys):
             c = ref.get(k)
@@ -782,7 +795,9 @@ class PrefixCache:
         self._note_usage()
 
     def release_walk(self, keys: list[BlockKey], *, used_at: float | None = None,
-                     aged_from: int = 0, own_from: int = -1) -> None:
+                     aged_from: int = 0, own_from: int = -1, count: int = -1) -> None:
+        if 0 <= count < len(keys):
+            keys = keys[:count]
         ref = self.ref
         now = self._now()
         freed = 0
@@ -1166,10 +1181,15 @@ class Engine:
                     continue
                 break
             heapq.heappop(self.waiting)
-            shared = chain[:min(len(chain), total)]  # a new list: the chain grows later
-            cache.acquire(shared, min(cached, len(shared)), own_from)  # a prefix's hit: the chain's
-            req._held = shared
-            req._private = max(0, total - len(shared))
+            n = min(len(chain), total)
+            if 0 <= own_from < n:  # a run's blocks are counts: the chain itself will do
+                cache.acquire(chain, min(cached, n), own_from, n)
+                req._held = chain
+            else:
+                req._held = chain[:n]  # a new list: the chain grows later
+                cache.acquire(req._held, min(cached, n))  # a prefix's hit: the chain's
+            req._held_n = n
+            req._private = max(0, total - n)
             cache.take_private(req._private)
             req.cached_tokens = hit * block
             req.computed_tokens = req.prompt_tokens - req.cached_tokens
@@ -1299,7 +1319,7 @@ class Engine:
         if self.changed is not None:
             self.changed.add(self.owner)
         req.done_at = now
-        self.cache.release(req._held, own_from=req.own_from)
+        self.cache.release(req._held, own_from=req.own_from, count=req._held_n)
         self.cache.give_private(req._private)
         req._held = []
         req._private = 0

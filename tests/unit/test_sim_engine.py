@@ -397,7 +397,9 @@ def test_runs_simulate_like_a_block_each(seed: int) -> None:
             j, keys = users.pop(rng.randrange(len(users)))
             if rng.random() < 0.5:
                 used_at = floor[j] = rng.uniform(floor.get(j, 0.0), clock.now)
-                fast.release(keys, used_at=used_at, aged_from=shared[j], own_from=shared[j])
+                # the chain itself and a count, as an engine's request holds it
+                fast.release(chains[j], used_at=used_at, aged_from=shared[j],
+                             own_from=shared[j], count=len(keys))
                 walk.release(keys, used_at=used_at, aged_from=shared[j])
             else:
                 floor[j] = clock.now
@@ -426,7 +428,10 @@ def test_runs_simulate_like_a_block_each(seed: int) -> None:
                     or fast.used_blocks + len(keys) > capacity:
                 continue
             assert walk.can_allocate(hit, keys, len(keys) - hit)
-            fast.acquire(keys, -1 if rng.random() < 0.5 else hit, shared[j])
+            if rng.random() < 0.5:
+                fast.acquire(keys, -1 if rng.random() < 0.5 else hit, shared[j])
+            else:
+                fast.acquire(chain, hit, shared[j], len(keys))
             walk.acquire(keys)
             users.append((j, keys))
         assert fast.lru_keys() == walk.lru_keys()
