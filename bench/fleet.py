@@ -35,10 +35,11 @@ from warmloop.sim.workload import WORKLOADS, JobProfile, JobSpec, burst_jobs, po
 from warmloop.workflows.calibration import EngineCalibration, preset
 from warmloop.workflows.holding import HoldConfig
 
-RELATIVE_CPU = {"round_robin_lru": 1.0, "cache_aware_no_holds": 1.65, "warmloop": 2.3}
+RELATIVE_CPU = {"round_robin_lru": 1.0, "cache_aware_no_holds": 1.5, "warmloop": 2.4}
 """CPU a run of each policy takes against round-robin's, for the same fleet and horizon
-(2026-12-05, late night, 128 GPUs, 80 %, 60 s, compiled: 28 / 47 / 65 s): only the order
-runs start in, so the longest does not start last while the other processes sit idle."""
+(2026-12-07, 128 GPUs, 80 %, 60 s, compiled, jobs' own blocks as runs: 13.0 / 19.2 /
+31.5 s): only the order runs start in, so the longest does not start last while the
+other processes sit idle."""
 
 
 def saturation_batch(mix: list[tuple[JobProfile, float]], cal: EngineCalibration,

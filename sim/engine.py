@@ -132,6 +132,15 @@ class PrefixCache:
     engines caching it (bit ``owner``), so the fleet finds the engines warm for a
     prompt without asking each one.
 
+    A job's own blocks (a chain's keys from ``own_from`` on, the caller's word: the
+    fleet's dense own keys) are kept as one ``_Run`` a job and engine instead of a
+    ``ref`` entry a block, its evictable blocks as one LRU place a release (``_Seg``):
+    a step of a job on the engine it used last brought all its own blocks back into use
+    and freed them again, a ``ref`` write or two a block, ~30 % of a 128-GPU run; now a
+    few writes a step. The order of evictions, the counts and the regret are those of a
+    block each (``tests/unit/test_sim_engine.py`` runs both side by side; the walks stay
+    a block each).
+
     A release may say its blocks were last used earlier than now (``release(...,
     used_at=)``): a hold's blocks, kept by touches, were last used at its last touch.
     Those blocks wait in a heap by that time, a run per release (``_aged_heap`` of
