@@ -640,14 +640,8 @@ class PrefixCache:
             ref[k] = left
             return
         freed = [k]
-        while i:
-            i -= 1
-            k = keys[i]
-            left = ref[k] - IN_USE_SUCCESSOR
-            if left:
-                ref[k] = left
-                break
-            freed.append(k)
+        if i:
+            self._free_back(keys, i - 1, freed)
         now = self._now()
         own = 0
         if used_at is not None and used_at < now:
@@ -686,22 +680,8 @@ class PrefixCache:
         run.top = top
         ref = self.ref
         freed: list[BlockKey] = []  # the shared prefix's, last first
-        if not top and s:
-            i = s - 1
-            k = keys[i]
-            left = ref[k] - IN_USE_SUCCESSOR
-            if left:
-                ref[k] = left
-            else:
-                freed.append(k)
-                while i:
-                    i -= 1
-                    k = keys[i]
-                    left = ref[k] - IN_USE_SUCCESSOR
-                    if left:
-                        ref[k] = left
-                        break
-                    freed.append(k)
+        if not top and s:  # the run left use: its shared prefix lost a successor in use
+            self._free_back(keys, s - 1, freed)
         now = self._now()
         aged_lo = old_top  # the run's blocks from here up are aged
         if used_at is not None and used_at < now:
@@ -715,10 +695,7 @@ class PrefixCache:
                 heapq.heappush(self._aged_heap, _AgedRun(used_at, self._aged_seq, [], seg))
                 self._aged_seq += old_top - aged_lo
                 run.segs.append(seg)
-                heap = self._aged_heap
-                if len(heap) > 2 * self.evictable_blocks + self._stale_slack:
-                    self._aged_heap = heap = [r for r in heap if r.skip_stale(ref)]
-                    heapq.heapify(heap)
+                self._tidy_aged()
         lru_keys = self._lru_keys
         places = 0
         if aged_lo > top:
@@ -752,9 +729,31 @@ class PrefixCache:
         # few dozen tuple compares, a quarter of a long warmloop run's evictions)
         heapq.heappush(heap, _AgedRun(used_at, seq, freed[:own]))
         self._aged_seq = seq + own
+        self._tidy_aged()
+
+    def _tidy_aged(self) -> None:
+        """Drop the aged heap's stale runs once they are most of it."""
+        heap = self._aged_heap
         if len(heap) > 2 * self.evictable_blocks + self._stale_slack:  # mostly stale
+            ref = self.ref
             self._aged_heap = heap = [r for r in heap if r.skip_stale(ref)]
             heapq.heapify(heap)
+
+    def _free_back(self, keys: list[BlockKey], i: int, freed: list[BlockKey]) -> None:
+        """``keys[i]`` lost a successor in use: free it and each block before it left
+        with no user (appended to ``freed``, last first), up to the first still in
+        use, which loses one successor in use."""
+        ref = self.ref
+        while True:
+            k = keys[i]
+            left = ref[k] - IN_USE_SUCCESSOR
+            if left:
+                ref[k] = left
+                return
+            freed.append(k)
+            if not i:
+                return
+            i -= 1
 
     def _compact(self) -> None:
         """Drop the LRU's stale places once they outnumber twice the current ones by

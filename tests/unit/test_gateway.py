@@ -693,8 +693,10 @@ async def test_gateway_entries_expired_or_garbled_count_for_nothing(
     assert await registry.gateways_held() == {"e0": 500, "e1": 7}
 
 
-async def test_a_session_that_moved_to_another_replica_ends_its_hold_here(
-        make: Make, redis: aioredis.Redis) -> None:
+async def _roaming_session_held_on_the_first(make: Make
+                                             ) -> tuple[Rig, Rig, dict[str, str], Any]:
+    """Two replicas over e0; session "roaming" served and held (always-hold) by the
+    first: (first, second, the session's headers, the first's hold manager on e0)."""
     first = await make("e0", instance="gw-a")
     second = await make("e0", instance="gw-b")
     first.gateway.config.hold_policy = "always_hold"
@@ -702,6 +704,12 @@ async def test_a_session_that_moved_to_another_replica_ends_its_hold_here(
     await first.chat(conversation(), headers=s)
     manager = first.gateway.holds.manager("e0")
     assert manager is not None and "roaming" in manager.holds
+    return first, second, s, manager
+
+
+async def test_a_session_that_moved_to_another_replica_ends_its_hold_here(
+        make: Make, redis: aioredis.Redis) -> None:
+    first, second, s, manager = await _roaming_session_held_on_the_first(make)
     # garbage on the stream, and a replica's own announcement, change nothing
     for junk in ({"junk": b"\xff"}, {"gateway": b"\xff", "session": "roaming", "age_ms": 0},
                  {"gateway": "gw-b", "session": "roaming", "age_ms": "soon"},
@@ -739,13 +747,7 @@ async def test_a_session_that_moved_to_another_replica_ends_its_hold_here(
 
 async def test_a_move_announced_while_redis_was_away_still_ends_the_hold_it_left(
         make: Make, redis: aioredis.Redis, module_server: RedisServer) -> None:
-    first = await make("e0", instance="gw-a")
-    second = await make("e0", instance="gw-b")
-    first.gateway.config.hold_policy = "always_hold"
-    s = {"x-session-id": "roaming", "x-session-kind": "support"}
-    await first.chat(conversation(), headers=s)
-    manager = first.gateway.holds.manager("e0")
-    assert manager is not None and "roaming" in manager.holds
+    first, second, s, manager = await _roaming_session_held_on_the_first(make)
     # Redis goes down; the session's next call comes to the other replica, which serves
     # it from its last view of the fleet but cannot announce it
     module_server.kill()
