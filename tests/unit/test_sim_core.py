@@ -108,6 +108,29 @@ def test_an_event_that_raises_has_run_and_the_rest_wait() -> None:
     assert seen == ["first", "boom", "after", "scheduled since", "later"]
 
 
+def test_reserved_numbers_order_events_as_if_scheduled_when_reserved() -> None:
+    """``Clock.reserve`` / ``at_number`` (the fleet's job arrivals, scheduled one at a
+    time): an event given a reserved number runs before events of its time scheduled
+    after the reservation and after those scheduled before it, wherever it is scheduled
+    from; beyond a run's end it waits and keeps its place."""
+    clock = Clock()
+    ran: list[str] = []
+    clock.at(1.0, ran.append, "before")
+    first = clock.reserve(2)
+    clock.at(1.0, ran.append, "after")
+    clock.at(2.0, ran.append, "after-2")
+
+    def then() -> None:  # scheduled late, from an event, yet in its reserved place
+        ran.append("reserved-1")
+        clock.at_number(2.0, first + 1, ran.append, "reserved-2")
+
+    clock.at_number(1.0, first, then)
+    clock.run(until=1.5)
+    assert ran == ["before", "reserved-1", "after"]
+    clock.run()
+    assert ran == ["before", "reserved-1", "after", "reserved-2", "after-2"]
+
+
 def test_pending_counts_the_events_not_run_yet() -> None:
     """A probe that reschedules itself while anything else is pending (``Fleet``'s churn
     probe) must not count itself: it would never stop."""
