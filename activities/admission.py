@@ -34,7 +34,12 @@ from typing import Any, Protocol
 import redis.asyncio as aioredis
 import structlog
 
-from warmloop.activities.registry import REDIS_ERRORS, RedisOutage, stop_if_cancelled
+from warmloop.activities.registry import (
+    REDIS_ERRORS,
+    RedisOutage,
+    redis_text,
+    stop_if_cancelled,
+)
 from warmloop.workflows.calibration import EngineCalibration
 from warmloop.workflows.lanes import (
     AdmissionConfig,
@@ -235,7 +240,7 @@ class SharedBatchSlots:
         ours = f"{mine}{self._run}:"
         async def members() -> list[str]:
             raw: list[Any] = await self._redis.zrange(self.key, 0, -1)
-            return [x.decode() if isinstance(x, bytes) else str(x) for x in raw]
+            return [redis_text(x) for x in raw]
 
         none: list[str] = []
         found = await self._outage.attempt("batch slots", members, none,

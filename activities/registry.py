@@ -216,8 +216,11 @@ _UNREADABLE: set[str] = set()
 """Gateways whose entry did not parse, told once."""
 
 
-def _text(v: Any) -> str:
-    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+def redis_text(value: Any, *, errors: str = "strict") -> str:
+    """A value as Redis answered it, as text: clients built without
+    ``decode_responses`` (the project's) answer bytes, others str. ``errors``: as
+    ``bytes.decode``'s (strict: undecodable bytes raise ``UnicodeDecodeError``)."""
+    return value.decode(errors=errors) if isinstance(value, bytes) else str(value)
 
 
 class GatewayHeld(BaseModel):
@@ -570,7 +573,8 @@ class EngineRegistry:
     async def gateways(self, now: float | None = None) -> list[str]:
         """The gateway instances that published within ``GATEWAY_FORGET_S``."""
         since = (time.time() if now is None else now) - GATEWAY_FORGET_S
-        return [_text(g) for g in await self._redis.zrangebyscore(GATEWAY_SET, since, "+inf")]
+        return [redis_text(g, errors="replace")
+                for g in await self._redis.zrangebyscore(GATEWAY_SET, since, "+inf")]
 
     async def gateways_held(self, *, exclude: str | None = None,
                             names: list[str] | None = None) -> dict[str, int]:

@@ -261,7 +261,7 @@ class PrefixCache:
             for first, where in self.run_index.items():
                 assert self.owner not in where or first in self.runs
         ref = self.ref
-        counted = len([k for k in self.lru_keys()]) + len(self._current_aged())
+        counted = len(self.lru_keys()) + len(self._current_aged())
         assert counted == self.evictable_blocks == sum(
             1 for v in ref.values() if v < 0) + sum(
             r.cached - r.top for r in self.runs.values()), counted
@@ -405,30 +405,44 @@ class PrefixCache:
         last = keys[n - 1]
         if cached < 0:
             cached = self.hit_blocks(keys)
-        unused = self._first_unused(keys, cached)
-        if unused == n:
+        if self._reuse(keys, cached, n) == n:
             ref[last] += 1
             return
-        if unused:
-            ref[keys[unused - 1]] += IN_USE_SUCCESSOR
-        if cached > unused:  # out of the LRU before anything is evicted for the rest
-            ref.update(dict.fromkeys(keys[unused:cached], IN_USE_SUCCESSOR))
-            self.evictable_blocks -= cached - unused
         if cached < n:
             new = keys[cached:]
             m = n - cached
             self._take(m)
-            ref.update(dict.fromkeys(new, IN_USE_SUCCESSOR))
+            self._register(new)
             self.stored_blocks += m
             if self.regret is not None:
                 self.regret.stored(new, self._block_tokens, self._clock.now)  # type: ignore[union-attr]
-            index = self.index
-            if index is not None:
-                bit = self.bit
-                get = index.get
-                index.update([(k, get(k, 0) | bit) for k in new])
         ref[last] = 1  # entered use here: no successor in use, one user ending at it
         self._note_usage()
+
+    def _reuse(self, keys: list[BlockKey], hit: int, n: int) -> int:
+        """Of a user's ``keys[:n]``, bring the cached ``keys[:hit]`` into use: the last
+        block in use before the first unused one gains a successor in use, and the
+        unused ones leave the LRU (before anything is evicted for the rest). Returns the
+        first unused index; ``n`` (nothing done): all ``n`` were in use already."""
+        unused = self._first_unused(keys, hit)
+        if unused < n:
+            ref = self.ref
+            if unused:
+                ref[keys[unused - 1]] += IN_USE_SUCCESSOR
+            if hit > unused:
+                ref.update(dict.fromkeys(keys[unused:hit], IN_USE_SUCCESSOR))
+                self.evictable_blocks -= hit - unused
+        return unused
+
+    def _register(self, new: list[BlockKey]) -> None:
+        """Blocks just computed (``_take`` made room): in use, each with its successor
+        in use, and in the fleet's index as cached here."""
+        self.ref.update(dict.fromkeys(new, IN_USE_SUCCESSOR))
+        index = self.index
+        if index is not None:
+            bit = self.bit
+            get = index.get
+            index.update([(k, get(k, 0) | bit) for k in new])
 
     def _acquire_run(self, keys: list[BlockKey], cached: int, s: int, n: int) -> None:
         """``acquire`` of a chain whose blocks from ``s`` on are a job's own run: the
@@ -449,17 +463,10 @@ class PrefixCache:
         shared_new: list[BlockKey] = []
         if not run.top and s:  # the run enters use: its shared prefix gains a successor
             hit = cached if cached < s else s
-            unused = self._first_unused(keys, hit)
-            if unused == s:
+            if self._reuse(keys, hit, s) == s:
                 ref[keys[s - 1]] += IN_USE_SUCCESSOR
-            else:
-                if unused:
-                    ref[keys[unused - 1]] += IN_USE_SUCCESSOR
-                if hit > unused:
-                    ref.update(dict.fromkeys(keys[unused:hit], IN_USE_SUCCESSOR))
-                    self.evictable_blocks -= hit - unused
-                if hit < s:
-                    shared_new = keys[hit:s]
+            elif hit < s:
+                shared_new = keys[hit:s]
         m = n - s
         old_top = run.top
         run.ends.append(m)
@@ -484,13 +491,8 @@ class PrefixCache:
         if new:
             self._take(new)
             self.stored_blocks += new
-            index = self.index
             if shared_new:
-                ref.update(dict.fromkeys(shared_new, IN_USE_SUCCESSOR))
-                if index is not None:
-                    bit = self.bit
-                    get = index.get
-                    index.update([(k, get(k, 0) | bit) for k in shared_new])
+                self._register(shared_new)
             if own_new:
                 run.cached = top
                 if self.run_index is not None:
@@ -647,16 +649,7 @@ class PrefixCache:
         if used_at is not None and used_at < now:
             own = max(0, min(len(freed), n - aged_from))  # freed[:own]: keys[aged_from:]
             self._age(freed, own, used_at)
-        lru_keys = self._lru_keys
-        stamp = _lru_stamp(self._lru_base + len(lru_keys))
-        for j in range(own, len(freed)):
-            ref[freed[j]] = stamp  # the next place's stamp is 2 lower: no call a block
-            stamp -= 2
-        if own:
-            lru_keys.extend(freed[own:])
-        else:
-            lru_keys.extend(freed)
-        self._lru_times.extend([now] * (len(freed) - own))
+        self._to_lru(freed, own, now)
         self.evictable_blocks += len(freed)
         self._compact()
         self._note_usage()
@@ -678,7 +671,6 @@ class PrefixCache:
         if top >= old_top:
             return  # another user still ends at or past this one's end: nothing freed
         run.top = top
-        ref = self.ref
         freed: list[BlockKey] = []  # the shared prefix's, last first
         if not top and s:  # the run left use: its shared prefix lost a successor in use
             self._free_back(keys, s - 1, freed)
@@ -696,25 +688,29 @@ class PrefixCache:
                 self._aged_seq += old_top - aged_lo
                 run.segs.append(seg)
                 self._tidy_aged()
-        lru_keys = self._lru_keys
-        places = 0
         if aged_lo > top:
             seg = _Seg(run, top, aged_lo)
             run.segs.append(seg)
-            lru_keys.append(seg)
-            places = 1
+            self._lru_keys.append(seg)
+            self._lru_times.append(now)
         if freed:
-            stamp = _lru_stamp(self._lru_base + len(lru_keys))
-            for k in freed:
-                ref[k] = stamp
-                stamp -= 2
-            lru_keys.extend(freed)
-            places += len(freed)
-        if places:
-            self._lru_times.extend([now] * places)
+            self._to_lru(freed, 0, now)
         self.evictable_blocks += old_top - top + len(freed)
         self._compact()
         self._note_usage()
+
+    def _to_lru(self, freed: list[BlockKey], start: int, now: float) -> None:
+        """Append ``freed[start:]`` to the LRU, a place each, released ``now``."""
+        ref, lru_keys = self.ref, self._lru_keys
+        stamp = _lru_stamp(self._lru_base + len(lru_keys))
+        for j in range(start, len(freed)):
+            ref[freed[j]] = stamp  # the next place's stamp is 2 lower: no call a block
+            stamp -= 2
+        if start:
+            lru_keys.extend(freed[start:])
+        else:
+            lru_keys.extend(freed)
+        self._lru_times.extend([now] * (len(freed) - start))
 
     def _age(self, freed: list[BlockKey], own: int, used_at: float) -> None:
         """Put ``freed[:own]`` in the aged heap as last used at ``used_at`` (last first,

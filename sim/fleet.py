@@ -111,6 +111,9 @@ class _Job:
     stat: JobStat
     key: int = 0
     """Base of the job's own block keys (``Fleet._chain``)."""
+    shared: int = 0
+    """Its family's shared blocks: where its own blocks start in its chain (the caches'
+    ``own_from``)."""
     step: int = 0
     transcript: int = 0
     chain: list[BlockKey] = field(default_factory=list)
@@ -339,12 +342,12 @@ class Fleet:
         self.policy = policy
         self.cfg = config or FleetConfig()
         self.block_index: dict[BlockKey, int] = {}
-        self.run_index: dict[int, dict[int, int]] = {}
-        """Each job's own run (by its first key): engine number -> its blocks cached
-        there (``PrefixCache.run_index``); the router's, beside ``block_index``."""
         """Each cached block key: a bit mask of the engines caching it. The router's
         alone (``_candidates``): under round-robin routing, which never reads it, the
         engines keep none (a fifth of a 128-GPU round-robin run was its upkeep)."""
+        self.run_index: dict[int, dict[int, int]] = {}
+        """Each job's own run (by its first key): engine number -> its blocks cached
+        there (``PrefixCache.run_index``); the router's, beside ``block_index``."""
         cal = calibrations[0]
         self.hold_cfg = self.cfg.hold or cal.hold_config()
         # The cost model's holds price their rent by each pool's evictions, as workers
@@ -483,15 +486,15 @@ class Fleet:
         stat = JobStat(spec.job_id, spec.family, spec.lane, self.clock.now)
         self.jobs.append(stat)
         self._jobs_started += 1
-        job = _Job(spec, stat, key=self._reserve_keys(spec),
+        shared = spec.prefix_tokens // self.block
+        job = _Job(spec, stat, key=self._reserve_keys(spec, shared), shared=shared,
                    transcript=spec.prefix_tokens + spec.task_tokens, started_s=self.clock.now)
         self.clock.after(self.cfg.pre_step_s, self._route_step, job)
 
-    def _reserve_keys(self, spec: JobSpec) -> int:
+    def _reserve_keys(self, spec: JobSpec, shared: int) -> int:
         """The base of a new job's own block keys: block ``i`` (from the family's
         ``shared`` blocks on) is ``base + i``, one run of ints no other job's keys
         overlap, as long as the job's last transcript (every step's result added)."""
-        shared = spec.prefix_tokens // self.block
         if shared > FAMILY_KEY_STRIDE:
             raise ValueError(f"job {spec.job_id}: a prefix of {shared} blocks is more "
                              f"than the simulator's {FAMILY_KEY_STRIDE} a family")
@@ -509,7 +512,7 @@ class Fleet:
         n = job.transcript // block
         chain = job.chain
         if len(chain) < n:
-            shared = spec.prefix_tokens // block
+            shared = job.shared
             family = self._families.get(spec.family)
             if family is None:
                 family = self._families[spec.family] = -(
@@ -569,11 +572,8 @@ class Fleet:
             cur, lo = nxt, b
         if runs:
             own = full - n
-            rest = 0
-            if n == 0:
-                rest = 0
-            elif out and out[-1][0] == n:
-                rest = out.pop()[1]
+            # the engines caching the whole shared part: split by how much of the run
+            rest = out.pop()[1] if out and out[-1][0] == n else 0
             by: dict[int, int] = {}
             for owner, cached in runs.items():
                 hit = n + (cached if cached < own else own)
@@ -831,8 +831,7 @@ class Fleet:
         spec = job.spec
         batch = spec.lane == Lane.BATCH and self.policy.lanes
         chain = self._chain(job)
-        own_from = spec.prefix_tokens // self.block
-        engine = self.route(spec.job_id, chain, job.last_engine, batch, own_from)
+        engine = self.route(spec.job_id, chain, job.last_engine, batch, job.shared)
         if batch:
             self.batch_seen[engine.engine_id].saw(spec.job_id, self.clock.now)
         prompt = job.transcript + spec.tail_tokens
@@ -840,7 +839,7 @@ class Fleet:
         req = Request(chain=chain, prompt_tokens=prompt, output_tokens=out,
                       priority=lanes.VLLM_PRIORITY[spec.lane] if self.policy.lanes else 0,
                       on_first_token=self._first_token, on_done=self._step_done, tag=job,
-                      own_from=own_from)
+                      own_from=job.shared)
         self.in_flight[engine.engine_id] += 1
         self._changed.add(engine.owner)
         job.pending = engine
@@ -1038,9 +1037,8 @@ class Fleet:
 
     def _prewarm(self, job: _Job, hold: bool) -> None:
         chain = self._chain(job)
-        own_from = job.spec.prefix_tokens // self.block
         engine = self.route(job.spec.job_id, chain, job.last_engine,
-                            job.spec.lane == Lane.BATCH and self.policy.lanes, own_from)
+                            job.spec.lane == Lane.BATCH and self.policy.lanes, job.shared)
         if not holding.prewarm_worthwhile(len(engine.waiting)):
             return  # the worker's prewarm activity skips it too
         if job.hold is not None and job.hold.engine is not engine:
@@ -1064,7 +1062,7 @@ class Fleet:
                 self._pin(job, engine, self.hold_cfg.always_hold_ttl_s)
 
         engine.submit(Request(chain=chain, prompt_tokens=prompt, output_tokens=1,
-                              priority=0, on_done=done, tag=None, own_from=own_from))
+                              priority=0, on_done=done, tag=None, own_from=job.shared))
         job.last_engine = engine.engine_id
 
     # --- holds (workflows.holding) ---------------------------------------------------------
@@ -1156,12 +1154,11 @@ class Fleet:
     def _pin(self, job: _Job, engine: Engine, ttl_s: float) -> None:
         if job.hold is not None:
             self._end_hold(job.hold, used_now=job.hold.engine is engine)
-        own_from = job.spec.prefix_tokens // self.block
-        keys = engine.pin(self._chain(job), own_from)
+        keys = engine.pin(self._chain(job), job.shared)
         if not keys:
             return
         now = self.clock.now
-        hold = _Hold(engine, keys, job, created=now, used_at=now, own_from=own_from)
+        hold = _Hold(engine, keys, job, created=now, used_at=now, own_from=job.shared)
         job.hold = hold
         eid = engine.engine_id
         self.holds[eid].append(hold)

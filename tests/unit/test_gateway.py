@@ -693,23 +693,23 @@ async def test_gateway_entries_expired_or_garbled_count_for_nothing(
     assert await registry.gateways_held() == {"e0": 500, "e1": 7}
 
 
-async def _roaming_session_held_on_the_first(make: Make
-                                             ) -> tuple[Rig, Rig, dict[str, str], Any]:
-    """Two replicas over e0; session "roaming" served and held (always-hold) by the
-    first: (first, second, the session's headers, the first's hold manager on e0)."""
-    first = await make("e0", instance="gw-a")
-    second = await make("e0", instance="gw-b")
-    first.gateway.config.hold_policy = "always_hold"
-    s = {"x-session-id": "roaming", "x-session-kind": "support"}
-    await first.chat(conversation(), headers=s)
-    manager = first.gateway.holds.manager("e0")
-    assert manager is not None and "roaming" in manager.holds
-    return first, second, s, manager
+async def _session_held_on_the_first(make: Make, session: str, *instances: str
+                                     ) -> tuple[list[Rig], dict[str, str], Any]:
+    """Replicas ``instances`` over e0; ``session`` served and held (always-hold) by the
+    first: (the replicas, the session's headers, the first's hold manager on e0)."""
+    rigs = [await make("e0", instance=name) for name in instances]
+    rigs[0].gateway.config.hold_policy = "always_hold"
+    s = {"x-session-id": session, "x-session-kind": "support"}
+    await rigs[0].chat(conversation(), headers=s)
+    manager = rigs[0].gateway.holds.manager("e0")
+    assert manager is not None and session in manager.holds
+    return rigs, s, manager
 
 
 async def test_a_session_that_moved_to_another_replica_ends_its_hold_here(
         make: Make, redis: aioredis.Redis) -> None:
-    first, second, s, manager = await _roaming_session_held_on_the_first(make)
+    (first, second), s, manager = await _session_held_on_the_first(
+        make, "roaming", "gw-a", "gw-b")
     # garbage on the stream, and a replica's own announcement, change nothing
     for junk in ({"junk": b"\xff"}, {"gateway": b"\xff", "session": "roaming", "age_ms": 0},
                  {"gateway": "gw-b", "session": "roaming", "age_ms": "soon"},
@@ -747,7 +747,8 @@ async def test_a_session_that_moved_to_another_replica_ends_its_hold_here(
 
 async def test_a_move_announced_while_redis_was_away_still_ends_the_hold_it_left(
         make: Make, redis: aioredis.Redis, module_server: RedisServer) -> None:
-    first, second, s, manager = await _roaming_session_held_on_the_first(make)
+    (first, second), s, manager = await _session_held_on_the_first(
+        make, "roaming", "gw-a", "gw-b")
     # Redis goes down; the session's next call comes to the other replica, which serves
     # it from its last view of the fleet but cannot announce it
     module_server.kill()
@@ -776,12 +777,7 @@ async def test_a_move_announced_while_redis_was_away_still_ends_the_hold_it_left
 
 async def test_a_move_announced_late_after_the_session_came_back_is_ignored(
         make: Make, redis: aioredis.Redis) -> None:
-    first = await make("e0", instance="gw-a")
-    first.gateway.config.hold_policy = "always_hold"
-    s = {"x-session-id": "boomerang", "x-session-kind": "support"}
-    await first.chat(conversation(), headers=s)
-    manager = first.gateway.holds.manager("e0")
-    assert manager is not None and "boomerang" in manager.holds
+    (first,), _, manager = await _session_held_on_the_first(make, "boomerang", "gw-a")
     # another replica's announcement of a call a minute ago, before this one's: stale
     await redis.xadd(gateway_core.SESSIONS_STREAM,
                      {"gateway": "gw-b", "session": "boomerang", "age_ms": 60_000})

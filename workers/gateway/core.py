@@ -56,6 +56,7 @@ from warmloop.activities.registry import (
     EngineRegistry,
     RedisOutage,
     TenantUsage,
+    redis_text,
     stop_if_cancelled,
 )
 from warmloop.workers.clients import build_redis
@@ -264,8 +265,7 @@ class Gateway:
         send again (``_announce_late``) when Redis does not take it."""
 
         async def add() -> bool:
-            await self.redis.xadd(SESSIONS_STREAM, _move_fields(self.instance, session, 0),
-                                  maxlen=SESSIONS_STREAM_MAXLEN, approximate=True)
+            await _add_move(self.redis, self.instance, session, 0)
             return True
 
         if not await self.outage.attempt("session announce", add, False,
@@ -279,29 +279,27 @@ class Gateway:
         """Send the announcements Redis did not take, each with its age, so a replica
         that served the session after it was made here knows it for stale."""
         now = time.monotonic()
-        late = [(k, at) for k, at in self._unannounced.items()
-                if now - at <= UNANNOUNCED_MAX_AGE_S]
+        for session in [k for k, at in self._unannounced.items()
+                        if now - at > UNANNOUNCED_MAX_AGE_S]:  # too old to matter
+            del self._unannounced[session]
+        late = list(self._unannounced.items())
+        if not late:
+            return
 
         async def add() -> bool:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for session, at in late:
-                    pipe.xadd(SESSIONS_STREAM,
-                              _move_fields(self.instance, session, int((now - at) * 1000)),
-                              maxlen=SESSIONS_STREAM_MAXLEN, approximate=True)
+                    _add_move(pipe, self.instance, session, int((now - at) * 1000))
                 await pipe.execute()
             return True
 
-        if late and not await self.outage.attempt("session announce", add, False,
-                                                  timeout_s=REDIS_TIMEOUT_S):
+        if not await self.outage.attempt("session announce", add, False,
+                                         timeout_s=REDIS_TIMEOUT_S):
             return
-        for session, at in late:  # sent (or too old to matter); newer ones since stay
+        for session, at in late:  # sent; a newer one of a session since stays
             if self._unannounced.get(session) == at:
                 del self._unannounced[session]
-        for session in [k for k, at in self._unannounced.items()
-                        if now - at > UNANNOUNCED_MAX_AGE_S]:
-            del self._unannounced[session]
-        if late:
-            log.info("gateway_sessions_announced_late", sessions=len(late))
+        log.info("gateway_sessions_announced_late", sessions=len(late))
 
     async def _follow_sessions(self) -> None:
         """Read the sessions other replicas took (``_announce``): a session this gateway
@@ -316,7 +314,7 @@ class Gateway:
             try:
                 if last is None:  # from the stream's end now: older moves are not ours
                     newest = await self.redis.xrevrange(SESSIONS_STREAM, count=1)
-                    last = _text(newest[0][0]) if newest else "0-0"
+                    last = redis_text(newest[0][0]) if newest else "0-0"
                 got: Any = await self.redis.xread({SESSIONS_STREAM: last}, count=256,
                                                   block=1000)
                 stop_if_cancelled()
@@ -329,7 +327,7 @@ class Gateway:
                 for entry_id, fields in entries:
                     if entry_id is None:
                         continue
-                    last = _text(entry_id)
+                    last = redis_text(entry_id)
                     self._session_moved(fields, received, redis_ms, last)
             except REDIS_ERRORS as e:
                 log.warning("session_stream_lost", error=str(e))
@@ -861,14 +859,13 @@ def job_key(session: str) -> str:
     return f"gw:{session}"
 
 
-def _move_fields(gateway: str, session: str, age_ms: int) -> Any:
-    """An announcement's fields: who took the session, and how long ago (ms) its call came
-    beyond the entry's own time (0 when sent at once)."""
-    return {"gateway": gateway, "session": session, "age_ms": age_ms}
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+def _add_move(client: Any, gateway: str, session: str, age_ms: int) -> Any:
+    """XADD one announcement on ``client`` (a client, or a pipeline that buffers it):
+    who took the session, and how long ago (ms) its call came beyond the entry's own
+    time (0 when sent at once)."""
+    return client.xadd(SESSIONS_STREAM, {"gateway": gateway, "session": session,
+                                         "age_ms": age_ms},
+                       maxlen=SESSIONS_STREAM_MAXLEN, approximate=True)
 
 
 def _stream_entries(got: Any) -> list[Any]:
@@ -888,4 +885,4 @@ def _field(fields: Any, name: str) -> str:
     value = fields.get(name.encode(), fields.get(name))
     if value is None:
         raise KeyError(name)
-    return _text(value)
+    return redis_text(value)
