@@ -313,15 +313,12 @@ class HoldManager:
         job moved on to another engine by it)."""
         if kind is None or not prefix_tokens or policy == "never":
             return None
-        costs: HoldCosts | TtlCacheCosts | None = None
-        if policy == "always_hold":
-            choice = HoldChoice(HoldAction.HOLD, self.config.always_hold_ttl_s, 0.0, 0.0,
-                                "always_hold policy")
-        else:
-            costs = self.costs(len(prefix_tokens), interactive=interactive)
-            if costs is None:
-                return None
-            choice = decide_hold(costs, await self._pauses.distribution(profile, kind))
+        decided = await self._decide(profile=profile, kind=kind,
+                                     prefix_tokens=len(prefix_tokens), policy=policy,
+                                     interactive=interactive)
+        if decided is None:
+            return None
+        choice, costs = decided
         if choice.action == HoldAction.HOLD:
             now = self._clock()
             # The step just used these blocks: they are the most recently used now, so
@@ -354,6 +351,29 @@ class HoldManager:
                  if isinstance(costs, HoldCosts) and costs.displaced_tokens_per_s is not None
                  else None)
         return choice
+
+    async def decide(self, *, profile: Profile, kind: str, prefix_tokens: int,
+                     policy: HoldPolicy, interactive: bool) -> HoldChoice | None:
+        """What ``after_step`` would decide for a prompt of ``prefix_tokens`` paused on
+        ``kind``, without holding anything: a pre-warm on an approval's opening asks it
+        before it computes the prompt (``holding.viewed_kind``). None: no decision (the
+        policy never holds, or the engine is not known yet)."""
+        if policy == "never" or prefix_tokens < 1:
+            return None
+        decided = await self._decide(profile=profile, kind=kind, prefix_tokens=prefix_tokens,
+                                     policy=policy, interactive=interactive)
+        return None if decided is None else decided[0]
+
+    async def _decide(self, *, profile: Profile, kind: str, prefix_tokens: int,
+                      policy: HoldPolicy, interactive: bool
+                      ) -> tuple[HoldChoice, HoldCosts | TtlCacheCosts | None] | None:
+        if policy == "always_hold":
+            return HoldChoice(HoldAction.HOLD, self.config.always_hold_ttl_s, 0.0, 0.0,
+                              "always_hold policy"), None
+        costs = self.costs(prefix_tokens, interactive=interactive)
+        if costs is None:
+            return None
+        return decide_hold(costs, await self._pauses.distribution(profile, kind)), costs
 
     def _hold_for_s(self, choice: HoldChoice, policy: HoldPolicy) -> float:
         return choice.ttl_s * (1.0 if policy == "always_hold" else self.config.ttl_slack)

@@ -43,7 +43,12 @@ from warmloop.workflows.contracts import (
     StepTiming,
     ToolCall,
 )
-from warmloop.workflows.holding import PREWARM_SKIPPED, prewarm_worthwhile
+from warmloop.workflows.holding import (
+    PREWARM_DECLINED,
+    PREWARM_SKIPPED,
+    HoldAction,
+    prewarm_worthwhile,
+)
 from warmloop.workflows.pricing import EnginePrice
 from warmloop.workflows.profiles import Profile, get_profile
 from warmloop.workflows.prompt import (
@@ -155,11 +160,20 @@ class InferenceActivities:
         """The latest step of each recent job that reached this worker, oldest first: a
         hold decided after the job's next step is here would outlive its use."""
 
+    @staticmethod
+    def _profile_of(req: GenerateRequest) -> Profile:
+        return get_profile(req.profile)
+
+    async def _trace_profile(self, req: GenerateRequest) -> Profile:
+        """A replayed trace's profile (``trace_prompts``); a plain lookup without them."""
+        if self._trace_prompts is None:
+            return get_profile(req.profile)
+        return await self._trace_prompts.profile(req.profile)
+
     async def _body(self, req: GenerateRequest
                     ) -> tuple[dict[str, Any], Profile, asyncio.Future[Any]]:
-        profile = (await self._trace_prompts.profile(req.profile)
-                   if self._trace_prompts is not None and is_trace_profile(req.profile)
-                   else get_profile(req.profile))
+        profile = (await self._trace_profile(req) if is_trace_profile(req.profile)
+                   else self._profile_of(req))
         transcript, stored = await self._transcripts.extend_deferred(
             req.job_id, req.base_len, req.new_messages)
         messages = assemble_prompt(profile, profile.validate_task(req.task), transcript,
@@ -354,14 +368,41 @@ class InferenceActivities:
         reports requests waiting: ``holding.prewarm_worthwhile``."""
         info = self._engine_info()
         if info is not None and not prewarm_worthwhile(info.waiting):
-            return GenerateResult(engine_id=self._engine_id, model=self._model,
-                                  finish_reason=PREWARM_SKIPPED, prompt_tokens=0,
-                                  cached_tokens=0, completion_tokens=0, ttft_ms=0.0,
-                                  latency_ms=0.0)
+            return self._not_prewarmed(PREWARM_SKIPPED)
+        if await self._hold_declined(req):
+            return self._not_prewarmed(PREWARM_DECLINED)
         result = await self.generate(req)
         if self._holds is not None:
             await self._holds.record_prewarm(result.prompt_tokens, result.cached_tokens)
         return result
+
+    def _not_prewarmed(self, reason: str) -> GenerateResult:
+        return GenerateResult(engine_id=self._engine_id, model=self._model,
+                              finish_reason=reason, prompt_tokens=0, cached_tokens=0,
+                              completion_tokens=0, ttft_ms=0.0, latency_ms=0.0)
+
+    async def _hold_declined(self, req: GenerateRequest) -> bool:
+        """A pre-warm on an approval's opening (it names the wait it would hold through
+        and the prompt's size): whether the hold model would not hold through it. Such a
+        pre-warm is then not sent: let go before the decision, the prompt would be
+        computed again by the decision's pre-warm. Advice: any failure sends it."""
+        if (self._holds is None or req.prompt_tokens_hint is None or not req.pause_kind
+                or req.hold_policy != "cost_model"):
+            return False
+        try:
+            choice = await self._holds.decide(
+                profile=self._profile_of(req) if not is_trace_profile(req.profile)
+                else await self._trace_profile(req),
+                kind=req.pause_kind, prefix_tokens=req.prompt_tokens_hint,
+                policy=req.hold_policy, interactive=req.lane == Lane.INTERACTIVE)
+        except Exception as e:  # noqa: BLE001 - advice: the pre-warm goes as before
+            log.warning("prewarm_hold_decision_failed", job_id=req.job_id, error=str(e))
+            return False
+        if choice is None or choice.action == HoldAction.HOLD:
+            return False
+        log.info("prewarm_declined", job_id=req.job_id, kind=req.pause_kind,
+                 prompt_tokens=req.prompt_tokens_hint, reason=choice.reason)
+        return True
 
     async def _generate(self, req: GenerateRequest, *, entered: float, admission_ms: float,
                         in_flight: str | None = None, counted: asyncio.Task[None] | None = None

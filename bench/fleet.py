@@ -8,7 +8,10 @@ perfect cache at saturation: per job, its new tokens at the calibrated prefill r
 output at the decode step time of the batch a saturated engine runs (``max_batch``, or
 what the KV pool holds), so "80 % load" means the same offered work for every policy,
 and 80 % of what the fleet can do. Per run: completed jobs per GPU-hour (jobs that ended within the
-horizon), cost per task p50/p95 (the calibration's price), interactive TTFT p99.
+horizon), cost per task p50/p95 (the calibration's price), interactive TTFT p99. With
+``--seeds N`` each configuration runs N workloads (seeds 1..N), every policy the same
+ones: the closing JSON's figures are medians over them, with ``ranges`` and warmloop's
+ratios paired seed by seed (``ratios``).
 Policies: round_robin_lru (plain vLLM behind a balancer), cache_aware_no_holds (the
 best peer's behaviour), warmloop. PNG plots go to ``.warmloop/bench-fleet/``; the last
 line is one JSON object with the 128-GPU, 80 % figures first.
@@ -125,14 +128,19 @@ def workload_jobs(gpus: int, load: float, cal: EngineCalibration, horizon_s: flo
     return jobs
 
 
-def _row(run: tuple[int, float, bool, str, float], calibration: str,
-         workload: str, holding: str | None = None) -> dict[str, Any]:
+Run = tuple[int, float, bool, str, float, int]
+"""One run: GPUs, load, burst, policy, horizon, the workload's seed."""
+
+
+def _row(run: Run, calibration: str, workload: str,
+         holding: str | None = None) -> dict[str, Any]:
     """One run as a row of the table (in a worker process)."""
-    gpus, load, burst, pol, horizon = run
+    gpus, load, burst, pol, horizon, seed = run
     hold = None if holding is None else HoldConfig.model_validate_json(holding)
-    s, took, cpu_s = one(gpus, load, pol, preset(calibration), horizon, burst,
+    s, took, cpu_s = one(gpus, load, pol, preset(calibration), horizon, burst, seed=seed,
                          workload=workload, holding=hold)
     return {"gpus": gpus, "load": load, "burst": burst, "policy": pol, "horizon_s": horizon,
+            "seed": seed,
             **figures(s, gpus, horizon), "wall_s": round(took, 1), "cpu_s": round(cpu_s, 1),
             "gpu_hours_per_wall_min": round(gpus * horizon / 60 / max(took, 1e-9), 2),
             "compiled": sim.COMPILED}
@@ -143,6 +151,61 @@ def figures(s: Summary, gpus: int, horizon_s: float) -> dict[str, float]:
             "cost_p50_usd": round(s.cost_p50_usd, 7), "cost_p95_usd": round(s.cost_p95_usd, 7),
             "ttft_p99_ms": round(s.interactive_ttft_p99_ms, 1), "hit_rate": round(s.hit_rate, 4),
             "completed": s.completed, "jobs": s.jobs}
+
+
+FIGURES = ("jobs_per_gpu_hour", "cost_p50_usd", "cost_p95_usd", "ttft_p99_ms", "hit_rate",
+           "completed", "jobs")
+"""A row's figures, each a median over the seeds in ``medians``."""
+
+
+def _config(r: dict[str, Any]) -> tuple[int, float, bool, str, float]:
+    return r["gpus"], r["load"], r["burst"], r["policy"], r["horizon_s"]
+
+
+def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per fleet, load, burst and policy: each figure's median over the runs'
+    seeds (``seeds``: how many), in the order the configurations first appear."""
+    by: dict[tuple[int, float, bool, str, float], list[dict[str, Any]]] = {}
+    for r in rows:
+        by.setdefault(_config(r), []).append(r)
+    out = []
+    for same in by.values():
+        row = {**same[0], "seeds": len(same)}
+        row.pop("seed", None)
+        for k in FIGURES:
+            if all(k in r for r in same):
+                row[k] = statistics.median(r[k] for r in same)
+        out.append(row)
+    return out
+
+
+def spread(rows: list[dict[str, Any]], gpus: int = 128, load: float = 0.8
+           ) -> dict[str, Any]:
+    """Over the seeds of the fleet of ``gpus`` at ``load`` (no burst): each policy's
+    range of jobs per GPU-hour and TTFT p99, and warmloop's jobs per GPU-hour over each
+    other policy's, seed by seed (one seed's workload run by both), as median and range.
+    The simulator is deterministic for a seed, but which jobs end inside a short horizon
+    moves from seed to seed by more than some policies differ."""
+    sel = [r for r in rows if r["gpus"] == gpus and r["load"] == load and not r["burst"]]
+    by_seed: dict[int, dict[str, dict[str, Any]]] = {}
+    for r in sel:
+        by_seed.setdefault(r.get("seed", 1), {})[r["policy"]] = r
+    ranges: dict[str, dict[str, list[float]]] = {}
+    for metric in ("jobs_per_gpu_hour", "ttft_p99_ms"):
+        for pol in POLICIES:
+            vals = [runs[pol][metric] for runs in by_seed.values() if pol in runs]
+            if vals:
+                ranges.setdefault(metric, {})[pol] = [min(vals), max(vals)]
+    ratios: dict[str, dict[str, Any]] = {}
+    for other in ("round_robin_lru", "cache_aware_no_holds"):
+        vals = [runs["warmloop"]["jobs_per_gpu_hour"] / runs[other]["jobs_per_gpu_hour"]
+                for runs in by_seed.values()
+                if "warmloop" in runs and runs.get(other, {}).get("jobs_per_gpu_hour")]
+        if vals:
+            ratios[f"warmloop_over_{other}"] = {
+                "median": round(statistics.median(vals), 4),
+                "range": [round(min(vals), 4), round(max(vals), 4)]}
+    return {"seeds": sorted(by_seed), "ranges": ranges, "ratios": ratios}
 
 
 def plot(rows: list[dict[str, Any]], out: Path) -> list[str]:
@@ -197,10 +260,19 @@ def report(rows: list[dict[str, Any]], out: Path, calibration: str, workload: st
     ``procs`` processes: what "simulates in N minutes here" means), the runs' own wall
     times summed (one process's view) and their CPU time (what a shared host cannot
     inflate)."""
-    plots = plot(rows, out)
+    med = medians(rows)
+    plots = plot(med, out)
     (out / "rows.json").write_text(json.dumps(rows, indent=1))
-    head = {r["policy"]: r for r in rows if r["gpus"] == 128 and r["load"] == 0.8
+    head = {r["policy"]: r for r in med if r["gpus"] == 128 and r["load"] == 0.8
             and not r["burst"]}
+    sp = spread(rows)
+    for gpus, load in sorted({(r["gpus"], r["load"]) for r in rows if not r["burst"]}):
+        fleet = spread(rows, gpus, load)
+        if len(fleet["seeds"]) > 1 and fleet["ratios"]:
+            print(f"{gpus} GPUs, {load:.0%}, {len(fleet['seeds'])} seeds: " + "; ".join(
+                f"{k.replace('_over_', ' / ')} jobs per GPU-hour {v['median']:.4f}x "
+                f"[{v['range'][0]:.4f}-{v['range'][1]:.4f}]"
+                for k, v in fleet["ratios"].items()))
     gpu_hours = sum(r["gpus"] * r["horizon_s"] / 3600 for r in rows)
     wall = sum(r["wall_s"] for r in rows)
     cpu = sum(r.get("cpu_s", 0.0) for r in rows)
@@ -232,6 +304,7 @@ def report(rows: list[dict[str, Any]], out: Path, calibration: str, workload: st
         "jobs_per_gpu_hour": {k: v["jobs_per_gpu_hour"] for k, v in head.items()},
         "ttft_p99_ms": {k: v["ttft_p99_ms"] for k, v in head.items()},
         "cost_p95_usd": {k: v["cost_p95_usd"] for k, v in head.items()},
+        "seeds": sp["seeds"], "ranges": sp["ranges"], "ratios": sp["ratios"],
         "simulated_gpu_hours": round(gpu_hours, 1), "wall_s": round(wall, 1),
         "elapsed_s": round(elapsed_s, 1) if elapsed_s else None, "procs": procs,
         "cpu_s": round(cpu, 1), "compiled": compiled, "rows": rows}))
@@ -253,6 +326,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="bundled",
                    help="bundled: the bundled profiles' mix; agentic: a second, labelled "
                         "workload of long agent loops (sim.workload.agentic_mix)")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="workloads per configuration (seeds 1..N), each run by every "
+                        "policy: the table's rows per seed, the closing JSON's figures "
+                        "their medians, with ranges and warmloop's ratios seed by seed")
     p.add_argument("--procs", type=int, default=os.cpu_count() or 1,
                    help="runs at once, one process each (default: one per core)")
     p.add_argument("--holding", default=None,
@@ -265,6 +342,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="run nothing: merge these rows.json files (runs split over "
                         "processes) into --out and print the closing lines")
     args = p.parse_args(argv)
+    if args.seeds < 1:
+        p.error("--seeds must be at least 1: each seed is one workload every policy runs")
     if args.holding is not None:
         HoldConfig.model_validate_json(args.holding)  # a bad setting fails here, not in a run
     args.out.mkdir(parents=True, exist_ok=True)
@@ -279,12 +358,15 @@ def main(argv: list[str] | None = None) -> None:
             (args.loads if g == args.sweep_gpus else [0.8])]
     plan += [(g, 0.8, True) for g in (args.gpus if args.burst_gpus is None
                                       else args.burst_gpus)]
-    runs = [(gpus, load, burst, pol, args.large_horizon_s if gpus >= 128 else args.horizon_s)
-            for gpus, load, burst in plan for pol in args.policies]
+    runs: list[Run] = [
+        (gpus, load, burst, pol, args.large_horizon_s if gpus >= 128 else args.horizon_s, seed)
+        for seed in range(1, args.seeds + 1) for gpus, load, burst in plan
+        for pol in args.policies]
     order = {r: i for i, r in enumerate(runs)}
     procs = max(1, min(args.procs, len(runs)))
-    print("| GPUs | load | burst | policy | jobs/GPU-h | cost p50 / p95 | TTFT p99 ms | hit |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| GPUs | load | burst | seed | policy | jobs/GPU-h | cost p50 / p95 | TTFT p99 ms "
+          "| hit |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     started = time.monotonic()
     # Each run is one process's work from start to end (a fleet's engines share one
     # clock); runs are independent, so they spread over the cores, largest first (by
@@ -300,11 +382,10 @@ def main(argv: list[str] | None = None) -> None:
         for fut in as_completed(futures):
             row = fut.result()
             rows.append(row)
-            rows.sort(key=lambda r: order[(r["gpus"], r["load"], r["burst"], r["policy"],
-                                           r["horizon_s"])])
+            rows.sort(key=lambda r: order[(*_config(r), r["seed"])])
             (args.out / "rows.json").write_text(json.dumps(rows, indent=1))  # as it goes
             print(f"| {row['gpus']} | {row['load']:.0%} | {'10x' if row['burst'] else '-'} | "
-                  f"{row['policy']} | {row['jobs_per_gpu_hour']:.1f} | "
+                  f"{row['seed']} | {row['policy']} | {row['jobs_per_gpu_hour']:.1f} | "
                   f"${row['cost_p50_usd']:.6f} / ${row['cost_p95_usd']:.6f} | "
                   f"{row['ttft_p99_ms']:.0f} | {row['hit_rate']:.3f} |", flush=True)
     elapsed = time.monotonic() - started

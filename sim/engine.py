@@ -1052,6 +1052,11 @@ class Engine:
         self.changed: set[int] | None = None
         """Where to note ``owner`` when the requests on the engine (``load``) change: the
         fleet's index of loads is brought up to date from it before each decision."""
+        self.reclaim: Callable[[Engine], bool] | None = None
+        """Let one hold's blocks go because a request does not fit beside them (True:
+        one went; False: none is left). Held blocks are pinned here, where vLLM keeps a
+        hold's blocks only by touching them: they stay in its free queue, and a request
+        short of room evicts them (the hold is lost) rather than wait. The fleet sets it."""
         self.busy_s = 0.0
         self.prompt_tokens = 0
         self.cached_tokens = 0
@@ -1108,11 +1113,13 @@ class Engine:
         return keys
 
     def unpin(self, keys: list[BlockKey], *, used_at: float | None = None,
-              aged_from: int = 0, own_from: int = -1) -> None:
+              aged_from: int = 0, own_from: int = -1, kick: bool = True) -> None:
         """Stop keeping ``keys``; ``used_at``/``aged_from``/``own_from`` as
-        ``PrefixCache.release``."""
+        ``PrefixCache.release``. ``kick``: False from within the engine's own admission
+        (``reclaim``), which goes on by itself."""
         self.cache.release(keys, used_at=used_at, aged_from=aged_from, own_from=own_from)
-        self._kick()
+        if kick:
+            self._kick()
 
     def unpin_tail(self, keys: list[BlockKey], kept: int, *, used_at: float | None = None,
                    aged_from: int = 0, own_from: int = -1) -> None:
@@ -1174,7 +1181,10 @@ class Engine:
                 hit = max(0, (req.prompt_tokens - 1) // block)  # the last token is computed
             total = -(-(req.prompt_tokens + req.output_tokens) // block)
             new = max(0, total - hit)
-            if not cache.can_allocate(hit, chain, new, own_from):
+            fits = cache.can_allocate(hit, chain, new, own_from)
+            while not fits and self.reclaim is not None and self.reclaim(self):
+                fits = cache.can_allocate(hit, chain, new, own_from)
+            if not fits:
                 if not self.running and not self.prefilling and total > cache.capacity:
                     heapq.heappop(self.waiting)  # can never fit: vLLM refuses it
                     if self.changed is not None:

@@ -436,8 +436,14 @@ class Fleet:
         self.held = {e.engine_id: _HeldBlocks() for e in self.engines}
         self.churn = {e.engine_id: holding.ChurnMeter() for e in self.engines}
         """Each engine's churn as its worker measures it, for the holds' touch interval."""
+        self.prewarms_declined = 0
+        """Approvals' openings not pre-warmed: holding to the decision did not pay."""
+        self.holds_lost = 0
+        """Holds whose blocks a request short of room took (``_reclaim``)."""
         if self.policy.hold != "never":  # the touch interval reads it
             self.clock.after(CHURN_PROBE_S, self._probe_churn)
+            for e in self.engines:
+                e.reclaim = self._reclaim
         self.pause_samples: dict[str, deque[float]] = {}
         """The last 400 pauses of each kind (all ``_distribution`` reads)."""
         self.pause_counts: dict[str, int] = {}
@@ -984,10 +990,14 @@ class Fleet:
         notice = self._approval_notice(job) if step.approval else 0.0
         pause = step.pause_s + notice
         self._record_pause(step.pause_kind, pause)
+        if step.approval and step.viewed_after_s is not None:
+            # opened to decided, as the workflow records it at the decision
+            self._record_pause(holding.viewed_kind(step.pause_kind),
+                               max(0.0, step.pause_s - step.viewed_after_s))
         self._maybe_hold(job, engine, step.pause_kind, req)
         if step.approval and self.policy.prewarm and step.viewed_after_s is not None:
             self.clock.after(self.cfg.post_step_s + notice + step.viewed_after_s,
-                             self._prewarm, job, True)
+                             self._prewarm, job, True, step.pause_kind)
         self.clock.after(self.cfg.post_step_s + pause + self.cfg.between_steps_s, self._resume,
                          job, step.approval)
 
@@ -1035,12 +1045,24 @@ class Fleet:
 
     # --- prewarms ----------------------------------------------------------------------
 
-    def _prewarm(self, job: _Job, hold: bool) -> None:
+    def _prewarm(self, job: _Job, hold: bool, kind: str = "") -> None:
+        """Pre-warm the job's prompt: on its approval's decision, or (``hold``) on its
+        opening, holding it to the decision. Under the cost model an opening's pre-warm
+        is made only where holding from the opening to the decision (``kind``'s
+        ``viewed_kind``) pays; otherwise the decision's pre-warm computes the prompt once,
+        where an opening's pre-warm let go before the decision computes it twice."""
         chain = self._chain(job)
         engine = self.route(job.spec.job_id, chain, job.last_engine,
                             job.spec.lane == Lane.BATCH and self.policy.lanes, job.shared)
         if not holding.prewarm_worthwhile(len(engine.waiting)):
             return  # the worker's prewarm activity skips it too
+        hold_s = self.hold_cfg.always_hold_ttl_s
+        if hold and kind and self.policy.hold == "cost_model":
+            choice = self._hold_choice(job, engine, holding.viewed_kind(kind), counted=False)
+            if choice.action != holding.HoldAction.HOLD:
+                self.prewarms_declined += 1
+                return
+            hold_s = choice.ttl_s * self.hold_cfg.ttl_slack
         if job.hold is not None and job.hold.engine is not engine:
             self._end_hold(job.hold)
         if job.unsent >= 0:  # the transcript as it stands and the empty tail
@@ -1059,7 +1081,7 @@ class Fleet:
             if req.first_token_at and job.hold is not None and job.hold.engine is engine:
                 job.hold.used_at = self.clock.now  # the pre-warm used the held blocks
             if hold and self.policy.hold != "never" and job.step < len(job.spec.steps):
-                self._pin(job, engine, self.hold_cfg.always_hold_ttl_s)
+                self._pin(job, engine, hold_s)
 
         engine.submit(Request(chain=chain, prompt_tokens=prompt, output_tokens=1,
                               priority=0, on_done=done, tag=None, own_from=job.shared))
@@ -1091,7 +1113,8 @@ class Fleet:
         cached = self._dist.get(kind)
         if cached is not None and cached[0] == version:
             return cached
-        median, p90 = job.spec.prior.get(kind, (1.0, 5.0))
+        median, p90 = job.spec.prior.get(
+            kind, holding.VIEWED_PRIOR_S if kind.endswith(holding.VIEWED_SUFFIX) else (1.0, 5.0))
         # The last 400 observed pauses, as 99 quantiles: decide_hold's search is
         # quadratic in its points, and a fleet decides hundreds of holds a second.
         recent = sorted(self.pause_samples.get(kind, ()))
@@ -1109,6 +1132,15 @@ class Fleet:
         if policy == "always_hold":
             self._pin(job, engine, self.hold_cfg.always_hold_ttl_s)
             return
+        choice = self._hold_choice(job, engine, kind)
+        if choice.action == holding.HoldAction.HOLD:
+            self._pin(job, engine, choice.ttl_s * self.hold_cfg.ttl_slack)
+
+    def _hold_choice(self, job: _Job, engine: Engine, kind: str, *, counted: bool = True
+                     ) -> holding.HoldChoice:
+        """The cost model's decision for the job's prompt on ``engine`` through a pause
+        of ``kind`` (``holding.decide_hold``, memoised by what it depends on);
+        ``counted``: in ``hold_decisions`` (the steps' holds)."""
         version, dist = self._distribution(job, kind)
         cal = engine.cal if self.cfg.hold_pricing is None else \
             self.cfg.hold_pricing[engine.owner]
@@ -1131,10 +1163,10 @@ class Fleet:
             if len(self._decisions) > 200_000:
                 self._decisions.clear()
             self._decisions[key] = choice
-        self.hold_decisions[choice.action.value] = self.hold_decisions.get(
-            choice.action.value, 0) + 1
-        if choice.action == holding.HoldAction.HOLD:
-            self._pin(job, engine, choice.ttl_s * self.hold_cfg.ttl_slack)
+        if counted:
+            self.hold_decisions[choice.action.value] = self.hold_decisions.get(
+                choice.action.value, 0) + 1
+        return choice
 
     def _displaced_level(self, engine: Engine, prefix_tokens: int) -> int | None:
         """The engine's ``EvictionRegret`` for a hold of ``prefix_tokens``, in quarter
@@ -1211,7 +1243,24 @@ class Fleet:
         if hold.active:
             self._end_hold(hold)
 
-    def _end_hold(self, hold: _Hold, *, used_now: bool = False) -> None:
+    def _reclaim(self, engine: Engine) -> bool:
+        """A request does not fit beside the engine's holds: vLLM would evict held
+        blocks (in its free queue, last touched at the hold's last touch) rather than
+        keep it waiting, so the hold touched longest ago is lost (``Engine.reclaim``)."""
+        lost: _Hold | None = None
+        oldest = math.inf
+        for h in self.holds[engine.engine_id]:
+            if h.active:
+                at = self._last_touch(h)
+                if at < oldest:
+                    lost, oldest = h, at
+        if lost is None:
+            return False
+        self.holds_lost += 1
+        self._end_hold(lost, kick=False)
+        return True
+
+    def _end_hold(self, hold: _Hold, *, used_now: bool = False, kick: bool = True) -> None:
         """Let the hold's blocks go. They were last used at its last touch (or the last
         use by one of its job's requests), not now, unless ``used_now`` (the job's step
         or a new hold takes them at this instant): the workers keep a hold by touching
@@ -1229,10 +1278,11 @@ class Fleet:
         if hold.job.hold is hold:
             hold.job.hold = None
         if used_now:
-            hold.engine.unpin(hold.keys, own_from=hold.own_from)
+            hold.engine.unpin(hold.keys, own_from=hold.own_from, kick=kick)
         else:
             hold.engine.unpin(hold.keys, used_at=self._last_touch(hold),
-                              aged_from=_HeldBlocks._split(hold)[0], own_from=hold.own_from)
+                              aged_from=_HeldBlocks._split(hold)[0], own_from=hold.own_from,
+                              kick=kick)
 
     def _last_touch(self, hold: _Hold) -> float:
         """When the workers would have touched ``hold`` last: one touch interval after

@@ -80,7 +80,12 @@ from warmloop.workflows.contracts import (
     engine_task_queue,
     id_problem,
 )
-from warmloop.workflows.holding import PREWARM_SKIPPED
+from warmloop.workflows.holding import (
+    PREWARM_DECLINED,
+    PREWARM_SKIPPED,
+    HoldPolicy,
+    viewed_kind,
+)
 from warmloop.workflows.hygiene import (
     PATCH_CONTEXT_HYGIENE,
     PATCH_SHORT_ARCHIVE_REFS,
@@ -188,6 +193,11 @@ PATCH_CUT_BUDGET = "cut-budget"
 # store's result unread: the job stores again and keeps its outcome. Before, it ended
 # CANCELED in Temporal with no result; only that path reads the patch.
 PATCH_END_SURVIVES_CANCEL = "end-survives-cancel"
+PATCH_VIEW_PREWARM_DECIDED = "view-prewarm-decided"
+"""An approval's opening pre-warms under the job's own hold policy, through the wait
+from opening to decision (``holding.viewed_kind``), which the decision records: before,
+the opening always pre-warmed and held (always_hold), and under load a hold let go
+before a slow decision left that decision's pre-warm to compute the prompt again."""
 ROUTE_AHEAD_MAX_AGE = timedelta(seconds=2)
 """The oldest a route taken ahead may be when its step starts. Past it (a long tool), the
 fleet's load may have moved, and the step is routed again as before."""
@@ -302,6 +312,8 @@ class AgentJob:
         self._rules: dict[str, ApprovalRule] = {}
         self._used_assertions: set[str] = set()
         self._viewed: set[str] = set()
+        self._viewed_at: dict[str, datetime] = {}
+        """When each approval was first opened (the wait from there to the decision)."""
         self._job: JobInput | None = None
         self._task: BaseModel | None = None
         self._restored_for_step = -1
@@ -345,6 +357,7 @@ class AgentJob:
     async def viewed(self, v: ApprovalViewed) -> None:
         """An approver opened a pending approval: warm the prefix for the step after it."""
         self._viewed.add(v.approval_id)
+        self._viewed_at.setdefault(v.approval_id, workflow.now())
 
     @decide.validator
     def _validate_decide(self, decision: Decision) -> None:
@@ -1305,7 +1318,7 @@ class AgentJob:
         self._approvals.append(record)
         if warm_on_view is not None:
             await warm_on_view
-            await self._after_human(rule, now)
+            await self._after_human(rule, now, self._viewed_at.pop(pending.approval_id, None))
         if record.outcome == "approved":
             return True
         self._answer(call, _rejection_for_prompt(record))
@@ -1325,10 +1338,15 @@ class AgentJob:
             await self._prewarm(f"approval {approval_id} viewed",
                                 hold_for=f"approval:{pending.kind}" if pending else None)
 
-    async def _after_human(self, rule: ApprovalRule, asked_at: datetime) -> None:
-        """The decision is in: record how long the human took, and warm the prefix again
-        (it may have been evicted during a long wait) before the next step needs it."""
+    async def _after_human(self, rule: ApprovalRule, asked_at: datetime,
+                           viewed_at: datetime | None = None) -> None:
+        """The decision is in: record how long the human took (and, when the approval was
+        opened, how long from its opening: what the opening's pre-warm would hold
+        through), and warm the prefix again (it may have been evicted during a long wait)
+        before the next step needs it."""
         await self._record_pause(f"approval:{rule.kind}", asked_at)
+        if viewed_at is not None and workflow.patched(PATCH_VIEW_PREWARM_DECIDED):
+            await self._record_pause(viewed_kind(f"approval:{rule.kind}"), viewed_at)
         await self._prewarm("approval decided")
 
     async def _record_pause(self, kind: str, since: datetime | None = None, *,
@@ -1363,13 +1381,19 @@ class AgentJob:
         if job is None or task is None or job.engine_id is not None:
             return
         hold = hold_for is not None and job.hold_policy != "never"
+        policy: HoldPolicy = "always_hold" if hold else "never"
+        kind, hint = hold_for if hold else None, None
+        if hold and hold_for is not None and workflow.patched(PATCH_VIEW_PREWARM_DECIDED):
+            # the job's own policy decides, through the wait from opening to decision
+            policy, kind = job.hold_policy, viewed_kind(hold_for)
+            hint = max((s.prompt_tokens for s in self._steps[-1:]), default=0) or None
         request = GenerateRequest(
             job_id=self._job_id, step=self._usage.steps, profile=self._profile_name,
             task=task.model_dump(mode="json"), base_len=self._stored_len,
             new_messages=self._transcript[self._stored_len:], tail="", max_tokens=1,
             tools=job.tools, priority=VLLM_PRIORITY[job.lane], lane=job.lane,
-            hold_policy="always_hold" if hold else "never",
-            pause_kind=hold_for if hold else None, tenant=job.tenant,
+            hold_policy=policy, pause_kind=kind, tenant=job.tenant,
+            prompt_tokens_hint=hint,
         )
         routed = await self._route(request, job, [], quota_wait=False)
         if routed is None:
@@ -1384,7 +1408,9 @@ class AgentJob:
             )
             workflow.logger.info("prefix %s on %s (%s)",
                                  "not prewarmed (engine queue)"
-                                 if warmed.finish_reason == PREWARM_SKIPPED else "prewarmed",
+                                 if warmed.finish_reason == PREWARM_SKIPPED
+                                 else "not prewarmed (holding to the decision does not pay)"
+                                 if warmed.finish_reason == PREWARM_DECLINED else "prewarmed",
                                  routed.engine_id, why)
         except ActivityError as e:
             _if_cancelled(e)

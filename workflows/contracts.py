@@ -306,6 +306,9 @@ class GenerateRequest(BaseModel):
     "": nothing), decided by the recorded call, not the generated one. None: a live step."""
     tenant: str = Field(default="default", exclude_if=_is_default_tenant)
     """The job's tenant: the request carries its ``cache_salt`` (none for the default)."""
+    prompt_tokens_hint: int | None = Field(default=None, ge=1)
+    """A pre-warm on an approval's opening: the job's prompt as its last step measured it,
+    which the worker's hold decision prices before anything is sent (``prewarm``)."""
     model: str | None = None
     """A model ladder's rung: the step is routed only to engines serving this model.
     None: the profile's ``model`` (any engine when that is None too)."""

@@ -582,6 +582,28 @@ def displaced_on_curve(curve: list[tuple[int, float]], room_tokens: int) -> floa
 PREWARM_SKIPPED = "prewarm_skipped"
 """``GenerateResult.finish_reason`` of a prewarm the worker skipped (``prewarm_worthwhile``
 said no): nothing was sent to the engine."""
+PREWARM_DECLINED = "prewarm_declined"
+"""``GenerateResult.finish_reason`` of an approval's opening pre-warm the hold model
+declined: holding the prompt from the opening to the decision does not pay
+(``viewed_kind``), so the decision's pre-warm computes it once. Nothing was sent."""
+
+
+VIEWED_SUFFIX = ":viewed"
+VIEWED_PRIOR_S = (30.0, 120.0)
+"""(median, p90) seconds from an approval's opening to its decision until the kind has
+samples: someone who opened it decides within a minute or two. The whole approval's
+prior (a human's: minutes to hours) would decline every opening's pre-warm on a fresh
+stack."""
+
+
+def viewed_kind(approval_kind: str) -> str:
+    """The pause kind of the wait from an approval's opening to its decision
+    (``approval:<kind>`` -> ``approval:<kind>:viewed``): what a pre-warm on the opening
+    holds the prompt through, learned apart from the whole approval's wait. The
+    workflow records it at the decision; the opening's pre-warm is sent only where the
+    cost model would hold through it (``HoldManager.decide``), since one let go before
+    the decision computes the prompt twice."""
+    return f"{approval_kind}{VIEWED_SUFFIX}"
 
 
 def prewarm_worthwhile(waiting: int) -> bool:

@@ -225,6 +225,57 @@ async def test_opening_a_pending_approval_prewarms_the_prompt_on_an_engine(
     assert "tool:escalate" in out.stdout
 
 
+async def test_an_opening_prewarms_under_the_jobs_policy_and_its_wait_is_recorded(
+    stack: Stack, client: Client, settings: Settings, redis: aioredis.Redis,
+) -> None:
+    """Under the cost model an approval's opening pre-warms the prompt and holds it
+    through the wait from opening to decision (``approval:<kind>:viewed``), priced by the
+    hold model rather than held as always_hold; the decision records that wait. (On an
+    idle fleet holding is nearly free, so it holds; where it does not pay the pre-warm
+    is not sent: ``tests/unit/test_prewarm_on_opening.py``.)"""
+    job_id = f"opened-{uuid.uuid4().hex[:6]}"
+    handle = await client.start_workflow(
+        AgentJob.run,
+        JobInput(profile="synthetic-review", task=case(4), max_steps=4, tools=["escalate"]),
+        id=job_id, task_queue=AGENT_TASK_QUEUE)
+
+    async def pending() -> list[PendingApproval] | None:
+        return await handle.query(AgentJob.pending_approvals) or None
+
+    approval = (await eventually(pending, attempts=2400))[0]
+    engines = [e.id for e in settings.engine_endpoints]
+
+    async def no_queue() -> bool:
+        out = warmloop("engines", "--json")
+        rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+        return bool(rows) and all(row["waiting"] == 0 for row in rows)
+
+    await eventually(no_queue, attempts=120)  # a prewarm goes only to an idle engine
+    out = warmloop("view", job_id, token=dev_token(settings, "erin"))
+    assert out.returncode == 0, out.stderr
+
+    async def held_to_decision() -> dict[str, Any] | None:
+        for e in engines:
+            raw = await redis.hget(HOLDS_KEY.format(e), job_id)
+            if raw is not None and json.loads(raw)["kind"] == "approval:escalation:viewed":
+                return dict(json.loads(raw))
+        return None
+
+    hold = await eventually(held_to_decision, attempts=600)
+    assert hold["tokens"] > 1024  # the review prompt, pre-warmed and held
+    await dev_approver(settings, "erin").decide(client, job_id, approval.approval_id,
+                                                approve=True)
+
+    async def wait_recorded() -> bool:
+        out = warmloop("pauses")
+        return "approval:escalation:viewed" in out.stdout
+
+    await eventually(wait_recorded, attempts=600)
+    await handle.cancel()
+    res = await handle.result()
+    assert res.state in (JobState.CANCELLED, JobState.LOOP_CAP), res.reason
+
+
 def _scheduled_type(history: Any, completed: Any) -> str:
     sched_id = completed.activity_task_completed_event_attributes.scheduled_event_id
     for e in history.events:

@@ -115,6 +115,41 @@ def test_an_aged_block_used_again_is_not_evicted_as_aged() -> None:
     assert not cache.aged_keys() and cache.lru_keys()[-2:] == ["a1", "a0"]
 
 
+def test_a_request_short_of_room_takes_held_blocks_instead_of_waiting() -> None:
+    """vLLM keeps a hold's blocks only by touching them, in its free queue: a request that
+    needs the room evicts them (the hold is lost) and runs. The simulator pins held
+    blocks, so it asks the fleet to let a hold go (``Engine.reclaim``); before, the
+    request waited behind the holds for as long as they lasted."""
+    clock = Clock()
+    e = Engine(clock, "e0", cal(blocks=8))
+    run_one(e, clock, Request(chain=chain("p", 6), prompt_tokens=65, output_tokens=1))
+    keys = e.pin(chain("p", 6))
+    waiting = Request(chain=chain("q", 6), prompt_tokens=65, output_tokens=1)
+    run_one(e, clock, waiting)
+    queued = lambda r: any(w[2] is r for w in e.waiting)  # noqa: E731
+    assert queued(waiting)  # no reclaim: it waits behind the pinned blocks
+
+    let_go: list[int] = []
+
+    def reclaim(engine: Engine) -> bool:
+        if let_go:
+            return False  # nothing more held
+        let_go.append(engine.cache.used_blocks)
+        engine.unpin(keys, kick=False)  # from within admission: no kick
+        return True
+
+    e.reclaim = reclaim
+    r = run_one(e, clock, Request(chain=chain("r", 6), prompt_tokens=65, output_tokens=1))
+    assert let_go == [6]  # asked once, the six held blocks in use then
+    assert not e.waiting and waiting.done_at > waiting.submitted_at > 0
+    assert r.done_at > r.submitted_at  # both ran, one after the other
+    assert waiting.cached_tokens == 0 and e.cache.hit_blocks(chain("p", 6)) == 0
+    e.reclaim = lambda engine: False  # asked with nothing to give: it waits as before
+    keys = e.pin(chain("r", 6))  # the last request's blocks, cached
+    late = run_one(e, clock, Request(chain=chain("s", 6), prompt_tokens=65, output_tokens=1))
+    assert queued(late) and len(keys) == 6
+
+
 def test_a_pinned_chain_cut_short_keeps_its_head_and_frees_its_tail() -> None:
     """A hold cut for room (``Fleet._trim``): its tail becomes evictable, its head stays
     in use until the hold ends, and then every block is free. Releasing the tail alone

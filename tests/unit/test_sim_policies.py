@@ -340,3 +340,43 @@ def test_only_a_router_that_reads_the_block_index_keeps_it() -> None:
         cached = {k for e in fleet.engines for k in e.cache.ref}
         assert cached, policy
         assert set(fleet.block_index) == (cached if keeps else set()), policy
+
+
+def test_a_request_short_of_room_takes_the_hold_touched_longest_ago() -> None:
+    """Held blocks are pinned in the simulator, touched in vLLM's free queue: when a
+    request does not fit beside the holds, vLLM evicts held blocks, least recently
+    touched first, rather than queue it. The fleet lets that hold go (counted in
+    ``holds_lost``) and never one touched later than another still standing; a fleet
+    that holds nothing never asks."""
+    import pytest
+
+    from bench.fleet import workload_jobs
+    from warmloop.workflows.calibration import preset
+
+    cal = preset("h100-llama-3.1-8b-bf16")
+    jobs = workload_jobs(1, 0.95, cal, 900.0, False, 1, "agentic")  # a full pool, 981 lost
+    lost: list[float] = []
+    real = sim_fleet.Fleet._reclaim
+
+    def reclaim(self: sim_fleet.Fleet, engine: Any) -> bool:
+        standing = [h for h in self.holds[engine.engine_id] if h.active]
+        touched = {id(h): self._last_touch(h) for h in standing}
+        went = real(self, engine)
+        gone = [h for h in standing if not h.active]
+        assert went == bool(standing) and len(gone) == int(went)
+        if went:
+            assert touched[id(gone[0])] == min(touched.values())
+            lost.append(touched[id(gone[0])])
+        return went
+
+    fleets: list[sim_fleet.Fleet] = []
+    mp = pytest.MonkeyPatch()
+    mp.setattr(sim_fleet.Fleet, "_reclaim", reclaim)
+    try:
+        simulate(jobs, [cal], "warmloop", until_s=900.0, setup=fleets.append)
+        simulate(jobs[:50], [cal], "cache_aware_no_holds", until_s=900.0, setup=fleets.append)
+    finally:
+        mp.undo()
+    warm, plain = fleets
+    assert warm.holds_lost == len(lost) > 0
+    assert all(e.reclaim is None for e in plain.engines) and plain.holds_lost == 0

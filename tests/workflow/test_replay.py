@@ -118,9 +118,17 @@ async def test_a_fresh_history_with_an_approval_and_prewarm_replays(
         await handle.result()
         history = await handle.fetch_history()
     # viewed, then decided: a prewarm for each (one if both land in one workflow task),
-    # and the human's pause was recorded
+    # and the human's pause was recorded, and the wait from the opening to the decision
     assert 1 <= len(fakes.prewarms) <= 2 and [p.kind for p in fakes.pauses] == [
-        "approval:urgent_priority"]
+        "approval:urgent_priority", "approval:urgent_priority:viewed"]
+    viewed = [p for p in fakes.prewarms if p.pause_kind]
+    # the opening's pre-warm goes under the job's own policy, through the wait from
+    # opening to decision, priced at the last step's prompt; the decision's holds nothing
+    assert all(p.pause_kind == "approval:urgent_priority:viewed"
+               and p.hold_policy == "cost_model" and p.prompt_tokens_hint == 1000
+               for p in viewed)
+    assert all(p.hold_policy == "never" and p.prompt_tokens_hint is None
+               for p in fakes.prewarms if not p.pause_kind)
     await _replayer().replay_workflow(history)
     _record("agent_job_approval_prewarm.json", history)
 
