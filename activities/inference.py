@@ -160,20 +160,15 @@ class InferenceActivities:
         """The latest step of each recent job that reached this worker, oldest first: a
         hold decided after the job's next step is here would outlive its use."""
 
-    @staticmethod
-    def _profile_of(req: GenerateRequest) -> Profile:
+    async def _profile(self, req: GenerateRequest) -> Profile:
+        """The step's profile: a replayed trace's from ``trace_prompts``, else by name."""
+        if self._trace_prompts is not None and is_trace_profile(req.profile):
+            return await self._trace_prompts.profile(req.profile)
         return get_profile(req.profile)
-
-    async def _trace_profile(self, req: GenerateRequest) -> Profile:
-        """A replayed trace's profile (``trace_prompts``); a plain lookup without them."""
-        if self._trace_prompts is None:
-            return get_profile(req.profile)
-        return await self._trace_prompts.profile(req.profile)
 
     async def _body(self, req: GenerateRequest
                     ) -> tuple[dict[str, Any], Profile, asyncio.Future[Any]]:
-        profile = (await self._trace_profile(req) if is_trace_profile(req.profile)
-                   else self._profile_of(req))
+        profile = await self._profile(req)
         transcript, stored = await self._transcripts.extend_deferred(
             req.job_id, req.base_len, req.new_messages)
         messages = assemble_prompt(profile, profile.validate_task(req.task), transcript,
@@ -391,8 +386,7 @@ class InferenceActivities:
             return False
         try:
             choice = await self._holds.decide(
-                profile=self._profile_of(req) if not is_trace_profile(req.profile)
-                else await self._trace_profile(req),
+                profile=await self._profile(req),
                 kind=req.pause_kind, prefix_tokens=req.prompt_tokens_hint,
                 policy=req.hold_policy, interactive=req.lane == Lane.INTERACTIVE)
         except Exception as e:  # noqa: BLE001 - advice: the pre-warm goes as before

@@ -16,7 +16,7 @@ from temporalio import activity
 
 from warmloop.activities.registry import RedisOutage
 from warmloop.workflows.contracts import RecordPauseRequest
-from warmloop.workflows.holding import VIEWED_PRIOR_S, VIEWED_SUFFIX, PauseDistribution
+from warmloop.workflows.holding import VIEWED_PRIOR_S, PauseDistribution, is_viewed_kind
 from warmloop.workflows.profiles import Profile
 
 PAUSES_KEY = "warmloop:pauses:{}|{}"
@@ -50,7 +50,7 @@ def prior_for(profile: Profile, kind: str) -> tuple[float, float]:
     """(median, p90) seconds the profile expects for a tool or approval kind (and for
     the wait from an approval's opening to its decision, ``viewed_kind``)."""
     name = kind.split(":", 1)[1]
-    if kind.startswith("approval:") and kind.endswith(VIEWED_SUFFIX):
+    if is_viewed_kind(kind):
         return VIEWED_PRIOR_S
     if kind.startswith("approval:"):
         rule = next((r for r in profile.approvals if r.kind == name), None)

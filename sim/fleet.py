@@ -1114,7 +1114,7 @@ class Fleet:
         if cached is not None and cached[0] == version:
             return cached
         median, p90 = job.spec.prior.get(
-            kind, holding.VIEWED_PRIOR_S if kind.endswith(holding.VIEWED_SUFFIX) else (1.0, 5.0))
+            kind, holding.VIEWED_PRIOR_S if holding.is_viewed_kind(kind) else (1.0, 5.0))
         # The last 400 observed pauses, as 99 quantiles: decide_hold's search is
         # quadratic in its points, and a fleet decides hundreds of holds a second.
         recent = sorted(self.pause_samples.get(kind, ()))

@@ -1386,7 +1386,7 @@ class AgentJob:
         if hold and hold_for is not None and workflow.patched(PATCH_VIEW_PREWARM_DECIDED):
             # the job's own policy decides, through the wait from opening to decision
             policy, kind = job.hold_policy, viewed_kind(hold_for)
-            hint = max((s.prompt_tokens for s in self._steps[-1:]), default=0) or None
+            hint = (self._steps[-1].prompt_tokens if self._steps else 0) or None
         request = GenerateRequest(
             job_id=self._job_id, step=self._usage.steps, profile=self._profile_name,
             task=task.model_dump(mode="json"), base_len=self._stored_len,

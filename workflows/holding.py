@@ -606,6 +606,11 @@ def viewed_kind(approval_kind: str) -> str:
     return f"{approval_kind}{VIEWED_SUFFIX}"
 
 
+def is_viewed_kind(kind: str) -> bool:
+    """Whether ``kind`` is a ``viewed_kind`` (its prior is ``VIEWED_PRIOR_S``)."""
+    return kind.startswith("approval:") and kind.endswith(VIEWED_SUFFIX)
+
+
 def prewarm_worthwhile(waiting: int) -> bool:
     """Whether to prewarm a paused job's prompt now, on an engine with ``waiting``
     requests queued (its last report).
