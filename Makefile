@@ -141,7 +141,7 @@ bench-sim-fidelity: install
 
 ## The simulated fleet (H100 preset): jobs per GPU-hour, cost per task and interactive TTFT
 ## p99 per policy by fleet size and load; plots in .warmloop/bench-fleet/ (no stack).
-## The simulator runs compiled (mypyc, warmloop.sim.compiled: ~2 min to build, once per
+## The simulator runs compiled (mypyc, warmloop.sim.compiled: ~20 s to build, once per
 ## source change; 1.35x faster); where no build can be made it runs pure, and says so.
 bench-fleet: install
 	-$(BIN)/python -m warmloop.sim.compiled --if-stale .warmloop/sim-compiled
