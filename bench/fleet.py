@@ -11,7 +11,9 @@ and 80 % of what the fleet can do. Per run: completed jobs per GPU-hour (jobs th
 horizon), cost per task p50/p95 (the calibration's price), interactive TTFT p99. With
 ``--seeds N`` each configuration runs N workloads (seeds 1..N), every policy the same
 ones: the closing JSON's figures are medians over them, with ``ranges`` and warmloop's
-ratios paired seed by seed (``ratios``).
+ratios paired seed by seed (``ratios``). With ``--settle F`` jobs per GPU-hour counts only
+the jobs that ended after the first F of the horizon, per GPU-hour of the rest: the fleet
+starts empty, so over a short horizon the figure is partly its ramp.
 Policies: round_robin_lru (plain vLLM behind a balancer), cache_aware_no_holds (the
 best peer's behaviour), warmloop. PNG plots go to ``.warmloop/bench-fleet/``; the last
 line is one JSON object with the 128-GPU, 80 % figures first.
@@ -32,7 +34,7 @@ from typing import Any
 
 from warmloop import sim
 from warmloop.sim.core import collecting_less, skip_exit_collection
-from warmloop.sim.fleet import POLICIES, FleetConfig
+from warmloop.sim.fleet import POLICIES, Fleet, FleetConfig
 from warmloop.sim.run import Summary, simulate
 from warmloop.sim.workload import WORKLOADS, JobProfile, JobSpec, burst_jobs, poisson_jobs
 from warmloop.workflows.calibration import EngineCalibration, preset
@@ -90,14 +92,20 @@ def capacity_jobs_per_s(mix: list[tuple[JobProfile, float]], cal: EngineCalibrat
 
 def one(gpus: int, load: float, policy: str, cal: EngineCalibration, horizon_s: float,
         burst: bool, seed: int = 1, workload: str = "bundled",
-        holding: HoldConfig | None = None) -> tuple[Summary, float, float]:
-    """One run: its summary, wall seconds and CPU seconds (the machine may be shared).
+        holding: HoldConfig | None = None, settle_s: float = 0.0,
+        ) -> tuple[Summary, float, float, int]:
+    """One run: its summary, wall seconds, CPU seconds (the machine may be shared) and
+    the jobs that ended at or after ``settle_s`` (every completed job when 0).
     ``holding``: the hold settings over the calibration's prices (None: the defaults)."""
     jobs = workload_jobs(gpus, load, cal, horizon_s, burst, seed, workload)
     t, cpu = time.monotonic(), time.process_time()
     config = None if holding is None else FleetConfig(hold=cal.hold_config(holding))
-    s = simulate(jobs, [cal] * gpus, policy, config=config, until_s=horizon_s)
-    return s, time.monotonic() - t, time.process_time() - cpu
+    fleets: list[Fleet] = []
+    s = simulate(jobs, [cal] * gpus, policy, config=config, until_s=horizon_s,
+                 setup=fleets.append)
+    ended = s.completed if settle_s <= 0 else \
+        sum(1 for j in fleets[0].jobs if j.end_s >= settle_s)  # NaN (not ended): False
+    return s, time.monotonic() - t, time.process_time() - cpu, ended
 
 
 _last_jobs: tuple[tuple[object, ...], list[JobSpec]] | None = None
@@ -133,21 +141,28 @@ Run = tuple[int, float, bool, str, float, int]
 
 
 def _row(run: Run, calibration: str, workload: str,
-         holding: str | None = None) -> dict[str, Any]:
+         holding: str | None = None, settle: float = 0.0) -> dict[str, Any]:
     """One run as a row of the table (in a worker process)."""
     gpus, load, burst, pol, horizon, seed = run
     hold = None if holding is None else HoldConfig.model_validate_json(holding)
-    s, took, cpu_s = one(gpus, load, pol, preset(calibration), horizon, burst, seed=seed,
-                         workload=workload, holding=hold)
+    s, took, cpu_s, ended = one(gpus, load, pol, preset(calibration), horizon, burst,
+                                seed=seed, workload=workload, holding=hold,
+                                settle_s=settle * horizon)
     return {"gpus": gpus, "load": load, "burst": burst, "policy": pol, "horizon_s": horizon,
-            "seed": seed,
-            **figures(s, gpus, horizon), "wall_s": round(took, 1), "cpu_s": round(cpu_s, 1),
+            "seed": seed, **figures(s, gpus, horizon, settle_s=settle * horizon, ended=ended),
+            "wall_s": round(took, 1), "cpu_s": round(cpu_s, 1),
             "gpu_hours_per_wall_min": round(gpus * horizon / 60 / max(took, 1e-9), 2),
             "compiled": sim.COMPILED}
 
 
-def figures(s: Summary, gpus: int, horizon_s: float) -> dict[str, float]:
-    return {"jobs_per_gpu_hour": round(s.completed / (gpus * horizon_s / 3600), 1),
+def figures(s: Summary, gpus: int, horizon_s: float, *, settle_s: float = 0.0,
+            ended: int | None = None) -> dict[str, float]:
+    """A run's row figures. Jobs per GPU-hour counts the ``ended`` jobs (those that
+    ended at or after ``settle_s``; every completed one by default) over the GPU-hours
+    from ``settle_s`` to the horizon."""
+    ended = s.completed if ended is None else ended
+    return {"jobs_per_gpu_hour": round(ended / (gpus * (horizon_s - settle_s) / 3600), 1),
+            "settle_s": settle_s,
             "cost_p50_usd": round(s.cost_p50_usd, 7), "cost_p95_usd": round(s.cost_p95_usd, 7),
             "ttft_p99_ms": round(s.interactive_ttft_p99_ms, 1), "hit_rate": round(s.hit_rate, 4),
             "completed": s.completed, "jobs": s.jobs}
@@ -302,6 +317,7 @@ def report(rows: list[dict[str, Any]], out: Path, calibration: str, workload: st
         "gpus": 128, "load": 0.8, "calibration": calibration, "workload": workload,
         "holding": json.loads(holding) if holding else None,
         "jobs_per_gpu_hour": {k: v["jobs_per_gpu_hour"] for k, v in head.items()},
+        "settle_s": next((v.get("settle_s", 0.0) for v in head.values()), None),
         "ttft_p99_ms": {k: v["ttft_p99_ms"] for k, v in head.items()},
         "cost_p95_usd": {k: v["cost_p95_usd"] for k, v in head.items()},
         "seeds": sp["seeds"], "ranges": sp["ranges"], "ratios": sp["ratios"],
@@ -337,6 +353,12 @@ def main(argv: list[str] | None = None) -> None:
                         "calibration's prefill rate and GPU price replace those two), e.g. "
                         "'{\"rent\": \"model\"}' or '{\"cut_for_room\": true}'; "
                         "with --merge, say it again to record it")
+    p.add_argument("--settle", type=float, default=0.0,
+                   help="count only the jobs that end after this share of the horizon, "
+                        "per GPU-hour of the rest (0 <= F < 1; default 0: every job that "
+                        "ended): the fleet starts empty and a job's tool and approval "
+                        "pauses keep it from ending in its first seconds, so over a short "
+                        "horizon jobs per GPU-hour is partly that ramp")
     p.add_argument("--out", type=Path, default=Path(".warmloop/bench-fleet"))
     p.add_argument("--merge", type=Path, nargs="+", default=None,
                    help="run nothing: merge these rows.json files (runs split over "
@@ -344,6 +366,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.seeds < 1:
         p.error("--seeds must be at least 1: each seed is one workload every policy runs")
+    if not 0 <= args.settle < 1:
+        p.error("--settle must be at least 0 and below 1: a share of the horizon")
     if args.holding is not None:
         HoldConfig.model_validate_json(args.holding)  # a bad setting fails here, not in a run
     args.out.mkdir(parents=True, exist_ok=True)
@@ -364,6 +388,9 @@ def main(argv: list[str] | None = None) -> None:
         for pol in args.policies]
     order = {r: i for i, r in enumerate(runs)}
     procs = max(1, min(args.procs, len(runs)))
+    if args.settle:
+        print(f"jobs/GPU-h: the jobs that ended after the first {args.settle:.0%} of the "
+              "horizon, per GPU-hour of the rest (--settle)")
     print("| GPUs | load | burst | seed | policy | jobs/GPU-h | cost p50 / p95 | TTFT p99 ms "
           "| hit |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -377,8 +404,8 @@ def main(argv: list[str] | None = None) -> None:
     # leave behind (seconds a process, after the last figure: skip_exit_collection).
     with ProcessPoolExecutor(procs, mp_context=mp.get_context("spawn"),
                              initializer=skip_exit_collection) as pool:
-        futures = [pool.submit(_row, r, args.calibration, args.workload, args.holding)
-                   for r in biggest_first]
+        futures = [pool.submit(_row, r, args.calibration, args.workload, args.holding,
+                               args.settle) for r in biggest_first]
         for fut in as_completed(futures):
             row = fut.result()
             rows.append(row)

@@ -42,3 +42,29 @@ def test_ratios_pair_each_seed_with_its_own_workload() -> None:
 def test_no_seeds_is_refused() -> None:
     with pytest.raises(SystemExit):
         main(["--seeds", "0", "--gpus", "8"])
+
+
+def test_settle_counts_the_jobs_that_end_after_it_per_gpu_hour_of_the_rest() -> None:
+    """``--settle F``: jobs per GPU-hour is the jobs that ended after F of the horizon
+    over the GPU-hours after it; none ends in a fleet's first instants, so the count
+    falls by fewer jobs than the window's hours do."""
+    import bench.fleet as bench_fleet
+    from warmloop.workflows.calibration import preset
+
+    cal = preset("h100-llama-3.1-8b-bf16")
+    whole, _, _, ended = bench_fleet.one(2, 0.8, "warmloop", cal, 30.0, False)
+    assert ended == whole.completed > 0
+    same, _, _, late = bench_fleet.one(2, 0.8, "warmloop", cal, 30.0, False, settle_s=15.0)
+    assert same == whole  # the run itself is the same; only the count differs
+    assert 0 < late < ended
+    rate = bench_fleet.figures(same, 2, 30.0, settle_s=15.0, ended=late)
+    assert rate["jobs_per_gpu_hour"] == round(late / (2 * 15.0 / 3600), 1)
+    assert rate["settle_s"] == 15.0
+    assert bench_fleet.figures(whole, 2, 30.0)["jobs_per_gpu_hour"] == \
+        round(ended / (2 * 30.0 / 3600), 1)
+
+
+@pytest.mark.parametrize("settle", ["1", "-0.1"])
+def test_a_settle_outside_the_horizon_is_refused(settle: str) -> None:
+    with pytest.raises(SystemExit):
+        main(["--settle", settle, "--gpus", "8"])
