@@ -55,6 +55,7 @@ from warmloop.workflows.holding import (
     TtlCacheEndpoint,
     decide_hold,
     displaced_on_curve,
+    hold_lasts_the_wait,
     keepalive_schedule,
     touch_interval_s,
 )
@@ -220,6 +221,9 @@ class HoldManager:
         """Re-prefill's price as the engine's own steps show it (``observe_step``)."""
         self._resumed = 0
         """Holds ended by their job's next step since the last tick (counted there)."""
+        self._room_release: tuple[float, float] = (-float("inf"), 0.0)
+        """When the last hold was let go for room, and its age then (the cap's turnover:
+        ``lasts_the_wait``)."""
         self.held_more = asyncio.Event()
         """Set when a hold is made: the worker's heartbeat then publishes ``held_tokens``
         at once, not up to a beat later. The router counts held tokens as taken KV
@@ -351,6 +355,25 @@ class HoldManager:
                  if isinstance(costs, HoldCosts) and costs.displaced_tokens_per_s is not None
                  else None)
         return choice
+
+    async def lasts_the_wait(self, *, job_id: str, profile: Profile, kind: str,
+                             prompt_tokens: int) -> bool:
+        """Whether a hold of ``prompt_tokens`` made now would last through a pause of
+        ``kind`` beside the holds here, at the pace the cap lets them go
+        (``holding.hold_lasts_the_wait``); a job that holds here already keeps its place.
+        Unknown capacity: it lasts."""
+        info = self._info()
+        if job_id in self.holds or info is None or not info.kv_capacity_tokens:
+            return True
+        now = self._clock()
+        oldest = min((h.created for h in self.holds.values()), default=None)
+        at, age = self._room_release
+        return hold_lasts_the_wait(
+            self.held_tokens, prompt_tokens, info.kv_capacity_tokens,
+            self.config.max_held_fraction,
+            oldest_age_s=None if oldest is None else now - oldest,
+            turnover_s=age if now - at <= age else None,
+            wait=await self._pauses.distribution(profile, kind))
 
     async def decide(self, *, profile: Profile, kind: str, prefix_tokens: int,
                      policy: HoldPolicy, interactive: bool) -> HoldChoice | None:
@@ -605,9 +628,11 @@ class HoldManager:
                 await self._count(trimmed_for_room=1)
                 break
             if self._forget(h):
+                now = self._clock()
+                self._room_release = (now, now - h.created)
                 log.info("hold_released_for_room", job_id=h.job_id, kind=h.kind,
                          tokens=before, excess=round(excess),
-                         age_s=round(self._clock() - h.created, 1))
+                         age_s=round(now - h.created, 1))
                 await self._count(released_for_room=1)
 
     def _trim(self, h: Hold, excess: float) -> bool:

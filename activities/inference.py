@@ -378,24 +378,34 @@ class InferenceActivities:
 
     async def _hold_declined(self, req: GenerateRequest) -> bool:
         """A pre-warm on an approval's opening (it names the wait it would hold through
-        and the prompt's size): whether the hold model would not hold through it. Such a
-        pre-warm is then not sent: let go before the decision, the prompt would be
+        and the prompt's size): whether the hold model would not hold through it, or its
+        hold would be let go for room before the decision (``holding.hold_lasts_the_wait``).
+        Such a pre-warm is then not sent: let go before the decision, the prompt would be
         computed again by the decision's pre-warm. Advice: any failure sends it."""
         if (self._holds is None or req.prompt_tokens_hint is None or not req.pause_kind
                 or req.hold_policy != "cost_model"):
             return False
         try:
+            profile = await self._profile(req)
             choice = await self._holds.decide(
-                profile=await self._profile(req),
+                profile=profile,
                 kind=req.pause_kind, prefix_tokens=req.prompt_tokens_hint,
                 policy=req.hold_policy, interactive=req.lane == Lane.INTERACTIVE)
+            if choice is None:
+                return False
+            if choice.action == HoldAction.HOLD:
+                if await self._holds.lasts_the_wait(
+                        job_id=req.job_id, profile=profile, kind=req.pause_kind,
+                        prompt_tokens=req.prompt_tokens_hint):
+                    return False
+                reason = "the cap would let it go before the decision"
+            else:
+                reason = choice.reason
         except Exception as e:  # noqa: BLE001 - advice: the pre-warm goes as before
             log.warning("prewarm_hold_decision_failed", job_id=req.job_id, error=str(e))
             return False
-        if choice is None or choice.action == HoldAction.HOLD:
-            return False
         log.info("prewarm_declined", job_id=req.job_id, kind=req.pause_kind,
-                 prompt_tokens=req.prompt_tokens_hint, reason=choice.reason)
+                 prompt_tokens=req.prompt_tokens_hint, reason=reason)
         return True
 
     async def _generate(self, req: GenerateRequest, *, entered: float, admission_ms: float,

@@ -434,6 +434,9 @@ class Fleet:
         ended hold in the middle was a walk of the deque, 3 % of a large run."""
         self._active_holds = {e.engine_id: 0 for e in self.engines}
         self.held = {e.engine_id: _HeldBlocks() for e in self.engines}
+        self._room_release: dict[str, tuple[float, float]] = {
+            e.engine_id: (-math.inf, 0.0) for e in self.engines}
+        """Per engine, when its last hold was let go for room, and that hold's age."""
         self.churn = {e.engine_id: holding.ChurnMeter() for e in self.engines}
         """Each engine's churn as its worker measures it, for the holds' touch interval."""
         self.prewarms_declined = 0
@@ -1049,8 +1052,9 @@ class Fleet:
         """Pre-warm the job's prompt: on its approval's decision, or (``hold``) on its
         opening, holding it to the decision. Under the cost model an opening's pre-warm
         is made only where holding from the opening to the decision (``kind``'s
-        ``viewed_kind``) pays; otherwise the decision's pre-warm computes the prompt once,
-        where an opening's pre-warm let go before the decision computes it twice."""
+        ``viewed_kind``) pays and the cap would not let the hold go first
+        (``holding.hold_lasts_the_wait``); otherwise the decision's pre-warm computes the prompt
+        once, where an opening's pre-warm let go before the decision computes it twice."""
         chain = self._chain(job)
         engine = self.route(job.spec.job_id, chain, job.last_engine,
                             job.spec.lane == Lane.BATCH and self.policy.lanes, job.shared)
@@ -1059,7 +1063,8 @@ class Fleet:
         hold_s = self.hold_cfg.always_hold_ttl_s
         if hold and kind and self.policy.hold == "cost_model":
             choice = self._hold_choice(job, engine, holding.viewed_kind(kind), counted=False)
-            if choice.action != holding.HoldAction.HOLD:
+            if choice.action != holding.HoldAction.HOLD or not self._hold_lasts(
+                    job, engine, holding.viewed_kind(kind)):
                 self.prewarms_declined += 1
                 return
             hold_s = choice.ttl_s * self.hold_cfg.ttl_slack
@@ -1086,6 +1091,22 @@ class Fleet:
         engine.submit(Request(chain=chain, prompt_tokens=prompt, output_tokens=1,
                               priority=0, on_done=done, tag=None, own_from=job.shared))
         job.last_engine = engine.engine_id
+
+    def _hold_lasts(self, job: _Job, engine: Engine, kind: str) -> bool:
+        """``HoldManager.lasts_the_wait``: a hold of the job's last prompt made now on
+        ``engine`` would last through a pause of ``kind``."""
+        if job.hold is not None and job.hold.engine is engine:
+            return True
+        eid = engine.engine_id
+        oldest = self._oldest_hold(eid)
+        now = self.clock.now
+        at, age = self._room_release[eid]
+        return holding.hold_lasts_the_wait(
+            self.held[eid].blocks * engine.block, job.prev_prompt,
+            engine.cal.kv_pool_tokens, self.hold_cfg.max_held_fraction,
+            oldest_age_s=None if oldest is None else now - oldest.created,
+            turnover_s=age if now - at <= age else None,
+            wait=self._distribution(job, kind)[1])
 
     # --- holds (workflows.holding) ---------------------------------------------------------
 
@@ -1207,6 +1228,7 @@ class Fleet:
             if self.hold_cfg.cut_for_room and self._trim(
                     oldest, math.ceil((held.blocks * engine.block - cap) / engine.block)):
                 break
+            self._room_release[eid] = (now, now - oldest.created)
             self._end_hold(oldest)
         self.clock.after(ttl_s, self._expire, hold)
 

@@ -383,3 +383,49 @@ def test_a_request_short_of_room_takes_the_hold_touched_longest_ago() -> None:
     warm, plain = fleets
     assert warm.holds_lost == len(lost) > 0 and max(choices) > 1
     assert all(e.reclaim is None for e in plain.engines) and plain.holds_lost == 0
+
+
+def test_an_opening_prewarm_whose_hold_the_cap_would_let_go_first_is_not_sent() -> None:
+    """The simulator's opening pre-warm asks ``holding.hold_lasts_the_wait``, as the
+    worker's does, with the engine's held tokens, its oldest hold's age and the learned
+    wait from opening to decision; told no, it sends nothing and counts a decline. Where
+    the decision comes minutes after the opening and the cap is full, that saves what
+    such pre-warms computed and lost."""
+    import pytest
+
+    from bench.fleet import workload_jobs
+    from warmloop.workflows.calibration import preset
+
+    h100 = preset("h100-llama-3.1-8b-bf16")  # 15 % of its pool: the cap fills
+    cal = h100.with_kv_pool_bytes(int(h100.kv_pool_tokens * h100.kv_bytes_per_token * 0.15))
+    jobs = workload_jobs(2, 0.8, cal, 300.0, False, 1, "bundled")
+    kinds = {holding.viewed_kind(st.pause_kind) for j in jobs for st in j.steps if st.approval}
+    learned = [(k, 240.0) for k in kinds for _ in range(30)]  # decided minutes after
+    answers: list[bool] = []
+    real = holding.hold_lasts_the_wait
+
+    def spy(*args: Any, **kwargs: Any) -> bool:
+        answers.append(real(*args, **kwargs))
+        return answers[-1]
+
+    def run() -> sim_fleet.Fleet:
+        fleets: list[sim_fleet.Fleet] = []
+
+        def setup(f: sim_fleet.Fleet) -> None:
+            fleets.append(f)
+            f.learn_pauses(learned)
+
+        simulate(jobs, [cal, cal], "warmloop", until_s=300.0, setup=setup)
+        return fleets[0]
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(holding, "hold_lasts_the_wait", spy)
+    try:
+        asked = run()
+        mp.setattr(holding, "hold_lasts_the_wait", lambda *a, **k: True)
+        always = run()
+    finally:
+        mp.undo()
+    assert answers.count(False) > 0  # its other answers: tests/unit/test_prewarm_on_opening.py
+    assert asked.prewarms_declined >= answers.count(False)
+    assert asked.prewarm_computed < always.prewarm_computed
