@@ -34,12 +34,23 @@ from typing import Any
 
 from warmloop import sim
 from warmloop.sim.core import collecting_less, skip_exit_collection
-from warmloop.sim.fleet import POLICIES, Fleet, FleetConfig
+from warmloop.sim.fleet import POLICIES, Fleet, FleetConfig, Policy
 from warmloop.sim.run import Summary, simulate
 from warmloop.sim.workload import WORKLOADS, JobProfile, JobSpec, burst_jobs, poisson_jobs
 from warmloop.workflows.calibration import EngineCalibration, preset
 from warmloop.workflows.holding import HoldConfig
 
+VARIANTS: dict[str, Policy] = {
+    "warmloop_no_prewarm": Policy("warmloop_no_prewarm", "cache_aware", "cost_model", True,
+                                  False),
+    "warmloop_no_holds": Policy("warmloop_no_holds", "cache_aware", "never", True, True),
+    "warmloop_no_lanes": Policy("warmloop_no_lanes", "cache_aware", "cost_model", False, True),
+    "warmloop_always_hold": Policy("warmloop_always_hold", "cache_aware", "always_hold", True,
+                                   True),
+}
+"""warmloop with one of its parts off (or holding always), for ``--policies``: what each
+part adds, measured on the same workloads as the three policies."""
+RUNNABLE = [*POLICIES, *VARIANTS]
 RELATIVE_CPU = {"round_robin_lru": 1.0, "cache_aware_no_holds": 1.5, "warmloop": 2.4}
 """CPU a run of each policy takes against round-robin's, for the same fleet and horizon
 (2026-12-07, 128 GPUs, 80 %, 60 s, compiled, jobs' own blocks as runs: 13.0 / 19.2 /
@@ -101,8 +112,8 @@ def one(gpus: int, load: float, policy: str, cal: EngineCalibration, horizon_s: 
     t, cpu = time.monotonic(), time.process_time()
     config = None if holding is None else FleetConfig(hold=cal.hold_config(holding))
     fleets: list[Fleet] = []
-    s = simulate(jobs, [cal] * gpus, policy, config=config, until_s=horizon_s,
-                 setup=fleets.append)
+    s = simulate(jobs, [cal] * gpus, VARIANTS.get(policy, policy), config=config,
+                 until_s=horizon_s, setup=fleets.append)
     ended = s.completed if settle_s <= 0 else \
         sum(1 for j in fleets[0].jobs if j.end_s >= settle_s)  # NaN (not ended): False
     return s, time.monotonic() - t, time.process_time() - cpu, ended
@@ -207,12 +218,12 @@ def spread(rows: list[dict[str, Any]], gpus: int = 128, load: float = 0.8
         by_seed.setdefault(r.get("seed", 1), {})[r["policy"]] = r
     ranges: dict[str, dict[str, list[float]]] = {}
     for metric in ("jobs_per_gpu_hour", "ttft_p99_ms"):
-        for pol in POLICIES:
+        for pol in RUNNABLE:
             vals = [runs[pol][metric] for runs in by_seed.values() if pol in runs]
             if vals:
                 ranges.setdefault(metric, {})[pol] = [min(vals), max(vals)]
     ratios: dict[str, dict[str, Any]] = {}
-    for other in ("round_robin_lru", "cache_aware_no_holds"):
+    for other in [p for p in RUNNABLE if p != "warmloop"]:
         vals = [runs["warmloop"]["jobs_per_gpu_hour"] / runs[other]["jobs_per_gpu_hour"]
                 for runs in by_seed.values()
                 if "warmloop" in runs and runs.get(other, {}).get("jobs_per_gpu_hour")]
@@ -335,7 +346,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="the size that runs every load; the others run 80 %% only")
     p.add_argument("--burst-gpus", type=int, nargs="*", default=None,
                    help="sizes that also run the 10x batch burst (default: every size)")
-    p.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
+    p.add_argument("--policies", nargs="+", choices=RUNNABLE, default=list(POLICIES),
+                   help="the three policies (default) and warmloop's variants with one "
+                        "part off (VARIANTS), e.g. warmloop_no_prewarm")
     p.add_argument("--horizon-s", type=float, default=600.0)
     p.add_argument("--large-horizon-s", type=float, default=180.0,
                    help="horizon at 128 GPUs and more (keeps the run to minutes here)")

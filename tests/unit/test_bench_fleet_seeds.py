@@ -68,3 +68,18 @@ def test_settle_counts_the_jobs_that_end_after_it_per_gpu_hour_of_the_rest() -> 
 def test_a_settle_outside_the_horizon_is_refused(settle: str) -> None:
     with pytest.raises(SystemExit):
         main(["--settle", settle, "--gpus", "8"])
+
+
+def test_warmloops_variants_run_with_one_part_off_and_are_compared_seed_by_seed() -> None:
+    """``--policies warmloop_no_holds ...`` (``bench.fleet.VARIANTS``): warmloop with a
+    part off runs the same workload, and warmloop's ratio over it is reported."""
+    import bench.fleet as bench_fleet
+    from warmloop.workflows.calibration import preset
+
+    cal = preset("h100-llama-3.1-8b-bf16")
+    full = bench_fleet.one(2, 0.8, "warmloop", cal, 20.0, False)[0]
+    no_holds = bench_fleet.one(2, 0.8, "warmloop_no_holds", cal, 20.0, False)[0]
+    assert full.hold_decisions.get("hold", 0) > 0 and no_holds.hold_decisions == {}
+    assert no_holds.policy == "warmloop_no_holds" and no_holds.jobs == full.jobs
+    sp = spread([_row("warmloop", 1, 110.0), _row("warmloop_no_prewarm", 1, 100.0)])
+    assert sp["ratios"]["warmloop_over_warmloop_no_prewarm"]["median"] == 1.1
