@@ -53,6 +53,7 @@ from warmloop.workflows.holding import (
     ObservedPrefill,
     TtlCacheCosts,
     TtlCacheEndpoint,
+    cap_turnover_s,
     decide_hold,
     displaced_on_curve,
     hold_lasts_the_wait,
@@ -367,12 +368,11 @@ class HoldManager:
             return True
         now = self._clock()
         oldest = min((h.created for h in self.holds.values()), default=None)
-        at, age = self._room_release
         return hold_lasts_the_wait(
             self.held_tokens, prompt_tokens, info.kv_capacity_tokens,
             self.config.max_held_fraction,
             oldest_age_s=None if oldest is None else now - oldest,
-            turnover_s=age if now - at <= age else None,
+            turnover_s=cap_turnover_s(*self._room_release, now),
             wait=await self._pauses.distribution(profile, kind))
 
     async def decide(self, *, profile: Profile, kind: str, prefix_tokens: int,

@@ -1062,9 +1062,10 @@ class Fleet:
             return  # the worker's prewarm activity skips it too
         hold_s = self.hold_cfg.always_hold_ttl_s
         if hold and kind and self.policy.hold == "cost_model":
-            choice = self._hold_choice(job, engine, holding.viewed_kind(kind), counted=False)
+            viewed = holding.viewed_kind(kind)
+            choice = self._hold_choice(job, engine, viewed, counted=False)
             if choice.action != holding.HoldAction.HOLD or not self._hold_lasts(
-                    job, engine, holding.viewed_kind(kind)):
+                    job, engine, viewed):
                 self.prewarms_declined += 1
                 return
             hold_s = choice.ttl_s * self.hold_cfg.ttl_slack
@@ -1105,7 +1106,7 @@ class Fleet:
             self.held[eid].blocks * engine.block, job.prev_prompt,
             engine.cal.kv_pool_tokens, self.hold_cfg.max_held_fraction,
             oldest_age_s=None if oldest is None else now - oldest.created,
-            turnover_s=age if now - at <= age else None,
+            turnover_s=holding.cap_turnover_s(at, age, now),
             wait=self._distribution(job, kind)[1])
 
     # --- holds (workflows.holding) ---------------------------------------------------------

@@ -611,6 +611,13 @@ def is_viewed_kind(kind: str) -> bool:
     return kind.startswith("approval:") and kind.endswith(VIEWED_SUFFIX)
 
 
+def cap_turnover_s(released_at: float, age_s: float, now: float) -> float | None:
+    """The pace the hold cap lets holds go at, for ``hold_lasts_the_wait``: the age
+    ``age_s`` of the last hold let go for room (at ``released_at``), while no longer
+    than one such age has passed since; None after that (the cap is not turning over)."""
+    return age_s if now - released_at <= age_s else None
+
+
 def hold_lasts_the_wait(held_tokens: float, prompt_tokens: int, capacity_tokens: float,
                         max_held_fraction: float, *, oldest_age_s: float | None,
                         turnover_s: float | None, wait: PauseDistribution) -> bool:

@@ -27,6 +27,7 @@ from warmloop.workflows.holding import (
     VIEWED_PRIOR_S,
     HoldAction,
     PauseDistribution,
+    cap_turnover_s,
     hold_lasts_the_wait,
     viewed_kind,
 )
@@ -187,6 +188,8 @@ def test_whether_a_hold_lasts_the_wait() -> None:
     assert lasts(2_000, 2_000, wait=prior, turnover=1.0)  # a prior decides nothing
     assert not lasts(0, 4_000, oldest=None)  # over the cap alone: let go at once
     assert lasts(9e9, 2_000, capacity=0)  # an unknown pool
+    # the cap's pace: the last hold let go for room, within one such age of it
+    assert cap_turnover_s(100.0, 5.0, 104.0) == 5.0 and cap_turnover_s(100.0, 5.0, 106.0) is None
 
 
 async def test_the_cap_s_turnover_is_the_age_of_the_last_hold_let_go_for_room(
