@@ -51,6 +51,7 @@ from warmloop.workflows.holding import (
     HoldCosts,
     HoldPolicy,
     ObservedPrefill,
+    PauseDistribution,
     TtlCacheCosts,
     TtlCacheEndpoint,
     cap_turnover_s,
@@ -357,12 +358,19 @@ class HoldManager:
                  else None)
         return choice
 
+    async def pause_distribution(self, profile: Profile, kind: str) -> PauseDistribution:
+        """The pauses of ``kind`` the hold model weighs (Redis's histogram, else the
+        prior): read once, it serves both ``decide`` and ``lasts_the_wait``."""
+        return await self._pauses.distribution(profile, kind)
+
     async def lasts_the_wait(self, *, job_id: str, profile: Profile, kind: str,
-                             prompt_tokens: int) -> bool:
+                             prompt_tokens: int, wait: PauseDistribution | None = None
+                             ) -> bool:
         """Whether a hold of ``prompt_tokens`` made now would last through a pause of
         ``kind`` beside the holds here, at the pace the cap lets them go
         (``holding.hold_lasts_the_wait``); a job that holds here already keeps its place.
-        Unknown capacity: it lasts."""
+        Unknown capacity: it lasts. ``wait``: ``kind``'s pauses, where the caller has
+        read them (``pause_distribution``)."""
         info = self._info()
         if job_id in self.holds or info is None or not info.kv_capacity_tokens:
             return True
@@ -373,22 +381,25 @@ class HoldManager:
             self.config.max_held_fraction,
             oldest_age_s=None if oldest is None else now - oldest,
             turnover_s=cap_turnover_s(*self._room_release, now),
-            wait=await self._pauses.distribution(profile, kind))
+            wait=wait if wait is not None else await self._pauses.distribution(profile, kind))
 
     async def decide(self, *, profile: Profile, kind: str, prefix_tokens: int,
-                     policy: HoldPolicy, interactive: bool) -> HoldChoice | None:
+                     policy: HoldPolicy, interactive: bool,
+                     pauses: PauseDistribution | None = None) -> HoldChoice | None:
         """What ``after_step`` would decide for a prompt of ``prefix_tokens`` paused on
         ``kind``, without holding anything: a pre-warm on an approval's opening asks it
         before it computes the prompt (``holding.viewed_kind``). None: no decision (the
-        policy never holds, or the engine is not known yet)."""
+        policy never holds, or the engine is not known yet). ``pauses``: ``kind``'s, where
+        the caller has read them (``pause_distribution``)."""
         if policy == "never" or prefix_tokens < 1:
             return None
         decided = await self._decide(profile=profile, kind=kind, prefix_tokens=prefix_tokens,
-                                     policy=policy, interactive=interactive)
+                                     policy=policy, interactive=interactive, pauses=pauses)
         return None if decided is None else decided[0]
 
     async def _decide(self, *, profile: Profile, kind: str, prefix_tokens: int,
-                      policy: HoldPolicy, interactive: bool
+                      policy: HoldPolicy, interactive: bool,
+                      pauses: PauseDistribution | None = None
                       ) -> tuple[HoldChoice, HoldCosts | TtlCacheCosts | None] | None:
         if policy == "always_hold":
             return HoldChoice(HoldAction.HOLD, self.config.always_hold_ttl_s, 0.0, 0.0,
@@ -396,7 +407,9 @@ class HoldManager:
         costs = self.costs(prefix_tokens, interactive=interactive)
         if costs is None:
             return None
-        return decide_hold(costs, await self._pauses.distribution(profile, kind)), costs
+        if pauses is None:
+            pauses = await self._pauses.distribution(profile, kind)
+        return decide_hold(costs, pauses), costs
 
     def _hold_for_s(self, choice: HoldChoice, policy: HoldPolicy) -> float:
         return choice.ttl_s * (1.0 if policy == "always_hold" else self.config.ttl_slack)

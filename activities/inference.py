@@ -387,16 +387,17 @@ class InferenceActivities:
             return False
         try:
             profile = await self._profile(req)
+            wait = await self._holds.pause_distribution(profile, req.pause_kind)
             choice = await self._holds.decide(
                 profile=profile,
                 kind=req.pause_kind, prefix_tokens=req.prompt_tokens_hint,
-                policy=req.hold_policy, interactive=req.lane == Lane.INTERACTIVE)
+                policy=req.hold_policy, interactive=req.lane == Lane.INTERACTIVE, pauses=wait)
             if choice is None:
                 return False
             if choice.action == HoldAction.HOLD:
                 if await self._holds.lasts_the_wait(
                         job_id=req.job_id, profile=profile, kind=req.pause_kind,
-                        prompt_tokens=req.prompt_tokens_hint):
+                        prompt_tokens=req.prompt_tokens_hint, wait=wait):
                     return False
                 reason = "the cap would let it go before the decision"
             else:

@@ -123,6 +123,30 @@ async def test_a_failed_decision_sends_the_prewarm(redis: aioredis.Redis,
     assert _sent(sent) == 1
 
 
+async def test_an_opening_reads_its_pause_statistics_once(
+        redis: aioredis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hold model and the cap's check weigh the same wait: one Redis read serves
+    both (each is a round trip on the pre-warm's path)."""
+    sent: list[httpx.Request] = []
+    inf, holds = _worker(redis, sent)
+    stats = PauseStats(redis, outage=RedisOutage())
+    for _ in range(30):
+        await stats.record(PROFILE, KIND, 1.0)
+    reads: list[str] = []
+    histogram = PauseStats.histogram
+
+    async def counted(self: PauseStats, profile: str, kind: str) -> dict[int, int]:
+        reads.append(kind)
+        return await histogram(self, profile, kind)
+
+    monkeypatch.setattr(PauseStats, "histogram", counted)
+    _held(holds, "other", 4000, age_s=60.0)  # over the cap: both checks are asked
+    warmed = await _prewarm(inf, _opening(prompt_tokens_hint=2000))
+    assert warmed.finish_reason != PREWARM_DECLINED and _sent(sent) == 1
+    # one for the opening's two checks, one for the hold made once the prompt is computed
+    assert reads == [KIND, KIND]
+
+
 def _held(holds: HoldManager, job_id: str, tokens: int, age_s: float) -> None:
     """Another job's hold of ``tokens`` made ``age_s`` ago (no chain: counted whole)."""
     now = time.time()  # the hold manager's clock
