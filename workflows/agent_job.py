@@ -194,6 +194,11 @@ PATCH_CUT_BUDGET = "cut-budget"
 # CANCELED in Temporal with no result; only that path reads the patch.
 PATCH_END_SURVIVES_CANCEL = "end-survives-cancel"
 PATCH_VIEW_PREWARM_DECIDED = "view-prewarm-decided"
+PATCH_DECISION_BESIDE_TOOL = "decision-prewarm-beside-tool"
+"""After an approval's decision, the pause statistics and the decision's pre-warm run
+beside the approved tool, and the next model step waits for them (``_settle_decision``).
+Before, the workflow awaited both ahead of the tool: a prefill of the whole prompt and
+two local activities on the path from decision to next step, with the tool not started."""
 """An approval's opening pre-warms under the job's own hold policy, through the wait
 from opening to decision (``holding.viewed_kind``), which the decision records: before,
 the opening always pre-warmed and held (always_hold), and under load a hold let go
@@ -317,6 +322,9 @@ class AgentJob:
         self._job: JobInput | None = None
         self._task: BaseModel | None = None
         self._restored_for_step = -1
+        self._decided: asyncio.Task[None] | None = None
+        """The last decision's pause records and pre-warm, running beside its tool
+        (``PATCH_DECISION_BESIDE_TOOL``); the next model step waits for it."""
 
     # ---- queries and updates --------------------------------------------------------
 
@@ -449,6 +457,7 @@ class AgentJob:
                     limits: JobLimits) -> None:
         steps_this_run = 0
         while True:
+            await self._settle_decision()
             hit = check_before_step(limits, self._usage, self._elapsed_s())
             if hit:
                 raise _JobEnded(JobState(hit.state), hit.reason)
@@ -1317,8 +1326,13 @@ class AgentJob:
             )
         self._approvals.append(record)
         if warm_on_view is not None:
-            await warm_on_view
-            await self._after_human(rule, now, self._viewed_at.pop(pending.approval_id, None))
+            viewed_at = self._viewed_at.pop(pending.approval_id, None)
+            if workflow.patched(PATCH_DECISION_BESIDE_TOOL):
+                self._decided = asyncio.ensure_future(
+                    self._after_human(rule, now, viewed_at, warm_on_view))
+            else:
+                await warm_on_view
+                await self._after_human(rule, now, viewed_at)
         if record.outcome == "approved":
             return True
         self._answer(call, _rejection_for_prompt(record))
@@ -1339,15 +1353,29 @@ class AgentJob:
                                 hold_for=f"approval:{pending.kind}" if pending else None)
 
     async def _after_human(self, rule: ApprovalRule, asked_at: datetime,
-                           viewed_at: datetime | None = None) -> None:
+                           viewed_at: datetime | None = None,
+                           opening: asyncio.Future[None] | None = None) -> None:
         """The decision is in: record how long the human took (and, when the approval was
         opened, how long from its opening: what the opening's pre-warm would hold
         through), and warm the prefix again (it may have been evicted during a long wait)
-        before the next step needs it."""
+        before the next step needs it. ``opening``: the opening's pre-warm, finished
+        first (the decision's finds what it held)."""
+        if opening is not None:
+            await opening
         await self._record_pause(f"approval:{rule.kind}", asked_at)
         if viewed_at is not None and workflow.patched(PATCH_VIEW_PREWARM_DECIDED):
             await self._record_pause(viewed_kind(f"approval:{rule.kind}"), viewed_at)
         await self._prewarm("approval decided")
+
+    async def _settle_decision(self) -> None:
+        """Wait for the last decision's records and pre-warm (``_after_human``, started
+        beside the approved tool) before anything else the job does: its next step then
+        finds the prompt warm, and its pause statistics are recorded before the job
+        continues as new or ends. A failure here is the job's own cancellation (both
+        parts are best effort otherwise) and ends the job as a cancel does."""
+        decided, self._decided = self._decided, None
+        if decided is not None:
+            await decided
 
     async def _record_pause(self, kind: str, since: datetime | None = None, *,
                             seconds: float | None = None) -> None:
@@ -1441,6 +1469,9 @@ class AgentJob:
                    final: dict[str, Any] | None = None) -> JobResult:
         self._state = state
         self._drop_ahead()
+        if self._decided is not None:  # a job ended by its tool or a cancel: not waited for
+            self._decided.add_done_callback(_retrieved)
+            self._decided = None
         self._pending.clear()
         inline = _messages_bytes(self._transcript) <= INLINE_TRANSCRIPT_BYTES
         key = await self._store_at_end(inline) if self._transcript else None

@@ -130,7 +130,9 @@ async def test_a_fresh_history_with_an_approval_and_prewarm_replays(
     assert all(p.hold_policy == "never" and p.prompt_tokens_hint is None
                for p in fakes.prewarms if not p.pause_kind)
     await _replayer().replay_workflow(history)
-    _record("agent_job_approval_prewarm.json", history)
+    # the decision's records and pre-warm beside the approved tool; before that patch:
+    # agent_job_approval_prewarm.json
+    _record("agent_job_approval_prewarm_beside_tool.json", history)
 
 
 async def test_a_fresh_two_person_approval_history_replays(

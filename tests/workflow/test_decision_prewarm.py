@@ -1,0 +1,95 @@
+"""An approval's decision warms the prompt beside the approved tool, not ahead of it.
+
+The decision's pre-warm prefills the whole prompt on the engine the next step will use.
+Awaited before the tool (as before ``PATCH_DECISION_BESIDE_TOOL``), that prefill and the
+pause statistics' two local activities sat between the human's decision and the tool's
+start; now they run while the tool does, and the next model step waits for them, so it
+still finds the prompt warm."""
+
+from __future__ import annotations
+
+import asyncio
+
+from temporalio import activity
+from temporalio.testing import WorkflowEnvironment
+
+from tests.approvers import Approvers
+from tests.polling import eventually
+from tests.workflow.fakes import FakeActivities, reply
+from tests.workflow.test_agent_job import TICKET, workers
+from tests.workflow.test_replay import _replayer
+from tests.workflow.test_route_ahead import _patches
+from warmloop.workflows.agent_job import PATCH_DECISION_BESIDE_TOOL, AgentJob
+from warmloop.workflows.contracts import (
+    AGENT_TASK_QUEUE,
+    GenerateRequest,
+    GenerateResult,
+    JobInput,
+    JobState,
+    ToolRequest,
+    ToolResult,
+)
+
+WAIT_S = 5.0
+"""How long the decision's pre-warm waits for the tool to have run: awaited before the
+tool (the old order), it gives up after this and the order below is wrong."""
+
+
+class _Ordered(FakeActivities):
+    """Logs the order of the tool, the decision's pre-warm and the steps; the pre-warm
+    finishes only once the tool has (so it provably ran beside it)."""
+
+    def __init__(self) -> None:
+        script = iter([reply("set_priority", '{"priority": "urgent"}'),
+                       reply("finish", '{"resolution": "escalated", "priority": "urgent"}')])
+        super().__init__(lambda req: next(script))
+        self.events: list[str] = []
+        self.tool_done = asyncio.Event()
+
+    @activity.defn(name="prewarm")
+    async def prewarm(self, req: GenerateRequest) -> GenerateResult:
+        self.prewarms.append(req)
+        try:
+            await asyncio.wait_for(self.tool_done.wait(), WAIT_S)
+        except TimeoutError:
+            self.events.append("prewarm gave up waiting for the tool")
+        await asyncio.sleep(0.2)  # a step sent without waiting for it would come first
+        self.events.append("prewarm done")
+        return reply(None)
+
+    @activity.defn(name="run_tool")
+    async def run_tool(self, req: ToolRequest) -> ToolResult:
+        self.events.append(f"tool {req.name}")
+        self.tool_done.set()
+        return ToolResult(ok=True, output=f"{req.name} ok")
+
+    @activity.defn(name="generate")
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        self.events.append(f"step {req.step}")
+        return await super().generate(req)
+
+
+async def test_the_decision_warms_beside_the_tool_and_the_next_step_waits_for_it(
+    time_skipping_env: WorkflowEnvironment, approvers: Approvers,
+) -> None:
+    fakes = _Ordered()
+    async with workers(time_skipping_env, fakes) as client:
+        handle = await client.start_workflow(
+            AgentJob.run, JobInput(profile="ticket-triage", task=TICKET, max_steps=4),
+            id="decision-beside-tool", task_queue=AGENT_TASK_QUEUE)
+
+        async def asked() -> bool | None:
+            return True if await handle.query(AgentJob.pending_approvals) else None
+
+        await eventually(asked)
+        approvers.now = await time_skipping_env.get_current_time()
+        await handle.execute_update(AgentJob.decide, approvers.decision(
+            "alice", ("team-lead",), job_id=handle.id, approval_id="urgent_priority-1"))
+        res = await handle.result()
+        history = await handle.fetch_history()
+    assert res.state == JobState.FINISHED, res.reason
+    assert fakes.events == ["step 1", "tool set_priority", "prewarm done", "step 2"]
+    # the statistics are recorded as before: the human's wait, before the job ended
+    assert [p.kind for p in fakes.pauses] == ["approval:urgent_priority"]
+    assert PATCH_DECISION_BESIDE_TOOL in _patches(history)
+    await _replayer().replay_workflow(history)
