@@ -223,6 +223,11 @@ async def test_opening_a_pending_approval_prewarms_the_prompt_on_an_engine(
     assert out.returncode == 0, out.stderr
     assert "synthetic-review" in out.stdout and "approval:escalation" in out.stdout
     assert "tool:escalate" in out.stdout
+    # the decision's pre-warm ran beside the approved tool (scheduled before the pre-warm
+    # was done), and the next step waited for it (PATCH_DECISION_BESIDE_TOOL)
+    orders = _after_decisions(await handle.fetch_history())
+    assert orders and all(o[:2] == ["run_tool", "prewarm done"] for o in orders), orders
+    assert all(o[2:] in ([], ["generate"]) for o in orders), orders
 
 
 async def test_an_opening_prewarms_under_the_jobs_policy_and_its_wait_is_recorded(
@@ -274,6 +279,27 @@ async def test_an_opening_prewarms_under_the_jobs_policy_and_its_wait_is_recorde
     await handle.cancel()
     res = await handle.result()
     assert res.state in (JobState.CANCELLED, JobState.LOOP_CAP), res.reason
+
+
+def _after_decisions(history: Any) -> list[list[str]]:
+    """After each approval's decision (its update completed): the order in which the
+    approved tool was scheduled, the decision's pre-warm finished and the next step was
+    scheduled (what of those came before the next decision)."""
+    orders: list[list[str]] = []
+    names: dict[int, str] = {}
+    for e in history.events:
+        if e.HasField("workflow_execution_update_completed_event_attributes"):
+            orders.append([])
+        elif e.HasField("activity_task_scheduled_event_attributes"):
+            name = str(e.activity_task_scheduled_event_attributes.activity_type.name)
+            names[e.event_id] = name
+            if orders and name in ("run_tool", "generate") and name not in orders[-1]:
+                orders[-1].append(name)
+        elif e.HasField("activity_task_completed_event_attributes") and orders:
+            done = names.get(e.activity_task_completed_event_attributes.scheduled_event_id)
+            if done == "prewarm" and "prewarm done" not in orders[-1]:
+                orders[-1].append("prewarm done")
+    return orders
 
 
 def _scheduled_type(history: Any, completed: Any) -> str:
