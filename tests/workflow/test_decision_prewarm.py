@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 
 from temporalio import activity
+from temporalio.api.enums.v1 import EventType
 from temporalio.testing import WorkflowEnvironment
 
 from tests.approvers import Approvers
@@ -22,10 +23,14 @@ from tests.workflow.test_route_ahead import _patches
 from warmloop.workflows.agent_job import PATCH_DECISION_BESIDE_TOOL, AgentJob
 from warmloop.workflows.contracts import (
     AGENT_TASK_QUEUE,
+    FunctionCall,
     GenerateRequest,
     GenerateResult,
     JobInput,
     JobState,
+    ReplayScript,
+    ReplayStep,
+    ToolCall,
     ToolRequest,
     ToolResult,
 )
@@ -93,3 +98,49 @@ async def test_the_decision_warms_beside_the_tool_and_the_next_step_waits_for_it
     assert [p.kind for p in fakes.pauses] == ["approval:urgent_priority"]
     assert PATCH_DECISION_BESIDE_TOOL in _patches(history)
     await _replayer().replay_workflow(history)
+
+
+async def test_a_job_that_ends_at_its_approved_call_still_records_the_wait(
+    time_skipping_env: WorkflowEnvironment, approvers: Approvers,
+) -> None:
+    """A replayed job whose last recorded call needs an approval ends the moment it is
+    approved: the decision's records, started beside the (recorded) tool, are waited for
+    at the end, not dropped with it."""
+    fakes = _SlowPrewarm(lambda req: reply("noop"))
+    call = ToolCall(id="c1", function=FunctionCall(name="set_priority",
+                                                   arguments='{"priority": "urgent"}'))
+    script = ReplayScript(ask_approvals=True, steps=[
+        ReplayStep(call=call, result="priority set", output_tokens=4)])
+    async with workers(time_skipping_env, fakes) as client:
+        handle = await client.start_workflow(
+            AgentJob.run, JobInput(profile="ticket-triage", task=TICKET, replay=script),
+            id="ends-at-approval", task_queue=AGENT_TASK_QUEUE)
+
+        async def asked() -> bool | None:
+            return True if await handle.query(AgentJob.pending_approvals) else None
+
+        await eventually(asked)
+        approvers.now = await time_skipping_env.get_current_time()
+        await handle.execute_update(AgentJob.decide, approvers.decision(
+            "alice", ("team-lead",), job_id=handle.id, approval_id="urgent_priority-1"))
+        res = await handle.result()
+        history = await handle.fetch_history()
+    assert res.state == JobState.FINISHED, res.reason
+    assert [p.kind for p in fakes.pauses] == ["approval:urgent_priority"]
+    # the pre-warm (a second long) finished inside the job, before it completed
+    kinds = [e.event_type for e in history.events]
+    done = [i for i, e in enumerate(history.events)
+            if e.HasField("activity_task_completed_event_attributes")]
+    assert done and max(done) < kinds.index(EventType.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED)
+    assert len(fakes.prewarms) == 1 and fakes.prewarmed == 1
+
+
+class _SlowPrewarm(FakeActivities):
+    prewarmed = 0
+
+    @activity.defn(name="prewarm")
+    async def prewarm(self, req: GenerateRequest) -> GenerateResult:
+        self.prewarms.append(req)
+        await asyncio.sleep(1.0)
+        self.prewarmed += 1
+        return reply(None)
