@@ -1326,13 +1326,13 @@ class AgentJob:
             )
         self._approvals.append(record)
         if warm_on_view is not None:
-            viewed_at = self._viewed_at.pop(pending.approval_id, None)
             if workflow.patched(PATCH_DECISION_BESIDE_TOOL):
-                self._decided = asyncio.ensure_future(
-                    self._after_human(rule, now, viewed_at, warm_on_view))
-            else:
+                self._decided = asyncio.ensure_future(self._after_human(
+                    rule, now, self._viewed_at.pop(pending.approval_id, None), warm_on_view))
+            else:  # as histories before the patch ran it (a view landing meanwhile counts)
                 await warm_on_view
-                await self._after_human(rule, now, viewed_at)
+                await self._after_human(rule, now,
+                                        self._viewed_at.pop(pending.approval_id, None))
         if record.outcome == "approved":
             return True
         self._answer(call, _rejection_for_prompt(record))
