@@ -12,6 +12,7 @@ import asyncio
 
 from temporalio import activity
 from temporalio.api.enums.v1 import EventType
+from temporalio.client import WorkflowHistory
 from temporalio.testing import WorkflowEnvironment
 
 from tests.approvers import Approvers
@@ -27,6 +28,7 @@ from warmloop.workflows.contracts import (
     GenerateRequest,
     GenerateResult,
     JobInput,
+    JobResult,
     JobState,
     ReplayScript,
     ReplayStep,
@@ -74,24 +76,30 @@ class _Ordered(FakeActivities):
         return await super().generate(req)
 
 
-async def test_the_decision_warms_beside_the_tool_and_the_next_step_waits_for_it(
-    time_skipping_env: WorkflowEnvironment, approvers: Approvers,
-) -> None:
-    fakes = _Ordered()
-    async with workers(time_skipping_env, fakes) as client:
-        handle = await client.start_workflow(
-            AgentJob.run, JobInput(profile="ticket-triage", task=TICKET, max_steps=4),
-            id="decision-beside-tool", task_queue=AGENT_TASK_QUEUE)
+async def _approved(env: WorkflowEnvironment, approvers: Approvers, fakes: FakeActivities,
+                    job_id: str, job: JobInput) -> tuple[JobResult, WorkflowHistory]:
+    """Run ``job`` and approve its first approval (``urgent_priority-1``) as alice: its
+    result and history."""
+    async with workers(env, fakes) as client:
+        handle = await client.start_workflow(AgentJob.run, job, id=job_id,
+                                             task_queue=AGENT_TASK_QUEUE)
 
         async def asked() -> bool | None:
             return True if await handle.query(AgentJob.pending_approvals) else None
 
         await eventually(asked)
-        approvers.now = await time_skipping_env.get_current_time()
+        approvers.now = await env.get_current_time()
         await handle.execute_update(AgentJob.decide, approvers.decision(
             "alice", ("team-lead",), job_id=handle.id, approval_id="urgent_priority-1"))
-        res = await handle.result()
-        history = await handle.fetch_history()
+        return await handle.result(), await handle.fetch_history()
+
+
+async def test_the_decision_warms_beside_the_tool_and_the_next_step_waits_for_it(
+    time_skipping_env: WorkflowEnvironment, approvers: Approvers,
+) -> None:
+    fakes = _Ordered()
+    res, history = await _approved(time_skipping_env, approvers, fakes, "decision-beside-tool",
+                                   JobInput(profile="ticket-triage", task=TICKET, max_steps=4))
     assert res.state == JobState.FINISHED, res.reason
     assert fakes.events == ["step 1", "tool set_priority", "prewarm done", "step 2"]
     # the statistics are recorded as before: the human's wait, before the job ended
@@ -111,20 +119,8 @@ async def test_a_job_that_ends_at_its_approved_call_still_records_the_wait(
                                                    arguments='{"priority": "urgent"}'))
     script = ReplayScript(ask_approvals=True, steps=[
         ReplayStep(call=call, result="priority set", output_tokens=4)])
-    async with workers(time_skipping_env, fakes) as client:
-        handle = await client.start_workflow(
-            AgentJob.run, JobInput(profile="ticket-triage", task=TICKET, replay=script),
-            id="ends-at-approval", task_queue=AGENT_TASK_QUEUE)
-
-        async def asked() -> bool | None:
-            return True if await handle.query(AgentJob.pending_approvals) else None
-
-        await eventually(asked)
-        approvers.now = await time_skipping_env.get_current_time()
-        await handle.execute_update(AgentJob.decide, approvers.decision(
-            "alice", ("team-lead",), job_id=handle.id, approval_id="urgent_priority-1"))
-        res = await handle.result()
-        history = await handle.fetch_history()
+    res, history = await _approved(time_skipping_env, approvers, fakes, "ends-at-approval",
+                                   JobInput(profile="ticket-triage", task=TICKET, replay=script))
     assert res.state == JobState.FINISHED, res.reason
     assert [p.kind for p in fakes.pauses] == ["approval:urgent_priority"]
     # the pre-warm (a second long) finished inside the job, before it completed
