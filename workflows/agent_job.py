@@ -194,15 +194,15 @@ PATCH_CUT_BUDGET = "cut-budget"
 # CANCELED in Temporal with no result; only that path reads the patch.
 PATCH_END_SURVIVES_CANCEL = "end-survives-cancel"
 PATCH_VIEW_PREWARM_DECIDED = "view-prewarm-decided"
+"""An approval's opening pre-warms under the job's own hold policy, through the wait
+from opening to decision (``holding.viewed_kind``), which the decision records: before,
+the opening always pre-warmed and held (always_hold), and under load a hold let go
+before a slow decision left that decision's pre-warm to compute the prompt again."""
 PATCH_DECISION_BESIDE_TOOL = "decision-prewarm-beside-tool"
 """After an approval's decision, the pause statistics and the decision's pre-warm run
 beside the approved tool, and the next model step waits for them (``_settle_decision``).
 Before, the workflow awaited both ahead of the tool: a prefill of the whole prompt and
 two local activities on the path from decision to next step, with the tool not started."""
-"""An approval's opening pre-warms under the job's own hold policy, through the wait
-from opening to decision (``holding.viewed_kind``), which the decision records: before,
-the opening always pre-warmed and held (always_hold), and under load a hold let go
-before a slow decision left that decision's pre-warm to compute the prompt again."""
 ROUTE_AHEAD_MAX_AGE = timedelta(seconds=2)
 """The oldest a route taken ahead may be when its step starts. Past it (a long tool), the
 fleet's load may have moved, and the step is routed again as before."""
@@ -1371,8 +1371,9 @@ class AgentJob:
         """Wait for the last decision's records and pre-warm (``_after_human``, started
         beside the approved tool) before anything else the job does: its next step then
         finds the prompt warm, and its pause statistics are recorded before the job
-        continues as new or ends. A failure here is the job's own cancellation (both
-        parts are best effort otherwise) and ends the job as a cancel does."""
+        continues as new or ends. Both parts are best effort: what can come out of it is
+        what ends the job anyway (its cancellation, or its wall cap reached while the
+        pre-warm's route waits for Redis)."""
         decided, self._decided = self._decided, None
         if decided is not None:
             await decided
