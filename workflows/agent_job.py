@@ -1470,15 +1470,14 @@ class AgentJob:
                    final: dict[str, Any] | None = None) -> JobResult:
         self._state = state
         self._drop_ahead()
-        decided, self._decided = self._decided, None
-        if decided is not None:
-            if state == JobState.CANCELLED:  # its activities are being cancelled too
-                decided.add_done_callback(_retrieved)
-            else:  # e.g. the approved tool ended the job: its pauses are still recorded
-                try:
-                    await decided
-                except Exception as e:  # noqa: BLE001 - both parts are best effort
-                    workflow.logger.warning("after the decision: %s", e)
+        if self._decided is not None and state == JobState.CANCELLED:
+            # its activities are being cancelled too: not waited for
+            self._decided.add_done_callback(_retrieved)
+            self._decided = None
+        try:  # e.g. the approved tool ended the job: its pauses are still recorded
+            await self._settle_decision()
+        except Exception as e:  # noqa: BLE001 - both parts are best effort
+            workflow.logger.warning("after the decision: %s", e)
         self._pending.clear()
         inline = _messages_bytes(self._transcript) <= INLINE_TRANSCRIPT_BYTES
         key = await self._store_at_end(inline) if self._transcript else None
