@@ -791,6 +791,18 @@ async def test_a_move_announced_late_after_the_session_came_back_is_ignored(
     assert first.gateway.metrics.counter("warmloop_gateway_sessions_moved_total") == 1
 
 
+async def test_an_announcement_made_as_soon_as_a_replica_started_is_read(
+        make: Make, redis: aioredis.Redis) -> None:
+    # start() returns with the stream's end fixed: a move announced next, before the
+    # replica's reader first ran (CI once lost this race and never read it), is read
+    first = await make("e0", instance="gw-a")
+    first.gateway.sessions.open("early", "support", Lane.INTERACTIVE)  # no await between
+    await redis.xadd(gateway_core.SESSIONS_STREAM,
+                     {"gateway": "gw-b", "session": "early", "age_ms": 60_000})
+    await eventually(lambda: _true(first.gateway.metrics.counter(
+        "warmloop_gateway_session_moves_stale_total") == 1))
+
+
 async def _true(value: bool) -> bool:
     return value
 

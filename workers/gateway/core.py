@@ -192,7 +192,11 @@ class Gateway:
         background."""
         await self.refresh()
         self._loop = asyncio.ensure_future(self._refresh_loop())
-        self._listener = asyncio.ensure_future(self._follow_sessions())
+        # where the sessions stream ends now, read before start returns: an announcement
+        # made after this gateway started is read, however late its reader first runs
+        last = await self.outage.attempt("session stream", self._sessions_end, None,
+                                         timeout_s=REDIS_TIMEOUT_S, probe=True)
+        self._listener = asyncio.ensure_future(self._follow_sessions(last))
 
     async def stop(self) -> None:
         for task in (self._loop, self._listener):
@@ -301,20 +305,25 @@ class Gateway:
                 del self._unannounced[session]
         log.info("gateway_sessions_announced_late", sessions=len(late))
 
-    async def _follow_sessions(self) -> None:
+    async def _sessions_end(self) -> str:
+        """The sessions stream's newest entry id ("0-0" when empty)."""
+        newest = await self.redis.xrevrange(SESSIONS_STREAM, count=1)
+        return redis_text(newest[0][0]) if newest else "0-0"
+
+    async def _follow_sessions(self, last: str | None = None) -> None:
         """Read the sessions other replicas took (``_announce``): a session this gateway
         knows, idle here, moved (a proxy rebalanced, a replica came or went). Its pause
         ended when its call came there, its hold here has done its work and ends, and the
         session is forgotten, so that a later call back here is not measured as one long
         pause. The stream is read from where this replica left off: announcements made
         while it was cut off from Redis come when it is back, each placed in time by its
-        age (the stream entry's, in Redis's clock, plus the time its maker held it)."""
-        last: str | None = None
+        age (the stream entry's, in Redis's clock, plus the time its maker held it).
+        ``last``: the entry to read after (None: the stream's end when first read, as
+        when Redis was away at the start)."""
         while True:
             try:
                 if last is None:  # from the stream's end now: older moves are not ours
-                    newest = await self.redis.xrevrange(SESSIONS_STREAM, count=1)
-                    last = redis_text(newest[0][0]) if newest else "0-0"
+                    last = await self._sessions_end()
                 got: Any = await self.redis.xread({SESSIONS_STREAM: last}, count=256,
                                                   block=1000)
                 stop_if_cancelled()
