@@ -203,6 +203,10 @@ PATCH_DECISION_BESIDE_TOOL = "decision-prewarm-beside-tool"
 beside the approved tool, and the next model step waits for them (``_settle_decision``).
 Before, the workflow awaited both ahead of the tool: a prefill of the whole prompt and
 two local activities on the path from decision to next step, with the tool not started."""
+PATCH_NO_PREWARM_AT_END = "no-decision-prewarm-at-end"
+"""A decision that ends the job (a rejection, or a deadline, of a rule with
+``on_reject="end"``) records the human's wait but pre-warms nothing: no model step follows
+it. Before, it prefilled the whole prompt, and the job's end waited for that prefill."""
 ROUTE_AHEAD_MAX_AGE = timedelta(seconds=2)
 """The oldest a route taken ahead may be when its step starts. Past it (a long tool), the
 fleet's load may have moved, and the step is routed again as before."""
@@ -1325,10 +1329,13 @@ class AgentJob:
                 comment=decision.comment, decided_at=workflow.now(),
             )
         self._approvals.append(record)
+        ends_job = record.outcome != "approved" and rule.on_reject == "end"
         if warm_on_view is not None:
             if workflow.patched(PATCH_DECISION_BESIDE_TOOL):
+                prewarm = not (ends_job and workflow.patched(PATCH_NO_PREWARM_AT_END))
                 self._decided = asyncio.ensure_future(self._after_human(
-                    rule, now, self._viewed_at.pop(pending.approval_id, None), warm_on_view))
+                    rule, now, self._viewed_at.pop(pending.approval_id, None), warm_on_view,
+                    prewarm=prewarm))
             else:  # as histories before the patch ran it (a view landing meanwhile counts)
                 await warm_on_view
                 await self._after_human(rule, now,
@@ -1336,7 +1343,7 @@ class AgentJob:
         if record.outcome == "approved":
             return True
         self._answer(call, _rejection_for_prompt(record))
-        if rule.on_reject == "end":
+        if ends_job:
             raise _JobEnded(JobState.REJECTED,
                             f"{rule.kind} approval {record.outcome} by {record.decided_by}")
         return False
@@ -1354,18 +1361,21 @@ class AgentJob:
 
     async def _after_human(self, rule: ApprovalRule, asked_at: datetime,
                            viewed_at: datetime | None = None,
-                           opening: asyncio.Future[None] | None = None) -> None:
+                           opening: asyncio.Future[None] | None = None, *,
+                           prewarm: bool = True) -> None:
         """The decision is in: record how long the human took (and, when the approval was
         opened, how long from its opening: what the opening's pre-warm would hold
         through), and warm the prefix again (it may have been evicted during a long wait)
         before the next step needs it. ``opening``: the opening's pre-warm, finished
-        first (the decision's finds what it held)."""
+        first (the decision's finds what it held). ``prewarm``: False when no step
+        follows (the decision ends the job)."""
         if opening is not None:
             await opening
         await self._record_pause(f"approval:{rule.kind}", asked_at)
         if viewed_at is not None and workflow.patched(PATCH_VIEW_PREWARM_DECIDED):
             await self._record_pause(viewed_kind(f"approval:{rule.kind}"), viewed_at)
-        await self._prewarm("approval decided")
+        if prewarm:
+            await self._prewarm("approval decided")
 
     async def _settle_decision(self) -> None:
         """Wait for the last decision's records and pre-warm (``_after_human``, started

@@ -9,7 +9,12 @@ still finds the prompt warm."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
+from collections.abc import Iterator
+from pathlib import Path
 
+import pytest
 from temporalio import activity
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowHistory
@@ -21,7 +26,11 @@ from tests.workflow.fakes import FakeActivities, reply
 from tests.workflow.test_agent_job import TICKET, workers
 from tests.workflow.test_replay import _replayer
 from tests.workflow.test_route_ahead import _patches
-from warmloop.workflows.agent_job import PATCH_DECISION_BESIDE_TOOL, AgentJob
+from warmloop.workflows.agent_job import (
+    PATCH_DECISION_BESIDE_TOOL,
+    PATCH_NO_PREWARM_AT_END,
+    AgentJob,
+)
 from warmloop.workflows.contracts import (
     AGENT_TASK_QUEUE,
     FunctionCall,
@@ -36,6 +45,7 @@ from warmloop.workflows.contracts import (
     ToolRequest,
     ToolResult,
 )
+from warmloop.workflows.profiles.registry import REGISTRY, get_profile
 
 WAIT_S = 5.0
 """How long the decision's pre-warm waits for the tool to have run: awaited before the
@@ -140,3 +150,71 @@ class _SlowPrewarm(FakeActivities):
         await asyncio.sleep(1.0)
         self.prewarmed += 1
         return reply(None)
+
+
+ENDS_ON_REJECT = "ticket-triage-ends-on-reject"
+
+
+@pytest.fixture
+def ends_on_reject() -> Iterator[str]:
+    """ticket-triage, but a rejected urgent priority ends the job REJECTED."""
+    base = get_profile("ticket-triage")
+    rules = tuple(dataclasses.replace(r, on_reject="end") for r in base.approvals)
+    REGISTRY.add(dataclasses.replace(base, name=ENDS_ON_REJECT, approvals=rules),
+                 source="test")
+    try:
+        yield ENDS_ON_REJECT
+    finally:
+        REGISTRY.remove(ENDS_ON_REJECT)
+
+
+async def _rejected(env: WorkflowEnvironment, approvers: Approvers, fakes: FakeActivities,
+                    profile: str) -> tuple[JobResult, WorkflowHistory]:
+    """Run a job of ``profile`` that asks for an urgent priority, and reject it as alice."""
+    job = JobInput(profile=profile, task=TICKET, max_steps=4)
+    async with workers(env, fakes) as client:
+        handle = await client.start_workflow(AgentJob.run, job, id="rejected-ends",
+                                             task_queue=AGENT_TASK_QUEUE)
+
+        async def asked() -> bool | None:
+            return True if await handle.query(AgentJob.pending_approvals) else None
+
+        await eventually(asked)
+        approvers.now = await env.get_current_time()
+        await handle.execute_update(AgentJob.decide, approvers.decision(
+            "alice", ("team-lead",), job_id=handle.id, approval_id="urgent_priority-1",
+            approve=False, comment="not urgent"))
+        return await handle.result(), await handle.fetch_history()
+
+
+async def test_a_rejection_that_ends_the_job_records_the_wait_and_warms_nothing(
+    time_skipping_env: WorkflowEnvironment, approvers: Approvers, ends_on_reject: str,
+) -> None:
+    """No model step follows a decision that ends the job, so its pre-warm would prefill
+    the whole prompt for nothing, and the job's end would wait for it."""
+    fakes = _SlowPrewarm(lambda req: reply("set_priority", '{"priority": "urgent"}'))
+    res, history = await _rejected(time_skipping_env, approvers, fakes, ends_on_reject)
+    assert res.state == JobState.REJECTED, res.reason
+    assert "rejected by alice" in (res.reason or "")
+    assert fakes.prewarms == []  # nor did the job's end wait for one
+    assert [p.kind for p in fakes.pauses] == ["approval:urgent_priority"]
+    assert PATCH_NO_PREWARM_AT_END in _patches(history)
+    await _replayer().replay_workflow(history)
+    if os.environ.get("WARMLOOP_RECORD_HISTORIES"):
+        (REJECTED_HISTORIES / "agent_job_rejected_ends.json").write_text(history.to_json())
+
+
+REJECTED_HISTORIES = Path(__file__).parent / "histories" / "ends_on_reject"
+"""Histories of jobs of the ``ends_on_reject`` profile, which only these tests register
+(so the replay of every history in ``histories/`` leaves them out)."""
+
+
+@pytest.mark.parametrize("name", ["agent_job_rejected_ends_before_patch.json",
+                                  "agent_job_rejected_ends.json"])
+async def test_recorded_rejections_that_end_the_job_replay(name: str,
+                                                           ends_on_reject: str) -> None:
+    # before PATCH_NO_PREWARM_AT_END the rejection pre-warmed: that history still replays
+    history = WorkflowHistory.from_json("rejected-ends",
+                                        (REJECTED_HISTORIES / name).read_text())
+    assert (PATCH_NO_PREWARM_AT_END in _patches(history)) == ("before" not in name)
+    await _replayer().replay_workflow(history)
