@@ -204,9 +204,11 @@ beside the approved tool, and the next model step waits for them (``_settle_deci
 Before, the workflow awaited both ahead of the tool: a prefill of the whole prompt and
 two local activities on the path from decision to next step, with the tool not started."""
 PATCH_NO_PREWARM_AT_END = "no-decision-prewarm-at-end"
-"""A decision that ends the job (a rejection, or a deadline, of a rule with
-``on_reject="end"``) records the human's wait but pre-warms nothing: no model step follows
-it. Before, it prefilled the whole prompt, and the job's end waited for that prefill."""
+"""A decision after which no model step comes records the human's wait but pre-warms
+nothing: one that ends the job (a rejection, or a deadline, of a rule with
+``on_reject="end"``), one on a replay's last recorded step, and one whose job a cap ends
+before its next step (the step cap reached, say). Before, it prefilled the whole prompt,
+and the job's end waited for that prefill."""
 ROUTE_AHEAD_MAX_AGE = timedelta(seconds=2)
 """The oldest a route taken ahead may be when its step starts. Past it (a long tool), the
 fleet's load may have moved, and the step is routed again as before."""
@@ -549,9 +551,11 @@ class AgentJob:
         if script.ask_approvals:
             args = _arguments(call)
             rule = profile.approval_for(name, args) if args is not None else None
-        if rule is None or await self._await_approval(rule, call, args or {}, limits):
+        last = index + 1 >= len(script.steps)
+        if rule is None or await self._await_approval(rule, call, args or {}, limits,
+                                                      last_step=last):
             self._answer(call, recorded.result)
-        if index + 1 >= len(script.steps):
+        if last:
             raise _JobEnded(JobState.FINISHED, f"replayed {len(script.steps)} recorded steps",
                             _arguments(call))
         self._next_kind = StepKind.EXECUTE
@@ -1290,8 +1294,10 @@ class AgentJob:
         workflow.upsert_search_attributes([SA_PENDING.value_set(sorted(self._pending))])
 
     async def _await_approval(self, rule: ApprovalRule, call: ToolCall, args: dict[str, Any],
-                              limits: JobLimits) -> bool:
-        """Wait for a human; True when approved. A rejection is answered in the transcript."""
+                              limits: JobLimits, *, last_step: bool = False) -> bool:
+        """Wait for a human; True when approved. A rejection is answered in the transcript.
+        ``last_step``: the job ends after this call whatever the decision (a replay's last
+        recorded step)."""
         now = workflow.now()
         pending = PendingApproval(
             approval_id=f"{rule.kind}-{self._usage.steps}", job_id=self._job_id,
@@ -1332,7 +1338,11 @@ class AgentJob:
         ends_job = record.outcome != "approved" and rule.on_reject == "end"
         if warm_on_view is not None:
             if workflow.patched(PATCH_DECISION_BESIDE_TOOL):
-                prewarm = not (ends_job and workflow.patched(PATCH_NO_PREWARM_AT_END))
+                # no step follows: the decision ends the job, or a cap ends it before its
+                # next step (a tool spends none of what they count; wall time only grows)
+                no_step = ends_job or last_step or check_before_step(
+                    limits, self._usage, self._elapsed_s()) is not None
+                prewarm = not (no_step and workflow.patched(PATCH_NO_PREWARM_AT_END))
                 self._decided = asyncio.ensure_future(self._after_human(
                     rule, now, self._viewed_at.pop(pending.approval_id, None), warm_on_view,
                     prewarm=prewarm))

@@ -4,7 +4,8 @@ The decision's pre-warm prefills the whole prompt on the engine the next step wi
 Awaited before the tool (as before ``PATCH_DECISION_BESIDE_TOOL``), that prefill and the
 pause statistics' two local activities sat between the human's decision and the tool's
 start; now they run while the tool does, and the next model step waits for them, so it
-still finds the prompt warm."""
+still finds the prompt warm. Where no step follows the decision (it ends the job, or the
+job ends after the approved call), nothing is pre-warmed (``PATCH_NO_PREWARM_AT_END``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from pathlib import Path
 
 import pytest
 from temporalio import activity
-from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowHistory
 from temporalio.testing import WorkflowEnvironment
 
@@ -24,7 +24,7 @@ from tests.approvers import Approvers
 from tests.polling import eventually
 from tests.workflow.fakes import FakeActivities, reply
 from tests.workflow.test_agent_job import TICKET, workers
-from tests.workflow.test_replay import _replayer
+from tests.workflow.test_replay import _record, _replayer
 from tests.workflow.test_route_ahead import _patches
 from warmloop.workflows.agent_job import (
     PATCH_DECISION_BESIDE_TOOL,
@@ -118,27 +118,42 @@ async def test_the_decision_warms_beside_the_tool_and_the_next_step_waits_for_it
     await _replayer().replay_workflow(history)
 
 
-async def test_a_job_that_ends_at_its_approved_call_still_records_the_wait(
+async def test_a_job_that_ends_at_its_approved_call_records_the_wait_and_warms_nothing(
     time_skipping_env: WorkflowEnvironment, approvers: Approvers,
 ) -> None:
     """A replayed job whose last recorded call needs an approval ends the moment it is
     approved: the decision's records, started beside the (recorded) tool, are waited for
-    at the end, not dropped with it."""
+    at the end, not dropped with it; no step follows, so nothing is pre-warmed."""
     fakes = _SlowPrewarm(lambda req: reply("noop"))
-    call = ToolCall(id="c1", function=FunctionCall(name="set_priority",
-                                                   arguments='{"priority": "urgent"}'))
-    script = ReplayScript(ask_approvals=True, steps=[
-        ReplayStep(call=call, result="priority set", output_tokens=4)])
     res, history = await _approved(time_skipping_env, approvers, fakes, "ends-at-approval",
-                                   JobInput(profile="ticket-triage", task=TICKET, replay=script))
+                                   JobInput(profile="ticket-triage", task=TICKET,
+                                            replay=_LAST_CALL_APPROVED))
     assert res.state == JobState.FINISHED, res.reason
     assert [p.kind for p in fakes.pauses] == ["approval:urgent_priority"]
-    # the pre-warm (a second long) finished inside the job, before it completed
-    kinds = [e.event_type for e in history.events]
-    done = [i for i, e in enumerate(history.events)
-            if e.HasField("activity_task_completed_event_attributes")]
-    assert done and max(done) < kinds.index(EventType.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED)
-    assert len(fakes.prewarms) == 1 and fakes.prewarmed == 1
+    assert fakes.prewarms == []
+    assert PATCH_NO_PREWARM_AT_END in _patches(history)
+    await _replayer().replay_workflow(history)
+    _record("agent_job_ends_at_approved_call.json", history)
+
+
+async def test_a_job_the_step_cap_ends_after_its_approved_call_warms_nothing(
+    time_skipping_env: WorkflowEnvironment, approvers: Approvers,
+) -> None:
+    fakes = _SlowPrewarm(lambda req: reply("set_priority", '{"priority": "urgent"}'))
+    res, history = await _approved(time_skipping_env, approvers, fakes, "capped-at-approval",
+                                   JobInput(profile="ticket-triage", task=TICKET, max_steps=1))
+    assert res.state == JobState.LOOP_CAP, res.reason
+    assert [t.name for t in fakes.tool_requests] == ["set_priority"]  # the approved call ran
+    assert [p.kind for p in fakes.pauses] == ["approval:urgent_priority"]
+    assert fakes.prewarms == []
+    await _replayer().replay_workflow(history)
+
+
+_LAST_CALL_APPROVED = ReplayScript(ask_approvals=True, steps=[ReplayStep(
+    call=ToolCall(id="c1", function=FunctionCall(name="set_priority",
+                                                 arguments='{"priority": "urgent"}')),
+    result="priority set", output_tokens=4)])
+"""One recorded step, whose call (an urgent priority) asks for an approval."""
 
 
 class _SlowPrewarm(FakeActivities):
