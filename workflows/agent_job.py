@@ -208,7 +208,8 @@ PATCH_NO_PREWARM_AT_END = "no-decision-prewarm-at-end"
 nothing: one that ends the job (a rejection, or a deadline, of a rule with
 ``on_reject="end"``), one on a replay's last recorded step, and one whose job a cap ends
 before its next step (the step cap reached, say). Before, it prefilled the whole prompt,
-and the job's end waited for that prefill."""
+and the job's end waited for that prefill. Where a cap already ends the job at the
+approval's asking, its opening pre-warms nothing either."""
 ROUTE_AHEAD_MAX_AGE = timedelta(seconds=2)
 """The oldest a route taken ahead may be when its step starts. Past it (a long tool), the
 fleet's load may have moved, and the step is routed again as before."""
@@ -1310,9 +1311,15 @@ class AgentJob:
         self._pending[pending.approval_id] = pending
         self._rules[pending.approval_id] = rule
         self._publish_pending()
+        # a cap already ends the job after this call, whatever the decision: no step
+        # follows it to use a pre-warm (a tool spends none of what they count)
+        capped = last_step or check_before_step(limits, self._usage,
+                                                self._elapsed_s()) is not None
         warm_on_view = None
         if workflow.patched(PATCH_PREWARM):
-            warm_on_view = asyncio.ensure_future(self._prewarm_when_viewed(pending.approval_id))
+            warm = not (capped and workflow.patched(PATCH_NO_PREWARM_AT_END))
+            warm_on_view = asyncio.ensure_future(
+                self._prewarm_when_viewed(pending.approval_id) if warm else _nothing())
         decision = await self._wait_decision(pending, limits)
         if decision is None and rule.on_timeout == "escalate":
             pending.escalated = True
@@ -1339,8 +1346,8 @@ class AgentJob:
         if warm_on_view is not None:
             if workflow.patched(PATCH_DECISION_BESIDE_TOOL):
                 # no step follows: the decision ends the job, or a cap ends it before its
-                # next step (a tool spends none of what they count; wall time only grows)
-                no_step = ends_job or last_step or check_before_step(
+                # next step (wall time only grows while the human decides)
+                no_step = ends_job or capped or check_before_step(
                     limits, self._usage, self._elapsed_s()) is not None
                 prewarm = not (no_step and workflow.patched(PATCH_NO_PREWARM_AT_END))
                 self._decided = asyncio.ensure_future(self._after_human(
@@ -1640,6 +1647,10 @@ def _step_timing(gen: GenerateResult, step_start: float, back: float) -> StepTim
     if gen.returned_at is not None:
         update["return_ms"] = max(0.0, (back - gen.returned_at) * 1000)
     return gen.timing.model_copy(update=update)
+
+
+async def _nothing() -> None:
+    """An opening that warms nothing (no step follows the approval)."""
 
 
 def _rejection_for_prompt(record: ApprovalRecord) -> str:

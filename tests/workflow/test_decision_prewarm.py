@@ -33,6 +33,7 @@ from warmloop.workflows.agent_job import (
 )
 from warmloop.workflows.contracts import (
     AGENT_TASK_QUEUE,
+    ApprovalViewed,
     FunctionCall,
     GenerateRequest,
     GenerateResult,
@@ -87,9 +88,10 @@ class _Ordered(FakeActivities):
 
 
 async def _approved(env: WorkflowEnvironment, approvers: Approvers, fakes: FakeActivities,
-                    job_id: str, job: JobInput) -> tuple[JobResult, WorkflowHistory]:
-    """Run ``job`` and approve its first approval (``urgent_priority-1``) as alice: its
-    result and history."""
+                    job_id: str, job: JobInput, *, view: bool = False
+                    ) -> tuple[JobResult, WorkflowHistory]:
+    """Run ``job`` and approve its first approval (``urgent_priority-1``) as alice (first
+    opening it, with ``view``): its result and history."""
     async with workers(env, fakes) as client:
         handle = await client.start_workflow(AgentJob.run, job, id=job_id,
                                              task_queue=AGENT_TASK_QUEUE)
@@ -98,6 +100,8 @@ async def _approved(env: WorkflowEnvironment, approvers: Approvers, fakes: FakeA
             return True if await handle.query(AgentJob.pending_approvals) else None
 
         await eventually(asked)
+        if view:
+            await handle.signal(AgentJob.viewed, ApprovalViewed(approval_id="urgent_priority-1"))
         approvers.now = await env.get_current_time()
         await handle.execute_update(AgentJob.decide, approvers.decision(
             "alice", ("team-lead",), job_id=handle.id, approval_id="urgent_priority-1"))
@@ -141,12 +145,17 @@ async def test_a_job_the_step_cap_ends_after_its_approved_call_warms_nothing(
 ) -> None:
     fakes = _SlowPrewarm(lambda req: reply("set_priority", '{"priority": "urgent"}'))
     res, history = await _approved(time_skipping_env, approvers, fakes, "capped-at-approval",
-                                   JobInput(profile="ticket-triage", task=TICKET, max_steps=1))
+                                   JobInput(profile="ticket-triage", task=TICKET, max_steps=1),
+                                   view=True)
     assert res.state == JobState.LOOP_CAP, res.reason
     assert [t.name for t in fakes.tool_requests] == ["set_priority"]  # the approved call ran
-    assert [p.kind for p in fakes.pauses] == ["approval:urgent_priority"]
+    # the wait and the wait from the opening are recorded; neither warms anything
+    assert [p.kind for p in fakes.pauses] == ["approval:urgent_priority",
+                                              "approval:urgent_priority:viewed"]
     assert fakes.prewarms == []
     await _replayer().replay_workflow(history)
+    # before the patch: agent_job_capped_at_approval_before_patch.json (two pre-warms)
+    _record("agent_job_capped_at_approval.json", history)
 
 
 _LAST_CALL_APPROVED = ReplayScript(ask_approvals=True, steps=[ReplayStep(
