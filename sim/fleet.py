@@ -124,8 +124,9 @@ class _Job:
     pending: Engine | None = None
     """The engine serving the job's step under way."""
     unsent: int = -1
-    """While an approval waits: the transcript's tokens its pre-warms leave out (the
-    tool's result, not yet run); -1: the pre-warm sends the transcript and the tail."""
+    """While an approval waits: the transcript's tokens its opening's pre-warm leaves
+    out (the tool's result, not yet run; the decision's sends it); -1: the pre-warm
+    sends the transcript and the tail."""
 
 
 @dataclass(eq=False, slots=True)
@@ -1016,7 +1017,7 @@ class Fleet:
 
     def _resume(self, job: _Job, approval: bool) -> None:
         if approval and self.policy.prewarm:
-            self._prewarm(job, False)
+            self._prewarm(job, False, answered=True)
         self.clock.after(self.cfg.pre_step_s, self._route_step, job)
 
     def _end_job(self, job: _Job) -> None:
@@ -1048,9 +1049,13 @@ class Fleet:
 
     # --- prewarms ----------------------------------------------------------------------
 
-    def _prewarm(self, job: _Job, hold: bool, kind: str = "") -> None:
+    def _prewarm(self, job: _Job, hold: bool, kind: str = "", *,
+                 answered: bool = False) -> None:
         """Pre-warm the job's prompt: on its approval's decision, or (``hold``) on its
-        opening, holding it to the decision. Under the cost model an opening's pre-warm
+        opening, holding it to the decision. ``answered``: the decision's, which the
+        workflow sends beside the approved call (``PATCH_DECISION_BESIDE_TOOL``), after
+        the decision's records: a replayed job's recorded answer is in its transcript by
+        then (bench-pauses'), and so is a live tool's that returns within that time. Under the cost model an opening's pre-warm
         is made only where holding from the opening to the decision (``kind``'s
         ``viewed_kind``) pays and the cap would not let the hold go first
         (``holding.hold_lasts_the_wait``); otherwise the decision's pre-warm computes the prompt
@@ -1072,8 +1077,9 @@ class Fleet:
         if job.hold is not None and job.hold.engine is not engine:
             self._end_hold(job.hold)
         if job.unsent >= 0:  # the transcript as it stands and the empty tail
-            prompt = job.transcript - job.unsent + PREWARM_TAIL_TOKENS
-            chain = chain[:(job.transcript - job.unsent) // self.block]
+            sent = job.transcript - (0 if answered else job.unsent)
+            prompt = sent + PREWARM_TAIL_TOKENS
+            chain = chain[:sent // self.block]
         else:
             prompt = job.transcript + job.spec.tail_tokens
 

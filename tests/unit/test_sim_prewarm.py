@@ -1,6 +1,8 @@
 """An approval's simulated pre-warm sends what the workflow's pre-warm sends: the
-transcript as it stands while the approval waits (the call in, its result not yet run)
-and an empty tail, not the next step's whole prompt."""
+transcript as it stands and an empty tail, not the next step's whole prompt. On the
+approval's opening that is the call without its result (not yet run); on its decision,
+sent beside the approved call after the decision's records (``PATCH_DECISION_BESIDE_TOOL``),
+a replayed job's transcript has its recorded result too."""
 
 from __future__ import annotations
 
@@ -41,10 +43,11 @@ def _prewarm_prompts(call_tokens: int | None) -> tuple[list[int], list[int]]:
     return prewarms, steps
 
 
-def test_an_approvals_prewarm_leaves_out_the_result_not_yet_run() -> None:
+def test_an_openings_prewarm_leaves_out_the_result_and_the_decisions_sends_it() -> None:
     prewarms, steps = _prewarm_prompts(call_tokens=21)
-    # viewed, then decided: both before the tool runs
-    assert prewarms == [PREFIX + TASK + 21 + PREWARM_TAIL_TOKENS] * 2
+    # viewed: before the tool runs; decided: beside it, its result in
+    assert prewarms == [PREFIX + TASK + 21 + PREWARM_TAIL_TOKENS,
+                        PREFIX + TASK + 47 + PREWARM_TAIL_TOKENS]
     # the next step sends the result and its tail
     assert steps == [PREFIX + TASK + TAIL, PREFIX + TASK + 47 + TAIL]
 
