@@ -1055,11 +1055,12 @@ class Fleet:
         opening, holding it to the decision. ``answered``: the decision's, which the
         workflow sends beside the approved call (``PATCH_DECISION_BESIDE_TOOL``), after
         the decision's records: a replayed job's recorded answer is in its transcript by
-        then (bench-pauses'), and so is a live tool's that returns within that time. Under the cost model an opening's pre-warm
-        is made only where holding from the opening to the decision (``kind``'s
-        ``viewed_kind``) pays and the cap would not let the hold go first
-        (``holding.hold_lasts_the_wait``); otherwise the decision's pre-warm computes the prompt
-        once, where an opening's pre-warm let go before the decision computes it twice."""
+        then (bench-pauses'), and so is a live tool's that returns within that time.
+        Under the cost model an opening's pre-warm is made only where holding from the
+        opening to the decision (``kind``'s ``viewed_kind``) pays and the cap would not let
+        the hold go first (``holding.hold_lasts_the_wait``); otherwise the decision's
+        pre-warm computes the prompt once, where an opening's pre-warm let go before the
+        decision computes it twice."""
         chain = self._chain(job)
         engine = self.route(job.spec.job_id, chain, job.last_engine,
                             job.spec.lane == Lane.BATCH and self.policy.lanes, job.shared)
