@@ -803,6 +803,28 @@ async def test_an_announcement_made_as_soon_as_a_replica_started_is_read(
         "warmloop_gateway_session_moves_stale_total") == 1))
 
 
+async def test_a_replica_started_while_redis_is_away_follows_moves_once_it_is_back(
+        make: Make, redis: aioredis.Redis, module_server: RedisServer) -> None:
+    module_server.kill()
+    try:
+        first = await make(instance="gw-a")  # starts: no stream end to read yet
+    finally:
+        module_server.start()  # back, empty
+    listener = first.gateway._listener
+    assert listener is not None and not listener.done()
+    first.gateway.sessions.open("early", "support", Lane.INTERACTIVE)
+
+    async def moved() -> bool:
+        # its reader starts from the stream's end once Redis answers, so an announcement
+        # made before that is not its to read: announce until one is read
+        await redis.xadd(gateway_core.SESSIONS_STREAM,
+                         {"gateway": "gw-b", "session": "early", "age_ms": 0})
+        return first.gateway.metrics.counter("warmloop_gateway_sessions_moved_total") == 1
+
+    await eventually(moved, attempts=400)
+    assert first.gateway.sessions.get("early") is None
+
+
 async def _true(value: bool) -> bool:
     return value
 
