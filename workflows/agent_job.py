@@ -209,7 +209,12 @@ nothing: one that ends the job (a rejection, or a deadline, of a rule with
 ``on_reject="end"``), one on a replay's last recorded step, and one whose job a cap ends
 before its next step (the step cap reached, say). Before, it prefilled the whole prompt,
 and the job's end waited for that prefill. Where a cap already ends the job at the
-approval's asking, its opening pre-warms nothing either."""
+approval's asking, its opening pre-warms nothing either. A hold the opening's pre-warm
+made before a rejection that ends the job is no longer ended by the decision's pre-warm
+(as "released on resume"); the inference worker ends it as its job's ("job over", within
+``job_check_s``). Runs without ``PATCH_DECISION_BESIDE_TOOL`` take the old path for the
+decision (its pre-warm sent) even where this patch skips an opening's: do not add a
+``patched`` call to that path, as histories written by this code would not replay."""
 ROUTE_AHEAD_MAX_AGE = timedelta(seconds=2)
 """The oldest a route taken ahead may be when its step starts. Past it (a long tool), the
 fleet's load may have moved, and the step is routed again as before."""

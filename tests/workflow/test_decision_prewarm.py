@@ -153,6 +153,7 @@ async def test_a_job_the_step_cap_ends_after_its_approved_call_warms_nothing(
     assert [p.kind for p in fakes.pauses] == ["approval:urgent_priority",
                                               "approval:urgent_priority:viewed"]
     assert fakes.prewarms == []
+    assert PATCH_NO_PREWARM_AT_END in _patches(history)
     await _replayer().replay_workflow(history)
     # before the patch: agent_job_capped_at_approval_before_patch.json (two pre-warms)
     _record("agent_job_capped_at_approval.json", history)
@@ -194,7 +195,8 @@ def ends_on_reject() -> Iterator[str]:
 
 async def _rejected(env: WorkflowEnvironment, approvers: Approvers, fakes: FakeActivities,
                     profile: str) -> tuple[JobResult, WorkflowHistory]:
-    """Run a job of ``profile`` that asks for an urgent priority, and reject it as alice."""
+    """Run a job of ``profile`` that asks for an urgent priority; alice opens the
+    approval, then rejects it."""
     job = JobInput(profile=profile, task=TICKET, max_steps=4)
     async with workers(env, fakes) as client:
         handle = await client.start_workflow(AgentJob.run, job, id="rejected-ends",
@@ -204,6 +206,12 @@ async def _rejected(env: WorkflowEnvironment, approvers: Approvers, fakes: FakeA
             return True if await handle.query(AgentJob.pending_approvals) else None
 
         await eventually(asked)
+        await handle.signal(AgentJob.viewed, ApprovalViewed(approval_id="urgent_priority-1"))
+
+        async def opened() -> bool:
+            return len(fakes.prewarms) == 1  # the opening's (a step might have followed)
+
+        await eventually(opened)
         approvers.now = await env.get_current_time()
         await handle.execute_update(AgentJob.decide, approvers.decision(
             "alice", ("team-lead",), job_id=handle.id, approval_id="urgent_priority-1",
@@ -220,8 +228,10 @@ async def test_a_rejection_that_ends_the_job_records_the_wait_and_warms_nothing(
     res, history = await _rejected(time_skipping_env, approvers, fakes, ends_on_reject)
     assert res.state == JobState.REJECTED, res.reason
     assert "rejected by alice" in (res.reason or "")
-    assert fakes.prewarms == []  # nor did the job's end wait for one
-    assert [p.kind for p in fakes.pauses] == ["approval:urgent_priority"]
+    # the opening's pre-warm only; the decision's none, nor did the job's end wait for one
+    assert len(fakes.prewarms) == 1 and fakes.prewarms[0].pause_kind
+    assert [p.kind for p in fakes.pauses] == ["approval:urgent_priority",
+                                              "approval:urgent_priority:viewed"]
     assert PATCH_NO_PREWARM_AT_END in _patches(history)
     await _replayer().replay_workflow(history)
     if os.environ.get("WARMLOOP_RECORD_HISTORIES"):

@@ -191,11 +191,12 @@ class Gateway:
         """Read the fleet once, then keep reading it (and ticking holds) in the
         background."""
         await self.refresh()
-        self._loop = asyncio.ensure_future(self._refresh_loop())
         # where the sessions stream ends now, read before start returns: an announcement
-        # made after this gateway started is read, however late its reader first runs
+        # made after this gateway started is read, however late its reader first runs.
+        # Not tried when the refresh just found Redis away (its reader reads it later)
         last = await self.outage.attempt("session stream", self._sessions_end, None,
-                                         timeout_s=REDIS_TIMEOUT_S, probe=True)
+                                         timeout_s=REDIS_TIMEOUT_S)
+        self._loop = asyncio.ensure_future(self._refresh_loop())
         self._listener = asyncio.ensure_future(self._follow_sessions(last))
 
     async def stop(self) -> None:
