@@ -1390,7 +1390,7 @@ class AgentJob:
         through), and warm the prefix again (it may have been evicted during a long wait)
         before the next step needs it. ``opening``: the opening's pre-warm, finished
         first (the decision's finds what it held). ``prewarm``: False when no step
-        follows (the decision ends the job)."""
+        follows (the decision, or a cap, ends the job: ``PATCH_NO_PREWARM_AT_END``)."""
         if opening is not None:
             await opening
         await self._record_pause(f"approval:{rule.kind}", asked_at)
