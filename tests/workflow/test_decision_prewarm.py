@@ -87,11 +87,13 @@ class _Ordered(FakeActivities):
         return await super().generate(req)
 
 
-async def _approved(env: WorkflowEnvironment, approvers: Approvers, fakes: FakeActivities,
-                    job_id: str, job: JobInput, *, view: bool = False
+async def _decided(env: WorkflowEnvironment, approvers: Approvers, fakes: FakeActivities,
+                    job_id: str, job: JobInput, *, view: bool = False, approve: bool = True,
+                    comment: str = "", opening_warms: bool = False
                     ) -> tuple[JobResult, WorkflowHistory]:
-    """Run ``job`` and approve its first approval (``urgent_priority-1``) as alice (first
-    opening it, with ``view``): its result and history."""
+    """Run ``job`` and decide its first approval (``urgent_priority-1``) as alice (first
+    opening it, with ``view``, and waiting for the opening's pre-warm, with
+    ``opening_warms``): its result and history. ``approve=False`` rejects it."""
     async with workers(env, fakes) as client:
         handle = await client.start_workflow(AgentJob.run, job, id=job_id,
                                              task_queue=AGENT_TASK_QUEUE)
@@ -102,9 +104,16 @@ async def _approved(env: WorkflowEnvironment, approvers: Approvers, fakes: FakeA
         await eventually(asked)
         if view:
             await handle.signal(AgentJob.viewed, ApprovalViewed(approval_id="urgent_priority-1"))
+        if opening_warms:
+
+            async def opened() -> bool:
+                return len(fakes.prewarms) == 1  # the opening's (a step might have followed)
+
+            await eventually(opened)
         approvers.now = await env.get_current_time()
         await handle.execute_update(AgentJob.decide, approvers.decision(
-            "alice", ("team-lead",), job_id=handle.id, approval_id="urgent_priority-1"))
+            "alice", ("team-lead",), job_id=handle.id, approval_id="urgent_priority-1",
+            approve=approve, comment=comment))
         return await handle.result(), await handle.fetch_history()
 
 
@@ -112,7 +121,7 @@ async def test_the_decision_warms_beside_the_tool_and_the_next_step_waits_for_it
     time_skipping_env: WorkflowEnvironment, approvers: Approvers,
 ) -> None:
     fakes = _Ordered()
-    res, history = await _approved(time_skipping_env, approvers, fakes, "decision-beside-tool",
+    res, history = await _decided(time_skipping_env, approvers, fakes, "decision-beside-tool",
                                    JobInput(profile="ticket-triage", task=TICKET, max_steps=4))
     assert res.state == JobState.FINISHED, res.reason
     assert fakes.events == ["step 1", "tool set_priority", "prewarm done", "step 2"]
@@ -129,7 +138,7 @@ async def test_a_job_that_ends_at_its_approved_call_records_the_wait_and_warms_n
     approved: the decision's records, started beside the (recorded) tool, are waited for
     at the end, not dropped with it; no step follows, so nothing is pre-warmed."""
     fakes = _SlowPrewarm(lambda req: reply("noop"))
-    res, history = await _approved(time_skipping_env, approvers, fakes, "ends-at-approval",
+    res, history = await _decided(time_skipping_env, approvers, fakes, "ends-at-approval",
                                    JobInput(profile="ticket-triage", task=TICKET,
                                             replay=_LAST_CALL_APPROVED))
     assert res.state == JobState.FINISHED, res.reason
@@ -144,7 +153,7 @@ async def test_a_job_the_step_cap_ends_after_its_approved_call_warms_nothing(
     time_skipping_env: WorkflowEnvironment, approvers: Approvers,
 ) -> None:
     fakes = _SlowPrewarm(lambda req: reply("set_priority", '{"priority": "urgent"}'))
-    res, history = await _approved(time_skipping_env, approvers, fakes, "capped-at-approval",
+    res, history = await _decided(time_skipping_env, approvers, fakes, "capped-at-approval",
                                    JobInput(profile="ticket-triage", task=TICKET, max_steps=1),
                                    view=True)
     assert res.state == JobState.LOOP_CAP, res.reason
@@ -197,26 +206,9 @@ async def _rejected(env: WorkflowEnvironment, approvers: Approvers, fakes: FakeA
                     profile: str) -> tuple[JobResult, WorkflowHistory]:
     """Run a job of ``profile`` that asks for an urgent priority; alice opens the
     approval, then rejects it."""
-    job = JobInput(profile=profile, task=TICKET, max_steps=4)
-    async with workers(env, fakes) as client:
-        handle = await client.start_workflow(AgentJob.run, job, id="rejected-ends",
-                                             task_queue=AGENT_TASK_QUEUE)
-
-        async def asked() -> bool | None:
-            return True if await handle.query(AgentJob.pending_approvals) else None
-
-        await eventually(asked)
-        await handle.signal(AgentJob.viewed, ApprovalViewed(approval_id="urgent_priority-1"))
-
-        async def opened() -> bool:
-            return len(fakes.prewarms) == 1  # the opening's (a step might have followed)
-
-        await eventually(opened)
-        approvers.now = await env.get_current_time()
-        await handle.execute_update(AgentJob.decide, approvers.decision(
-            "alice", ("team-lead",), job_id=handle.id, approval_id="urgent_priority-1",
-            approve=False, comment="not urgent"))
-        return await handle.result(), await handle.fetch_history()
+    return await _decided(env, approvers, fakes, "rejected-ends",
+                           JobInput(profile=profile, task=TICKET, max_steps=4), view=True,
+                           approve=False, comment="not urgent", opening_warms=True)
 
 
 async def test_a_rejection_that_ends_the_job_records_the_wait_and_warms_nothing(
