@@ -791,6 +791,57 @@ async def test_a_move_announced_late_after_the_session_came_back_is_ignored(
     assert first.gateway.metrics.counter("warmloop_gateway_sessions_moved_total") == 1
 
 
+async def test_a_calls_bookkeeping_starts_once_its_request_is_with_the_engine(
+        make: Make, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new session's announcement to the other replicas and a resumed session's pause
+    record are Redis writes its call need not wait for: they start once the call's
+    request has reached the engine. (They were started as the call came, and ran in its
+    first wait, the directory read its routing makes, delaying the call.) A call that
+    reaches no engine still announces its session."""
+    rig = await make("e0")
+    engine = rig.fleet["e0"]
+    started: list[tuple[str, int]] = []  # (the work, chat requests the engine had then)
+    announce, record = rig.gateway._announce, rig.gateway.pauses.record
+
+    async def spy_announce(session: str, at: float) -> None:
+        started.append(("announce", engine.arrived))
+        await announce(session, at)
+
+    async def spy_record(profile: str, kind: str, seconds: float) -> None:
+        started.append(("pause", engine.arrived))
+        await record(profile, kind, seconds)
+
+    monkeypatch.setattr(rig.gateway, "_announce", spy_announce)
+    monkeypatch.setattr(rig.gateway.pauses, "record", spy_record)
+    engine.gate = asyncio.Event()
+    engine.tool = "search_kb"  # a pause on a tool follows
+    s = {"x-session-id": "s1", "x-session-kind": "support"}
+    first = asyncio.create_task(rig.chat(conversation(), headers=s))
+
+    async def announced() -> bool:
+        return bool(started)
+
+    await eventually(announced)
+    assert started == [("announce", 1)]  # not before the engine had the request
+    engine.gate.set()
+    assert (await first).status_code == 200
+    engine.gate, engine.tool = asyncio.Event(), None
+    second = asyncio.create_task(rig.chat(conversation("My app crashes.", "Found it."),
+                                          headers=s))
+
+    async def recorded() -> bool:
+        return len(started) > 1
+
+    await eventually(recorded)
+    assert started == [("announce", 1), ("pause", 2)]
+    engine.gate.set()
+    assert (await second).status_code == 200
+    engine.gate, engine.mode = None, "refuse"  # no engine takes the next new session's call
+    r = await rig.chat(conversation(), headers={"x-session-id": "s2"})
+    assert r.status_code == 503 and started[-1] == ("announce", 2)
+    assert await rig.redis.xlen(gateway_core.SESSIONS_STREAM) == 2
+
+
 async def test_an_announcement_made_as_soon_as_a_replica_started_is_read(
         make: Make, redis: aioredis.Redis) -> None:
     # start() returns with the stream's end fixed: a move announced next, before the

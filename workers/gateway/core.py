@@ -34,7 +34,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -246,24 +246,32 @@ class Gateway:
         (``SESSIONS_STREAM``): one that knew it ends its hold there."""
         if call.session is None:
             return None
-        if self.sessions.get(call.session) is None:
-            self._background(self._announce(call.session, time.monotonic()))
+        new = self.sessions.get(call.session) is None
         s = self.sessions.open(call.session, call.kind, call.lane)
-        self._pause_ended(s)
+        if new:
+            at = time.monotonic()
+            s.after_send.append(lambda: self._announce(s.key, at))
+        self._pause_ended(s, later=s.after_send)
         s.ended_at = None
         self.holds.resume(s.key)
         s.active += 1
         s.generation += 1
         return s
 
-    def _pause_ended(self, s: Session, at: float | None = None) -> None:
+    def _pause_ended(self, s: Session, at: float | None = None, *,
+                     later: list[Callable[[], Coroutine[Any, Any, Any]]] | None = None
+                     ) -> None:
         """The session's pause (since its last answer here) ends ``at`` (monotonic;
-        None: now): measured into the pause statistics, if it was paused."""
+        None: now): measured into the pause statistics, if it was paused. ``later``:
+        where to leave the record's write (``Session.after_send``); None: now."""
         if s.ended_at is not None and s.pause_kind is not None and s.active == 0:
             seconds = max(0.0, (time.monotonic() if at is None else at) - s.ended_at)
-            self._background(self.pauses.record(kind_profile(s.kind).name, s.pause_kind,
-                                                seconds))
+            profile, kind = kind_profile(s.kind).name, s.pause_kind
             self.metrics.inc("warmloop_gateway_pauses_total")
+            if later is None:
+                self._background(self.pauses.record(profile, kind, seconds))
+            else:
+                later.append(lambda: self.pauses.record(profile, kind, seconds))
 
     async def _announce(self, session: str, at: float) -> None:
         """Tell the other replicas that ``session``'s call of ``at`` came here; kept to
@@ -385,6 +393,7 @@ class Gateway:
         try:
             return await self._send(call, session, arrived)
         finally:
+            self._after_send(session)  # when no request was sent: they stand all the same
             self._routing -= 1
             if not self._routing:
                 self._path_clear.set()
@@ -412,6 +421,8 @@ class Gateway:
             slot, waited = await self._admit(call, engine, job_id)
             key = self.fleet.started(engine.engine_id, f"gateway:{call.kind}")
             self.metrics.observe_added(time.perf_counter() - arrived - waited)
+            # scheduled now, they run once the request is written (the first wait)
+            self._after_send(session)
             try:
                 upstream = await self._post(engine, call.path, body)
             except RETRY_ELSEWHERE as e:
@@ -786,6 +797,15 @@ class Gateway:
                                                   salt=call.salt or ""), engine.block_size))
 
     # ---- helpers ---------------------------------------------------------------------
+
+    def _after_send(self, session: Session | None) -> None:
+        """Start the work the session's call left for after its request
+        (``Session.after_send``)."""
+        if session is None or not session.after_send:
+            return
+        work, session.after_send = session.after_send, []
+        for w in work:
+            self._background(w())
 
     def _background(self, work: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.ensure_future(self._quietly(work))

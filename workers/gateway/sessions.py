@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from warmloop.workflows.contracts import Lane
 
@@ -83,6 +84,10 @@ class Session:
     served_tokens: int = 0
     """Prompt tokens of its last call, as its engine reported them."""
     seen: float = field(default_factory=time.monotonic)
+    after_send: list[Callable[[], Coroutine[Any, Any, Any]]] = field(default_factory=list)
+    """Bookkeeping its call started (its announcement to the other replicas, its pause's
+    record), run once the call's engine request is written (``Gateway.send``): their
+    Redis round trips then overlap the engine's work, not the call's routing."""
 
 
 class SessionTable:
