@@ -842,6 +842,39 @@ async def test_a_calls_bookkeeping_starts_once_its_request_is_with_the_engine(
     assert await rig.redis.xlen(gateway_core.SESSIONS_STREAM) == 2
 
 
+async def test_a_replica_reading_back_its_own_announcements_asks_redis_nothing_more(
+        make: Make, redis: aioredis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    # each session new here is announced and read back by this replica's own reader,
+    # during the call: no clock to read for entries it skips (a round trip a call)
+    rig = await make("e0", instance="gw-a")
+    reads: list[list[Any]] = []
+    asked: list[float] = []
+    clock_reads = 0
+    xread, clock = rig.gateway.redis.xread, rig.gateway.redis.time
+
+    async def spy_xread(*a: Any, **kw: Any) -> Any:
+        asked.append(time.monotonic())
+        got = await xread(*a, **kw)
+        reads.append(gateway_core._stream_entries(got) if got else [])
+        return got
+
+    async def spy_time() -> Any:
+        nonlocal clock_reads
+        clock_reads += 1
+        return await clock()
+
+    monkeypatch.setattr(rig.gateway.redis, "xread", spy_xread)
+    monkeypatch.setattr(rig.gateway.redis, "time", spy_time)
+    await eventually(lambda: _true(bool(asked)))  # its reader waits in the spy now
+    assert (await rig.chat(conversation(), headers={"x-session-id": "s1"})).status_code == 200
+    await eventually(lambda: _true(any(reads)))  # its own entry, read back
+    assert clock_reads == 0
+    # another replica's move is still placed in time, and ends the session here
+    await redis.xadd(gateway_core.SESSIONS_STREAM,
+                     {"gateway": "gw-b", "session": "s2", "age_ms": 0})
+    await eventually(lambda: _true(clock_reads == 1))
+
+
 async def test_an_announcement_made_as_soon_as_a_replica_started_is_read(
         make: Make, redis: aioredis.Redis) -> None:
     # start() returns with the stream's end fixed: a move announced next, before the

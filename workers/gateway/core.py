@@ -340,6 +340,12 @@ class Gateway:
                     continue
                 entries = _stream_entries(got)
                 received = time.monotonic()
+                if all(self._own_entry(fields) for _, fields in entries):
+                    # this replica's own announcements (one for each session new here,
+                    # read back during its call): nothing to place in time
+                    last = next((redis_text(i) for i, _ in reversed(entries) if i is not None),
+                                last)
+                    continue
                 sec, usec = cast("tuple[int, int]", await self.redis.time())
                 redis_ms = sec * 1000 + usec // 1000
                 for entry_id, fields in entries:
@@ -350,6 +356,12 @@ class Gateway:
             except REDIS_ERRORS as e:
                 log.warning("session_stream_lost", error=str(e))
                 await asyncio.sleep(1.0)
+
+    def _own_entry(self, fields: Any) -> bool:
+        try:
+            return _field(fields, "gateway") == self.instance
+        except (TypeError, KeyError, UnicodeDecodeError, AttributeError):
+            return False  # garbage: _session_moved skips it
 
     def _session_moved(self, fields: Any, received: float, redis_ms: int,
                        entry_id: str) -> None:
