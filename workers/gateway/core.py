@@ -430,11 +430,13 @@ class Gateway:
                 on_last_engine=on_last)
             self.metrics.inc("warmloop_gateway_routed_total", engine=engine.engine_id,
                              reason=decision.reason)
+            # scheduled now, they run at the call's next wait: an interactive call's is
+            # for its answer, once the request is written; a batch call's may be for a
+            # slot first (seconds: no announcement should wait that long)
+            self._after_send(session)
             slot, waited = await self._admit(call, engine, job_id)
             key = self.fleet.started(engine.engine_id, f"gateway:{call.kind}")
             self.metrics.observe_added(time.perf_counter() - arrived - waited)
-            # scheduled now, they run once the request is written (the first wait)
-            self._after_send(session)
             try:
                 upstream = await self._post(engine, call.path, body)
             except RETRY_ELSEWHERE as e:

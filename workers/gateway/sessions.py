@@ -86,8 +86,9 @@ class Session:
     seen: float = field(default_factory=time.monotonic)
     after_send: list[Callable[[], Coroutine[Any, Any, Any]]] = field(default_factory=list)
     """Bookkeeping its call started (its announcement to the other replicas, its pause's
-    record), run once the call's engine request is written (``Gateway.send``): their
-    Redis round trips then overlap the engine's work, not the call's routing."""
+    record), started once the call is routed (``Gateway.send``): they run at its next
+    wait, for an interactive call once its engine request is written, so their Redis
+    round trips overlap the engine's work, not the call's routing."""
 
 
 class SessionTable:
