@@ -581,6 +581,8 @@ async def test_replicas_and_the_worker_share_an_engines_batch_slots(
         for i, rig in enumerate((first, second))]
     await eventually(lambda: _waiting(first, second, 2))
     assert first.fleet["e0"].arrived == second.fleet["e0"].arrived == 0
+    # each session is announced to the other replicas while its call waits for a slot
+    await eventually(lambda: _stream_length(redis, 2))
     shown = (await first.client.get("/metrics")).text
     assert 'warmloop_gateway_batch_waiting{engine="e0"} 1' in shown
     await worker.release()
@@ -596,6 +598,10 @@ async def test_replicas_and_the_worker_share_an_engines_batch_slots(
     await first.gateway.idle()
     await second.gateway.idle()
     assert await redis.zcard(BATCH_SLOTS_KEY.format("e0")) == 0
+
+
+async def _stream_length(redis: aioredis.Redis, n: int) -> bool:
+    return int(await redis.xlen(gateway_core.SESSIONS_STREAM)) == n
 
 
 async def _waiting(first: Rig, second: Rig, n: int) -> bool:
