@@ -130,6 +130,14 @@ def pause_kind(profile: Profile, tool: str, arguments: str) -> str | None:
     return approval_kind(rule.kind) if rule is not None else tool_kind(spec.name)
 
 
+def without_touches(running: int, waiting: int, touches: int) -> tuple[int, int]:
+    """An engine's running and waiting requests less ``touches`` of its holder's own in
+    flight (``HoldManager.touching``), running ones first: a touch computes a token or
+    two, so one still waiting is next to run."""
+    mine = min(touches, running)
+    return running - mine, max(0, waiting - (touches - mine))
+
+
 class JobsOver(Protocol):
     """Which of these jobs have ended: a hold's job that ended after its pausing step (a
     budget, a cancel, a rejected or expired approval, a terminated workflow) sends no
@@ -226,6 +234,12 @@ class HoldManager:
         self._room_release: tuple[float, float] = (-float("inf"), 0.0)
         """When the last hold was let go for room, and its age then (the cap's turnover:
         ``lasts_the_wait``)."""
+        self.touching = 0
+        """Touches in flight now. vLLM counts each as a running request, but a touch is
+        this holder's upkeep (one token), not load: the worker's heartbeat leaves them
+        out of the engine's count (``without_touches``). Counted as load they pushed the
+        held job's own next step, and any job whose prefix the engine holds, elsewhere
+        whenever a heartbeat caught one."""
         self.held_more = asyncio.Event()
         """Set when a hold is made: the worker's heartbeat then publishes ``held_tokens``
         at once, not up to a beat later. The router counts held tokens as taken KV
@@ -571,7 +585,11 @@ class HoldManager:
                                     "temperature": 0, "priority": self.config.touch_priority}
             if h.salt is not None:
                 body["cache_salt"] = h.salt
-        r = await self._http.post(url, json=body, timeout=30.0)
+        self.touching += 1
+        try:
+            r = await self._http.post(url, json=body, timeout=30.0)
+        finally:
+            self.touching -= 1
         if r.status_code != 200:
             log.warning("touch_failed", job_id=h.job_id, status=r.status_code)
             return

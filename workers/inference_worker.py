@@ -22,7 +22,7 @@ from temporalio.worker import FixedSizeSlotSupplier, Worker, WorkerTuner
 from warmloop.activities.admission import BatchAdmission, SharedBatchSlots
 from warmloop.activities.cachebust import CacheBust, CacheBustDetector
 from warmloop.activities.directory import KvEventApplier, PrefixDirectory
-from warmloop.activities.holds import HoldManager, WorkflowsOver
+from warmloop.activities.holds import HoldManager, WorkflowsOver, without_touches
 from warmloop.activities.inference import InferenceActivities
 from warmloop.activities.pauses import PauseStats
 from warmloop.activities.registry import (
@@ -153,7 +153,12 @@ async def heartbeat_loop(registry: EngineRegistry, http: httpx.AsyncClient,
     try:
         while True:
             stop_if_cancelled()
+            touching = holds.touching if holds is not None else 0
             hb = await probe_engine(http, engine)
+            if holds is not None:
+                # touches in flight both before and after the probe ran during it
+                hb.running, hb.waiting = without_touches(hb.running, hb.waiting,
+                                                         min(touching, holds.touching))
             if calibration is not None:
                 hb.calibration = await calibration.refresh()
                 hb.priced = True

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from warmloop.activities.holds import HoldManager, pause_kind
+from warmloop.activities.holds import HoldManager, pause_kind, without_touches
 from warmloop.activities.pauses import bucket_mid, bucket_of, points, prior_for
 from warmloop.activities.registry import EngineHeartbeat
 from warmloop.workflows.holding import HoldAction, HoldConfig, PauseDistribution, TtlCacheEndpoint
@@ -136,6 +136,36 @@ async def test_short_tool_pause_is_held_and_touched_until_resume() -> None:
     await m.tick()
     assert "warmloop:holds:e0" not in redis.hashes
     assert redis.hashes["warmloop:holds:stats:e0"]["released_on_resume"] == 1
+
+
+async def test_a_touch_in_flight_is_counted_until_it_ends_however_it_ends() -> None:
+    m, _, clock = manager(StubPauses(2.0, 6.0), [])
+    during: list[int] = []
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        during.append(m.touching)
+        n = len(json.loads(request.content)["prompt"])
+        return httpx.Response(200, json={"usage": {"prompt_tokens": n,
+                                                   "prompt_tokens_details": {"cached_tokens": n}}})
+
+    def gone(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("engine gone", request=request)
+
+    m._http = httpx.AsyncClient(transport=httpx.MockTransport(engine))
+    await m.after_step(job_id="j1", profile=get_profile("ticket-triage"), kind="tool:search_kb",
+                       prefix_tokens=list(range(2048)), policy="always_hold", interactive=True)
+    clock.t = m.holds["j1"].next_touch
+    await m.tick()
+    assert during == [1] and m.touching == 0
+    m._http = httpx.AsyncClient(transport=httpx.MockTransport(gone))
+    clock.t = m.holds["j1"].next_touch
+    with pytest.raises(httpx.ConnectError):
+        await m.tick()
+    assert m.touching == 0
+    # what the heartbeat publishes: the engine's requests less the holder's touches
+    assert without_touches(2, 0, 1) == (1, 0)
+    assert without_touches(0, 3, 1) == (0, 2)  # waiting behind a busy engine's steps
+    assert without_touches(1, 1, 3) == (0, 0)  # never below nothing
 
 
 async def test_an_approval_that_takes_an_hour_is_released() -> None:

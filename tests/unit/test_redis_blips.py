@@ -141,6 +141,7 @@ class Holding:
         self.held_tokens = 0
         self.regret = None
         self.held_more = asyncio.Event()
+        self.touching = 0
 
     def observe_engine(self, computed_tokens_total: float) -> None:
         pass
@@ -165,6 +166,30 @@ async def test_a_new_hold_is_published_without_waiting_for_the_next_beat(
             holds.held_tokens = 1_537
             holds.held_more.set()
             await eventually(lambda: held(1_537), timeout_s=5.0)  # not 60 s later
+        finally:
+            loop.cancel()
+
+
+async def test_the_workers_own_touches_are_not_published_as_its_engines_load(
+        client: aioredis.Redis) -> None:
+    # The engine reports one running request. Were it a touch of the worker's own holds
+    # (in flight through the probe), it is upkeep, not load: counted, it sent a held job's
+    # next step to another engine when a heartbeat caught one (CI, 2026-12-08).
+    registry = EngineRegistry(client, ttl_s=120)
+    holds = Holding()
+    holds.touching = 1
+    async with httpx.AsyncClient(transport=metrics_engine()) as http:
+        loop = asyncio.ensure_future(inference_worker.heartbeat_loop(
+            registry, http, EngineEndpoint(id="e0", url="http://e0"), 0.05,
+            holds=holds))  # type: ignore[arg-type]
+        try:
+            async def running(n: int) -> bool:
+                live = await registry.live()
+                return bool(live) and live[0].running == n
+
+            await eventually(lambda: running(0))
+            holds.touching = 0  # a step, then: load
+            await eventually(lambda: running(1))
         finally:
             loop.cancel()
 
