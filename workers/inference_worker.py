@@ -57,22 +57,30 @@ from warmloop.workflows.holding import EvictionRegret, TtlCacheEndpoint
 log = structlog.get_logger(__name__)
 
 
-async def probe_engine(http: httpx.AsyncClient, engine: EngineEndpoint) -> EngineHeartbeat:
+async def probe_engine(http: httpx.AsyncClient, engine: EngineEndpoint, *,
+                       own_touches: Callable[[], int] | None = None) -> EngineHeartbeat:
+    """The engine's heartbeat as its ``/health`` and ``/metrics`` say. ``own_touches``:
+    the worker's hold touches in flight now (``HoldManager.touching``); those in flight
+    both before and after the metrics were read are left out of its running and waiting
+    requests (``without_touches``)."""
     base = engine.url.rstrip("/")
-    healthy, metrics, block_size, capacity = False, {}, 0, 0
+    healthy, metrics, block_size, capacity, touching = False, {}, 0, 0, 0
     try:
         healthy = (await http.get(f"{base}/health", timeout=2.0)).status_code == 200
         if healthy:
+            before = own_touches() if own_touches is not None else 0
             text = (await http.get(f"{base}/metrics", timeout=2.0)).text
+            touching = min(before, own_touches()) if own_touches is not None else 0
             metrics = parse_vllm_metrics(text)
             block_size, capacity = parse_cache_config(text)
     except httpx.HTTPError:
         healthy = False
+    running, waiting = without_touches(int(metrics.get("vllm:num_requests_running", 0)),
+                                       int(metrics.get("vllm:num_requests_waiting", 0)),
+                                       touching)
     return EngineHeartbeat(
         engine_id=engine.id, task_queue=engine_task_queue(engine.id), model=engine.model,
-        url=engine.url, healthy=healthy,
-        running=int(metrics.get("vllm:num_requests_running", 0)),
-        waiting=int(metrics.get("vllm:num_requests_waiting", 0)),
+        url=engine.url, healthy=healthy, running=running, waiting=waiting,
         kv_usage=metrics.get("vllm:kv_cache_usage_perc", 0.0), at=time.time(),
         block_size=block_size or 16, kv_capacity_tokens=capacity,
         prefill_computed_total=(metrics.get("vllm:prefix_cache_queries_total", 0.0)
@@ -153,12 +161,8 @@ async def heartbeat_loop(registry: EngineRegistry, http: httpx.AsyncClient,
     try:
         while True:
             stop_if_cancelled()
-            touching = holds.touching if holds is not None else 0
-            hb = await probe_engine(http, engine)
-            if holds is not None:
-                # touches in flight both before and after the probe ran during it
-                hb.running, hb.waiting = without_touches(hb.running, hb.waiting,
-                                                         min(touching, holds.touching))
+            hb = await probe_engine(http, engine, own_touches=(
+                None if holds is None else lambda: holds.touching))
             if calibration is not None:
                 hb.calibration = await calibration.refresh()
                 hb.priced = True

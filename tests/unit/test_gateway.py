@@ -845,7 +845,9 @@ async def test_a_calls_bookkeeping_starts_once_its_request_is_with_the_engine(
     engine.gate, engine.mode = None, "refuse"  # no engine takes the next new session's call
     r = await rig.chat(conversation(), headers={"x-session-id": "s2"})
     assert r.status_code == 503 and started[-1] == ("announce", 2)
-    assert await rig.redis.xlen(gateway_core.SESSIONS_STREAM) == 2
+    r = await rig.chat(conversation(), headers={"x-session-id": "s3"}, model="no-such-model")
+    assert r.status_code == 404 and started.count(("announce", 2)) == 2  # none routed
+    assert await rig.redis.xlen(gateway_core.SESSIONS_STREAM) == 3
 
 
 async def test_a_replica_reading_back_its_own_announcements_asks_redis_nothing_more(
@@ -1370,8 +1372,11 @@ async def test_a_tenants_key_shares_its_jobs_cache_and_spends_its_hour(
     # the hour spent: refused before any engine is asked
     await usage.add("acme", 5_000)
     calls = len(rig.fleet["e0"].seen)
-    refused = await rig.chat(conversation(), headers=acme)
+    announced = await redis.xlen(gateway_core.SESSIONS_STREAM)
+    refused = await rig.chat(conversation(), headers={**acme, "x-session-id": "late"})
     assert refused.status_code == 429
+    # refused, its session came all the same: announced to the other replicas
+    assert await redis.xlen(gateway_core.SESSIONS_STREAM) == announced + 1
     assert int(refused.headers["retry-after"]) >= 1
     err = refused.json()["error"]
     assert err["type"] == "rate_limit_error" and "tokens_per_hour" in err["message"]
