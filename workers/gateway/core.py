@@ -399,20 +399,17 @@ class Gateway:
         """Steps 2 and 3: route and send, trying the next engine when one refuses.
         Raises ``BadCall`` (404: no engine serves the model), ``NoEngineError`` or
         ``QuotaRefused`` (a tenant key's tenant has spent its tokens this hour)."""
-        try:
-            await self._check_quota(call)
-        except BaseException:
-            self._after_send(session)  # a refused call's session came all the same
-            raise
         self._routing += 1
         self._path_clear.clear()
         try:
+            await self._check_quota(call)
             return await self._send(call, session, arrived)
         finally:
             self._routing -= 1
             if not self._routing:
                 self._path_clear.set()
-            self._after_send(session)  # when no request was sent: they stand all the same
+            # a call refused, or sent nowhere: its session came all the same
+            self._after_send(session)
 
     async def _send(self, call: Call, session: Session | None, arrived: float) -> Flight:
         body = call.upstream_body()
