@@ -6,7 +6,9 @@ outages real; "away" without a server is a port where nothing listens."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -147,27 +149,38 @@ class Holding:
         pass
 
 
+@contextlib.asynccontextmanager
+async def heartbeating(registry: Any, holds: Holding, interval_s: float
+                       ) -> AsyncIterator[None]:
+    """e0's worker heartbeat (over ``metrics_engine``, one running request) publishing to
+    ``registry`` every ``interval_s``, with ``holds`` as its worker's holds."""
+    async with httpx.AsyncClient(transport=metrics_engine()) as http:
+        loop = asyncio.ensure_future(inference_worker.heartbeat_loop(
+            registry, http, EngineEndpoint(id="e0", url="http://e0"), interval_s,
+            holds=holds))  # type: ignore[arg-type]
+        try:
+            yield
+        finally:
+            loop.cancel()
+
+
+async def published(registry: EngineRegistry, field: str, value: int) -> bool:
+    live = await registry.live()
+    return bool(live) and getattr(live[0], field) == value
+
+
 async def test_a_new_hold_is_published_without_waiting_for_the_next_beat(
         client: aioredis.Redis) -> None:
     # The router counts held tokens as taken KV: a hold the registry learns of a beat
     # late lets a job that starts meanwhile see the engine as empty.
     registry = EngineRegistry(client, ttl_s=120)
     holds = Holding()
-    async with httpx.AsyncClient(transport=metrics_engine()) as http:
-        loop = asyncio.ensure_future(inference_worker.heartbeat_loop(
-            registry, http, EngineEndpoint(id="e0", url="http://e0"), 60.0,
-            holds=holds))  # type: ignore[arg-type]
-        try:
-            async def held(tokens: int) -> bool:
-                live = await registry.live()
-                return bool(live) and live[0].held_tokens == tokens
-
-            await eventually(lambda: held(0))
-            holds.held_tokens = 1_537
-            holds.held_more.set()
-            await eventually(lambda: held(1_537), timeout_s=5.0)  # not 60 s later
-        finally:
-            loop.cancel()
+    async with heartbeating(registry, holds, 60.0):
+        await eventually(lambda: published(registry, "held_tokens", 0))
+        holds.held_tokens = 1_537
+        holds.held_more.set()
+        # not 60 s later
+        await eventually(lambda: published(registry, "held_tokens", 1_537), timeout_s=5.0)
 
 
 async def test_the_workers_own_touches_are_not_published_as_its_engines_load(
@@ -178,20 +191,10 @@ async def test_the_workers_own_touches_are_not_published_as_its_engines_load(
     registry = EngineRegistry(client, ttl_s=120)
     holds = Holding()
     holds.touching = 1
-    async with httpx.AsyncClient(transport=metrics_engine()) as http:
-        loop = asyncio.ensure_future(inference_worker.heartbeat_loop(
-            registry, http, EngineEndpoint(id="e0", url="http://e0"), 0.05,
-            holds=holds))  # type: ignore[arg-type]
-        try:
-            async def running(n: int) -> bool:
-                live = await registry.live()
-                return bool(live) and live[0].running == n
-
-            await eventually(lambda: running(0))
-            holds.touching = 0  # a step, then: load
-            await eventually(lambda: running(1))
-        finally:
-            loop.cancel()
+    async with heartbeating(registry, holds, 0.05):
+        await eventually(lambda: published(registry, "running", 0))
+        holds.touching = 0  # a step, then: load
+        await eventually(lambda: published(registry, "running", 1))
 
 
 class SlowRegistry:
@@ -213,30 +216,24 @@ class SlowRegistry:
 async def test_holds_made_while_a_publish_hangs_follow_it_the_latest_once() -> None:
     registry = SlowRegistry(block_at=100)
     holds = Holding()
-    async with httpx.AsyncClient(transport=metrics_engine()) as http:
-        loop = asyncio.ensure_future(inference_worker.heartbeat_loop(
-            registry, http, EngineEndpoint(id="e0", url="http://e0"), 60.0,  # type: ignore[arg-type]
-            holds=holds))  # type: ignore[arg-type]
-        try:
-            async def published(tokens: int) -> bool:
-                return tokens in registry.held
+    async with heartbeating(registry, holds, 60.0):
+        async def sent(tokens: int) -> bool:
+            return tokens in registry.held
 
-            await eventually(lambda: published(0))
-            holds.held_tokens = 100
+        await eventually(lambda: sent(0))
+        holds.held_tokens = 100
+        holds.held_more.set()
+        await asyncio.wait_for(registry.blocked.wait(), 5)  # Redis hangs on this one
+        async def woken() -> bool:
+            return not holds.held_more.is_set()
+
+        for tokens in (200, 300):  # two more holds meanwhile: one follow-up, the latest
+            holds.held_tokens = tokens
             holds.held_more.set()
-            await asyncio.wait_for(registry.blocked.wait(), 5)  # Redis hangs on this one
-            async def woken() -> bool:
-                return not holds.held_more.is_set()
-
-            for tokens in (200, 300):  # two more holds meanwhile: one follow-up, the latest
-                holds.held_tokens = tokens
-                holds.held_more.set()
-                await eventually(woken)  # the loop took the wake
-            registry.gate.set()
-            await eventually(lambda: published(300), timeout_s=5.0)
-            assert registry.held == [0, 100, 300]
-        finally:
-            loop.cancel()
+            await eventually(woken)  # the loop took the wake
+        registry.gate.set()
+        await eventually(lambda: sent(300), timeout_s=5.0)
+        assert registry.held == [0, 100, 300]
 
 
 async def test_the_kv_event_loop_rides_out_a_redis_outage(server: RedisServer,

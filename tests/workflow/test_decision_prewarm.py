@@ -88,9 +88,9 @@ class _Ordered(FakeActivities):
 
 
 async def _decided(env: WorkflowEnvironment, approvers: Approvers, fakes: FakeActivities,
-                    job_id: str, job: JobInput, *, view: bool = False, approve: bool = True,
-                    comment: str = "", opening_warms: bool = False
-                    ) -> tuple[JobResult, WorkflowHistory]:
+                   job_id: str, job: JobInput, *, view: bool = False, approve: bool = True,
+                   comment: str = "", opening_warms: bool = False
+                   ) -> tuple[JobResult, WorkflowHistory]:
     """Run ``job`` and decide its first approval (``urgent_priority-1``) as alice (first
     opening it, with ``view``, and waiting for the opening's pre-warm, with
     ``opening_warms``): its result and history. ``approve=False`` rejects it."""
@@ -122,7 +122,7 @@ async def test_the_decision_warms_beside_the_tool_and_the_next_step_waits_for_it
 ) -> None:
     fakes = _Ordered()
     res, history = await _decided(time_skipping_env, approvers, fakes, "decision-beside-tool",
-                                   JobInput(profile="ticket-triage", task=TICKET, max_steps=4))
+                                  JobInput(profile="ticket-triage", task=TICKET, max_steps=4))
     assert res.state == JobState.FINISHED, res.reason
     assert fakes.events == ["step 1", "tool set_priority", "prewarm done", "step 2"]
     # the statistics are recorded as before: the human's wait, before the job ended
@@ -139,8 +139,8 @@ async def test_a_job_that_ends_at_its_approved_call_records_the_wait_and_warms_n
     at the end, not dropped with it; no step follows, so nothing is pre-warmed."""
     fakes = _SlowPrewarm(lambda req: reply("noop"))
     res, history = await _decided(time_skipping_env, approvers, fakes, "ends-at-approval",
-                                   JobInput(profile="ticket-triage", task=TICKET,
-                                            replay=_LAST_CALL_APPROVED))
+                                  JobInput(profile="ticket-triage", task=TICKET,
+                                           replay=_LAST_CALL_APPROVED))
     assert res.state == JobState.FINISHED, res.reason
     assert [p.kind for p in fakes.pauses] == ["approval:urgent_priority"]
     assert fakes.prewarms == []
@@ -154,8 +154,8 @@ async def test_a_job_the_step_cap_ends_after_its_approved_call_warms_nothing(
 ) -> None:
     fakes = _SlowPrewarm(lambda req: reply("set_priority", '{"priority": "urgent"}'))
     res, history = await _decided(time_skipping_env, approvers, fakes, "capped-at-approval",
-                                   JobInput(profile="ticket-triage", task=TICKET, max_steps=1),
-                                   view=True)
+                                  JobInput(profile="ticket-triage", task=TICKET, max_steps=1),
+                                  view=True)
     assert res.state == JobState.LOOP_CAP, res.reason
     assert [t.name for t in fakes.tool_requests] == ["set_priority"]  # the approved call ran
     # the wait and the wait from the opening are recorded; neither warms anything
@@ -207,8 +207,8 @@ async def _rejected(env: WorkflowEnvironment, approvers: Approvers, fakes: FakeA
     """Run a job of ``profile`` that asks for an urgent priority; alice opens the
     approval, then rejects it."""
     return await _decided(env, approvers, fakes, "rejected-ends",
-                           JobInput(profile=profile, task=TICKET, max_steps=4), view=True,
-                           approve=False, comment="not urgent", opening_warms=True)
+                          JobInput(profile=profile, task=TICKET, max_steps=4), view=True,
+                          approve=False, comment="not urgent", opening_warms=True)
 
 
 async def test_a_rejection_that_ends_the_job_records_the_wait_and_warms_nothing(
